@@ -1,0 +1,50 @@
+# The README's two commands: `make test` and `make demo`. Both set up first: a virtual environment in .venv
+# (unless one is active), a CPU torch when none is installed (a user's own CUDA torch is kept), and the package
+# in editable mode with its extension built.
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= dev,triton
+PYTEST_ARGS ?= -n 2
+
+ifdef VIRTUAL_ENV
+PY := python
+STAMP := .installed
+else
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+endif
+
+SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h)
+
+.PHONY: setup test demo bench lint format clean cpp-test cuda-compile
+
+setup: $(STAMP)
+
+$(STAMP): $(SOURCES)
+	@if [ -z "$$VIRTUAL_ENV" ] && [ ! -x $(VENV)/bin/python ]; then $(PYTHON) -m venv $(VENV); fi
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
+	$(PY) -m pip install setuptools wheel ninja
+	$(PY) -m pip install --no-build-isolation -e ".[$(EXTRAS)]"
+	@touch $@
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS) tests
+
+demo: setup
+	$(PY) -m diffcurr_fast.cli demo
+
+bench: setup
+	$(PY) benchmarks/bench_ops.py
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: setup
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+clean:
+	rm -rf build *.egg-info diffcurr_fast/_C*.so csrc/build .installed $(VENV)/.installed

@@ -1,0 +1,49 @@
+"""The ``diffcurr-fast`` command line.
+
+Each subcommand lives in its own module, which defines ``add_arguments(parser)`` and ``run(args) -> int``;
+this file only lists them, so a subcommand appears here once it works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from diffcurr_fast import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="diffcurr-fast",
+        description="Kernel-optimized diffusion training: difficulty curriculum and TDC training for DiTs.",
+    )
+    parser.add_argument("--version", action="version", version=f"diffcurr-fast {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        mod = importlib.import_module(module)
+        mod.add_arguments(p)
+        p.set_defaults(_module=mod)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return int(args._module.run(args) or 0)
+    except (ValueError, FileNotFoundError, FileExistsError, KeyError) as exc:
+        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"diffcurr-fast {args.command}: error: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
