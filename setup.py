@@ -28,7 +28,7 @@ def _extensions():
     cpu_sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
     if not cpu_sources:
         return [], {}
-    cxx = ["-O3", "-std=c++20", "-fopenmp"]
+    cxx = ["-O3", "-std=c++20", "-fno-math-errno", "-fopenmp"]
     cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
     use_cuda = bool(cuda_sources) and torch.version.cuda is not None and CUDA_HOME is not None
     if use_cuda:
@@ -79,7 +79,7 @@ setup(
         "deepspeed": ["deepspeed>=0.14"],
         "dali": ["nvidia-dali-cuda130"],
         "flash": ["flash-attn"],
-        "dev": ["pytest>=8", "pytest-xdist", "ruff", "scikit-learn", "scipy", "ninja", "tensorboard"],
+        "dev": ["pytest>=8", "pytest-xdist", "ruff", "scikit-learn", "scipy", "ninja"],
     },
     entry_points={"console_scripts": ["diffcurr-fast=diffcurr_fast.cli:main"]},
     ext_modules=ext_modules,

@@ -1,6 +1,92 @@
-"""Diffusion formulations, targets, loss weights and samplers."""
+"""Diffusion formulations, targets, loss weights and samplers.
 
-from diffcurr_fast.diffusion.ddpm import DDPMSchedule
-from diffcurr_fast.diffusion.weights import loss_weights
+Three formulations share one difficulty axis (``Formulation``: SNR, log SNR and per-sample (a, c, p, q)
+coefficients): discrete DDPM (``DDPMSchedule``, t = timestep index), EDM (``EDMFormulation``, t = sigma) and the
+linear-interpolant flow (``FlowFormulation``, t in [0, 1]).
+"""
 
-__all__ = ["DDPMSchedule", "loss_weights"]
+from diffcurr_fast.diffusion.axis import Formulation, log_snr_to_snr, snr_to_db, snr_to_log_snr
+from diffcurr_fast.diffusion.ddpm import BETA_SCHEDULES, FIXED_VARIANCES, PREDICTIONS, DDPMSchedule
+from diffcurr_fast.diffusion.edm import (
+    EDM_PREDICTIONS,
+    EDMDenoiser,
+    EDMFormulation,
+    EDMPrecond,
+    edm_loss,
+    edm_sample_sigma,
+    karras_sigmas,
+)
+from diffcurr_fast.diffusion.flow import FLOW_PREDICTIONS, FLOW_T_SAMPLINGS, FlowFormulation, flow_loss
+from diffcurr_fast.diffusion.losses import (
+    approx_standard_normal_cdf,
+    discretized_gaussian_log_likelihood,
+    hybrid_loss,
+    mean_flat,
+    normal_kl,
+    training_losses,
+    vb_terms_bpd,
+    weighted_mse,
+)
+from diffcurr_fast.diffusion.respace import RespacedModel, respace, space_timesteps
+from diffcurr_fast.diffusion.samplers import (
+    FLOW_METHODS,
+    ddim_sample,
+    ddim_step,
+    ddpm_sample,
+    ddpm_step,
+    edm_heun_sample,
+    edm_heun_step,
+    flow_euler_step,
+    flow_heun_step,
+    flow_sample,
+    guided_model_output,
+    make_generator,
+)
+from diffcurr_fast.diffusion.weights import WEIGHTINGS, loss_weights
+
+__all__ = [
+    "BETA_SCHEDULES",
+    "EDM_PREDICTIONS",
+    "FIXED_VARIANCES",
+    "FLOW_METHODS",
+    "FLOW_PREDICTIONS",
+    "FLOW_T_SAMPLINGS",
+    "PREDICTIONS",
+    "WEIGHTINGS",
+    "DDPMSchedule",
+    "EDMDenoiser",
+    "EDMFormulation",
+    "EDMPrecond",
+    "FlowFormulation",
+    "Formulation",
+    "RespacedModel",
+    "approx_standard_normal_cdf",
+    "ddim_sample",
+    "ddim_step",
+    "ddpm_sample",
+    "ddpm_step",
+    "discretized_gaussian_log_likelihood",
+    "edm_heun_sample",
+    "edm_heun_step",
+    "edm_loss",
+    "edm_sample_sigma",
+    "flow_euler_step",
+    "flow_heun_step",
+    "flow_loss",
+    "flow_sample",
+    "guided_model_output",
+    "hybrid_loss",
+    "karras_sigmas",
+    "log_snr_to_snr",
+    "loss_weights",
+    "make_generator",
+    "mean_flat",
+    "normal_kl",
+    "respace",
+    "snr_to_db",
+    "snr_to_log_snr",
+    "space_timesteps",
+    "training_losses",
+    "vb_terms_bpd",
+    "weighted_mse",
+]

@@ -12,8 +12,11 @@ import math
 
 import torch
 
+from diffcurr_fast.diffusion.axis import Formulation
+
 PREDICTIONS = ("eps", "x0", "v")
 BETA_SCHEDULES = ("linear", "cosine")
+FIXED_VARIANCES = ("large", "small")
 
 
 def _linear_betas(num_timesteps: int) -> torch.Tensor:
@@ -27,14 +30,20 @@ def _cosine_betas(num_timesteps: int, max_beta: float = 0.999) -> torch.Tensor:
     def abar(x: float) -> float:
         return math.cos((x + 0.008) / 1.008 * math.pi / 2) ** 2
 
-    betas = [
-        min(1.0 - abar((i + 1) / num_timesteps) / abar(i / num_timesteps), max_beta) for i in range(num_timesteps)
-    ]
+    betas = [min(1.0 - abar((i + 1) / num_timesteps) / abar(i / num_timesteps), max_beta) for i in range(num_timesteps)]
     return torch.tensor(betas, dtype=torch.float64)
 
 
-class DDPMSchedule:
-    """Variance-preserving discrete schedule: x_t = sqrt(abar_t) x0 + sqrt(1 - abar_t) eps, t in [0, T)."""
+class DDPMSchedule(Formulation):
+    """Variance-preserving discrete schedule: x_t = sqrt(abar_t) x0 + sqrt(1 - abar_t) eps, t in [0, T).
+
+    ``t`` is always an int64 tensor of timestep indices. Besides the forward-process tables it holds the IDDPM
+    posterior tables (``posterior_variance``, ``posterior_log_variance_clipped``, ``posterior_mean_coef1/2``)
+    used by ``p_mean_variance``, the hybrid loss and the ancestral / DDIM samplers.
+    """
+
+    discrete = True
+    predictions = PREDICTIONS
 
     def __init__(self, num_timesteps: int = 1000, beta_schedule: str = "linear", betas: torch.Tensor | None = None):
         if betas is None:
@@ -57,6 +66,24 @@ class DDPMSchedule:
         self.alphas_cumprod_prev = torch.cat([torch.ones(1, dtype=torch.float64), self.alphas_cumprod[:-1]])
         self.sqrt_alphas_cumprod = self.alphas_cumprod.sqrt()
         self.sqrt_one_minus_alphas_cumprod = (1.0 - self.alphas_cumprod).sqrt()
+        self.alphas_cumprod_next = torch.cat([self.alphas_cumprod[1:], torch.zeros(1, dtype=torch.float64)])
+        self.log_one_minus_alphas_cumprod = torch.log1p(-self.alphas_cumprod)
+        self.sqrt_recip_alphas_cumprod = (1.0 / self.alphas_cumprod).sqrt()
+        self.sqrt_recipm1_alphas_cumprod = (1.0 / self.alphas_cumprod - 1.0).sqrt()
+        # IDDPM Eq. 10-12 (Ho et al. Eq. 6-7): q(x_{t-1} | x_t, x0) = N(coef1 x0 + coef2 x_t, beta_tilde_t).
+        self.posterior_variance = betas * (1.0 - self.alphas_cumprod_prev) / (1.0 - self.alphas_cumprod)
+        # beta_tilde_0 = 0, so its log is clipped to beta_tilde_1 (as IDDPM does).
+        if self.num_timesteps > 1:
+            clipped = torch.cat([self.posterior_variance[1:2], self.posterior_variance[1:]])
+        else:
+            clipped = betas.clone()
+        self.posterior_log_variance_clipped = torch.log(clipped)
+        self.posterior_mean_coef1 = betas * self.alphas_cumprod_prev.sqrt() / (1.0 - self.alphas_cumprod)
+        self.posterior_mean_coef2 = (1.0 - self.alphas_cumprod_prev) * alphas.sqrt() / (1.0 - self.alphas_cumprod)
+        # "Fixed large" variance of Ho et al. (sigma_t^2 = beta_t, with beta_tilde_1 at t = 0), DiT's default.
+        large = torch.cat([clipped[:1], betas[1:]])
+        self.large_variance = large
+        self.large_log_variance = torch.log(large)
 
     def __repr__(self) -> str:
         return f"DDPMSchedule(num_timesteps={self.num_timesteps}, beta_schedule={self.beta_schedule!r})"
@@ -111,7 +138,138 @@ class DDPMSchedule:
             return x0
         if prediction == "v":
             return (
-                self.coef("sqrt_alphas_cumprod", t, x0) * noise
-                - self.coef("sqrt_one_minus_alphas_cumprod", t, x0) * x0
+                self.coef("sqrt_alphas_cumprod", t, x0) * noise - self.coef("sqrt_one_minus_alphas_cumprod", t, x0) * x0
             )
         raise ValueError(f"unknown prediction {prediction!r}; choose one of {PREDICTIONS}")
+
+    # ---- Formulation interface ----------------------------------------------------------------------
+    def coefficients(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-sample float64 (a, c) = (sqrt(abar_t), sqrt(1 - abar_t)) (Ho et al. Eq. 4)."""
+        return self.coef("sqrt_alphas_cumprod", t), self.coef("sqrt_one_minus_alphas_cumprod", t)
+
+    def target_coefficients(self, t: torch.Tensor, prediction: str = "eps") -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-sample float64 (p, q): eps (0, 1), x0 (1, 0), v (-sqrt(1 - abar_t), sqrt(abar_t))."""
+        self.check_prediction(prediction)
+        t = self.check_t(t)
+        one, zero = torch.ones(t.shape, dtype=torch.float64), torch.zeros(t.shape, dtype=torch.float64)
+        if prediction == "eps":
+            return zero, one
+        if prediction == "x0":
+            return one, zero
+        return -self.coef("sqrt_one_minus_alphas_cumprod", t), self.coef("sqrt_alphas_cumprod", t)
+
+    def t_from_log_snr(self, log_snr: torch.Tensor) -> torch.Tensor:
+        """Timestep index whose log SNR is nearest to ``log_snr`` (int64; monotone non-increasing)."""
+        lam = torch.as_tensor(log_snr, dtype=torch.float64)
+        if bool(torch.isnan(lam).any()):
+            raise ValueError("log_snr must not be NaN")
+        table = (torch.log(self.alphas_cumprod) - self.log_one_minus_alphas_cumprod).flip(0)  # increasing
+        hi = torch.searchsorted(table, lam.reshape(-1).contiguous()).clamp(max=self.num_timesteps - 1)
+        lo = (hi - 1).clamp(min=0)
+        flat = lam.reshape(-1)
+        pick = torch.where((flat - table[lo]).abs() <= (table[hi] - flat).abs(), lo, hi)
+        return (self.num_timesteps - 1 - pick).reshape(lam.shape)
+
+    def sample_t(
+        self, n: int, generator: torch.Generator | None = None, device: torch.device | str | None = None
+    ) -> torch.Tensor:
+        """Uniform timestep indices in [0, T) (int64), the IDDPM / DiT training distribution."""
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"n must be a non-negative int, got {n!r}")
+        dev = generator.device if generator is not None else device
+        return torch.randint(0, self.num_timesteps, (n,), generator=generator, device=dev).to(device)
+
+    # ---- posterior and reparameterisations (IDDPM gaussian_diffusion.py) ------------------------------
+    def q_posterior_mean_variance(
+        self, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Mean, variance and clipped log-variance of q(x_{t-1} | x_t, x0) (IDDPM Eq. 10-12)."""
+        if x0.shape != x_t.shape:
+            raise ValueError(f"x0 shape {tuple(x0.shape)} does not match x_t shape {tuple(x_t.shape)}")
+        mean = self.coef("posterior_mean_coef1", t, x_t) * x0 + self.coef("posterior_mean_coef2", t, x_t) * x_t
+        var = self.coef("posterior_variance", t, x_t).expand_as(x_t)
+        log_var = self.coef("posterior_log_variance_clipped", t, x_t).expand_as(x_t)
+        return mean, var, log_var
+
+    def predict_x0_from_eps(self, x_t: torch.Tensor, t: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+        """x0 = sqrt(1/abar_t) x_t - sqrt(1/abar_t - 1) eps (inverse of Ho et al. Eq. 4)."""
+        return (
+            self.coef("sqrt_recip_alphas_cumprod", t, x_t) * x_t
+            - self.coef("sqrt_recipm1_alphas_cumprod", t, x_t) * eps
+        )
+
+    def predict_eps_from_x0(self, x_t: torch.Tensor, t: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+        """eps = (sqrt(1/abar_t) x_t - x0) / sqrt(1/abar_t - 1) (inverse of Ho et al. Eq. 4)."""
+        return (self.coef("sqrt_recip_alphas_cumprod", t, x_t) * x_t - x0) / self.coef(
+            "sqrt_recipm1_alphas_cumprod", t, x_t
+        )
+
+    def predict_x0_from_v(self, x_t: torch.Tensor, t: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """x0 = sqrt(abar_t) x_t - sqrt(1 - abar_t) v (Salimans & Ho 2022, Sec. 4)."""
+        return self.coef("sqrt_alphas_cumprod", t, x_t) * x_t - self.coef("sqrt_one_minus_alphas_cumprod", t, x_t) * v
+
+    def predict_eps_from_v(self, x_t: torch.Tensor, t: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """eps = sqrt(1 - abar_t) x_t + sqrt(abar_t) v (Salimans & Ho 2022, Sec. 4)."""
+        return self.coef("sqrt_one_minus_alphas_cumprod", t, x_t) * x_t + self.coef("sqrt_alphas_cumprod", t, x_t) * v
+
+    def predict_x0(self, model_out: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor, prediction: str) -> torch.Tensor:
+        """Denoised estimate x0_hat from a network output of type ``prediction`` (eps, x0 or v)."""
+        self.check_prediction(prediction)
+        if prediction == "eps":
+            return self.predict_x0_from_eps(x_t, t, model_out)
+        if prediction == "v":
+            return self.predict_x0_from_v(x_t, t, model_out)
+        return model_out
+
+    def p_mean_variance(
+        self,
+        model_out: torch.Tensor,
+        x_t: torch.Tensor,
+        t: torch.Tensor,
+        learn_sigma: bool = False,
+        prediction: str = "eps",
+        clip_denoised: bool = False,
+        fixed_variance: str = "large",
+    ) -> dict[str, torch.Tensor]:
+        """Mean and variance of p(x_{t-1} | x_t) from a network output (IDDPM ``p_mean_variance``).
+
+        ``model_out`` is (B, C, ...) with C = x_t's channels, or 2 C when ``learn_sigma`` (split along dim 1 as
+        DiT does: the first half is the ``prediction``, the second the variance interpolation value v). With
+        learned variance, log sigma^2 = frac log beta_t + (1 - frac) log beta_tilde_t, frac = (v + 1) / 2
+        (IDDPM Eq. 15); otherwise the fixed ``"large"`` (beta_t) or ``"small"`` (beta_tilde_t) variance.
+        Returns a dict with ``mean``, ``variance``, ``log_variance``, ``pred_x0`` and ``pred_eps``.
+        """
+        t = self.check_t(t)
+        if t.ndim != 1 or t.shape[0] != x_t.shape[0]:
+            raise ValueError(f"t must have shape ({x_t.shape[0]},), got {tuple(t.shape)}")
+        if fixed_variance not in FIXED_VARIANCES:
+            raise ValueError(f"unknown fixed_variance {fixed_variance!r}; choose one of {FIXED_VARIANCES}")
+        self.check_prediction(prediction)
+        channels = x_t.shape[1] if x_t.ndim > 1 else 1
+        expected = 2 * channels if learn_sigma else channels
+        if model_out.ndim != x_t.ndim or model_out.shape[0] != x_t.shape[0] or model_out.shape[1] != expected:
+            raise ValueError(
+                f"model_out shape {tuple(model_out.shape)} does not fit x_t shape {tuple(x_t.shape)} "
+                f"with learn_sigma={learn_sigma} (expected {expected} channels along dim 1)"
+            )
+        if learn_sigma:
+            out, var_values = torch.split(model_out, channels, dim=1)  # (B, C, ...) each
+            min_log = self.coef("posterior_log_variance_clipped", t, x_t)
+            max_log = self.coef("betas", t, x_t).log()
+            frac = (var_values + 1) / 2  # IDDPM Eq. 15: the network's v in [-1, 1] mapped to [0, 1]
+            log_var = frac * max_log + (1 - frac) * min_log
+            var = torch.exp(log_var)
+        else:
+            out = model_out
+            large = fixed_variance == "large"
+            table_var = "large_variance" if large else "posterior_variance"
+            table_log = "large_log_variance" if large else "posterior_log_variance_clipped"
+            var = self.coef(table_var, t, x_t).expand_as(x_t)
+            log_var = self.coef(table_log, t, x_t).expand_as(x_t)
+        pred_x0 = self.predict_x0(out, x_t, t, prediction)
+        if clip_denoised:
+            pred_x0 = pred_x0.clamp(-1, 1)
+        # eps implied by (possibly clipped) x0_hat; for an unclipped eps network that is the output itself.
+        pred_eps = out if (prediction == "eps" and not clip_denoised) else self.predict_eps_from_x0(x_t, t, pred_x0)
+        mean, _, _ = self.q_posterior_mean_variance(pred_x0, x_t, t)
+        return {"mean": mean, "variance": var, "log_variance": log_var, "pred_x0": pred_x0, "pred_eps": pred_eps}

@@ -1,0 +1,43 @@
+"""Fused diffusion ops: forward process, training loss, timestep sampling, Philox noise, DiT block math.
+
+Each op has a pure-torch ``*_ref`` (its definition, see docs/ops.md), a ``torch.library`` custom op
+(``diffcurr_fast::<name>``, with fake and autograd registrations, so it composes with ``torch.compile``) and
+kernels chosen per device by ``_backend`` (``cuda`` -> ``triton`` -> ``cpu`` -> ``reference``). Force one with
+the ``backend=`` argument or ``DIFFCURR_OPS_BACKEND``.
+"""
+
+from diffcurr_fast.ops._backend import BACKENDS, available_backends, resolve
+from diffcurr_fast.ops.adaln import (
+    adaln_modulate,
+    adaln_modulate_bwd_ref,
+    adaln_modulate_ref,
+    gated_residual,
+    gated_residual_ref,
+)
+from diffcurr_fast.ops.diffusion_loss import diffusion_loss, diffusion_loss_coef, diffusion_loss_ref
+from diffcurr_fast.ops.philox import normalize_seed, philox_randn, philox_randn_ref
+from diffcurr_fast.ops.q_sample import q_sample, q_sample_coef, q_sample_ref
+from diffcurr_fast.ops.sample_timesteps import check_weights, sample_timesteps, sample_timesteps_ref
+
+__all__ = [
+    "BACKENDS",
+    "adaln_modulate",
+    "adaln_modulate_bwd_ref",
+    "adaln_modulate_ref",
+    "available_backends",
+    "check_weights",
+    "diffusion_loss",
+    "diffusion_loss_coef",
+    "diffusion_loss_ref",
+    "gated_residual",
+    "gated_residual_ref",
+    "normalize_seed",
+    "philox_randn",
+    "philox_randn_ref",
+    "q_sample",
+    "q_sample_coef",
+    "q_sample_ref",
+    "resolve",
+    "sample_timesteps",
+    "sample_timesteps_ref",
+]

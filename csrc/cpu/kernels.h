@@ -1,0 +1,58 @@
+// Raw CPU kernels of diffcurr_fast (no torch dependency): single-threaded range functions over contiguous
+// buffers. The torch layer (csrc/ops.cpp) checks inputs, allocates outputs and splits the work over threads.
+// Each kernel is compiled for several instruction sets (generic x86-64, AVX2+FMA, AVX-512); `kernels()` picks
+// the best one the running CPU supports.
+#pragma once
+
+#include <cstdint>
+
+namespace dcf::cpu {
+
+// Element type of a tensor buffer. Arithmetic is always float32.
+enum DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+struct KernelTable {
+  const char* isa;
+
+  // out[k] = noise[i0 + k] for k < n (flat Philox index, docs/ops.md).
+  void (*randn)(uint64_t seed, int64_t i0, int64_t n, float* out);
+
+  // xt = a[b] * x0 + c[b] * noise over flat elements [i0, i0 + n) of a (B, M) matrix (Ho et al. Eq. 4).
+  // noise == nullptr: regenerate it from seed.
+  void (*q_sample)(int dt, const void* x0, int noise_dt, const void* noise, const float* a, const float* c,
+                   void* out, int64_t M, uint64_t seed, int64_t i0, int64_t n);
+
+  // Row b, columns [j0, j0 + n): returns sum_j (pred - tgt)^2 (tgt = p[b] x0 + q[b] noise), and writes
+  // grad = w[b] * (2 / M) * (pred - tgt) when grad != nullptr.
+  double (*loss)(int dt, const void* pred, const void* x0, int noise_dt, const void* noise, const float* p,
+                 const float* q, const float* w, void* grad, int64_t M, uint64_t seed, int64_t b, int64_t j0,
+                 int64_t n);
+
+  // adaLN-Zero modulate of rows [r0, r0 + nrows) of x viewed as (B * N, D).
+  void (*adaln_fwd)(int dt, const void* x, const float* shift, const float* scale, void* y, float* mean,
+                    float* rstd, int64_t N, int64_t D, float eps, int64_t r0, int64_t nrows);
+
+  // Backward for rows [n0, n0 + nrows) of sample b: writes gx and ADDS sum_n grad_y and sum_n grad_y * xhat
+  // into gshift_acc / gscale_acc (D floats each).
+  void (*adaln_bwd)(int dt, const void* grad_y, const void* x, const float* scale, const float* mean,
+                    const float* rstd, void* gx, float* gshift_acc, float* gscale_acc, int64_t N, int64_t D,
+                    int64_t b, int64_t n0, int64_t nrows);
+
+  // out = x + gate[b] * y for rows [r0, r0 + nrows) of (B * N, D).
+  void (*gated_fwd)(int dt, const void* x, const float* gate, const void* y, void* out, int64_t N, int64_t D,
+                    int64_t r0, int64_t nrows);
+
+  // Backward for rows [n0, n0 + nrows) of sample b: gx = grad_out, gy = gate[b] * grad_out, and ADDS
+  // sum_n grad_out * y into ggate_acc (D floats).
+  void (*gated_bwd)(int dt, const void* grad_out, const float* gate, const void* y, void* gx, void* gy,
+                    float* ggate_acc, int64_t N, int64_t D, int64_t b, int64_t n0, int64_t nrows);
+};
+
+// The table for the best instruction set of this CPU (chosen once). DIFFCURR_CPU_ISA=generic|avx2|avx512
+// forces one (an unsupported choice falls back to the best available).
+const KernelTable& kernels();
+
+// The table for a named instruction set, or nullptr if it is not compiled in or not supported by the CPU.
+const KernelTable* kernels_for(const char* isa);
+
+}  // namespace dcf::cpu

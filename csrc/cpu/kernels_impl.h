@@ -1,0 +1,369 @@
+// Implementation of the raw CPU kernels (csrc/cpu/kernels.h), included once per instruction set by
+// kernels_generic.cpp / kernels_avx2.cpp / kernels_avx512.cpp inside `namespace dcf::cpu::<isa>`, after the
+// file has selected its target. Everything here has internal linkage. The inner loops are written over
+// fixed-size lane blocks so that gcc -O3 vectorises them (Philox over lanes with 32x32->64 multiplies, the
+// polynomial log/sin/cos, and the fused element loops with per-lane partial sums).
+#pragma once
+
+#include "dc_math.h"
+
+namespace {
+
+using dcf::bf16_to_f32;
+using dcf::f16_to_f32;
+using dcf::f32_to_bf16;
+using dcf::f32_to_f16;
+
+constexpr int64_t kTileCounters = 64;               // Philox counters per noise tile
+constexpr int64_t kTileElems = 4 * kTileCounters;  // normals per noise tile
+constexpr int kAcc = 16;                            // partial sums per reduction (one AVX-512 register)
+
+struct F32 {
+  using storage = float;
+  static inline float load(float v) { return v; }
+  static inline float store(float v) { return v; }
+};
+struct BF16 {
+  using storage = uint16_t;
+  static inline float load(uint16_t v) { return bf16_to_f32(v); }
+  static inline uint16_t store(float v) { return f32_to_bf16(v); }
+};
+struct F16 {
+  using storage = uint16_t;
+  static inline float load(uint16_t v) { return f16_to_f32(v); }
+  static inline uint16_t store(float v) { return f32_to_f16(v); }
+};
+
+inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// buf[0 .. 4 * nc) = noise of Philox counters [c0, c0 + nc), nc <= kTileCounters.
+inline void gen_tile(uint64_t seed, uint64_t c0, int64_t nc, float* __restrict buf) {
+  alignas(64) float n0[kTileCounters], n1[kTileCounters], n2[kTileCounters], n3[kTileCounters];
+  const uint32_t k0_init = static_cast<uint32_t>(seed);
+  const uint32_t k1_init = static_cast<uint32_t>(seed >> 32);
+  const uint32_t base_lo = static_cast<uint32_t>(c0);
+  const uint32_t base_hi = static_cast<uint32_t>(c0 >> 32);
+  for (int64_t l = 0; l < nc; ++l) {
+    // 64-bit counter c0 + l split into (lo, hi) with the carry.
+    const uint32_t lo = base_lo + static_cast<uint32_t>(l);
+    uint32_t x0 = lo;
+    uint32_t x1 = base_hi + (lo < base_lo ? 1u : 0u);
+    uint32_t x2 = 0u, x3 = 0u;
+    uint32_t k0 = k0_init, k1 = k1_init;
+    DC_UNROLL
+    for (int round = 0; round < 10; ++round) {
+      const uint64_t p0 = static_cast<uint64_t>(dcf::kPhiloxM0) * x0;
+      const uint64_t p1 = static_cast<uint64_t>(dcf::kPhiloxM1) * x2;
+      const uint32_t y0 = static_cast<uint32_t>(p1 >> 32) ^ x1 ^ k0;
+      const uint32_t y2 = static_cast<uint32_t>(p0 >> 32) ^ x3 ^ k1;
+      x1 = static_cast<uint32_t>(p1);
+      x3 = static_cast<uint32_t>(p0);
+      x0 = y0;
+      x2 = y2;
+      k0 += dcf::kPhiloxW0;
+      k1 += dcf::kPhiloxW1;
+    }
+    const uint32_t r[4] = {x0, x1, x2, x3};
+    float n[4];
+    dcf::box_muller4(r, n);
+    n0[l] = n[0];
+    n1[l] = n[1];
+    n2[l] = n[2];
+    n3[l] = n[3];
+  }
+  for (int64_t l = 0; l < nc; ++l) {
+    buf[4 * l + 0] = n0[l];
+    buf[4 * l + 1] = n1[l];
+    buf[4 * l + 2] = n2[l];
+    buf[4 * l + 3] = n3[l];
+  }
+}
+
+// Calls fn(i, i_end, nz) for consecutive pieces of the flat range [i, end), where nz[k - i] is noise[k] for
+// k in [i, i_end). Pieces never cross a multiple of kTileElems.
+template <class Fn>
+inline void for_noise_tiles(uint64_t seed, int64_t i, int64_t end, Fn&& fn) {
+  alignas(64) float buf[kTileElems];
+  while (i < end) {
+    const int64_t c0 = i / 4;
+    const int64_t t_end = min64((c0 + kTileCounters) * 4, end);
+    const int64_t nc = (t_end - 1) / 4 - c0 + 1;
+    gen_tile(seed, static_cast<uint64_t>(c0), nc, buf);
+    fn(i, t_end, buf + (i - 4 * c0));
+    i = t_end;
+  }
+}
+
+void randn_impl(uint64_t seed, int64_t i0, int64_t n, float* out) {
+  for_noise_tiles(seed, i0, i0 + n, [&](int64_t i, int64_t i_end, const float* nz) {
+    float* __restrict o = out + (i - i0);
+    for (int64_t k = 0; k < i_end - i; ++k) o[k] = nz[k];
+  });
+}
+
+template <class T, class NT>
+void q_sample_t(const void* x0_, const void* noise_, const float* a, const float* c, void* out_, int64_t M,
+                uint64_t seed, int64_t i0, int64_t n) {
+  using S = typename T::storage;
+  using NS = typename NT::storage;
+  const S* __restrict x0 = static_cast<const S*>(x0_);
+  const NS* __restrict noise = static_cast<const NS*>(noise_);
+  S* __restrict out = static_cast<S*>(out_);
+  int64_t i = i0;
+  const int64_t end = i0 + n;
+  while (i < end) {
+    const int64_t b = i / M;
+    const int64_t row_end = min64((b + 1) * M, end);
+    const float av = a[b], cv = c[b];
+    if (noise != nullptr) {
+      for (int64_t k = i; k < row_end; ++k) out[k] = T::store(av * T::load(x0[k]) + cv * NT::load(noise[k]));
+    } else {
+      for_noise_tiles(seed, i, row_end, [&](int64_t s, int64_t e, const float* __restrict nz) {
+        const S* __restrict xs = x0 + s;
+        S* __restrict os = out + s;
+        for (int64_t k = 0; k < e - s; ++k) os[k] = T::store(av * T::load(xs[k]) + cv * nz[k]);
+      });
+    }
+    i = row_end;
+  }
+}
+
+// Sum of (pred - p x0 - q noise)^2 over a piece, with the optional gradient write.
+template <class T, bool kGrad>
+inline double loss_piece(const typename T::storage* __restrict pr, const typename T::storage* __restrict xs,
+                         const float* __restrict nz, typename T::storage* __restrict g, int64_t len, float pv,
+                         float qv, float sc) {
+  alignas(64) float acc[kAcc] = {};
+  int64_t k = 0;
+  for (; k + kAcc <= len; k += kAcc) {
+    for (int l = 0; l < kAcc; ++l) {
+      const float d = T::load(pr[k + l]) - (pv * T::load(xs[k + l]) + qv * nz[k + l]);
+      acc[l] += d * d;
+      if constexpr (kGrad) g[k + l] = T::store(sc * d);
+    }
+  }
+  for (int l = 0; k < len; ++k, ++l) {
+    const float d = T::load(pr[k]) - (pv * T::load(xs[k]) + qv * nz[k]);
+    acc[l] += d * d;
+    if constexpr (kGrad) g[k] = T::store(sc * d);
+  }
+  double total = 0.0;
+  for (int l = 0; l < kAcc; ++l) total += acc[l];
+  return total;
+}
+
+template <class T, class NT, bool kGrad>
+double loss_t(const void* pred_, const void* x0_, const void* noise_, const float* p, const float* q,
+              const float* w, void* grad_, int64_t M, uint64_t seed, int64_t b, int64_t j0, int64_t n) {
+  using S = typename T::storage;
+  using NS = typename NT::storage;
+  const S* __restrict pred = static_cast<const S*>(pred_);
+  const S* __restrict x0 = static_cast<const S*>(x0_);
+  const NS* __restrict noise = static_cast<const NS*>(noise_);
+  S* __restrict grad = static_cast<S*>(grad_);
+  const float pv = p[b], qv = q[b];
+  const float sc = w[b] * (2.0f / static_cast<float>(M));
+  const int64_t i0 = b * M + j0;
+  double total = 0.0;
+  if (noise != nullptr) {
+    alignas(64) float buf[kTileElems];
+    for (int64_t s = i0; s < i0 + n; s += kTileElems) {
+      const int64_t len = min64(kTileElems, i0 + n - s);
+      for (int64_t k = 0; k < len; ++k) buf[k] = NT::load(noise[s + k]);
+      total += loss_piece<T, kGrad>(pred + s, x0 + s, buf, kGrad ? grad + s : nullptr, len, pv, qv, sc);
+    }
+  } else {
+    for_noise_tiles(seed, i0, i0 + n, [&](int64_t s, int64_t e, const float* nz) {
+      total += loss_piece<T, kGrad>(pred + s, x0 + s, nz, kGrad ? grad + s : nullptr, e - s, pv, qv, sc);
+    });
+  }
+  return total;
+}
+
+// Per-lane partial sums of a row, reduced in a fixed order.
+template <class Fn>
+inline float row_sum(int64_t D, Fn&& term) {
+  alignas(64) float acc[kAcc] = {};
+  int64_t d = 0;
+  for (; d + kAcc <= D; d += kAcc) {
+    for (int l = 0; l < kAcc; ++l) acc[l] += term(d + l);
+  }
+  for (int l = 0; d < D; ++d, ++l) acc[l] += term(d);
+  float total = 0.0f;
+  for (int l = 0; l < kAcc; ++l) total += acc[l];
+  return total;
+}
+
+template <class T>
+void adaln_fwd_t(const void* x_, const float* shift, const float* scale, void* y_, float* mean, float* rstd,
+                 int64_t N, int64_t D, float eps, int64_t r0, int64_t nrows) {
+  using S = typename T::storage;
+  const S* __restrict x = static_cast<const S*>(x_);
+  S* __restrict y = static_cast<S*>(y_);
+  const float inv_d = 1.0f / static_cast<float>(D);
+  for (int64_t r = r0; r < r0 + nrows; ++r) {
+    const int64_t b = r / N;
+    const S* __restrict xr = x + r * D;
+    S* __restrict yr = y + r * D;
+    const float* __restrict sh = shift + b * D;
+    const float* __restrict scl = scale + b * D;
+    const float mu = row_sum(D, [&](int64_t d) { return T::load(xr[d]); }) * inv_d;
+    const float var = row_sum(D, [&](int64_t d) {
+                        const float v = T::load(xr[d]) - mu;
+                        return v * v;
+                      }) *
+                      inv_d;
+    const float rs = 1.0f / __builtin_sqrtf(var + eps);
+    for (int64_t d = 0; d < D; ++d) yr[d] = T::store((T::load(xr[d]) - mu) * rs * (1.0f + scl[d]) + sh[d]);
+    mean[r] = mu;
+    rstd[r] = rs;
+  }
+}
+
+template <class T>
+void adaln_bwd_t(const void* gy_, const void* x_, const float* scale, const float* mean, const float* rstd,
+                 void* gx_, float* gshift_acc, float* gscale_acc, int64_t N, int64_t D, int64_t b, int64_t n0,
+                 int64_t nrows) {
+  using S = typename T::storage;
+  const S* __restrict gyp = static_cast<const S*>(gy_);
+  const S* __restrict x = static_cast<const S*>(x_);
+  S* __restrict gx = static_cast<S*>(gx_);
+  const float* __restrict scl = scale + b * D;
+  float* __restrict gsh = gshift_acc;
+  float* __restrict gsc = gscale_acc;
+  const float inv_d = 1.0f / static_cast<float>(D);
+  for (int64_t n = n0; n < n0 + nrows; ++n) {
+    const int64_t r = b * N + n;
+    const S* __restrict xr = x + r * D;
+    const S* __restrict gr = gyp + r * D;
+    S* __restrict gxr = gx + r * D;
+    const float mu = mean[r], rs = rstd[r];
+    // mean_d(gy) and mean_d(gy * xhat), gy = grad_y * (1 + scale)
+    const float m1 = row_sum(D, [&](int64_t d) { return T::load(gr[d]) * (1.0f + scl[d]); }) * inv_d;
+    const float m2 = row_sum(D, [&](int64_t d) {
+                       return T::load(gr[d]) * (1.0f + scl[d]) * ((T::load(xr[d]) - mu) * rs);
+                     }) *
+                     inv_d;
+    for (int64_t d = 0; d < D; ++d) {
+      const float g = T::load(gr[d]);
+      const float xh = (T::load(xr[d]) - mu) * rs;
+      gxr[d] = T::store(rs * (g * (1.0f + scl[d]) - m1 - xh * m2));
+      gsh[d] += g;
+      gsc[d] += g * xh;
+    }
+  }
+}
+
+template <class T>
+void gated_fwd_t(const void* x_, const float* gate, const void* y_, void* out_, int64_t N, int64_t D, int64_t r0,
+                 int64_t nrows) {
+  using S = typename T::storage;
+  const S* __restrict x = static_cast<const S*>(x_);
+  const S* __restrict y = static_cast<const S*>(y_);
+  S* __restrict out = static_cast<S*>(out_);
+  for (int64_t r = r0; r < r0 + nrows; ++r) {
+    const float* __restrict gt = gate + (r / N) * D;
+    const S* __restrict xr = x + r * D;
+    const S* __restrict yr = y + r * D;
+    S* __restrict outr = out + r * D;
+    for (int64_t d = 0; d < D; ++d) outr[d] = T::store(T::load(xr[d]) + gt[d] * T::load(yr[d]));
+  }
+}
+
+template <class T>
+void gated_bwd_t(const void* go_, const float* gate, const void* y_, void* gx_, void* gy_, float* ggate_acc,
+                 int64_t N, int64_t D, int64_t b, int64_t n0, int64_t nrows) {
+  using S = typename T::storage;
+  const S* __restrict go = static_cast<const S*>(go_);
+  const S* __restrict y = static_cast<const S*>(y_);
+  S* __restrict gx = static_cast<S*>(gx_);
+  S* __restrict gy = static_cast<S*>(gy_);
+  const float* __restrict gt = gate + b * D;
+  float* __restrict gg = ggate_acc;
+  for (int64_t n = n0; n < n0 + nrows; ++n) {
+    const int64_t r = b * N + n;
+    const S* __restrict gor = go + r * D;
+    const S* __restrict yr = y + r * D;
+    S* __restrict gxr = gx + r * D;
+    S* __restrict gyr = gy + r * D;
+    for (int64_t d = 0; d < D; ++d) {
+      const S g = gor[d];
+      const float gf = T::load(g);
+      gxr[d] = g;
+      gyr[d] = T::store(gt[d] * gf);
+      gg[d] += gf * T::load(yr[d]);
+    }
+  }
+}
+
+// ---- type dispatch (dt: the tensors' type; noise_dt: kF32 or dt) ----
+
+void q_sample_entry(int dt, const void* x0, int noise_dt, const void* noise, const float* a, const float* c,
+                    void* out, int64_t M, uint64_t seed, int64_t i0, int64_t n) {
+  const bool nf = noise == nullptr || noise_dt == dcf::cpu::kF32;
+  if (dt == dcf::cpu::kF32) return q_sample_t<F32, F32>(x0, noise, a, c, out, M, seed, i0, n);
+  if (dt == dcf::cpu::kBF16) {
+    return nf ? q_sample_t<BF16, F32>(x0, noise, a, c, out, M, seed, i0, n)
+              : q_sample_t<BF16, BF16>(x0, noise, a, c, out, M, seed, i0, n);
+  }
+  return nf ? q_sample_t<F16, F32>(x0, noise, a, c, out, M, seed, i0, n)
+            : q_sample_t<F16, F16>(x0, noise, a, c, out, M, seed, i0, n);
+}
+
+template <class T, class NT>
+double loss_grad_dispatch(bool with_grad, const void* pred, const void* x0, const void* noise, const float* p,
+                          const float* q, const float* w, void* grad, int64_t M, uint64_t seed, int64_t b,
+                          int64_t j0, int64_t n) {
+  return with_grad ? loss_t<T, NT, true>(pred, x0, noise, p, q, w, grad, M, seed, b, j0, n)
+                   : loss_t<T, NT, false>(pred, x0, noise, p, q, w, grad, M, seed, b, j0, n);
+}
+
+double loss_entry(int dt, const void* pred, const void* x0, int noise_dt, const void* noise, const float* p,
+                  const float* q, const float* w, void* grad, int64_t M, uint64_t seed, int64_t b, int64_t j0,
+                  int64_t n) {
+  const bool nf = noise == nullptr || noise_dt == dcf::cpu::kF32;
+  const bool g = grad != nullptr;
+  if (dt == dcf::cpu::kF32) return loss_grad_dispatch<F32, F32>(g, pred, x0, noise, p, q, w, grad, M, seed, b, j0, n);
+  if (dt == dcf::cpu::kBF16) {
+    return nf ? loss_grad_dispatch<BF16, F32>(g, pred, x0, noise, p, q, w, grad, M, seed, b, j0, n)
+              : loss_grad_dispatch<BF16, BF16>(g, pred, x0, noise, p, q, w, grad, M, seed, b, j0, n);
+  }
+  return nf ? loss_grad_dispatch<F16, F32>(g, pred, x0, noise, p, q, w, grad, M, seed, b, j0, n)
+            : loss_grad_dispatch<F16, F16>(g, pred, x0, noise, p, q, w, grad, M, seed, b, j0, n);
+}
+
+void adaln_fwd_entry(int dt, const void* x, const float* shift, const float* scale, void* y, float* mean,
+                     float* rstd, int64_t N, int64_t D, float eps, int64_t r0, int64_t nrows) {
+  if (dt == dcf::cpu::kF32) return adaln_fwd_t<F32>(x, shift, scale, y, mean, rstd, N, D, eps, r0, nrows);
+  if (dt == dcf::cpu::kBF16) return adaln_fwd_t<BF16>(x, shift, scale, y, mean, rstd, N, D, eps, r0, nrows);
+  return adaln_fwd_t<F16>(x, shift, scale, y, mean, rstd, N, D, eps, r0, nrows);
+}
+
+void adaln_bwd_entry(int dt, const void* gy, const void* x, const float* scale, const float* mean,
+                     const float* rstd, void* gx, float* gsh, float* gsc, int64_t N, int64_t D, int64_t b,
+                     int64_t n0, int64_t nrows) {
+  if (dt == dcf::cpu::kF32) return adaln_bwd_t<F32>(gy, x, scale, mean, rstd, gx, gsh, gsc, N, D, b, n0, nrows);
+  if (dt == dcf::cpu::kBF16) return adaln_bwd_t<BF16>(gy, x, scale, mean, rstd, gx, gsh, gsc, N, D, b, n0, nrows);
+  return adaln_bwd_t<F16>(gy, x, scale, mean, rstd, gx, gsh, gsc, N, D, b, n0, nrows);
+}
+
+void gated_fwd_entry(int dt, const void* x, const float* gate, const void* y, void* out, int64_t N, int64_t D,
+                     int64_t r0, int64_t nrows) {
+  if (dt == dcf::cpu::kF32) return gated_fwd_t<F32>(x, gate, y, out, N, D, r0, nrows);
+  if (dt == dcf::cpu::kBF16) return gated_fwd_t<BF16>(x, gate, y, out, N, D, r0, nrows);
+  return gated_fwd_t<F16>(x, gate, y, out, N, D, r0, nrows);
+}
+
+void gated_bwd_entry(int dt, const void* go, const float* gate, const void* y, void* gx, void* gy, float* gg,
+                     int64_t N, int64_t D, int64_t b, int64_t n0, int64_t nrows) {
+  if (dt == dcf::cpu::kF32) return gated_bwd_t<F32>(go, gate, y, gx, gy, gg, N, D, b, n0, nrows);
+  if (dt == dcf::cpu::kBF16) return gated_bwd_t<BF16>(go, gate, y, gx, gy, gg, N, D, b, n0, nrows);
+  return gated_bwd_t<F16>(go, gate, y, gx, gy, gg, N, D, b, n0, nrows);
+}
+
+}  // namespace
+
+#define DC_DEFINE_KERNEL_TABLE(NAME, ISA_STRING)                                                               \
+  extern const ::dcf::cpu::KernelTable NAME;                                                                   \
+  const ::dcf::cpu::KernelTable NAME = {ISA_STRING,        &randn_impl,      &q_sample_entry,  &loss_entry,    \
+                                        &adaln_fwd_entry,  &adaln_bwd_entry, &gated_fwd_entry, &gated_bwd_entry};

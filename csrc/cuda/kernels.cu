@@ -1,0 +1,568 @@
+// CUDA kernels of diffcurr_fast (definitions: docs/ops.md). Raw pointers only (no torch headers) for a short
+// compile; launched by csrc/ops_cuda.cpp on the current stream. Noise is regenerated in-kernel with Philox
+// (csrc/dc_math.h), per-sample and per-row reductions use warp shuffles and finish in a fixed order
+// (deterministic), and nothing here synchronises with the host.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/launch.h"
+#include "dc_math.h"
+
+namespace dcf::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarp = 32;
+constexpr int kLossElemsPerBlock = kThreads * 16;  // elements of one row handled by one loss block
+
+struct CF32 {
+  using S = float;
+  static __device__ __forceinline__ float load(S v) { return v; }
+  static __device__ __forceinline__ S store(float v) { return v; }
+};
+struct CBF16 {
+  using S = uint16_t;
+  static __device__ __forceinline__ float load(S v) { return __bfloat162float(__ushort_as_bfloat16(v)); }
+  static __device__ __forceinline__ S store(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
+};
+struct CF16 {
+  using S = uint16_t;
+  static __device__ __forceinline__ float load(S v) { return __half2float(__ushort_as_half(v)); }
+  static __device__ __forceinline__ S store(float v) { return __half_as_ushort(__float2half_rn(v)); }
+};
+
+// Four consecutive elements starting at a multiple of 4 (one 16-byte load for float, 8 bytes for 16-bit types).
+template <class T>
+__device__ __forceinline__ void load4(const typename T::S* p, float v[4]) {
+  if constexpr (sizeof(typename T::S) == 4) {
+    const float4 q = *reinterpret_cast<const float4*>(p);
+    v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
+  } else {
+    const ushort4 q = *reinterpret_cast<const ushort4*>(p);
+    v[0] = T::load(q.x), v[1] = T::load(q.y), v[2] = T::load(q.z), v[3] = T::load(q.w);
+  }
+}
+
+template <class T>
+__device__ __forceinline__ void store4(typename T::S* p, const float v[4]) {
+  if constexpr (sizeof(typename T::S) == 4) {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+  } else {
+    *reinterpret_cast<ushort4*>(p) = make_ushort4(T::store(v[0]), T::store(v[1]), T::store(v[2]), T::store(v[3]));
+  }
+}
+
+__device__ __forceinline__ bool aligned(const void* p, int bytes) {
+  return (reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(bytes)) == 0;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, <= 1024); the result is valid in thread 0.
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float partial[32];
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  v = warp_sum(v);
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  const int nwarps = blockDim.x / kWarp;
+  v = (threadIdx.x < nwarps) ? partial[threadIdx.x] : 0.0f;
+  if (warp == 0) v = warp_sum(v);
+  return v;
+}
+
+int64_t blocks_for(int64_t work, int64_t per_block) {
+  int64_t blocks = (work + per_block - 1) / per_block;
+  if (blocks < 1) blocks = 1;
+  if (blocks > 65536) blocks = 65536;  // grid-stride loops cover the rest
+  return blocks;
+}
+
+int finish() { return static_cast<int>(cudaGetLastError()); }
+
+// ---------------------------------------------------------------- randn
+__global__ void randn_kernel(uint64_t seed, int64_t n, float* __restrict__ out) {
+  const int64_t ncounters = (n + 3) / 4;
+  const bool vec = aligned(out, 16);
+  for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < ncounters;
+       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float v[4];
+    normal4(seed, static_cast<uint64_t>(c), v);
+    const int64_t i = 4 * c;
+    if (vec && i + 4 <= n) {
+      *reinterpret_cast<float4*>(out + i) = make_float4(v[0], v[1], v[2], v[3]);
+    } else {
+      for (int k = 0; k < 4 && i + k < n; ++k) out[i + k] = v[k];
+    }
+  }
+}
+
+// ---------------------------------------------------------------- q_sample
+// One thread per Philox counter: flat elements 4c .. 4c + 3 (they may straddle rows when M % 4 != 0).
+template <class T, class NT, bool kHasNoise>
+__global__ void q_sample_kernel(const typename T::S* __restrict__ x0, const typename NT::S* __restrict__ noise,
+                                const float* __restrict__ a, const float* __restrict__ c,
+                                typename T::S* __restrict__ out, int64_t M, int64_t total, uint64_t seed) {
+  const int64_t ncounters = (total + 3) / 4;
+  const bool vec = (M % 4 == 0) && aligned(x0, 4 * sizeof(typename T::S)) && aligned(out, 4 * sizeof(typename T::S)) &&
+                   (!kHasNoise || aligned(noise, 4 * sizeof(typename NT::S)));
+  for (int64_t ctr = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; ctr < ncounters;
+       ctr += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = 4 * ctr;
+    float nz[4];
+    if constexpr (!kHasNoise) normal4(seed, static_cast<uint64_t>(ctr), nz);
+    if (vec && i + 4 <= total) {
+      const int64_t b = i / M;  // the 4 elements share a row
+      float xv[4], o[4];
+      load4<T>(x0 + i, xv);
+      if constexpr (kHasNoise) load4<NT>(noise + i, nz);
+      const float av = a[b], cv = c[b];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) o[k] = av * xv[k] + cv * nz[k];  // Ho et al. Eq. 4
+      store4<T>(out + i, o);
+    } else {
+      for (int k = 0; k < 4 && i + k < total; ++k) {
+        const int64_t b = (i + k) / M;
+        const float nk = kHasNoise ? NT::load(noise[i + k]) : nz[k];
+        out[i + k] = T::store(a[b] * T::load(x0[i + k]) + c[b] * nk);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- diffusion loss
+// Block (b, part) covers the Philox counters of row b's columns [part * E, (part + 1) * E), E =
+// kLossElemsPerBlock; each thread handles whole counters (4 elements), keeping those inside the row.
+template <class T, class NT, bool kHasNoise, bool kGrad>
+__global__ void loss_kernel(const typename T::S* __restrict__ pred, const typename T::S* __restrict__ x0,
+                            const typename NT::S* __restrict__ noise, const float* __restrict__ p,
+                            const float* __restrict__ q, const float* __restrict__ w, typename T::S* __restrict__ grad,
+                            float* __restrict__ partial, int64_t M, int64_t parts, uint64_t seed) {
+  const int64_t b = blockIdx.x / parts;
+  const int64_t part = blockIdx.x % parts;
+  const int64_t row0 = b * M;
+  const int64_t j_begin = part * kLossElemsPerBlock;
+  const int64_t j_end = (j_begin + kLossElemsPerBlock < M) ? j_begin + kLossElemsPerBlock : M;
+  const int64_t lo = row0 + j_begin, hi = row0 + j_end;  // flat element range of this block
+  const float pv = p[b], qv = q[b];
+  const float sc = w[b] * (2.0f / static_cast<float>(M));
+  const bool vec = aligned(pred, 16) && aligned(x0, 16) && (!kGrad || aligned(grad, 16)) &&
+                   (!kHasNoise || aligned(noise, 16));
+  float acc = 0.0f;
+  for (int64_t ctr = lo / 4 + threadIdx.x; 4 * ctr < hi; ctr += blockDim.x) {
+    const int64_t i = 4 * ctr;
+    float nz[4];
+    if constexpr (!kHasNoise) normal4(seed, static_cast<uint64_t>(ctr), nz);
+    if (vec && i >= lo && i + 4 <= hi) {
+      float pr[4], xv[4], g[4];
+      load4<T>(pred + i, pr);
+      load4<T>(x0 + i, xv);
+      if constexpr (kHasNoise) load4<NT>(noise + i, nz);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float d = pr[k] - (pv * xv[k] + qv * nz[k]);
+        acc += d * d;
+        g[k] = sc * d;
+      }
+      if constexpr (kGrad) store4<T>(grad + i, g);
+    } else {
+      for (int k = 0; k < 4; ++k) {
+        const int64_t e = i + k;
+        if (e < lo || e >= hi) continue;
+        const float nk = kHasNoise ? NT::load(noise[e]) : nz[k];
+        const float d = T::load(pred[e]) - (pv * T::load(x0[e]) + qv * nk);
+        acc += d * d;
+        if constexpr (kGrad) grad[e] = T::store(sc * d);
+      }
+    }
+  }
+  acc = block_sum(acc);
+  if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+}
+
+// loss[b] = w[b] * (1/M) * sum_j (pred - tgt)^2, summing the parts of row b in a fixed order.
+__global__ void loss_finish_kernel(const float* __restrict__ partial, const float* __restrict__ w,
+                                   float* __restrict__ loss, int64_t B, int64_t M, int64_t parts) {
+  const int64_t b = blockIdx.x;
+  if (b >= B) return;
+  float acc = 0.0f;
+  for (int64_t k = threadIdx.x; k < parts; k += blockDim.x) acc += partial[b * parts + k];
+  acc = block_sum(acc);
+  if (threadIdx.x == 0) loss[b] = w[b] * (acc / static_cast<float>(M));
+}
+
+// ---------------------------------------------------------------- sample_timesteps
+// One block: inclusive scan of the weights in float64 (thread-contiguous chunks + a block scan of chunk sums).
+template <class W>
+__global__ void cdf_kernel(const W* __restrict__ w, int64_t T, double* __restrict__ cdf, int* __restrict__ last) {
+  __shared__ double sums[1024];
+  __shared__ int last_nz;
+  const int tid = threadIdx.x, nt = blockDim.x;
+  const int64_t chunk = (T + nt - 1) / nt;
+  const int64_t k0 = tid * chunk;
+  const int64_t k1 = (k0 + chunk < T) ? k0 + chunk : T;
+  if (tid == 0) last_nz = -1;
+  double s = 0.0;
+  int my_last = -1;
+  for (int64_t k = k0; k < k1; ++k) {
+    const double v = static_cast<double>(w[k]);
+    s += v;
+    if (v > 0.0) my_last = static_cast<int>(k);
+  }
+  sums[tid] = s;
+  __syncthreads();
+  if (my_last >= 0) atomicMax(&last_nz, my_last);
+  // Hillis-Steele inclusive scan of the chunk sums.
+  for (int off = 1; off < nt; off *= 2) {
+    const double add = tid >= off ? sums[tid - off] : 0.0;
+    __syncthreads();
+    sums[tid] += add;
+    __syncthreads();
+  }
+  double run = tid > 0 ? sums[tid - 1] : 0.0;
+  for (int64_t k = k0; k < k1; ++k) {
+    run += static_cast<double>(w[k]);
+    cdf[k] = run;  // cdf[k] = sum_{j <= k} w[j]
+  }
+  if (tid == 0) *last = last_nz;
+}
+
+template <class W>
+__global__ void sample_kernel(const W* __restrict__ w, int64_t T, const double* __restrict__ cdf,
+                              const int* __restrict__ last, int64_t batch, uint64_t seed, int64_t* __restrict__ t,
+                              float* __restrict__ imp) {
+  const double total = cdf[T - 1];
+  const int last_nz = *last;
+  for (int64_t b = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; b < batch;
+       b += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if (last_nz < 0 || !(total > 0.0)) {
+      t[b] = -1;
+      imp[b] = __int_as_float(0x7fc00000);
+      continue;
+    }
+    uint32_t r[4];
+    philox4x32_10(static_cast<uint32_t>(b), static_cast<uint32_t>(static_cast<uint64_t>(b) >> 32), 0u, 0u,
+                  static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32), r);
+    const double target = static_cast<double>(uniform01(r[0])) * total;
+    // t_b = smallest k with cdf[k] > u_b * cdf[T-1]
+    int64_t lo = 0, hi = T;
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (cdf[mid] > target) {
+        hi = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    if (lo >= T) lo = last_nz;
+    t[b] = lo;
+    imp[b] = static_cast<float>((total / static_cast<double>(T)) / static_cast<double>(w[lo]));  // (cdf/T) / w[t]
+  }
+}
+
+// ---------------------------------------------------------------- adaLN modulate
+// One warp per row of D elements (rows = B * N); 8 rows per block.
+template <class T>
+__global__ void adaln_fwd_kernel(const typename T::S* __restrict__ x, const float* __restrict__ shift,
+                                 const float* __restrict__ scale, typename T::S* __restrict__ y,
+                                 float* __restrict__ mean, float* __restrict__ rstd, int64_t rows, int64_t N,
+                                 int64_t D, float eps) {
+  const int lane = threadIdx.x % kWarp;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / kWarp);
+  const float inv_d = 1.0f / static_cast<float>(D);
+  for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x / kWarp) + threadIdx.x / kWarp; r < rows;
+       r += warps) {
+    const int64_t b = r / N;
+    const typename T::S* xr = x + r * D;
+    float s = 0.0f;
+    for (int64_t d = lane; d < D; d += kWarp) s += T::load(xr[d]);
+    const float mu = warp_sum(s) * inv_d;
+    float v = 0.0f;
+    for (int64_t d = lane; d < D; d += kWarp) {
+      const float t = T::load(xr[d]) - mu;
+      v += t * t;
+    }
+    const float rs = rsqrtf(warp_sum(v) * inv_d + eps);
+    const float* sh = shift + b * D;
+    const float* scl = scale + b * D;
+    typename T::S* yr = y + r * D;
+    for (int64_t d = lane; d < D; d += kWarp) {
+      yr[d] = T::store((T::load(xr[d]) - mu) * rs * (1.0f + scl[d]) + sh[d]);  // adaLN-Zero modulate
+    }
+    if (lane == 0) {
+      mean[r] = mu;
+      rstd[r] = rs;
+    }
+  }
+}
+
+// grad_x = rstd * (gy - mean_d(gy) - xhat * mean_d(gy * xhat)), gy = grad_y * (1 + scale); warp per row.
+template <class T>
+__global__ void adaln_bwd_dx_kernel(const typename T::S* __restrict__ gyp, const typename T::S* __restrict__ x,
+                                    const float* __restrict__ scale, const float* __restrict__ mean,
+                                    const float* __restrict__ rstd, typename T::S* __restrict__ gx, int64_t rows,
+                                    int64_t N, int64_t D) {
+  const int lane = threadIdx.x % kWarp;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / kWarp);
+  const float inv_d = 1.0f / static_cast<float>(D);
+  for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x / kWarp) + threadIdx.x / kWarp; r < rows;
+       r += warps) {
+    const int64_t b = r / N;
+    const typename T::S* xr = x + r * D;
+    const typename T::S* gr = gyp + r * D;
+    const float* scl = scale + b * D;
+    const float mu = mean[r], rs = rstd[r];
+    float s1 = 0.0f, s2 = 0.0f;
+    for (int64_t d = lane; d < D; d += kWarp) {
+      const float g = T::load(gr[d]) * (1.0f + scl[d]);
+      s1 += g;
+      s2 += g * ((T::load(xr[d]) - mu) * rs);
+    }
+    const float m1 = warp_sum(s1) * inv_d, m2 = warp_sum(s2) * inv_d;
+    typename T::S* gxr = gx + r * D;
+    for (int64_t d = lane; d < D; d += kWarp) {
+      const float g = T::load(gr[d]) * (1.0f + scl[d]);
+      const float xh = (T::load(xr[d]) - mu) * rs;
+      gxr[d] = T::store(rs * (g - m1 - xh * m2));
+    }
+  }
+}
+
+// Column sums over n for each (b, d): block (32 x 8) per (b, 32 columns); with kLayerNorm the second output is
+// sum_n g * xhat (grad_scale), otherwise sum_n g * other (grad_gate) and only that one is written.
+template <class T, bool kLayerNorm>
+__global__ void column_sums_kernel(const typename T::S* __restrict__ g, const typename T::S* __restrict__ other,
+                                   const float* __restrict__ mean, const float* __restrict__ rstd,
+                                   float* __restrict__ out_sum, float* __restrict__ out_prod, int64_t N, int64_t D,
+                                   int64_t col_blocks) {
+  __shared__ float s_sum[8][kWarp + 1];
+  __shared__ float s_prod[8][kWarp + 1];
+  const int64_t b = blockIdx.x / col_blocks;
+  const int64_t d = (blockIdx.x % col_blocks) * kWarp + threadIdx.x;
+  float acc_s = 0.0f, acc_p = 0.0f;
+  if (d < D) {
+    for (int64_t n = threadIdx.y; n < N; n += blockDim.y) {
+      const int64_t r = b * N + n;
+      const float gv = T::load(g[r * D + d]);
+      float o = T::load(other[r * D + d]);
+      if constexpr (kLayerNorm) o = (o - mean[r]) * rstd[r];
+      acc_s += gv;
+      acc_p += gv * o;
+    }
+  }
+  s_sum[threadIdx.y][threadIdx.x] = acc_s;
+  s_prod[threadIdx.y][threadIdx.x] = acc_p;
+  __syncthreads();
+  if (threadIdx.y == 0 && d < D) {
+    float ts = 0.0f, tp = 0.0f;
+    for (int k = 0; k < static_cast<int>(blockDim.y); ++k) {
+      ts += s_sum[k][threadIdx.x];
+      tp += s_prod[k][threadIdx.x];
+    }
+    if constexpr (kLayerNorm) out_sum[b * D + d] = ts;  // grad_shift = sum_n grad_y
+    out_prod[b * D + d] = tp;
+  }
+}
+
+// ---------------------------------------------------------------- gated residual
+template <class T, bool kBackward>
+__global__ void gated_kernel(const typename T::S* __restrict__ a, const float* __restrict__ gate,
+                             const typename T::S* __restrict__ y, typename T::S* __restrict__ out0,
+                             typename T::S* __restrict__ out1, int64_t total, int64_t N, int64_t D) {
+  const int64_t ND = N * D;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float gt = gate[(i / ND) * D + i % D];
+    if constexpr (kBackward) {
+      const typename T::S go = a[i];
+      out0[i] = go;                                // grad_x = grad_out
+      out1[i] = T::store(gt * T::load(go));        // grad_y = gate * grad_out
+    } else {
+      out0[i] = T::store(T::load(a[i]) + gt * T::load(y[i]));  // out = x + gate * y
+    }
+  }
+}
+
+// ---------------------------------------------------------------- dispatch helpers
+template <class Fn>
+int with_type(int dt, Fn&& fn) {
+  if (dt == 0) return fn(CF32{});
+  if (dt == 1) return fn(CBF16{});
+  return fn(CF16{});
+}
+
+template <class T, class Fn>
+int with_noise_type(int dt, int noise_dt, bool has_noise, Fn&& fn) {
+  if (!has_noise || noise_dt == 0 || dt == 0) return fn(CF32{});
+  return fn(T{});
+}
+
+}  // namespace
+
+const char* error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }
+
+int randn(uint64_t seed, int64_t n, float* out, void* stream) {
+  if (n == 0) return 0;
+  const auto s = static_cast<cudaStream_t>(stream);
+  randn_kernel<<<blocks_for((n + 3) / 4, kThreads), kThreads, 0, s>>>(seed, n, out);
+  return finish();
+}
+
+int q_sample(int dt, const void* x0, int noise_dt, const void* noise, const float* a, const float* c, void* out,
+             int64_t B, int64_t M, uint64_t seed, void* stream) {
+  const int64_t total = B * M;
+  if (total == 0) return 0;
+  const auto s = static_cast<cudaStream_t>(stream);
+  const int64_t blocks = blocks_for((total + 3) / 4, kThreads);
+  return with_type(dt, [&](auto t) {
+    using T = decltype(t);
+    return with_noise_type<T>(dt, noise_dt, noise != nullptr, [&](auto nt) {
+      using NT = decltype(nt);
+      const auto* xp = static_cast<const typename T::S*>(x0);
+      const auto* np = static_cast<const typename NT::S*>(noise);
+      auto* op = static_cast<typename T::S*>(out);
+      if (noise != nullptr) {
+        q_sample_kernel<T, NT, true><<<blocks, kThreads, 0, s>>>(xp, np, a, c, op, M, total, seed);
+      } else {
+        q_sample_kernel<T, NT, false><<<blocks, kThreads, 0, s>>>(xp, np, a, c, op, M, total, seed);
+      }
+      return finish();
+    });
+  });
+}
+
+int64_t loss_scratch_size(int64_t B, int64_t M) {
+  const int64_t parts = M > 0 ? (M + kLossElemsPerBlock - 1) / kLossElemsPerBlock : 1;
+  return B * parts;
+}
+
+int loss_fwd(int dt, const void* pred, const void* x0, int noise_dt, const void* noise, const float* p,
+             const float* q, const float* w, void* grad, float* loss, float* scratch, int64_t B, int64_t M,
+             uint64_t seed, void* stream) {
+  if (B == 0) return 0;
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (M == 0) return static_cast<int>(cudaMemsetAsync(loss, 0, sizeof(float) * B, s));
+  const int64_t parts = (M + kLossElemsPerBlock - 1) / kLossElemsPerBlock;
+  const int err = with_type(dt, [&](auto t) {
+    using T = decltype(t);
+    return with_noise_type<T>(dt, noise_dt, noise != nullptr, [&](auto nt) {
+      using NT = decltype(nt);
+      const auto* pp = static_cast<const typename T::S*>(pred);
+      const auto* xp = static_cast<const typename T::S*>(x0);
+      const auto* np = static_cast<const typename NT::S*>(noise);
+      auto* gp = static_cast<typename T::S*>(grad);
+      const auto blocks = static_cast<unsigned>(B * parts);
+      if (noise != nullptr && grad != nullptr) {
+        loss_kernel<T, NT, true, true><<<blocks, kThreads, 0, s>>>(pp, xp, np, p, q, w, gp, scratch, M, parts, seed);
+      } else if (noise != nullptr) {
+        loss_kernel<T, NT, true, false><<<blocks, kThreads, 0, s>>>(pp, xp, np, p, q, w, gp, scratch, M, parts, seed);
+      } else if (grad != nullptr) {
+        loss_kernel<T, NT, false, true><<<blocks, kThreads, 0, s>>>(pp, xp, np, p, q, w, gp, scratch, M, parts, seed);
+      } else {
+        loss_kernel<T, NT, false, false><<<blocks, kThreads, 0, s>>>(pp, xp, np, p, q, w, gp, scratch, M, parts, seed);
+      }
+      return finish();
+    });
+  });
+  if (err != 0) return err;
+  loss_finish_kernel<<<static_cast<unsigned>(B), 128, 0, s>>>(scratch, w, loss, B, M, parts);
+  return finish();
+}
+
+int sample_timesteps(bool w_double, const void* w, int64_t T, double* cdf, int* last_nonzero, int64_t batch,
+                     uint64_t seed, int64_t* t, float* imp, void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  const int64_t blocks = blocks_for(batch, kThreads);
+  if (w_double) {
+    cdf_kernel<double><<<1, 1024, 0, s>>>(static_cast<const double*>(w), T, cdf, last_nonzero);
+    if (batch > 0) {
+      sample_kernel<double><<<blocks, kThreads, 0, s>>>(static_cast<const double*>(w), T, cdf, last_nonzero, batch,
+                                                        seed, t, imp);
+    }
+  } else {
+    cdf_kernel<float><<<1, 1024, 0, s>>>(static_cast<const float*>(w), T, cdf, last_nonzero);
+    if (batch > 0) {
+      sample_kernel<float><<<blocks, kThreads, 0, s>>>(static_cast<const float*>(w), T, cdf, last_nonzero, batch,
+                                                       seed, t, imp);
+    }
+  }
+  return finish();
+}
+
+int adaln_fwd(int dt, const void* x, const float* shift, const float* scale, void* y, float* mean, float* rstd,
+              int64_t B, int64_t N, int64_t D, float eps, void* stream) {
+  const int64_t rows = B * N;
+  if (rows == 0 || D == 0) return 0;
+  const auto s = static_cast<cudaStream_t>(stream);
+  const int64_t blocks = blocks_for(rows, kThreads / kWarp);
+  return with_type(dt, [&](auto t) {
+    using T = decltype(t);
+    adaln_fwd_kernel<T><<<blocks, kThreads, 0, s>>>(static_cast<const typename T::S*>(x), shift, scale,
+                                                    static_cast<typename T::S*>(y), mean, rstd, rows, N, D, eps);
+    return finish();
+  });
+}
+
+int adaln_bwd(int dt, const void* grad_y, const void* x, const float* scale, const float* mean, const float* rstd,
+              void* gx, float* gshift, float* gscale, int64_t B, int64_t N, int64_t D, void* stream) {
+  const int64_t rows = B * N;
+  if (B == 0 || D == 0) return 0;
+  const auto s = static_cast<cudaStream_t>(stream);
+  const int64_t col_blocks = (D + kWarp - 1) / kWarp;
+  return with_type(dt, [&](auto t) {
+    using T = decltype(t);
+    const auto* gp = static_cast<const typename T::S*>(grad_y);
+    const auto* xp = static_cast<const typename T::S*>(x);
+    if (rows > 0) {
+      adaln_bwd_dx_kernel<T><<<blocks_for(rows, kThreads / kWarp), kThreads, 0, s>>>(
+          gp, xp, scale, mean, rstd, static_cast<typename T::S*>(gx), rows, N, D);
+    }
+    column_sums_kernel<T, true><<<static_cast<unsigned>(B * col_blocks), dim3(kWarp, 8), 0, s>>>(
+        gp, xp, mean, rstd, gshift, gscale, N, D, col_blocks);
+    return finish();
+  });
+}
+
+int gated_fwd(int dt, const void* x, const float* gate, const void* y, void* out, int64_t B, int64_t N, int64_t D,
+              void* stream) {
+  const int64_t total = B * N * D;
+  if (total == 0) return 0;
+  const auto s = static_cast<cudaStream_t>(stream);
+  return with_type(dt, [&](auto t) {
+    using T = decltype(t);
+    gated_kernel<T, false><<<blocks_for(total, kThreads), kThreads, 0, s>>>(
+        static_cast<const typename T::S*>(x), gate, static_cast<const typename T::S*>(y),
+        static_cast<typename T::S*>(out), nullptr, total, N, D);
+    return finish();
+  });
+}
+
+int gated_bwd(int dt, const void* grad_out, const float* gate, const void* y, void* gx, void* gy, float* ggate,
+              int64_t B, int64_t N, int64_t D, void* stream) {
+  const int64_t total = B * N * D;
+  if (B == 0 || D == 0) return 0;
+  const auto s = static_cast<cudaStream_t>(stream);
+  const int64_t col_blocks = (D + kWarp - 1) / kWarp;
+  return with_type(dt, [&](auto t) {
+    using T = decltype(t);
+    const auto* gp = static_cast<const typename T::S*>(grad_out);
+    const auto* yp = static_cast<const typename T::S*>(y);
+    if (total > 0) {
+      gated_kernel<T, true><<<blocks_for(total, kThreads), kThreads, 0, s>>>(
+          gp, gate, nullptr, static_cast<typename T::S*>(gx), static_cast<typename T::S*>(gy), total, N, D);
+    }
+    // grad_gate = sum_n grad_out * y
+    column_sums_kernel<T, false><<<static_cast<unsigned>(B * col_blocks), dim3(kWarp, 8), 0, s>>>(
+        gp, yp, nullptr, nullptr, nullptr, ggate, N, D, col_blocks);
+    return finish();
+  });
+}
+
+}  // namespace dcf::cuda

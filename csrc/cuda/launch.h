@@ -1,0 +1,50 @@
+// Host launchers of the raw CUDA kernels of diffcurr_fast (csrc/cuda/kernels.cu). Plain C++ with raw pointers
+// so that the .cu file needs no torch headers; csrc/ops_cuda.cpp checks the tensors, allocates outputs and
+// scratch, and passes the current stream. Every launcher returns a cudaError_t code (0 on success); element
+// types use the codes of csrc/cpu/kernels.h (0 float32, 1 bfloat16, 2 float16).
+#pragma once
+
+#include <cstdint>
+
+namespace dcf::cuda {
+
+// Message of a cudaError_t code returned by a launcher.
+const char* error_string(int code);
+
+// out[i] = noise[i] for i < n (docs/ops.md).
+int randn(uint64_t seed, int64_t n, float* out, void* stream);
+
+// xt = a[b] * x0 + c[b] * noise over a (B, M) matrix; noise == nullptr: regenerate from seed.
+int q_sample(int dt, const void* x0, int noise_dt, const void* noise, const float* a, const float* c, void* out,
+             int64_t B, int64_t M, uint64_t seed, void* stream);
+
+// Floats of scratch that loss_fwd needs for a (B, M) problem.
+int64_t loss_scratch_size(int64_t B, int64_t M);
+
+// loss[b] = w[b] * mean_j (pred - p x0 - q noise)^2 and, when grad != nullptr, grad = w (2/M) (pred - tgt).
+int loss_fwd(int dt, const void* pred, const void* x0, int noise_dt, const void* noise, const float* p,
+             const float* q, const float* w, void* grad, float* loss, float* scratch, int64_t B, int64_t M,
+             uint64_t seed, void* stream);
+
+// t[b], imp[b] for b < batch from weights w (T,) (float64 if w_double else float32). Scratch: cdf (T doubles)
+// and one int. No host synchronisation: weights with no positive entry give t = -1 and imp = NaN.
+int sample_timesteps(bool w_double, const void* w, int64_t T, double* cdf, int* last_nonzero, int64_t batch,
+                     uint64_t seed, int64_t* t, float* imp, void* stream);
+
+// adaLN-Zero modulate of x (B, N, D) with float32 shift/scale (B, D); mean/rstd (B, N) float32.
+int adaln_fwd(int dt, const void* x, const float* shift, const float* scale, void* y, float* mean, float* rstd,
+              int64_t B, int64_t N, int64_t D, float eps, void* stream);
+
+// Backward of adaln_fwd: gx like x; gshift, gscale (B, D) float32.
+int adaln_bwd(int dt, const void* grad_y, const void* x, const float* scale, const float* mean, const float* rstd,
+              void* gx, float* gshift, float* gscale, int64_t B, int64_t N, int64_t D, void* stream);
+
+// out = x + gate[b] * y.
+int gated_fwd(int dt, const void* x, const float* gate, const void* y, void* out, int64_t B, int64_t N, int64_t D,
+              void* stream);
+
+// gx = grad_out, gy = gate[b] * grad_out, ggate (B, D) float32 = sum_n grad_out * y.
+int gated_bwd(int dt, const void* grad_out, const float* gate, const void* y, void* gx, void* gy, float* ggate,
+              int64_t B, int64_t N, int64_t D, void* stream);
+
+}  // namespace dcf::cuda

@@ -1,0 +1,364 @@
+// The raw ops of diffcurr_fast (schemas in the `diffcurr_fast_C` torch library) and their CPU implementations.
+// Definitions: docs/ops.md. No autograd here: the Python layer (diffcurr_fast/ops) wraps these ops.
+// Work is split over at::parallel_for; the fused, vectorised loops are in csrc/cpu/kernels_impl.h.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "checks.h"
+#include "cpu/kernels.h"
+#include "dc_math.h"
+
+namespace dcf {
+namespace {
+
+constexpr int64_t kElemGrain = 32768;  // elements per parallel task for elementwise ops
+constexpr int64_t kLossSegment = 16384;  // columns per partial sum of the loss
+constexpr int64_t kRowChunk = 64;        // rows per partial sum of the (B, D) gradients
+
+const cpu::KernelTable& K() { return cpu::kernels(); }
+
+void check_cpu(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), "diffcurr_fast_C::", op, " (CPU kernel): ", name, " must be a CPU tensor, got ",
+              t.device());
+}
+
+at::Tensor f32_contig(const at::Tensor& t) { return t.to(at::kFloat).contiguous(); }
+
+at::Tensor randn_cpu(int64_t seed, c10::IntArrayRef shape) {
+  for (int64_t s : shape) {
+    TORCH_CHECK(s >= 0, "diffcurr_fast_C::randn: shape must be non-negative, got ", shape);
+  }
+  at::Tensor out = at::empty(shape, at::TensorOptions().dtype(at::kFloat));
+  const int64_t n = out.numel();
+  float* o = out.data_ptr<float>();
+  const auto useed = static_cast<uint64_t>(seed);
+  at::parallel_for(0, n, kElemGrain, [&](int64_t begin, int64_t end) { K().randn(useed, begin, end - begin, o + begin); });
+  return out;
+}
+
+at::Tensor randn_like_cpu(const at::Tensor& like, int64_t seed) {
+  check_cpu(like, "randn_like", "like");
+  return randn_cpu(seed, like.sizes());
+}
+
+at::Tensor q_sample_cpu(const at::Tensor& x0_in, const at::Tensor& a_in, const at::Tensor& c_in,
+                        const c10::optional<at::Tensor>& noise_in, int64_t seed) {
+  const char* op = "q_sample";
+  check_cpu(x0_in, op, "x0");
+  const int64_t B = check_batched(x0_in, op, "x0");
+  const int dt = dtype_code(x0_in, op, "x0");
+  check_per_sample(a_in, x0_in, B, op, "a");
+  check_per_sample(c_in, x0_in, B, op, "c");
+  check_noise(noise_in, x0_in, op);
+  const at::Tensor x0 = x0_in.contiguous();
+  const at::Tensor a = a_in.contiguous(), c = c_in.contiguous();
+  at::Tensor noise;
+  if (noise_in.has_value()) noise = noise_in->contiguous();
+  at::Tensor out = at::empty(x0.sizes(), x0.options());
+  const int64_t total = x0.numel();
+  if (total == 0) return out;
+  const int64_t M = total / B;
+  const int ndt = noise.defined() ? dtype_code(noise, op, "noise") : 0;
+  const void* np = noise.defined() ? noise.const_data_ptr() : nullptr;
+  const void* xp = x0.const_data_ptr();
+  void* op_ = out.mutable_data_ptr();
+  const float* ap = a.const_data_ptr<float>();
+  const float* cp = c.const_data_ptr<float>();
+  const auto useed = static_cast<uint64_t>(seed);
+  at::parallel_for(0, total, kElemGrain, [&](int64_t begin, int64_t end) {
+    K().q_sample(dt, xp, ndt, np, ap, cp, op_, M, useed, begin, end - begin);
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> diffusion_loss_fwd_cpu(const at::Tensor& pred_in, const at::Tensor& x0_in,
+                                                          const c10::optional<at::Tensor>& noise_in, int64_t seed,
+                                                          const at::Tensor& p_in, const at::Tensor& q_in,
+                                                          const at::Tensor& w_in, bool with_grad) {
+  const char* op = "diffusion_loss_fwd";
+  check_cpu(pred_in, op, "pred");
+  const int64_t B = check_batched(pred_in, op, "pred");
+  const int dt = dtype_code(pred_in, op, "pred");
+  check_like(x0_in, pred_in, op, "x0", "pred");
+  check_per_sample(p_in, pred_in, B, op, "p");
+  check_per_sample(q_in, pred_in, B, op, "q");
+  check_per_sample(w_in, pred_in, B, op, "w");
+  check_noise(noise_in, x0_in, op);
+  const at::Tensor pred = pred_in.contiguous(), x0 = x0_in.contiguous();
+  const at::Tensor p = p_in.contiguous(), q = q_in.contiguous(), w = w_in.contiguous();
+  at::Tensor noise;
+  if (noise_in.has_value()) noise = noise_in->contiguous();
+  at::Tensor loss = at::empty({B}, pred.options().dtype(at::kFloat));
+  at::Tensor grad = with_grad ? at::empty(pred.sizes(), pred.options()) : at::empty({0}, pred.options());
+  const int64_t total = pred.numel();
+  if (B == 0) return {loss, grad};
+  const int64_t M = total / B;
+  if (M == 0) {
+    loss.zero_();
+    return {loss, grad};
+  }
+  const int64_t nseg = (M + kLossSegment - 1) / kLossSegment;
+  std::vector<double> partial(static_cast<size_t>(B * nseg), 0.0);
+  const int ndt = noise.defined() ? dtype_code(noise, op, "noise") : 0;
+  const void* np = noise.defined() ? noise.const_data_ptr() : nullptr;
+  const void* pp = pred.const_data_ptr();
+  const void* xp = x0.const_data_ptr();
+  void* gp = with_grad ? grad.mutable_data_ptr() : nullptr;
+  const float* pv = p.const_data_ptr<float>();
+  const float* qv = q.const_data_ptr<float>();
+  const float* wv = w.const_data_ptr<float>();
+  const auto useed = static_cast<uint64_t>(seed);
+  const int64_t grain = std::max<int64_t>(1, kElemGrain / std::min(M, kLossSegment));
+  at::parallel_for(0, B * nseg, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / nseg;
+      const int64_t j0 = (task % nseg) * kLossSegment;
+      const int64_t n = std::min(kLossSegment, M - j0);
+      partial[static_cast<size_t>(task)] = K().loss(dt, pp, xp, ndt, np, pv, qv, wv, gp, M, useed, b, j0, n);
+    }
+  });
+  // loss[b] = w[b] * (1/M) sum_j (pred - tgt)^2   (docs/ops.md, diffusion_loss)
+  float* lp = loss.mutable_data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    double s = 0.0;
+    for (int64_t k = 0; k < nseg; ++k) s += partial[static_cast<size_t>(b * nseg + k)];
+    lp[b] = static_cast<float>(static_cast<double>(wv[b]) * s / static_cast<double>(M));
+  }
+  return {loss, grad};
+}
+
+template <class W>
+void sample_timesteps_impl(const W* w, int64_t T, int64_t batch, uint64_t seed, int64_t* t_out, float* imp_out) {
+  std::vector<double> cdf(static_cast<size_t>(T));
+  double acc = 0.0;
+  int64_t last_nonzero = -1;
+  for (int64_t k = 0; k < T; ++k) {
+    const double v = static_cast<double>(w[k]);
+    TORCH_CHECK(std::isfinite(v) && v >= 0.0, "diffcurr_fast_C::sample_timesteps: weights must be finite and >= 0, got ",
+                v, " at index ", k);
+    acc += v;
+    cdf[static_cast<size_t>(k)] = acc;
+    if (v > 0.0) last_nonzero = k;
+  }
+  TORCH_CHECK(acc > 0.0, "diffcurr_fast_C::sample_timesteps: weights must have a positive sum, got ", acc);
+  const double total = acc;
+  const double mean_w = total / static_cast<double>(T);
+  at::parallel_for(0, batch, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      uint32_t r[4];
+      philox4x32_10(static_cast<uint32_t>(b), static_cast<uint32_t>(static_cast<uint64_t>(b) >> 32), 0u, 0u,
+                    static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32), r);
+      const double target = static_cast<double>(uniform01(r[0])) * total;
+      // t_b = smallest k with cdf[k] > u_b * cdf[T-1]
+      int64_t k = std::upper_bound(cdf.begin(), cdf.end(), target) - cdf.begin();
+      if (k >= T) k = last_nonzero;
+      t_out[b] = k;
+      imp_out[b] = static_cast<float>(mean_w / static_cast<double>(w[k]));  // imp_b = (cdf[T-1] / T) / w[t_b]
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> sample_timesteps_cpu(const at::Tensor& weights_in, int64_t batch_size,
+                                                        int64_t seed) {
+  const char* op = "sample_timesteps";
+  check_cpu(weights_in, op, "weights");
+  check_weights(weights_in, op);
+  TORCH_CHECK(batch_size >= 0, "diffcurr_fast_C::sample_timesteps: batch_size must be >= 0, got ", batch_size);
+  const at::Tensor weights = weights_in.contiguous();
+  at::Tensor t = at::empty({batch_size}, weights.options().dtype(at::kLong));
+  at::Tensor imp = at::empty({batch_size}, weights.options().dtype(at::kFloat));
+  const int64_t T = weights.size(0);
+  const auto useed = static_cast<uint64_t>(seed);
+  if (weights.scalar_type() == at::kDouble) {
+    sample_timesteps_impl(weights.const_data_ptr<double>(), T, batch_size, useed, t.mutable_data_ptr<int64_t>(),
+                          imp.mutable_data_ptr<float>());
+  } else {
+    sample_timesteps_impl(weights.const_data_ptr<float>(), T, batch_size, useed, t.mutable_data_ptr<int64_t>(),
+                          imp.mutable_data_ptr<float>());
+  }
+  return {t, imp};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_modulate_fwd_cpu(const at::Tensor& x_in,
+                                                                      const at::Tensor& shift_in,
+                                                                      const at::Tensor& scale_in, double eps) {
+  const char* op = "adaln_modulate_fwd";
+  check_cpu(x_in, op, "x");
+  check_bnd(x_in, op, "x");
+  const int dt = dtype_code(x_in, op, "x");
+  check_bd(shift_in, x_in, op, "shift");
+  check_bd(scale_in, x_in, op, "scale");
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0.0, "diffcurr_fast_C::adaln_modulate_fwd: eps must be finite and >= 0, got ",
+              eps);
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor shift = f32_contig(shift_in), scale = f32_contig(scale_in);
+  const int64_t B = x.size(0), N = x.size(1), D = x.size(2);
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  at::Tensor mean = at::empty({B, N}, x.options().dtype(at::kFloat));
+  at::Tensor rstd = at::empty({B, N}, x.options().dtype(at::kFloat));
+  if (x.numel() == 0) {
+    if (mean.numel() > 0) {
+      mean.zero_();
+      rstd.fill_(1.0 / std::sqrt(eps));
+    }
+    return {y, mean, rstd};
+  }
+  const void* xp = x.const_data_ptr();
+  const float* shp = shift.const_data_ptr<float>();
+  const float* scp = scale.const_data_ptr<float>();
+  void* yp = y.mutable_data_ptr();
+  float* mp = mean.mutable_data_ptr<float>();
+  float* rp = rstd.mutable_data_ptr<float>();
+  const auto feps = static_cast<float>(eps);
+  at::parallel_for(0, B * N, std::max<int64_t>(1, kElemGrain / D), [&](int64_t begin, int64_t end) {
+    K().adaln_fwd(dt, xp, shp, scp, yp, mp, rp, N, D, feps, begin, end - begin);
+  });
+  return {y, mean, rstd};
+}
+
+// Runs body(b, n0, nrows, acc) over (sample, chunk of kRowChunk rows) tasks in parallel, each with its own
+// zeroed accumulator of `width` floats, then returns the (B, width) sums over chunks (fixed order).
+template <class Body>
+at::Tensor chunked_row_reduce(int64_t B, int64_t N, int64_t width, Body&& body) {
+  const int64_t nchunk = std::max<int64_t>(1, (N + kRowChunk - 1) / kRowChunk);
+  std::vector<float> part(static_cast<size_t>(B * nchunk * width), 0.0f);
+  at::parallel_for(0, B * nchunk, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / nchunk;
+      const int64_t n0 = (task % nchunk) * kRowChunk;
+      const int64_t nrows = std::min(kRowChunk, N - n0);
+      if (nrows > 0) body(b, n0, nrows, part.data() + task * width);
+    }
+  });
+  at::Tensor out = at::empty({B, width}, at::TensorOptions().dtype(at::kFloat));
+  float* o = out.mutable_data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    float* ob = o + b * width;
+    const float* src = part.data() + b * nchunk * width;
+    for (int64_t d = 0; d < width; ++d) ob[d] = src[d];
+    for (int64_t k = 1; k < nchunk; ++k) {
+      const float* pk = src + k * width;
+      for (int64_t d = 0; d < width; ++d) ob[d] += pk[d];
+    }
+  }
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_modulate_bwd_cpu(const at::Tensor& gy_in, const at::Tensor& x_in,
+                                                                      const at::Tensor& scale_in,
+                                                                      const at::Tensor& mean_in,
+                                                                      const at::Tensor& rstd_in) {
+  const char* op = "adaln_modulate_bwd";
+  check_cpu(x_in, op, "x");
+  check_bnd(x_in, op, "x");
+  const int dt = dtype_code(x_in, op, "x");
+  check_like(gy_in, x_in, op, "grad_y", "x");
+  check_bd(scale_in, x_in, op, "scale");
+  check_bn_stats(mean_in, x_in, op, "mean");
+  check_bn_stats(rstd_in, x_in, op, "rstd");
+  const at::Tensor x = x_in.contiguous(), gy = gy_in.contiguous();
+  const at::Tensor scale = f32_contig(scale_in), mean = mean_in.contiguous(), rstd = rstd_in.contiguous();
+  const int64_t B = x.size(0), N = x.size(1), D = x.size(2);
+  at::Tensor gx = at::empty(x.sizes(), x.options());
+  const void* gyp = gy.const_data_ptr();
+  const void* xp = x.const_data_ptr();
+  const float* scp = scale.const_data_ptr<float>();
+  const float* mp = mean.const_data_ptr<float>();
+  const float* rp = rstd.const_data_ptr<float>();
+  void* gxp = gx.mutable_data_ptr();
+  // grad_shift = sum_n grad_y, grad_scale = sum_n grad_y * xhat   (docs/ops.md, adaLN backward)
+  at::Tensor sums = chunked_row_reduce(B, N, 2 * D, [&](int64_t b, int64_t n0, int64_t nrows, float* acc) {
+    K().adaln_bwd(dt, gyp, xp, scp, mp, rp, gxp, acc, acc + D, N, D, b, n0, nrows);
+  });
+  at::Tensor gshift = sums.narrow(1, 0, D).to(scale_in.scalar_type()).contiguous();
+  at::Tensor gscale = sums.narrow(1, D, D).to(scale_in.scalar_type()).contiguous();
+  return {gx, gshift, gscale};
+}
+
+at::Tensor gated_residual_fwd_cpu(const at::Tensor& x_in, const at::Tensor& gate_in, const at::Tensor& y_in) {
+  const char* op = "gated_residual_fwd";
+  check_cpu(x_in, op, "x");
+  check_bnd(x_in, op, "x");
+  const int dt = dtype_code(x_in, op, "x");
+  check_bd(gate_in, x_in, op, "gate");
+  check_like(y_in, x_in, op, "y", "x");
+  const at::Tensor x = x_in.contiguous(), y = y_in.contiguous(), gate = f32_contig(gate_in);
+  const int64_t B = x.size(0), N = x.size(1), D = x.size(2);
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  if (x.numel() == 0) return out;
+  const void* xp = x.const_data_ptr();
+  const void* yp = y.const_data_ptr();
+  const float* gp = gate.const_data_ptr<float>();
+  void* outp = out.mutable_data_ptr();
+  at::parallel_for(0, B * N, std::max<int64_t>(1, kElemGrain / D), [&](int64_t begin, int64_t end) {
+    K().gated_fwd(dt, xp, gp, yp, outp, N, D, begin, end - begin);
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_residual_bwd_cpu(const at::Tensor& go_in,
+                                                                      const at::Tensor& gate_in,
+                                                                      const at::Tensor& y_in) {
+  const char* op = "gated_residual_bwd";
+  check_cpu(y_in, op, "y");
+  check_bnd(y_in, op, "y");
+  const int dt = dtype_code(y_in, op, "y");
+  check_like(go_in, y_in, op, "grad_out", "y");
+  check_bd(gate_in, y_in, op, "gate");
+  const at::Tensor go = go_in.contiguous(), y = y_in.contiguous(), gate = f32_contig(gate_in);
+  const int64_t B = y.size(0), N = y.size(1), D = y.size(2);
+  at::Tensor gx = at::empty(y.sizes(), y.options());
+  at::Tensor gy = at::empty(y.sizes(), y.options());
+  const void* gop = go.const_data_ptr();
+  const void* yp = y.const_data_ptr();
+  const float* gp = gate.const_data_ptr<float>();
+  void* gxp = gx.mutable_data_ptr();
+  void* gyp = gy.mutable_data_ptr();
+  // grad_gate = sum_n grad_out * y
+  at::Tensor ggate = chunked_row_reduce(B, N, D, [&](int64_t b, int64_t n0, int64_t nrows, float* acc) {
+    K().gated_bwd(dt, gop, gp, yp, gxp, gyp, acc, N, D, b, n0, nrows);
+  });
+  return {gx, ggate.to(gate_in.scalar_type()), gy};
+}
+
+std::string cpu_isa() { return K().isa; }
+
+}  // namespace
+}  // namespace dcf
+
+TORCH_LIBRARY(diffcurr_fast_C, m) {
+  m.def("randn(int seed, int[] shape) -> Tensor", &dcf::randn_cpu);
+  m.def("cpu_isa() -> str", &dcf::cpu_isa);
+  m.def("randn_like(Tensor like, int seed) -> Tensor");
+  m.def("q_sample(Tensor x0, Tensor a, Tensor c, Tensor? noise, int seed) -> Tensor");
+  m.def(
+      "diffusion_loss_fwd(Tensor pred, Tensor x0, Tensor? noise, int seed, Tensor p, Tensor q, Tensor w, "
+      "bool with_grad) -> (Tensor loss, Tensor grad)");
+  m.def("sample_timesteps(Tensor weights, int batch_size, int seed) -> (Tensor t, Tensor importance)");
+  m.def("adaln_modulate_fwd(Tensor x, Tensor shift, Tensor scale, float eps) -> (Tensor y, Tensor mean, Tensor rstd)");
+  m.def(
+      "adaln_modulate_bwd(Tensor grad_y, Tensor x, Tensor scale, Tensor mean, Tensor rstd) -> "
+      "(Tensor gx, Tensor gshift, Tensor gscale)");
+  m.def("gated_residual_fwd(Tensor x, Tensor gate, Tensor y) -> Tensor");
+  m.def("gated_residual_bwd(Tensor grad_out, Tensor gate, Tensor y) -> (Tensor gx, Tensor ggate, Tensor gy)");
+}
+
+TORCH_LIBRARY_IMPL(diffcurr_fast_C, CPU, m) {
+  m.impl("randn_like", &dcf::randn_like_cpu);
+  m.impl("q_sample", &dcf::q_sample_cpu);
+  m.impl("diffusion_loss_fwd", &dcf::diffusion_loss_fwd_cpu);
+  m.impl("sample_timesteps", &dcf::sample_timesteps_cpu);
+  m.impl("adaln_modulate_fwd", &dcf::adaln_modulate_fwd_cpu);
+  m.impl("adaln_modulate_bwd", &dcf::adaln_modulate_bwd_cpu);
+  m.impl("gated_residual_fwd", &dcf::gated_residual_fwd_cpu);
+  m.impl("gated_residual_bwd", &dcf::gated_residual_bwd_cpu);
+}

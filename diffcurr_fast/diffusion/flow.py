@@ -1,0 +1,134 @@
+"""Flow matching with the linear interpolant (SiT, Ma et al. 2024; rectified flow, Liu et al. 2023).
+
+x_t = (1 - t) x0 + t eps with continuous t in [0, 1]: t = 0 is data, t = 1 is pure noise. The velocity
+dx_t/dt = eps - x0 is the default regression target; SNR(t) = (1 - t)^2 / t^2. Here ``t`` is a float tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from diffcurr_fast.diffusion.axis import Formulation
+from diffcurr_fast.diffusion.losses import weighted_mse
+
+FLOW_PREDICTIONS = ("velocity", "eps", "x0")
+FLOW_T_SAMPLINGS = ("uniform", "logit_normal")
+
+
+class FlowFormulation(Formulation):
+    """Linear-interpolant flow as a ``Formulation``.
+
+    ``train_eps`` clips training times to [train_eps, 1 - train_eps] (SiT's ``train_eps``); ``t_sampling`` is
+    ``"uniform"`` (SiT) or ``"logit_normal"`` (t = sigmoid(N(logit_mean, logit_std^2)), Esser et al. 2024).
+    """
+
+    discrete = False
+    predictions = FLOW_PREDICTIONS
+
+    def __init__(
+        self,
+        train_eps: float = 0.0,
+        t_sampling: str = "uniform",
+        logit_mean: float = 0.0,
+        logit_std: float = 1.0,
+    ):
+        if not 0.0 <= train_eps < 0.5:
+            raise ValueError(f"train_eps must lie in [0, 0.5), got {train_eps}")
+        if t_sampling not in FLOW_T_SAMPLINGS:
+            raise ValueError(f"unknown t_sampling {t_sampling!r}; choose one of {FLOW_T_SAMPLINGS}")
+        if not logit_std > 0:
+            raise ValueError(f"logit_std must be positive, got {logit_std}")
+        self.train_eps = float(train_eps)
+        self.t_sampling = t_sampling
+        self.logit_mean, self.logit_std = float(logit_mean), float(logit_std)
+
+    def __repr__(self) -> str:
+        return f"FlowFormulation(train_eps={self.train_eps}, t_sampling={self.t_sampling!r})"
+
+    def check_t(self, t: torch.Tensor) -> torch.Tensor:
+        """t as float64; must lie in [0, 1]."""
+        t = torch.as_tensor(t)
+        if not t.dtype.is_floating_point:
+            raise ValueError(f"flow t must be a floating tensor in [0, 1], got dtype {t.dtype}")
+        if bool(torch.isnan(t).any()) or (t.numel() and (float(t.min()) < 0.0 or float(t.max()) > 1.0)):
+            raise ValueError("flow t out of range: values must lie in [0, 1]")
+        return t.to(torch.float64)
+
+    def log_snr(self, t: torch.Tensor) -> torch.Tensor:
+        """log SNR = 2 (ln(1 - t) - ln t): +inf at t = 0, -inf at t = 1."""
+        t = self.check_t(t)
+        return 2.0 * (torch.log1p(-t) - torch.log(t))
+
+    def snr(self, t: torch.Tensor) -> torch.Tensor:
+        """SNR = (1 - t)^2 / t^2: inf at t = 0, 0 at t = 1."""
+        t = self.check_t(t)
+        return (1.0 - t) ** 2 / t**2
+
+    def t_from_log_snr(self, log_snr: torch.Tensor) -> torch.Tensor:
+        """t = 1 / (1 + exp(log_snr / 2)) = sigmoid(-log_snr / 2) (monotone decreasing)."""
+        lam = torch.as_tensor(log_snr, dtype=torch.float64)
+        if bool(torch.isnan(lam).any()):
+            raise ValueError("log_snr must not be NaN")
+        return torch.sigmoid(-lam / 2.0)
+
+    def sample_t(
+        self, n: int, generator: torch.Generator | None = None, device: torch.device | str | None = None
+    ) -> torch.Tensor:
+        """Training times in [train_eps, 1 - train_eps], float64 of shape (n,)."""
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"n must be a non-negative int, got {n!r}")
+        dev = generator.device if generator is not None else device
+        if self.t_sampling == "uniform":
+            u = torch.rand(n, generator=generator, device=dev, dtype=torch.float64)
+        else:
+            z = torch.randn(n, generator=generator, device=dev, dtype=torch.float64)
+            u = torch.sigmoid(z * self.logit_std + self.logit_mean)
+        return (self.train_eps + (1.0 - 2.0 * self.train_eps) * u).to(device)
+
+    def coefficients(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a, c) = (1 - t, t)."""
+        t = self.check_t(t)
+        return 1.0 - t, t
+
+    def target_coefficients(self, t: torch.Tensor, prediction: str = "velocity") -> tuple[torch.Tensor, torch.Tensor]:
+        """velocity (-1, 1) (d x_t / dt = eps - x0); eps (0, 1); x0 (1, 0)."""
+        self.check_prediction(prediction)
+        t = self.check_t(t)
+        one, zero = torch.ones_like(t), torch.zeros_like(t)
+        if prediction == "velocity":
+            return -one, one
+        if prediction == "eps":
+            return zero, one
+        return one, zero
+
+
+def flow_loss(
+    model: Callable[..., torch.Tensor],
+    x0: torch.Tensor,
+    t: torch.Tensor | None = None,
+    noise: torch.Tensor | None = None,
+    y: torch.Tensor | None = None,
+    *,
+    formulation: FlowFormulation | None = None,
+    prediction: str = "velocity",
+    weights: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Per-sample flow-matching loss mean_j (model(x_t, t, y) - target)^2 with target = eps - x0 for velocity.
+
+    ``t`` defaults to ``formulation.sample_t`` and ``noise`` to standard normal; ``weights`` (B,) multiply the
+    result. Reduced in float32 (or wider), shape (B,).
+    """
+    form = formulation if formulation is not None else FlowFormulation()
+    form.check_prediction(prediction)
+    b = x0.shape[0]
+    if t is None:
+        t = form.sample_t(b, generator=generator, device=x0.device)
+    if noise is None:
+        noise = torch.randn(x0.shape, generator=generator, device=x0.device, dtype=x0.dtype)
+    x_t = form.q_sample(x0, t, noise)  # (B, ...)
+    target = form.target(x0, noise, t, prediction)
+    pred = model(x_t, torch.as_tensor(t).to(device=x0.device, dtype=x0.dtype), y)
+    return weighted_mse(pred, target, weights)

@@ -1,0 +1,141 @@
+"""Backend selection for the fused ops.
+
+Backends, in ``auto`` preference order for a tensor's device:
+
+- ``cuda``: the raw CUDA kernels ``torch.ops.diffcurr_fast_C.*`` (extension built with CUDA), CUDA tensors;
+- ``triton``: the Triton kernels in ``diffcurr_fast.kernels``; CUDA tensors, or CPU tensors when
+  ``TRITON_INTERPRET=1`` (never chosen by ``auto`` on CPU: the interpreter is slow);
+- ``cpu``: the raw C++ kernels ``torch.ops.diffcurr_fast_C.*`` on CPU tensors;
+- ``reference``: the pure-torch definitions (any device).
+
+``auto`` falls back with one warning per (op, device type) when a faster backend is missing. A backend asked
+for explicitly (``backend=`` argument or ``DIFFCURR_OPS_BACKEND``) raises ``RuntimeError`` when unavailable.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import warnings
+
+import torch
+
+BACKENDS = ("cuda", "triton", "cpu", "reference")
+CHOICES = ("auto",) + BACKENDS
+ENV_VAR = "DIFFCURR_OPS_BACKEND"
+
+_warned: set[tuple[str, str]] = set()
+
+
+@functools.cache
+def _ext_error() -> str | None:
+    """None when ``diffcurr_fast._C`` imports, else the reason it does not."""
+    try:
+        importlib.import_module("diffcurr_fast._C")
+    except Exception as exc:  # ImportError, or an undefined symbol / ABI mismatch in the shared object
+        return f"the C++ extension diffcurr_fast._C is not importable ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _ext_has(op: str, dispatch_key: str) -> bool:
+    if _ext_error() is not None:
+        return False
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"diffcurr_fast_C::{op}", dispatch_key)
+    except RuntimeError:  # the op is not registered at all
+        return False
+
+
+@functools.cache
+def _triton_error() -> str | None:
+    try:
+        importlib.import_module("diffcurr_fast.kernels.philox")
+    except Exception as exc:
+        return f"Triton kernels are not importable ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def unavailable_reason(backend: str, op: str, device: torch.device) -> str | None:
+    """None when ``backend`` can run ``op`` on ``device``, else a sentence saying why not."""
+    if backend == "reference":
+        return None
+    if backend == "cuda":
+        if device.type != "cuda":
+            return f"backend 'cuda' needs CUDA tensors, got device {device}"
+        if _ext_error() is not None:
+            return _ext_error()
+        if not _ext_has(op, "CUDA"):
+            return f"diffcurr_fast._C was built without a CUDA kernel for {op}"
+        return None
+    if backend == "cpu":
+        if device.type != "cpu":
+            return f"backend 'cpu' needs CPU tensors, got device {device}"
+        if _ext_error() is not None:
+            return _ext_error()
+        if not _ext_has(op, "CPU"):
+            return f"diffcurr_fast._C has no CPU kernel for {op}"
+        return None
+    if backend == "triton":
+        if device.type == "cpu" and not _interpreting():
+            return "backend 'triton' runs on CPU tensors only with TRITON_INTERPRET=1 set before import"
+        if device.type not in ("cpu", "cuda"):
+            return f"backend 'triton' does not support device {device}"
+        return _triton_error()
+    raise ValueError(f"unknown backend {backend!r}; choose one of {CHOICES}")
+
+
+@torch.compiler.assume_constant_result
+def resolve(op: str, device: torch.device, backend: str | None = None) -> str:
+    """Name of the backend that runs ``op`` for tensors on ``device``.
+
+    ``backend`` (or ``DIFFCURR_OPS_BACKEND`` when ``backend`` is None) is one of ``auto``, ``cuda``, ``triton``,
+    ``cpu``, ``reference``.
+    """
+    requested = backend if backend is not None else os.environ.get(ENV_VAR, "auto")
+    if requested not in CHOICES:
+        raise ValueError(f"unknown ops backend {requested!r}; choose one of {CHOICES}")
+    device = torch.device(device)
+    if requested != "auto":
+        reason = unavailable_reason(requested, op, device)
+        if reason is not None:
+            raise RuntimeError(f"ops backend {requested!r} requested for {op} but unavailable: {reason}")
+        return requested
+    order = ("cuda", "triton", "reference") if device.type == "cuda" else ("cpu", "reference")
+    if device.type not in ("cuda", "cpu"):
+        order = ("reference",)
+    reasons = []
+    for name in order:
+        reason = unavailable_reason(name, op, device)
+        if reason is None:
+            if reasons and (op, device.type) not in _warned and not torch.compiler.is_compiling():
+                _warned.add((op, device.type))
+                warnings.warn(
+                    f"diffcurr_fast.ops.{op}: falling back to the {name!r} backend on {device.type} "
+                    f"({'; '.join(reasons)})",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            return name
+        reasons.append(reason)
+    return "reference"
+
+
+def available_backends(op: str, device: torch.device | str = "cpu") -> list[str]:
+    """Backends that can run ``op`` on ``device`` here (``triton`` on CPU only under the interpreter)."""
+    device = torch.device(device)
+    return [b for b in BACKENDS if unavailable_reason(b, op, device) is None]
+
+
+def ext_ops():
+    """The namespace of the raw C++/CUDA kernels, ``torch.ops.diffcurr_fast_C``."""
+    return torch.ops.diffcurr_fast_C
+
+
+def kernels(module: str):
+    """Import ``diffcurr_fast.kernels.<module>`` (the Triton launchers)."""
+    return importlib.import_module(f"diffcurr_fast.kernels.{module}")

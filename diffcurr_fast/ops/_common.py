@@ -1,0 +1,195 @@
+"""Input checks and schedule coefficient tables shared by the fused ops."""
+
+from __future__ import annotations
+
+import torch
+
+from diffcurr_fast.diffusion.ddpm import PREDICTIONS, DDPMSchedule
+from diffcurr_fast.diffusion.weights import WEIGHTINGS, loss_weights
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FLOAT_DTYPES = KERNEL_DTYPES + (torch.float64,)
+REDUCTIONS = ("mean", "none")
+
+_TABLE_CACHE: dict[tuple, tuple[object, torch.Tensor]] = {}
+_TABLE_CACHE_SIZE = 64
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 for float64 inputs, float32 otherwise (statistics, coefficients and losses)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def check_float(x: torch.Tensor, name: str) -> None:
+    """ValueError unless ``x`` is a tensor of a supported floating dtype."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name} has dtype {x.dtype}; supported dtypes are {FLOAT_DTYPES}")
+
+
+def check_batched(x: torch.Tensor, name: str) -> None:
+    """ValueError unless ``x`` has a batch dimension (ndim >= 1)."""
+    check_float(x, name)
+    if x.ndim < 1:
+        raise ValueError(f"{name} must have a leading batch dimension, got a 0-d tensor")
+
+
+def check_like(y: torch.Tensor, x: torch.Tensor, yname: str, xname: str) -> None:
+    """ValueError unless ``y`` matches ``x`` in shape, dtype and device."""
+    check_float(y, yname)
+    if y.shape != x.shape:
+        raise ValueError(f"{yname} shape {tuple(y.shape)} does not match {xname} shape {tuple(x.shape)}")
+    if y.dtype != x.dtype:
+        raise ValueError(f"{yname} dtype {y.dtype} does not match {xname} dtype {x.dtype}")
+    if y.device != x.device:
+        raise ValueError(f"{yname} is on {y.device} but {xname} is on {x.device}")
+
+
+def per_sample(v: torch.Tensor | float, x: torch.Tensor, name: str, detach: bool = True) -> torch.Tensor:
+    """Per-sample coefficient ``v`` (scalar or shape (B,)) as a contiguous compute-dtype (B,) tensor on x's device."""
+    dtype = compute_dtype(x.dtype)
+    batch = x.shape[0]
+    if not isinstance(v, torch.Tensor):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"{name} must be a float or a ({batch},) tensor, got {type(v).__name__}")
+        return torch.full((batch,), float(v), dtype=dtype, device=x.device)
+    if not v.dtype.is_floating_point:
+        raise ValueError(f"{name} must be a floating tensor, got dtype {v.dtype}")
+    if v.device != x.device:
+        raise ValueError(f"{name} is on {v.device} but the data is on {x.device}")
+    if v.ndim == 0:
+        v = v.expand(batch)
+    if v.shape != (batch,):
+        raise ValueError(f"{name} must have shape ({batch},), got {tuple(v.shape)}")
+    return (v.detach() if detach else v).to(dtype).contiguous()
+
+
+def alphas_cumprod(schedule: DDPMSchedule | torch.Tensor) -> torch.Tensor:
+    """abar_t as a float64 CPU tensor from a ``DDPMSchedule`` or a 1-D ``alphas_cumprod`` tensor."""
+    if isinstance(schedule, DDPMSchedule):
+        return schedule.alphas_cumprod
+    if isinstance(schedule, torch.Tensor):
+        if schedule.ndim != 1 or schedule.numel() == 0 or not schedule.dtype.is_floating_point:
+            raise ValueError(
+                f"schedule tensor must be a non-empty 1-D floating alphas_cumprod, got shape "
+                f"{tuple(schedule.shape)} dtype {schedule.dtype}"
+            )
+        return schedule.detach().to("cpu", torch.float64)
+    raise ValueError(f"schedule must be a DDPMSchedule or a 1-D alphas_cumprod tensor, got {type(schedule).__name__}")
+
+
+def _check_abar(abar: torch.Tensor) -> None:
+    if not bool(torch.isfinite(abar).all()) or bool((abar <= 0).any()) or bool((abar > 1).any()):
+        raise ValueError("alphas_cumprod values must be finite and lie in (0, 1]")
+
+
+def _build_table(abar: torch.Tensor, kind: str, prediction: str, weighting: str, gamma: float) -> torch.Tensor:
+    _check_abar(abar)
+    if kind == "q_sample":  # (a, c) = (sqrt(abar), sqrt(1 - abar)), Ho et al. Eq. 4
+        return torch.stack([abar.sqrt(), (1.0 - abar).sqrt()], 1)
+    # target coefficients (p, q) and weight w per timestep
+    one, zero = torch.ones_like(abar), torch.zeros_like(abar)
+    if prediction == "eps":
+        p, q = zero, one
+    elif prediction == "x0":
+        p, q = one, zero
+    else:  # v = sqrt(abar) eps - sqrt(1 - abar) x0 (Salimans & Ho 2022)
+        p, q = -(1.0 - abar).sqrt(), abar.sqrt()
+    snr = abar / (1.0 - abar)  # inf at abar = 1, handled by loss_weights
+    w = loss_weights(snr, prediction, weighting, gamma)
+    return torch.stack([p, q, w], 1)
+
+
+def schedule_table(
+    schedule: DDPMSchedule | torch.Tensor,
+    kind: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    prediction: str = "eps",
+    weighting: str = "none",
+    gamma: float = 5.0,
+) -> torch.Tensor:
+    """(T, k) per-timestep coefficient table on ``device``: ``q_sample`` -> (a, c); ``loss`` -> (p, q, w).
+
+    Built once in float64 on the CPU and cached per (schedule, device, dtype, options), so gathering by ``t``
+    needs no host synchronisation. Under ``torch.compile(fullgraph=True)`` a ``DDPMSchedule``'s table must have
+    been built by an eager call first (building validates on the host).
+    """
+    if prediction not in PREDICTIONS:
+        raise ValueError(f"unknown prediction {prediction!r}; choose one of {PREDICTIONS}")
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"unknown weighting {weighting!r}; choose one of {WEIGHTINGS}")
+    if isinstance(schedule, DDPMSchedule):
+        # cached on the schedule object: torch.compile traces this lookup without a graph break once built
+        store = getattr(schedule, "_ops_tables", None)
+        if store is None:
+            store = {}
+            schedule._ops_tables = store
+        key = (kind, prediction, weighting, float(gamma), str(device), dtype)
+        table = store.get(key)
+        if table is None:
+            table = _build_table(schedule.alphas_cumprod, kind, prediction, weighting, gamma).to(device, dtype)
+            store[key] = table
+        return table
+    if torch.compiler.is_compiling():
+        return _build_table(alphas_cumprod(schedule), kind, prediction, weighting, gamma).to(device, dtype)
+    key = (id(schedule), schedule._version, kind, prediction, weighting, float(gamma), str(device), dtype)
+    hit = _TABLE_CACHE.get(key)
+    if hit is not None and hit[0] is schedule:
+        return hit[1]
+    table = _build_table(alphas_cumprod(schedule), kind, prediction, weighting, gamma).to(device, dtype)
+    if len(_TABLE_CACHE) >= _TABLE_CACHE_SIZE:
+        _TABLE_CACHE.pop(next(iter(_TABLE_CACHE)))
+    _TABLE_CACHE[key] = (schedule, table)
+    return table
+
+
+def check_timesteps(t: torch.Tensor, x: torch.Tensor, num_timesteps: int, validate: bool) -> torch.Tensor:
+    """``t`` as int64 (B,) on x's device; the range check (a host sync) runs only when ``validate``."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"t must be an integer tensor of shape ({x.shape[0]},), got {type(t).__name__}")
+    if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
+        raise ValueError(f"t must be an integer tensor of timestep indices, got dtype {t.dtype}")
+    if t.shape != (x.shape[0],):
+        raise ValueError(f"t must have shape ({x.shape[0]},), got {tuple(t.shape)}")
+    if t.device != x.device:
+        raise ValueError(f"t is on {t.device} but the data is on {x.device}")
+    if validate and not torch.compiler.is_compiling() and t.numel():
+        lo, hi = int(t.min()), int(t.max())
+        if lo < 0 or hi >= num_timesteps:
+            raise ValueError(f"t out of range: values must lie in [0, {num_timesteps}), got min {lo}, max {hi}")
+    return t.long()
+
+
+def check_reduction(reduction: str) -> None:
+    """ValueError unless ``reduction`` is one of REDUCTIONS."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"unknown reduction {reduction!r}; choose one of {REDUCTIONS}")
+
+
+def backend_for(op: str, x: torch.Tensor, backend: str | None) -> str:
+    """Resolve the backend for ``op`` on x's device; float64 data always runs on the reference."""
+    from diffcurr_fast.ops import _backend
+
+    name = _backend.resolve(op, x.device, backend)
+    if x.dtype == torch.float64 and name != "reference":
+        if backend not in (None, "auto"):
+            raise ValueError(f"backend {backend!r} supports dtypes {KERNEL_DTYPES}; float64 runs on 'reference'")
+        return "reference"
+    return name
+
+
+def unalias(outputs: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor, ...]:
+    """Clone any kernel output that shares storage with an input or an earlier output (custom ops forbid it)."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor) and t.numel()}
+    result = []
+    for out in outputs:
+        if out.numel():
+            ptr = out.untyped_storage().data_ptr()
+            if ptr in seen:
+                out = out.clone()
+                ptr = out.untyped_storage().data_ptr()
+            seen.add(ptr)
+        result.append(out)
+    return tuple(result)

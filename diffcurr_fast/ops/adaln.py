@@ -1,0 +1,194 @@
+"""The DiT block's elementwise path, fused: adaLN-Zero modulate and the gated residual (Peebles & Xie 2023).
+
+``adaln_modulate(x, shift, scale)`` = LayerNorm(x, no affine) * (1 + scale) + shift and
+``gated_residual(x, gate, y)`` = x + gate * y, for x, y (B, N, D) and shift, scale, gate (B, D); each is one
+forward and one backward kernel (definitions and backward formulas in docs/ops.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diffcurr_fast.ops import _backend, _common
+
+
+def adaln_modulate_ref(
+    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference: (y, mean, rstd); statistics in float32 (float64 for float64 x), y in x's dtype."""
+    dt = _common.compute_dtype(x.dtype)
+    xf = x.to(dt)  # (B, N, D)
+    mean = xf.mean(-1)  # (B, N)
+    rstd = torch.rsqrt((xf - mean[..., None]).square().mean(-1) + eps)  # (B, N)
+    xhat = (xf - mean[..., None]) * rstd[..., None]
+    y = xhat * (1.0 + scale.to(dt)[:, None, :]) + shift.to(dt)[:, None, :]  # adaLN-Zero modulate, DiT Sec. 3.2
+    return y.to(x.dtype), mean, rstd
+
+
+def adaln_modulate_bwd_ref(
+    grad_y: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference backward: (grad_x, grad_shift, grad_scale) by the LayerNorm backward formula."""
+    dt = _common.compute_dtype(x.dtype)
+    g = grad_y.to(dt)  # (B, N, D)
+    xhat = (x.to(dt) - mean[..., None].to(dt)) * rstd[..., None].to(dt)
+    gxh = g * (1.0 + scale.to(dt)[:, None, :])
+    gx = rstd[..., None].to(dt) * (gxh - gxh.mean(-1, keepdim=True) - xhat * (gxh * xhat).mean(-1, keepdim=True))
+    return gx.to(x.dtype), g.sum(1).to(scale.dtype), (g * xhat).sum(1).to(scale.dtype)
+
+
+def gated_residual_ref(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Reference: x + gate[:, None, :] * y (adaLN-Zero gate), computed in float32 (float64 for float64)."""
+    dt = _common.compute_dtype(x.dtype)
+    return (x.to(dt) + gate.to(dt)[:, None, :] * y.to(dt)).to(x.dtype)
+
+
+# ---- adaln_modulate ---------------------------------------------------------------------------------------
+@torch.library.custom_op("diffcurr_fast::adaln_modulate", mutates_args=())
+def _adaln_fwd_op(
+    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, backend: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if backend == "reference":
+        return adaln_modulate_ref(x, shift, scale, eps)
+    args = (x.contiguous(), shift.contiguous(), scale.contiguous(), eps)
+    if backend == "triton":
+        return _backend.kernels("adaln").adaln_modulate_fwd(*args)
+    return _common.unalias(_backend.ext_ops().adaln_modulate_fwd(*args), args[:3])
+
+
+@_adaln_fwd_op.register_fake
+def _(x, shift, scale, eps, backend):
+    dt = _common.compute_dtype(x.dtype)
+    stats = x.new_empty(x.shape[:2], dtype=dt)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), stats, torch.empty_like(stats)
+
+
+@torch.library.custom_op("diffcurr_fast::adaln_modulate_backward", mutates_args=())
+def _adaln_bwd_op(
+    grad_y: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, backend: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if backend == "reference":
+        return adaln_modulate_bwd_ref(grad_y, x, scale, mean, rstd)
+    args = (grad_y.contiguous(), x.contiguous(), scale.contiguous(), mean.contiguous(), rstd.contiguous())
+    if backend == "triton":
+        return _backend.kernels("adaln").adaln_modulate_bwd(*args)
+    return _common.unalias(_backend.ext_ops().adaln_modulate_bwd(*args), args)
+
+
+@_adaln_bwd_op.register_fake
+def _(grad_y, x, scale, mean, rstd, backend):
+    return (
+        torch.empty_like(x, memory_format=torch.contiguous_format),
+        torch.empty_like(scale, memory_format=torch.contiguous_format),
+        torch.empty_like(scale, memory_format=torch.contiguous_format),
+    )
+
+
+def _adaln_setup(ctx, inputs, output):
+    x, shift, scale, eps, backend = inputs
+    _, mean, rstd = output
+    ctx.backend = backend
+    ctx.save_for_backward(x, scale, mean, rstd)
+
+
+def _adaln_backward(ctx, grad_y, grad_mean, grad_rstd):
+    x, scale, mean, rstd = ctx.saved_tensors
+    gx, gshift, gscale = _adaln_bwd_op(grad_y, x, scale, mean, rstd, ctx.backend)
+    return gx, gshift, gscale, None, None
+
+
+_adaln_fwd_op.register_autograd(_adaln_backward, setup_context=_adaln_setup)
+
+
+# ---- gated_residual ---------------------------------------------------------------------------------------
+@torch.library.custom_op("diffcurr_fast::gated_residual", mutates_args=())
+def _gated_fwd_op(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, backend: str) -> torch.Tensor:
+    if backend == "reference":
+        return gated_residual_ref(x, gate, y)
+    args = (x.contiguous(), gate.contiguous(), y.contiguous())
+    if backend == "triton":
+        return _backend.kernels("adaln").gated_residual_fwd(*args)
+    return _common.unalias((_backend.ext_ops().gated_residual_fwd(*args),), args)[0]
+
+
+@_gated_fwd_op.register_fake
+def _(x, gate, y, backend):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("diffcurr_fast::gated_residual_backward", mutates_args=())
+def _gated_bwd_op(
+    grad_out: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, backend: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if backend == "reference":
+        dt = _common.compute_dtype(y.dtype)
+        g = grad_out.to(dt)  # (B, N, D)
+        return (g * y.to(dt)).sum(1).to(gate.dtype), (g * gate.to(dt)[:, None, :]).to(y.dtype)
+    args = (grad_out.contiguous(), gate.contiguous(), y.contiguous())
+    if backend == "triton":
+        return _backend.kernels("adaln").gated_residual_bwd(*args)
+    _, ggate, gy = _backend.ext_ops().gated_residual_bwd(*args)
+    return _common.unalias((ggate, gy), args)
+
+
+@_gated_bwd_op.register_fake
+def _(grad_out, gate, y, backend):
+    return torch.empty_like(gate, memory_format=torch.contiguous_format), torch.empty_like(
+        y, memory_format=torch.contiguous_format
+    )
+
+
+def _gated_setup(ctx, inputs, output):
+    x, gate, y, backend = inputs
+    ctx.backend = backend
+    ctx.save_for_backward(gate, y)
+
+
+def _gated_backward(ctx, grad_out):
+    gate, y = ctx.saved_tensors
+    ggate = gy = None
+    if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+        ggate, gy = _gated_bwd_op(grad_out, gate, y, ctx.backend)
+    return grad_out, ggate, gy, None  # d out / d x is the identity
+
+
+_gated_fwd_op.register_autograd(_gated_backward, setup_context=_gated_setup)
+
+
+# ---- public API -------------------------------------------------------------------------------------------
+def _check_block(x: torch.Tensor, vecs: dict[str, torch.Tensor]) -> None:
+    _common.check_float(x, "x")
+    if x.ndim != 3:
+        raise ValueError(f"x must have shape (B, N, D), got {tuple(x.shape)}")
+    B, _, D = x.shape
+    for name, v in vecs.items():
+        _common.check_float(v, name)
+        if v.shape != (B, D):
+            raise ValueError(f"{name} must have shape ({B}, {D}), got {tuple(v.shape)}")
+        if v.dtype != x.dtype or v.device != x.device:
+            raise ValueError(f"{name} ({v.dtype}, {v.device}) must match x ({x.dtype}, {x.device})")
+
+
+def adaln_modulate(
+    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6, *, backend: str | None = None
+) -> torch.Tensor:
+    """y = LayerNorm(x) * (1 + scale) + shift (DiT adaLN-Zero modulate), fused forward and backward.
+
+    x (B, N, D); shift, scale (B, D) of x's dtype and device. LayerNorm has no affine parameters and float32
+    statistics with ``eps``.
+    """
+    _check_block(x, {"shift": shift, "scale": scale})
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"eps must be a positive float, got {eps!r}")
+    y, _, _ = _adaln_fwd_op(x, shift, scale, float(eps), _common.backend_for("adaln_modulate_fwd", x, backend))
+    return y
+
+
+def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """out = x + gate[:, None, :] * y (DiT adaLN-Zero gated residual), fused forward and backward.
+
+    x, y (B, N, D) of the same dtype and device; gate (B, D).
+    """
+    _check_block(x, {"gate": gate})
+    _common.check_like(y, x, "y", "x")
+    return _gated_fwd_op(x, gate, y, _common.backend_for("gated_residual_fwd", x, backend))

@@ -1,0 +1,54 @@
+"""Triton kernel for weighted timestep sampling by inverse CDF with Philox uniforms (no host sync)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _sample_timesteps_fwd_kernel(
+    cdf_ptr, w_ptr, last_ptr, t_ptr, imp_ptr, seed, B, T, N_ITER: tl.constexpr, BLOCK: tl.constexpr
+):
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < B
+    r0, _, _, _ = tl.randint4x(seed, offs.to(tl.int64))
+    u = tl.uint_to_uniform_float(r0)
+    total = tl.load(cdf_ptr + T - 1)
+    thr = u.to(tl.float64) * total
+    # smallest k with cdf[k] > thr: binary search over [0, T)
+    lo = tl.zeros([BLOCK], dtype=tl.int64)
+    hi = tl.zeros([BLOCK], dtype=tl.int64) + T
+    for _ in tl.static_range(N_ITER):
+        mid = (lo + hi) // 2
+        active = lo < hi
+        v = tl.load(cdf_ptr + tl.minimum(mid, T - 1), mask=mask & active, other=0.0)
+        go_right = v <= thr
+        lo = tl.where(active & go_right, mid + 1, lo)
+        hi = tl.where(active & (~go_right), mid, hi)
+    k = tl.minimum(lo, tl.load(last_ptr))  # u rounds to 1.0 in float32 for the top 64 words: keep a positive-weight k
+    wk = tl.load(w_ptr + k, mask=mask, other=1.0)
+    imp = (total / T) / wk  # uniform density over sampled density
+    tl.store(t_ptr + offs, k, mask=mask)
+    tl.store(imp_ptr + offs, imp.to(tl.float32), mask=mask)
+
+
+def sample_timesteps_fwd(weights: torch.Tensor, batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch: ``weights`` 1-D floating (T,), returns t int64 (B,) and importance float32 (B,)."""
+    device = weights.device
+    w64 = weights.to(torch.float64).contiguous()
+    cdf = torch.cumsum(w64, 0)
+    T = w64.shape[0]
+    last = (T - 1 - torch.argmax(torch.flip(w64 > 0, (0,)).to(torch.int8))).to(torch.int64).reshape(1)
+    t = torch.empty(batch_size, dtype=torch.int64, device=device)
+    imp = torch.empty(batch_size, dtype=torch.float32, device=device)
+    if batch_size == 0:
+        return t, imp
+    BLOCK = 256
+    n_iter = max(1, int(T).bit_length())
+    _sample_timesteps_fwd_kernel[(triton.cdiv(batch_size, BLOCK),)](
+        cdf, w64, last, t, imp, seed, batch_size, T, N_ITER=n_iter, BLOCK=BLOCK
+    )
+    return t, imp

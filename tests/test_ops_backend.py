@@ -1,0 +1,176 @@
+"""Dispatch rules, torch.library registration (opcheck) and torch.compile of the fused ops."""
+
+import warnings
+
+import pytest
+import torch
+
+import diffcurr_fast.ops as ops
+from diffcurr_fast.diffusion import DDPMSchedule
+from diffcurr_fast.ops import _backend
+
+CPU = torch.device("cpu")
+SCHED = DDPMSchedule(1000)
+
+
+def _cpu_backends(op: str) -> list[str]:
+    return [b for b in ("reference", "cpu", "triton") if _backend.unavailable_reason(b, op, CPU) is None]
+
+
+def test_auto_on_cpu_never_picks_triton(monkeypatch):
+    monkeypatch.delenv(_backend.ENV_VAR, raising=False)
+    for op in ("q_sample", "diffusion_loss_fwd", "sample_timesteps", "adaln_modulate_fwd", "randn_like"):
+        name = _backend.resolve(op, CPU)
+        assert name in ("cpu", "reference")
+        assert name == ("cpu" if _backend.unavailable_reason("cpu", op, CPU) is None else "reference")
+
+
+def test_fallback_warns_once(monkeypatch):
+    monkeypatch.delenv(_backend.ENV_VAR, raising=False)
+    monkeypatch.setattr(_backend, "_warned", set())
+    monkeypatch.setattr(_backend, "_ext_has", lambda op, key: False)  # as if the extension lacked the op
+    with pytest.warns(RuntimeWarning, match="falling back to the 'reference' backend"):
+        assert _backend.unavailable_reason("cpu", "q_sample", CPU) is not None
+        assert _backend.resolve("q_sample", CPU) == "reference"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _backend.resolve("q_sample", CPU) == "reference"
+
+
+def test_explicit_backend_unavailable_raises(monkeypatch):
+    monkeypatch.setattr(_backend, "_ext_has", lambda op, key: False)
+    with pytest.raises(RuntimeError, match="'cpu' requested"):
+        _backend.resolve("q_sample", CPU, "cpu")
+    with pytest.raises(RuntimeError, match="'cuda' requested.*CUDA tensors"):
+        _backend.resolve("q_sample", CPU, "cuda")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        _backend.resolve("q_sample", CPU, "triton")
+
+
+def test_env_var_forces_backend(monkeypatch):
+    monkeypatch.setenv(_backend.ENV_VAR, "reference")
+    assert _backend.resolve("q_sample", CPU) == "reference"
+    monkeypatch.setenv(_backend.ENV_VAR, "cuda")
+    with pytest.raises(RuntimeError, match="'cuda' requested"):
+        _backend.resolve("q_sample", CPU)
+    monkeypatch.setenv(_backend.ENV_VAR, "turbo")
+    with pytest.raises(ValueError, match="turbo"):
+        _backend.resolve("q_sample", CPU)
+    x0 = torch.randn(2, 3)
+    with pytest.raises(ValueError, match="turbo"):
+        ops.q_sample(x0, torch.tensor([1, 2]), SCHED, seed=0)
+
+
+def test_missing_extension_is_handled(monkeypatch):
+    monkeypatch.setattr(_backend, "_ext_error", lambda: "the C++ extension diffcurr_fast._C is not importable")
+    assert "cpu" not in _backend.available_backends("q_sample", CPU)
+    with pytest.raises(RuntimeError, match="not importable"):
+        _backend.resolve("q_sample", CPU, "cpu")
+
+
+# ---- opcheck: schema, fake tensors, autograd registration, AOT dispatch ------------------------------------
+def _opcheck_cases(backend: str):
+    B, M = 3, 10
+    x0, noise, pred = torch.randn(B, 2, 5), torch.randn(B, 2, 5), torch.randn(B, 2, 5, requires_grad=True)
+    a, c = torch.rand(B), torch.rand(B)
+    x = torch.randn(B, 4, 6, requires_grad=True)
+    shift, scale, gate = (torch.randn(B, 6, requires_grad=True) for _ in range(3))
+    y = torch.randn(B, 4, 6, requires_grad=True)
+    _, mean, rstd = torch.ops.diffcurr_fast.adaln_modulate(x.detach(), shift.detach(), scale.detach(), 1e-6, backend)
+    return [
+        (torch.ops.diffcurr_fast.randn.default, (7, [3, M], CPU, backend)),
+        (torch.ops.diffcurr_fast.q_sample.default, (x0.requires_grad_(), a, c, noise, 0, backend)),
+        (torch.ops.diffcurr_fast.q_sample.default, (x0, a, c, None, 5, backend)),
+        (torch.ops.diffcurr_fast.diffusion_loss.default, (pred, x0.detach(), noise, 0, a, c, c, True, backend)),
+        (torch.ops.diffcurr_fast.diffusion_loss.default, (pred, x0.detach(), None, 9, a, c, c, True, backend)),
+        (torch.ops.diffcurr_fast.sample_timesteps.default, (torch.rand(12), 5, 3, backend)),
+        (torch.ops.diffcurr_fast.adaln_modulate.default, (x, shift, scale, 1e-6, backend)),
+        (
+            torch.ops.diffcurr_fast.adaln_modulate_backward.default,
+            (torch.randn(B, 4, 6), x.detach(), scale.detach(), mean, rstd, backend),
+        ),
+        (torch.ops.diffcurr_fast.gated_residual.default, (x, gate, y, backend)),
+        (
+            torch.ops.diffcurr_fast.gated_residual_backward.default,
+            (torch.randn(B, 4, 6), gate.detach(), y.detach(), backend),
+        ),
+    ]
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+def test_opcheck(backend):
+    if _backend.unavailable_reason(backend, "q_sample", CPU) is not None:
+        pytest.skip(_backend.unavailable_reason(backend, "q_sample", CPU))
+    ops_to_check = _opcheck_cases(backend)
+    tests = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    if backend == "triton":
+        tests = ("test_schema", "test_autograd_registration", "test_faketensor")  # interpreter: keep it short
+    for op, args in ops_to_check:
+        torch.library.opcheck(op, args, test_utils=tests)
+
+
+# ---- torch.compile ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_compile_fullgraph_training_step(backend):
+    if backend not in _cpu_backends("diffusion_loss_fwd"):
+        pytest.skip(_backend.unavailable_reason(backend, "diffusion_loss_fwd", CPU))
+    sched = DDPMSchedule(1000)
+    x0 = torch.randn(3, 2, 4, 5)
+    t = torch.tensor([0, 411, 999])
+
+    def step(x0, t, wgt):
+        xt = ops.q_sample(x0, t, sched, seed=1234, backend=backend)
+        pred = xt * wgt  # (B, C, H, W): a stand-in for the model
+        return ops.diffusion_loss(
+            pred, x0, None, t, sched, prediction="v", weighting="min_snr", seed=1234, backend=backend
+        )
+
+    def step_coef(x0, s, wgt):
+        xt = ops.q_sample_coef(x0, 1 - s, s, seed=99, backend=backend)  # flow / SiT
+        return ops.diffusion_loss_coef(xt * wgt, x0, None, -1.0, 1.0, None, seed=99, backend=backend)
+
+    def block(x, mod):
+        shift, scale, gate = mod.chunk(3, dim=1)
+        return ops.gated_residual(x, gate, ops.adaln_modulate(x, shift, scale, backend=backend), backend=backend)
+
+    def draw(w):
+        return ops.sample_timesteps(16, w, seed=4, validate=False, return_importance=True, backend=backend)
+
+    cases = [
+        (step, (x0, t, torch.randn(2, 4, 5, requires_grad=True))),
+        (step_coef, (x0, torch.rand(3), torch.randn(2, 4, 5, requires_grad=True))),
+        (block, (torch.randn(2, 3, 10, requires_grad=True), torch.randn(2, 30, requires_grad=True))),
+        (draw, (torch.rand(50),)),
+    ]
+    for fn, args in cases:
+        eager = fn(*args)  # also builds the schedule tables the compiled graph reads
+        compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")(*args)
+        for e, c in zip(
+            eager if isinstance(eager, tuple) else (eager,), compiled if isinstance(compiled, tuple) else (compiled,)
+        ):
+            torch.testing.assert_close(c, e)
+        if eager.requires_grad if isinstance(eager, torch.Tensor) else False:
+            leaves = [a for a in args if a.requires_grad]
+            ge = torch.autograd.grad(eager.sum(), leaves)
+            gc = torch.autograd.grad(compiled.sum(), leaves)
+            for a, b in zip(ge, gc):
+                torch.testing.assert_close(a, b)
+
+
+def test_compile_inductor_loss_path():
+    sched = DDPMSchedule(1000)
+    x0 = torch.randn(3, 37)
+    t = torch.tensor([3, 500, 998])
+
+    def step(x0, t, w):
+        xt = ops.q_sample(x0, t, sched, seed=5)
+        return ops.diffusion_loss(xt * w, x0, None, t, sched, weighting="min_snr", seed=5)
+
+    w = torch.randn(37, requires_grad=True)
+    eager = step(x0, t, w)
+    (ge,) = torch.autograd.grad(eager, w)
+    compiled = torch.compile(step, fullgraph=True)(x0, t, w)
+    (gc,) = torch.autograd.grad(compiled, w)
+    torch.testing.assert_close(compiled, eager)
+    torch.testing.assert_close(gc, ge)
