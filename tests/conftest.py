@@ -14,6 +14,10 @@ if not _cuda:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Under pytest-xdist each worker gets one thread: with as many workers as cores, more threads only fight.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _seed():

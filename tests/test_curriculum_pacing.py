@@ -275,3 +275,22 @@ def test_from_schedule_defaults():
     assert cur.clusters == uniform_clusters(1000, 20)
     assert cur.patience * cur.eval_every == 200  # the paper's maximum patience tau in iterations
     assert cur.unlocked_clusters == [19] and cur.timestep_weights()[950:].sum() == pytest.approx(1.0)
+
+
+@pytest.mark.gpu
+def test_observe_does_not_synchronise_between_evaluations():
+    cur = Curriculum(CLUSTERS, T, patience=2, eval_every=5)
+    dev = torch.device("cuda")
+    t = torch.randint(0, T, (64,), device=dev)
+    cur.observe_per_timestep(t, torch.rand(64, device=dev))  # first call allocates the accumulators
+    cur.observe(0, torch.tensor(1.0, device=dev))
+    for step in range(1, 40):
+        loss = torch.tensor(1.0, device=dev)
+        boundary = (step + 1) % 5 == 0
+        torch.cuda.set_sync_debug_mode(0 if boundary else "error")
+        try:
+            cur.observe_per_timestep(t, torch.rand(64, device=dev))
+            cur.observe(step, loss)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert cur.history and cur.cluster_losses().isfinite().any()

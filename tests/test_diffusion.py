@@ -241,6 +241,7 @@ def test_hybrid_loss_matches_reference(b):
     c = 3
     x0 = (torch.rand(b, c, 5, dtype=torch.float64) * 2 - 1).clamp(-0.98, 0.98)
     x0[0, 0, 0], x0[-1, 1, 1] = -1.0, 1.0  # the edge bins of the decoder
+    x0[0, 1, 0], x0[-1, 2, 4] = -0.9995, 0.9995  # inside the edge-bin threshold 0.999
     noise = torch.randn_like(x0)
     t = torch.randint(0, 1000, (b,))
     t[0] = 0

@@ -33,6 +33,21 @@ MU, S = -0.4, 0.6
 N, D = 8000, 2  # 16,000 draws: standard error of the mean 0.0047, of the std about 0.5 %
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # thousands of small ops per sampling loop: intra-op threads only add contention on a shared 2-core runner
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _edm_mean(mu, sigma_max=80.0):
+    # EDM starts from N(0, sigma_max^2) instead of N(mu, S^2 + sigma_max^2): the exact ODE carries the offset -mu
+    # down by the factor S / sqrt(S^2 + sigma_max^2)
+    return mu * (1 - S / math.sqrt(S * S + sigma_max**2))
+
+
 # ---- exact predictors for Gaussian data ----------------------------------------------------------------------
 
 
@@ -97,7 +112,7 @@ def test_ddpm_step_closed_form(b):
     nonzero = (t != 0).double().reshape(-1, 1, 1)
     torch.testing.assert_close(x_prev, mean + nonzero * var.sqrt() * z)
     torch.testing.assert_close(x0, (x - (1 - ab).sqrt() * eps) / ab.sqrt())
-    assert torch.equal(x_prev[0], mean[0])  # no noise at t = 0
+    torch.testing.assert_close(x_prev[0], mean[0], rtol=1e-12, atol=1e-12)  # no noise at t = 0
 
 
 def test_ddpm_step_learned_sigma():
@@ -226,7 +241,7 @@ def test_ddpm_learned_sigma_at_upper_end_equals_fixed_large():
 @pytest.mark.parametrize("churn", [0.0, 10.0])
 def test_edm_heun_gaussian(churn):
     x = edm_heun_sample(edm_denoiser, (N, D), num_steps=40, S_churn=churn, seed=2, dtype=torch.float64)
-    _check_gaussian(x, std_rel=0.04)
+    _check_gaussian(x, mu=_edm_mean(MU))
 
 
 @pytest.mark.parametrize("method,steps", [("euler", 100), ("heun", 40)])
@@ -256,14 +271,14 @@ def test_cfg_sampling_shifts_the_mean(sampler):
         x = flow_sample(
             flow_velocity, (N, D), y, num_steps=40, cfg_scale=w, num_classes=num_classes, seed=4, dtype=torch.float64
         )
-    _check_gaussian(x, mu=target_mu)
+    _check_gaussian(x, mu=_edm_mean(target_mu) if sampler == "edm" else target_mu)
 
 
 # ---- reproducibility, progress, bad input -------------------------------------------------------------------
 
 
 def test_seed_generator_noise_and_progress():
-    base = DDPMSchedule(20)
+    base = DDPMSchedule(25, "cosine")
     m = ddpm_eps_model(base)
     a = ddpm_sample(m, base, (3, 2), seed=9)
     b = ddpm_sample(m, base, (3, 2), generator=make_generator(9), progress=True)

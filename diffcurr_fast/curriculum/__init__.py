@@ -8,6 +8,11 @@ from diffcurr_fast.curriculum.clustering import (
     cluster_timesteps,
     uniform_clusters,
 )
+from diffcurr_fast.curriculum.difficulty import (
+    consecutive_kl,
+    convergence_by_interval,
+    load_digits_data,
+)
 from diffcurr_fast.curriculum.pacing import ORDERS, PACINGS, Curriculum
 
 __all__ = [
@@ -19,5 +24,8 @@ __all__ = [
     "check_clusters",
     "cluster_snr",
     "cluster_timesteps",
+    "consecutive_kl",
+    "convergence_by_interval",
+    "load_digits_data",
     "uniform_clusters",
 ]

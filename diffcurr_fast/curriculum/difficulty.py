@@ -276,8 +276,9 @@ def convergence_by_interval(
     """Train a fresh model on each timestep interval for ``steps`` AdamW steps and record its convergence.
 
     ``model_factory()`` builds the network, called as ``model(x_t, t, y)``; None uses ``small_dit``. Every model
-    starts from the same seed; each interval has a fixed held-out batch (``eval_size`` images, timesteps and noise
-    drawn once) evaluated every ``eval_every`` steps. ``labels`` (N,) default to zeros.
+    is built under the same seed (inside a forked RNG, so the global RNG is untouched); each interval has a fixed
+    held-out batch (``eval_size`` images, timesteps and noise drawn once) evaluated every ``eval_every`` steps.
+    ``labels`` (N,) default to zeros.
     """
     data = torch.as_tensor(data)
     if data.ndim < 2 or data.shape[0] < 1:
@@ -339,8 +340,9 @@ def convergence_by_interval(
         eval_t = torch.randint(lo, hi, (eval_size,), generator=gen)
         eval_eps = torch.randn((eval_size,) + tuple(x_all.shape[1:]), generator=gen)
         eval_batch = (x_all[eval_idx.to(device)], y_all[eval_idx.to(device)], eval_t.to(device), eval_eps.to(device))
-        torch.manual_seed(seed)
-        model = factory().to(device)
+        with torch.random.fork_rng(devices=[]):  # same initial weights for every interval; global RNG untouched
+            torch.manual_seed(seed)
+            model = factory().to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
 
         def evaluate(model: nn.Module = model, batch: tuple = eval_batch) -> float:

@@ -126,6 +126,7 @@ class Curriculum:
         self._order = list(range(n - 1, -1, -1)) if order == "easy_to_hard" else list(range(n))
         self._bounds = torch.tensor([hi for _, hi in self.clusters[:-1]], dtype=torch.long)  # (N - 1,)
         self._sizes = torch.tensor([hi - lo for lo, hi in self.clusters], dtype=torch.float64)  # (N,)
+        self._bounds_on: dict[torch.device, torch.Tensor] = {}  # cluster boundaries cached per device
 
         # ---- decision state (all of it goes into state_dict) ----
         self._stage = n - 1 if pacing == "none" else 0
@@ -206,7 +207,10 @@ class Curriculum:
         t = torch.as_tensor(t)
         if t.dtype.is_floating_point or t.dtype == torch.bool:
             raise ValueError(f"t must be an integer tensor of timestep indices, got dtype {t.dtype}")
-        return torch.bucketize(t.long(), self._bounds.to(t.device), right=True)
+        bounds = self._bounds_on.get(t.device)
+        if bounds is None:
+            bounds = self._bounds_on[t.device] = self._bounds.to(t.device)
+        return torch.bucketize(t.long(), bounds, right=True)
 
     # ---- sampling distribution -----------------------------------------------------------------------
     def cluster_probabilities(self) -> torch.Tensor:
@@ -359,6 +363,7 @@ class Curriculum:
         self._win_count = 0
         self._evals += 1
         self._update_cluster_emas(cl_sum, cl_count)
+        # Kim et al. Algorithm 1 (pacing): count evaluations without improvement of the monitored loss.
         self._monitor = mean if self._monitor is None else self.ema * self._monitor + (1.0 - self.ema) * mean
         threshold = self._best - self.min_delta * abs(self._best) if math.isfinite(self._best) else math.inf
         if self._monitor < threshold:

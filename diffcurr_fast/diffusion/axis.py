@@ -50,6 +50,10 @@ class Formulation(ABC):
         return torch.exp(self.log_snr(t))
 
     @abstractmethod
+    def t_range(self) -> tuple[float, float]:
+        """(t_lo, t_hi): the interval of ``t`` the formulation trains and samples on (lowest to highest noise)."""
+
+    @abstractmethod
     def t_from_log_snr(self, log_snr: torch.Tensor) -> torch.Tensor:
         """Monotone inverse of ``log_snr``: the ``t`` whose log SNR is (nearest to) ``log_snr``."""
 

@@ -95,20 +95,32 @@ class DDPMSchedule(Formulation):
         if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
             raise ValueError(f"t must be an integer tensor of timestep indices, got dtype {t.dtype}")
         t = t.long()
-        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.num_timesteps):
-            raise ValueError(
-                f"t out of range: values must lie in [0, {self.num_timesteps}), got min {int(t.min())}, "
-                f"max {int(t.max())}"
-            )
+        if t.numel():
+            lo, hi = torch.stack([t.min(), t.max()]).tolist()  # one host sync for both bounds
+            if lo < 0 or hi >= self.num_timesteps:
+                raise ValueError(
+                    f"t out of range: values must lie in [0, {self.num_timesteps}), got min {lo}, max {hi}"
+                )
         return t
+
+    def _table(self, name: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        # float64 tables cast once per (device, dtype) and cached, so gathers stay on the caller's device
+        if device.type == "mps":  # no float64 there
+            dtype = torch.float32
+        key = (name, str(device), dtype)
+        cache = self.__dict__.setdefault("_table_cache", {})
+        if key not in cache:
+            cache[key] = getattr(self, name).to(device=device, dtype=dtype)
+        return cache[key]
 
     def coef(self, name: str, t: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
         """Gather table ``name`` at ``t``; shaped (B, 1, ..., 1) to broadcast against ``like`` when given."""
         t = self.check_t(t)
-        out = getattr(self, name)[t.cpu()]
-        if like is not None:
-            out = out.to(device=like.device, dtype=like.dtype).reshape(t.shape + (1,) * (like.ndim - t.ndim))
-        return out
+        if like is None:
+            return getattr(self, name)[t.cpu()]
+        # gathered in float64 on like's device, then cast: identical values to casting after a CPU gather
+        out = self._table(name, like.device, torch.float64)[t.to(like.device)].to(like.dtype)
+        return out.reshape(t.shape + (1,) * (like.ndim - t.ndim))
 
     # ---- the difficulty axis ------------------------------------------------------------------------
     def snr(self, t: torch.Tensor) -> torch.Tensor:
@@ -157,6 +169,10 @@ class DDPMSchedule(Formulation):
         if prediction == "x0":
             return one, zero
         return -self.coef("sqrt_one_minus_alphas_cumprod", t), self.coef("sqrt_alphas_cumprod", t)
+
+    def t_range(self) -> tuple[float, float]:
+        """(0, T - 1): the index range."""
+        return 0.0, float(self.num_timesteps - 1)
 
     def t_from_log_snr(self, log_snr: torch.Tensor) -> torch.Tensor:
         """Timestep index whose log SNR is nearest to ``log_snr`` (int64; monotone non-increasing)."""

@@ -171,6 +171,10 @@ class EDMFormulation(Formulation):
         """SNR = 1 / sigma^2."""
         return 1.0 / self.check_t(t) ** 2
 
+    def t_range(self) -> tuple[float, float]:
+        """(sigma_min, sigma_max), the sampler's noise range (EDM Table 1)."""
+        return self.sigma_min, self.sigma_max
+
     def t_from_log_snr(self, log_snr: torch.Tensor) -> torch.Tensor:
         """sigma = exp(-log_snr / 2) (monotone decreasing)."""
         lam = torch.as_tensor(log_snr, dtype=torch.float64)

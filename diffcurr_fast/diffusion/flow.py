@@ -66,6 +66,10 @@ class FlowFormulation(Formulation):
         t = self.check_t(t)
         return (1.0 - t) ** 2 / t**2
 
+    def t_range(self) -> tuple[float, float]:
+        """(train_eps, 1 - train_eps)."""
+        return self.train_eps, 1.0 - self.train_eps
+
     def t_from_log_snr(self, log_snr: torch.Tensor) -> torch.Tensor:
         """t = 1 / (1 + exp(log_snr / 2)) = sigmoid(-log_snr / 2) (monotone decreasing)."""
         lam = torch.as_tensor(log_snr, dtype=torch.float64)

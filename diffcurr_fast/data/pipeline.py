@@ -1,0 +1,229 @@
+"""Sharded, resumable, per-epoch reshuffled loading with a DALI or a torch DataLoader backend.
+
+``ShardedLoader`` is the one entry point: ``for x, y in loader`` runs the rest of the current epoch (from the
+resume position) and then advances to the next epoch; ``state_dict()``/``load_state_dict()`` save and restore
+the position. Both backends read the indices of ``ShardedOrder`` in the same order, so they yield the same
+samples for the same seed and shard (see ``data.order``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from diffcurr_fast.data.images import ImageDataset, ImageFolder
+from diffcurr_fast.data.latents import LatentDataset, open_latents
+from diffcurr_fast.data.order import ShardedOrder
+
+BACKENDS = ("auto", "dali", "torch")
+
+
+class ListSampler(Sampler):
+    """Yields a fixed list of keys (dataset indices, or ``(index, flip)`` pairs) in order."""
+
+    def __init__(self, keys: Sequence) -> None:
+        self.keys = list(keys)
+
+    def __iter__(self) -> Iterator:
+        return iter(self.keys)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+class _SkipCollate:
+    """Default collation that drops ``None`` samples (unreadable files under ``on_bad='skip'``) and counts them."""
+
+    def __call__(self, batch: list) -> tuple[torch.Tensor, torch.Tensor, int]:
+        kept = [b for b in batch if b is not None]
+        skipped = len(batch) - len(kept)
+        if not kept:
+            return torch.empty(0), torch.empty(0, dtype=torch.int64), skipped
+        x = torch.stack([b[0] for b in kept])  # (B, C, H, W)
+        y = torch.stack([b[1] for b in kept])  # (B,)
+        return x, y, skipped
+
+
+def resolve_backend(backend: str) -> str:
+    """``"auto"`` -> ``"dali"`` when DALI imports, else ``"torch"``; an explicit ``"dali"`` must be available."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    from diffcurr_fast.data.dali import dali_available, require_dali
+
+    if backend == "auto":
+        return "dali" if dali_available() else "torch"
+    if backend == "dali":
+        require_dali()
+    return backend
+
+
+class ShardedLoader:
+    """Batches ``(x (B, C, H, W) float32, y (B,) int64)`` of one rank, reshuffled per epoch, resumable.
+
+    Args:
+        source: a ``LatentDataset`` or an ``ImageFolder`` (or a path: a latent directory, or an image folder when
+            ``image_size`` is given).
+        batch_size: samples per batch (the last batch of an epoch may be shorter unless ``drop_last``).
+        image_size: output size for image folders (ADM centre crop); must be None for latents.
+        seed, shard_id, num_shards, shuffle, drop_last, pad: see ``ShardedOrder``; ``drop_last`` also drops a
+            trailing partial batch.
+        hflip: random horizontal flips for images (decided per sample by ``flip_decisions``).
+        backend: ``"auto"``, ``"dali"`` or ``"torch"``.
+        num_workers: DataLoader workers (torch) or DALI CPU threads (at least 1).
+        device_id: DALI GPU id (None: CPU-only pipelines); ``decoder_device`` ``"cpu"`` or ``"mixed"`` (GPU).
+        on_bad, check: bad-data policy and image check level when ``source`` is a path.
+        epoch, start: initial position (epoch and samples already consumed in it on this rank).
+    """
+
+    def __init__(
+        self,
+        source: LatentDataset | ImageFolder | str | os.PathLike,
+        batch_size: int,
+        *,
+        image_size: int | None = None,
+        seed: int = 0,
+        shard_id: int = 0,
+        num_shards: int = 1,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        pad: bool = False,
+        hflip: bool = True,
+        backend: str = "auto",
+        num_workers: int = 0,
+        device_id: int | None = None,
+        decoder_device: str = "cpu",
+        on_bad: str = "stop",
+        check: str = "header",
+        epoch: int = 0,
+        start: int = 0,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        if isinstance(source, (str, os.PathLike)):
+            source = ImageFolder(source, on_bad, check) if image_size is not None else open_latents(source, on_bad)
+        if isinstance(source, ImageFolder):
+            if image_size is None:
+                raise ValueError("image folders need image_size (the ADM centre-crop size)")
+            self.kind = "images"
+        elif isinstance(source, LatentDataset):
+            if image_size is not None:
+                raise ValueError(f"image_size={image_size} applies to image folders only, not to latents")
+            self.kind = "latents"
+        else:
+            raise ValueError(f"source must be a LatentDataset, an ImageFolder or a path, got {type(source).__name__}")
+        self.source, self.image_size, self.batch_size = source, image_size, batch_size
+        self.hflip = hflip and self.kind == "images"
+        self.order = ShardedOrder(len(source), seed, shard_id, num_shards, shuffle, drop_last, pad)
+        self.drop_last = drop_last
+        self.backend = resolve_backend(backend)
+        self.num_workers, self.device_id, self.decoder_device = num_workers, device_id, decoder_device
+        self.skipped = 0
+        self.epoch, self.start = 0, 0
+        self.load_state_dict({"epoch": epoch, "start": start})
+
+    def __len__(self) -> int:
+        """Batches in a full epoch."""
+        n = len(self.order)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    @property
+    def samples_per_epoch(self) -> int:
+        """Samples this rank reads per epoch."""
+        n = len(self.order)
+        return (n // self.batch_size) * self.batch_size if self.drop_last else n
+
+    def state_dict(self) -> dict[str, int]:
+        """The resume position: epoch and samples already consumed in it on this rank, plus the order's identity."""
+        return {
+            "epoch": self.epoch,
+            "start": self.start,
+            "seed": self.order.seed,
+            "shard_id": self.order.shard_id,
+            "num_shards": self.order.num_shards,
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore a position from ``state_dict()`` (seed/shard must match when present)."""
+        for key in ("seed", "shard_id", "num_shards"):
+            if key in state and state[key] != getattr(self.order, key):
+                raise ValueError(f"cannot resume: saved {key}={state[key]}, this loader has {getattr(self.order, key)}")
+        epoch, start = int(state["epoch"]), int(state["start"])
+        if epoch < 0 or not 0 <= start <= self.samples_per_epoch:
+            raise ValueError(f"resume position must have epoch >= 0 and 0 <= start <= {self.samples_per_epoch}")
+        self.epoch, self.start = epoch, start
+
+    def keys(self, epoch: int, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """(dataset indices, flip decisions) this rank reads in ``epoch`` from ``start``."""
+        idx = self.order.indices(epoch, start)
+        if self.drop_last:
+            idx = idx[: max(self.samples_per_epoch - start, 0)]
+        flips = self.order.flips(epoch, start)[: len(idx)] if self.hflip else np.zeros(len(idx), dtype=bool)
+        return idx, flips
+
+    def epoch_batches(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Batches of ``epoch`` from position ``start``, without touching the loader's own position."""
+        idx, flips = self.keys(epoch, start)
+        if len(idx) == 0:
+            return iter(())
+        if self.backend == "dali":
+            return self._dali_batches(idx, flips)
+        return self._torch_batches(idx, flips)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for x, y in self.epoch_batches(self.epoch, self.start):
+            self.start = min(self.start + self.batch_size, self.samples_per_epoch)
+            yield x, y
+        self.epoch, self.start = self.epoch + 1, 0
+
+    def _torch_batches(self, idx: np.ndarray, flips: np.ndarray) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if self.kind == "images":
+            dataset = ImageDataset(self.source, self.image_size)
+            keys = [(int(i), bool(f)) for i, f in zip(idx, flips)]
+        else:
+            dataset, keys = self.source, [int(i) for i in idx]
+        loader = DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            sampler=ListSampler(keys),
+            num_workers=self.num_workers,
+            collate_fn=_SkipCollate(),
+            persistent_workers=False,
+        )
+        for x, y, skipped in loader:
+            if skipped:
+                self.skipped += skipped
+            if len(x):
+                yield x, y
+
+    def _dali_batches(self, idx: np.ndarray, flips: np.ndarray) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        from diffcurr_fast.data import dali
+
+        threads = max(1, self.num_workers)
+        if self.kind == "images":
+            pipe = dali.image_pipeline(
+                self.source,
+                idx,
+                flips,
+                self.image_size,
+                self.batch_size,
+                num_threads=threads,
+                device_id=self.device_id,
+                decoder_device=self.decoder_device,
+            )
+            files = self.source.files
+        else:
+            pipe = dali.latent_pipeline(self.source, idx, self.batch_size, num_threads=threads, device_id=self.device_id)
+            files = getattr(self.source, "feature_files", None)
+
+        def describe(first: int, last: int) -> str:
+            if files is None:
+                return f"samples {idx[first:last].tolist()} of {getattr(self.source, 'root', 'the dataset')}"
+            return ", ".join(str(files[i]) for i in idx[first:last])
+
+        yield from dali.iterate_pipeline(pipe, len(idx), self.batch_size, self.device_id, describe)

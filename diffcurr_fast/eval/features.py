@@ -1,0 +1,192 @@
+"""Pluggable feature extractors for the metrics: the FID Inception (user-supplied weights) and a digits CNN.
+
+* ``"inception"``: ``FIDInceptionV3`` with pytorch-fid's weights file; pool3 features (2048) and 1008-way
+  class probabilities. This is the extractor whose Frechet distance is FID.
+* ``"digits"``: a small CNN trained on scikit-learn's 8x8 digits (``load_digits``, scaled to [-1, 1]) and cached
+  to a file; penultimate features (64) and 10-way probabilities. For the built-in digits data only: its
+  numbers are labelled ``DIGITS_LABEL`` everywhere and are not comparable with Inception FID.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from diffcurr_fast.eval.inception import load_fid_inception
+
+EXTRACTORS = ("digits", "inception")
+DIGITS_LABEL = "digits-classifier features: not Inception FID"
+INCEPTION_LABEL = "FID Inception-v3 pool3 features (pytorch-fid weights)"
+DIGITS_CACHE_VERSION = 1
+
+
+def default_cache_dir() -> Path:
+    """``$DIFFCURR_FAST_CACHE`` or ``~/.cache/diffcurr_fast``."""
+    return Path(os.environ.get("DIFFCURR_FAST_CACHE", Path.home() / ".cache" / "diffcurr_fast"))
+
+
+def load_digits_data(seed: int = 0, test_fraction: float = 0.2) -> tuple[torch.Tensor, ...]:
+    """scikit-learn digits as (x_train (N, 1, 8, 8) in [-1, 1], y_train, x_test, y_test), stratified split."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    d = load_digits()
+    x = d.images.astype(np.float32) / 8.0 - 1.0  # pixel values 0..16 -> [-1, 1]
+    xtr, xte, ytr, yte = train_test_split(
+        x, d.target, test_size=test_fraction, random_state=seed, stratify=d.target
+    )
+    as_x = lambda a: torch.from_numpy(a).unsqueeze(1)  # (N, 1, 8, 8)
+    as_y = lambda a: torch.from_numpy(a.astype(np.int64))
+    return as_x(xtr), as_y(ytr), as_x(xte), as_y(yte)
+
+
+class DigitsCNN(nn.Module):
+    """Small CNN for 8x8 digits: features (N, 64) from ``features``, logits (N, 10) from ``forward``."""
+
+    def __init__(self, width: int = 32, feature_dim: int = 64, num_classes: int = 10) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, width, 3, padding=1)
+        self.conv2 = nn.Conv2d(width, width, 3, padding=1)
+        self.conv3 = nn.Conv2d(width, 2 * width, 3, padding=1)
+        self.proj = nn.Linear(2 * width * 16, feature_dim)
+        self.head = nn.Linear(feature_dim, num_classes)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.conv1(x))  # (N, w, 8, 8)
+        h = F.max_pool2d(F.relu(self.conv2(h)), 2)  # (N, w, 4, 4)
+        h = F.relu(self.conv3(h))  # (N, 2w, 4, 4)
+        return F.relu(self.proj(h.flatten(1)))  # (N, feature_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))  # (N, num_classes)
+
+
+def train_digits_classifier(epochs: int = 30, seed: int = 0, lr: float = 3e-3) -> tuple[DigitsCNN, float]:
+    """Train ``DigitsCNN`` on the digits training split; returns (model in eval mode, held-out accuracy)."""
+    xtr, ytr, xte, yte = load_digits_data(seed)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = DigitsCNN()
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, epochs)
+    for _ in range(epochs):
+        model.train()
+        perm = torch.randperm(len(xtr), generator=gen)
+        for s in range(0, len(xtr), 64):
+            b = perm[s : s + 64]
+            loss = F.cross_entropy(model(xtr[b]), ytr[b])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        sched.step()
+    model.eval()
+    with torch.no_grad():
+        acc = float((model(xte).argmax(1) == yte).float().mean())
+    return model, acc
+
+
+def digits_classifier(cache: str | os.PathLike | None = None, retrain: bool = False) -> tuple[DigitsCNN, float]:
+    """The digits classifier from ``cache`` (default ``default_cache_dir()/digits_classifier_v1.pt``), trained and
+    saved there first when missing; returns (model, held-out accuracy)."""
+    path = Path(cache) if cache is not None else default_cache_dir() / f"digits_classifier_v{DIGITS_CACHE_VERSION}.pt"
+    if path.is_file() and not retrain:
+        try:
+            blob = torch.load(path, map_location="cpu", weights_only=True)
+            model = DigitsCNN()
+            model.load_state_dict(blob["state_dict"])
+            if int(blob["version"]) == DIGITS_CACHE_VERSION:
+                return model.eval(), float(blob["accuracy"])
+        except (OSError, RuntimeError, KeyError, ValueError):
+            pass  # unreadable or stale cache: retrain below and overwrite it
+    model, acc = train_digits_classifier()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"version": DIGITS_CACHE_VERSION, "accuracy": acc, "state_dict": model.state_dict()}, tmp)
+    os.replace(tmp, path)
+    return model, acc
+
+
+class FeatureExtractor(abc.ABC):
+    """Maps images (N, C, H, W) in [-1, 1] to features (N, D) and class probabilities (N, K)."""
+
+    name: str
+    label: str
+    dim: int
+
+    @abc.abstractmethod
+    def _forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(features, logits) of one batch."""
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor | np.ndarray, batch_size: int = 256) -> tuple[np.ndarray, np.ndarray]:
+        """(features (N, D) float64, probabilities (N, K) float64) in batches of ``batch_size``."""
+        x = torch.as_tensor(images)
+        if x.ndim != 4:
+            raise ValueError(f"images must be (N, C, H, W), got shape {tuple(x.shape)}")
+        if x.is_floating_point() and x.numel() and (x.min() < -1.001 or x.max() > 1.001):
+            raise ValueError(f"images must be in [-1, 1], got range [{float(x.min()):.3g}, {float(x.max()):.3g}]")
+        feats, probs = [], []
+        for s in range(0, x.shape[0], batch_size):
+            f, logits = self._forward(x[s : s + batch_size].to(self.device, torch.float32))
+            feats.append(f.double().cpu())
+            probs.append(torch.softmax(logits.double(), dim=1).cpu())
+        return torch.cat(feats).numpy(), torch.cat(probs).numpy()
+
+
+class DigitsExtractor(FeatureExtractor):
+    """Digits-classifier features; images are averaged to one channel and resized to 8x8 when needed."""
+
+    name, label, dim = "digits", DIGITS_LABEL, 64
+
+    def __init__(self, cache: str | os.PathLike | None = None, device: str | torch.device = "cpu") -> None:
+        self.model, self.accuracy = digits_classifier(cache)
+        self.device = torch.device(device)
+        self.model.to(self.device)
+
+    def _forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = images.mean(dim=1, keepdim=True) if images.shape[1] != 1 else images  # (N, 1, H, W)
+        if x.shape[-2:] != (8, 8):
+            x = F.interpolate(x, size=(8, 8), mode="bilinear", antialias=True, align_corners=False)  # (N, 1, 8, 8)
+        f = self.model.features(x)  # (N, 64)
+        return f, self.model.head(f)
+
+
+class InceptionExtractor(FeatureExtractor):
+    """FID Inception pool3 features and 1008-way probabilities from a user-supplied weights file."""
+
+    name, label, dim = "inception", INCEPTION_LABEL, 2048
+
+    def __init__(self, weights: str | os.PathLike | None, device: str | torch.device = "cpu") -> None:
+        if weights is None:
+            raise ValueError(
+                "the inception extractor needs --inception-weights PATH (pytorch-fid's "
+                "pt_inception-2015-12-05-6726825d.pth); it is never downloaded"
+            )
+        self.device = torch.device(device)
+        self.model = load_fid_inception(weights, self.device)
+
+    def _forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        f = self.model(images)  # (N, 2048)
+        return f, self.model.logits(f)
+
+
+def get_extractor(
+    name: str,
+    *,
+    inception_weights: str | os.PathLike | None = None,
+    digits_cache: str | os.PathLike | None = None,
+    device: str | torch.device = "cpu",
+) -> FeatureExtractor:
+    """The feature extractor called ``name`` (one of ``EXTRACTORS``)."""
+    if name == "digits":
+        return DigitsExtractor(digits_cache, device)
+    if name == "inception":
+        return InceptionExtractor(inception_weights, device)
+    raise ValueError(f"extractor must be one of {EXTRACTORS}, got {name!r}")

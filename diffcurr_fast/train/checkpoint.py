@@ -1,0 +1,133 @@
+"""Atomic checkpoints, retention, resume and EMA export.
+
+A checkpoint ``ckpt_<step>.pt`` is written to ``<name>.tmp`` in the same directory, flushed and fsynced, then
+renamed over its final name (``os.replace``, atomic on POSIX) and the directory is fsynced; a crash at any point
+leaves either the previous complete set or the new one, never a truncated file under a checkpoint name.
+Leftover ``*.tmp`` files are ignored (and removed by the next save). Files are loaded with
+``torch.load(weights_only=True)``: a checkpoint holds only tensors and plain Python containers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CKPT_DIR = "checkpoints"
+_NAME = re.compile(r"^ckpt_(\d{8,})\.pt$")
+
+
+def ckpt_name(step: int) -> str:
+    return f"ckpt_{step:08d}.pt"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # some filesystems do not open directories
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _replace(src: Path, dst: Path) -> None:
+    """The commit point of a save (a separate function so tests can fail it)."""
+    os.replace(src, dst)
+
+
+def atomic_save(obj: Any, path: str | Path) -> Path:
+    """``torch.save(obj)`` to ``path`` atomically (tmp file in the same directory, fsync, rename, fsync dir)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        _replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """(step, path) of the complete checkpoints under ``run_dir/checkpoints``, ascending by step."""
+    d = Path(run_dir) / CKPT_DIR
+    if not d.is_dir():
+        return []
+    out = []
+    for p in d.iterdir():
+        m = _NAME.match(p.name)
+        if m and p.is_file():
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """Path of the newest complete checkpoint, or None."""
+    ckpts = list_checkpoints(run_dir)
+    return ckpts[-1][1] if ckpts else None
+
+
+def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], keep_last: int = 3) -> Path:
+    """Write ``state`` as ``checkpoints/ckpt_<step>.pt`` atomically, then keep only the newest ``keep_last``."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    d = Path(run_dir) / CKPT_DIR
+    path = atomic_save(state, d / ckpt_name(step))
+    for _, old in list_checkpoints(run_dir)[:-keep_last]:
+        old.unlink(missing_ok=True)
+    for stale in d.glob("*.tmp"):
+        stale.unlink(missing_ok=True)
+    return path
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """``torch.load(path, weights_only=True)``; FileNotFoundError / ValueError with the path on failure."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:
+        raise ValueError(f"checkpoint {str(path)!r} cannot be read ({type(exc).__name__}: {exc})") from None
+    if not isinstance(state, dict) or "model" not in state or "config" not in state:
+        raise ValueError(f"{str(path)!r} is not a diffcurr_fast training checkpoint (no model/config entries)")
+    return state
+
+
+def resolve_checkpoint(path_or_run: str | Path) -> Path:
+    """A checkpoint file, or a run directory (its newest checkpoint)."""
+    p = Path(path_or_run)
+    if p.is_dir():
+        latest = latest_checkpoint(p)
+        if latest is None:
+            raise FileNotFoundError(f"run directory {str(p)!r} has no checkpoint under {CKPT_DIR}/")
+        return latest
+    if not p.is_file():
+        raise FileNotFoundError(f"checkpoint {str(p)!r} does not exist")
+    return p
+
+
+def export_safetensors(state_dict: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, Any]) -> Path:
+    """Write tensors as safetensors (atomically) with ``metadata`` stored as JSON strings."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
+    save_file(tensors, str(tmp), metadata={k: json.dumps(v) for k, v in metadata.items()})
+    _replace(tmp, path)
+    _fsync_dir(path.parent)
+    return path

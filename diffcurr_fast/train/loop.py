@@ -1,0 +1,432 @@
+"""The training loop: curriculum-driven timesteps, fused forward process and loss, AdamW, EMA, checkpoints.
+
+One step (``Trainer.train_step``): timesteps t ~ ``Curriculum.timestep_weights()`` (``ops.sample_timesteps``),
+x_t = sqrt(abar_t) x0 + sqrt(1 - abar_t) eps (``ops.q_sample``, Philox noise from a per-step seed), the network
+output, the per-sample loss (``ops.diffusion_loss`` on the same seed: eps / x0 / v target, MinSNR or P2 weight;
+plus the IDDPM variational term when the variance is learned), backward, a finiteness vote across ranks, clip,
+AdamW step, EMA update, and the curriculum observing the loss. Everything random comes from one per-rank
+generator and torch's global RNG (label dropout), both checkpointed, so a resumed run repeats the
+uninterrupted one exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from diffcurr_fast.curriculum import Curriculum, cluster_timesteps
+from diffcurr_fast.diffusion import hybrid_loss, loss_weights, vb_terms_bpd
+from diffcurr_fast.ops import diffusion_loss, q_sample, sample_timesteps
+from diffcurr_fast.train import checkpoint as ckpt_io
+from diffcurr_fast.train.config import TrainConfig, config_from_dict, config_to_yaml, resume_mismatches
+from diffcurr_fast.train.ema import EMA
+from diffcurr_fast.train.engine import Engine, create_engine, unwrap
+from diffcurr_fast.train.report import MetricsWriter, gpu_stats, plot_cluster_losses, plot_curriculum_timeline
+from diffcurr_fast.train.sampling import build_model, build_schedule, sample, save_grid
+
+# Files a run writes into its directory (``--overwrite`` removes exactly these).
+RUN_ARTIFACTS = ("checkpoints", "metrics.jsonl", "config.yaml", "samples.png", "cluster_loss.png",
+                 "curriculum.png", "ema.safetensors", "tb")  # fmt: skip
+
+
+class NonFiniteLossError(RuntimeError):
+    """Raised when the NaN/inf loss policy stops the run."""
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate of ``step`` (0-based): linear warmup to ``lr``, then constant or cosine decay to ``min_lr``."""
+    o = cfg.optim
+    if o.warmup_steps and step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    if o.schedule == "constant":
+        return o.lr
+    span = max(cfg.engine.max_steps - o.warmup_steps, 1)
+    frac = min(max(step - o.warmup_steps, 0) / span, 1.0)
+    return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1.0 + math.cos(math.pi * frac))  # cosine annealing
+
+
+def build_dataset(cfg: TrainConfig):
+    """The training dataset of ``cfg.data``, checked against the model's input shape and classes."""
+    from diffcurr_fast.data.builtin import load_builtin
+    from diffcurr_fast.data.loader import ArrayDataset, load_npz
+
+    d, m = cfg.data, cfg.model
+    if d.dataset == "digits":
+        x, y = load_builtin("digits")
+        ds = ArrayDataset(x, y, d.scale)
+    else:
+        ds = load_npz(d.path, d.scale)
+    c, h, w = (int(s) for s in ds.x.shape[1:])
+    if (c, h, w) != (m.in_channels, m.input_size, m.input_size):
+        raise ValueError(
+            f"data.dataset {d.dataset!r} has images {c}x{h}x{w} but model.in_channels x model.input_size^2 is "
+            f"{m.in_channels}x{m.input_size}x{m.input_size}; set the model fields to match"
+        )
+    ymax = int(ds.y[:].max()) if len(ds) else 0
+    if ymax >= m.num_classes:
+        raise ValueError(f"data has label {ymax} but model.num_classes is {m.num_classes}")
+    return ds
+
+
+def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse a non-empty run directory unless resuming or overwriting (which removes only run artifacts)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise FileExistsError(f"run directory {str(run_dir)!r} exists and is not a directory")
+    if run_dir.is_dir() and any(run_dir.iterdir()) and not (resume or overwrite):
+        raise FileExistsError(
+            f"run directory {str(run_dir)!r} is not empty; pass --resume to continue it or --overwrite to replace it"
+        )
+
+
+def _clear_artifacts(run_dir: Path) -> None:
+    for name in RUN_ARTIFACTS:
+        p = run_dir / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+
+
+class Trainer:
+    """Builds everything from a ``TrainConfig`` and runs it; ``resume`` continues the newest checkpoint."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        engine: Engine | None = None,
+        *,
+        resume: bool = False,
+        overwrite: bool = False,
+        dataset: Any = None,
+    ):
+        self.cfg = cfg.validate()
+        self.engine = engine or create_engine(cfg.engine.kind, cfg.engine.device)
+        self.device = self.engine.device
+        self.run_dir = Path(cfg.checkpoint.run_dir)
+        prepare_run_dir(self.run_dir, resume, overwrite)
+        self.engine.barrier()  # every rank has checked before rank 0 writes
+        if self.engine.is_main:
+            if overwrite and not resume:
+                _clear_artifacts(self.run_dir)
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        e, d, o = cfg.engine, cfg.diffusion, cfg.optim
+        rank, world = self.engine.rank, self.engine.world_size
+        if d.formulation != "ddpm":
+            raise ValueError(f"diffusion.formulation {d.formulation!r} is not supported; valid choices: ddpm")
+        if cfg.data.batch_size % world:
+            raise ValueError(f"data.batch_size {cfg.data.batch_size} is not divisible by the world size {world}")
+        if self.device.type == "cuda" and e.tf32:
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        torch.manual_seed(e.seed + rank)
+        random.seed(e.seed + rank)
+        self.gen = torch.Generator().manual_seed(e.seed * 7919 + rank)  # timesteps and noise seeds
+
+        from diffcurr_fast.data.loader import ResumableLoader
+
+        self.dataset = dataset if dataset is not None else build_dataset(cfg)
+        self.loader = ResumableLoader(
+            self.dataset, cfg.data.batch_size, rank=rank, world=world, seed=e.seed,
+            num_workers=cfg.data.num_workers, pin_memory=self.device.type == "cuda",
+        )  # fmt: skip
+        self.schedule = build_schedule(cfg)
+        c = cfg.curriculum
+        clusters = cluster_timesteps(self.schedule, c.num_clusters, c.method)
+        self.curriculum = Curriculum(
+            clusters, d.num_timesteps, pacing=c.pacing, order=c.order, patience=c.patience, ema=c.ema,
+            min_delta=c.min_delta, stage_iters=c.stage_iters or None, eval_every=c.eval_every,
+            adaptive_floor=c.adaptive_floor,
+        )  # fmt: skip
+        self.model = build_model(cfg).to(self.device)
+        self.ema = EMA(self.model, o.ema_decay, o.ema_warmup)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        fused = self.device.type == "cuda"
+        self.opt = torch.optim.AdamW(
+            params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=fused
+        )
+        self.net = self.engine.wrap(self.model)
+        if e.compile:
+            self.net = torch.compile(self.net)
+        self.backend = d.ops_backend if d.fused_ops else "reference"
+        self.step = 0
+        self.nan_skips = 0
+        self._w_src: torch.Tensor | None = None
+        self._w_dev: torch.Tensor | None = None
+        if resume:
+            latest = ckpt_io.latest_checkpoint(self.run_dir)
+            if latest is not None:
+                self.load_state_dict(ckpt_io.load_checkpoint(latest, map_location="cpu"))
+                self.resumed_from: Path | None = latest
+            else:
+                self.resumed_from = None
+        else:
+            self.resumed_from = None
+        if self.engine.is_main:
+            (self.run_dir / "config.yaml").write_text(config_to_yaml(cfg))
+
+    # ---- the objective --------------------------------------------------------------------------------
+    def autocast(self):
+        """bf16 autocast when ``engine.precision`` is bf16, else a no-op context."""
+        if self.cfg.engine.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def per_sample_loss(
+        self,
+        out: torch.Tensor,
+        x0: torch.Tensor,
+        x_t: torch.Tensor,
+        t: torch.Tensor,
+        noise: torch.Tensor | None = None,
+        seed: int | None = None,
+    ) -> torch.Tensor:
+        """(B,) loss of network output ``out`` (B, C or 2C, H, W): weighted MSE (+ VB term with learned sigma).
+
+        With fused ops the MSE is ``ops.diffusion_loss`` (noise regenerated from ``seed`` or given); otherwise
+        the reference ``hybrid_loss`` with ``loss_weights`` (MinSNR: Hang et al. Eq. 5). IDDPM Eq. 16 hybrid.
+        """
+        d = self.cfg.diffusion
+        out = out.float()
+        if not d.fused_ops:
+            w = loss_weights(self.schedule.snr(t.cpu()), d.prediction, d.weighting, d.min_snr_gamma)
+            w = w.to(device=out.device, dtype=torch.float32)
+            terms = hybrid_loss(self.schedule, out, x0, x_t, t, noise, d.learn_sigma, d.prediction, weights=w)
+            return terms["loss"]
+        c = x0.shape[1]
+        pred = out[:, :c]  # (B, C, H, W)
+        mse = diffusion_loss(
+            pred, x0, noise, t, self.schedule, prediction=d.prediction, weighting=d.weighting,
+            gamma=d.min_snr_gamma, reduction="none", seed=seed, backend=self.backend, validate=False,
+        )  # fmt: skip
+        if not d.learn_sigma:
+            return mse
+        frozen = torch.cat([pred.detach(), out[:, c:]], dim=1)  # (B, 2C, H, W): VB trains the variance only
+        vb = vb_terms_bpd(self.schedule, frozen, x0, x_t, t, learn_sigma=True, prediction=d.prediction)["output"]
+        return mse + vb
+
+    def _timestep_weights(self) -> torch.Tensor:
+        w = self.curriculum.timestep_weights()
+        if w is not self._w_src:
+            self._w_src, self._w_dev = w, w.to(self.device)
+        return self._w_dev
+
+    # ---- one step (one screen) ------------------------------------------------------------------------
+    def train_step(self, x0: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+        """One optimizer step on the per-rank batch (x0 (b, C, H, W), y (b,)); returns step statistics."""
+        b, o = x0.shape[0], self.cfg.optim
+        t = sample_timesteps(b, self._timestep_weights(), generator=self.gen, validate=False,
+                             backend=self.backend)  # (b,) from the unlocked clusters  # fmt: skip
+        seed = int(torch.randint(0, 2**62, (1,), generator=self.gen))
+        noise = None if self.cfg.diffusion.fused_ops else torch.randn(x0.shape, generator=self.gen).to(x0.device)
+        x_t = q_sample(x0, t, self.schedule, noise, seed=None if noise is not None else seed,
+                       backend=self.backend, validate=False)  # (b, C, H, W), Ho et al. Eq. 4  # fmt: skip
+        with self.autocast():
+            out = self.net(x_t, t, y)  # (b, C or 2C, H, W)
+        per = self.per_sample_loss(out, x0, x_t, t, noise, seed)  # (b,)
+        loss = per.mean()
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        stats: dict[str, Any] = {"t": t}
+        if self.engine.all_true(torch.isfinite(loss)):  # every rank votes: skip together or step together
+            if o.grad_clip > 0:
+                stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), o.grad_clip)
+            for group in self.opt.param_groups:
+                group["lr"] = lr_at(self.step, self.cfg)
+            self.opt.step()
+            self.ema.update(self.model)
+            self.curriculum.observe_per_timestep(t, per.detach())
+            stats["unlocked"] = self.curriculum.observe(self.step, loss.detach())
+            stats["loss"] = loss.detach()
+        else:
+            self.opt.zero_grad(set_to_none=True)
+            self.nan_skips += 1
+            if self.cfg.engine.nan_policy == "stop" or self.nan_skips > self.cfg.engine.max_nan_skips:
+                raise NonFiniteLossError(
+                    f"non-finite loss at step {self.step} (nan_policy={self.cfg.engine.nan_policy!r}, "
+                    f"{self.nan_skips} skipped so far, max_nan_skips={self.cfg.engine.max_nan_skips})"
+                )
+            stats["skipped"] = True
+        self.step += 1
+        return stats
+
+    # ---- the run --------------------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        """Train to ``engine.max_steps``, checkpointing and logging; then the end-of-run report (rank 0)."""
+        cfg, main = self.cfg, self.engine.is_main
+        writer = MetricsWriter(self.run_dir, cfg.logging.tensorboard) if main else None
+        bar = tqdm(total=cfg.engine.max_steps, initial=self.step, disable=not (main and cfg.logging.progress),
+                   dynamic_ncols=True)  # fmt: skip
+        self.model.train()
+        win_loss, win_n, t0, seen = torch.zeros((), device=self.device), 0, time.perf_counter(), 0
+        last_loss = math.nan
+        try:
+            while self.step < cfg.engine.max_steps:
+                x0, y = next(self.loader)
+                x0 = x0.to(self.device, non_blocking=True)
+                y = y.to(self.device, non_blocking=True)
+                stats = self.train_step(x0, y)
+                seen += x0.shape[0] * self.engine.world_size
+                if "loss" in stats:
+                    win_loss += stats["loss"]
+                    win_n += 1
+                bar.update(1)
+                if self.step % cfg.logging.log_every == 0 or self.step == cfg.engine.max_steps:
+                    dt = time.perf_counter() - t0
+                    last_loss = float(win_loss) / max(win_n, 1) if win_n else math.nan
+                    rec = self._record(last_loss, seen / max(dt, 1e-9), stats)
+                    bar.set_postfix(loss=f"{last_loss:.4f}", img_s=f"{rec['img_per_s']:.0f}",
+                                    stage=f"{rec['unlocked']}/{self.curriculum.num_clusters}")  # fmt: skip
+                    if writer is not None:
+                        writer.write(rec)
+                    win_loss.zero_()
+                    win_n, seen, t0 = 0, 0, time.perf_counter()
+                if self.step % cfg.checkpoint.every == 0 and self.step < cfg.engine.max_steps:
+                    self.save()
+            self.save()
+        finally:
+            bar.close()
+            if writer is not None:
+                writer.close()
+        summary: dict[str, Any] = {"step": self.step, "loss": last_loss, "nan_skips": self.nan_skips,
+                                   "stage": self.curriculum.stage, "run_dir": str(self.run_dir)}  # fmt: skip
+        if main:
+            summary.update(self.finish())
+        self.engine.barrier()
+        return summary
+
+    def _record(self, loss: float, img_per_s: float, stats: dict[str, Any]) -> dict[str, Any]:
+        cl = self.curriculum.cluster_losses().tolist()
+        rec = {
+            "step": self.step,
+            "loss": loss,
+            "lr": lr_at(self.step - 1, self.cfg),
+            "img_per_s": img_per_s,
+            "stage": self.curriculum.stage,
+            "unlocked": len(self.curriculum.unlocked_clusters),
+            "nan_skips": self.nan_skips,
+            "cluster_loss": [None if math.isnan(v) else v for v in cl],
+        }
+        if "grad_norm" in stats:
+            rec["grad_norm"] = float(stats["grad_norm"])
+        if self.device.type == "cuda":
+            rec.update(gpu_stats(self.device.index or 0))
+            rec["max_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        return rec
+
+    def finish(self) -> dict[str, Any]:
+        """EMA export, sample grid and plots (rank 0). Returns the paths written."""
+        cfg, out = self.cfg, {}
+        meta = {"config": cfg.to_dict(), "step": self.step}
+        if cfg.checkpoint.export_ema:
+            out["ema"] = str(ckpt_io.export_safetensors(self.ema.module.state_dict(), self.run_dir / "ema.safetensors",
+                                                        meta))  # fmt: skip
+        lg, m = cfg.logging, cfg.model
+        if lg.num_samples > 0 and m.in_channels in (1, 3):
+            labels = torch.arange(lg.num_samples) % m.num_classes
+            x = sample(
+                self.ema.module, self.schedule, sampler=lg.sampler, steps=min(lg.sample_steps,
+                cfg.diffusion.num_timesteps), labels=labels, channels=m.in_channels, size=m.input_size,
+                num_classes=m.num_classes, learn_sigma=cfg.diffusion.learn_sigma, prediction=cfg.diffusion.prediction,
+                cfg_scale=lg.cfg_scale, clip_denoised=cfg.data.dataset == "digits", seed=cfg.engine.seed,
+                device=self.device,
+            )  # fmt: skip
+            x = x / cfg.data.scale
+            nrow = m.num_classes if m.num_classes <= 16 else None
+            out["samples"] = str(save_grid(x, self.run_dir / "samples.png", nrow=nrow,
+                                           upscale=max(1, 32 // m.input_size)))  # fmt: skip
+        if lg.plots:
+            from diffcurr_fast.train.report import read_metrics
+
+            records = read_metrics(self.run_dir / "metrics.jsonl")
+            clusters = [list(c) for c in self.curriculum.clusters]
+            out["cluster_loss_plot"] = str(plot_cluster_losses(records, clusters, self.run_dir / "cluster_loss.png"))
+            out["curriculum_plot"] = str(plot_curriculum_timeline(
+                records, self.curriculum.history, self.curriculum.num_clusters, cfg.engine.max_steps,
+                self.run_dir / "curriculum.png"))  # fmt: skip
+        return out
+
+    # ---- state ----------------------------------------------------------------------------------------
+    def _rng_state(self) -> dict[str, Any]:
+        state = {"torch": torch.get_rng_state(), "gen": self.gen.get_state(), "python": random.getstate()}
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resume needs; RNG states of every rank (gathered)."""
+        return {
+            "step": self.step,
+            "config": self.cfg.to_dict(),
+            "model": self.model.state_dict(),
+            "ema": self.ema.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "lr_schedule": {"step": self.step},
+            "curriculum": self.curriculum.state_dict(),
+            "data": self.loader.state_dict(),
+            "rng": self.engine.gather_objects(self._rng_state()),
+            "nan_skips": self.nan_skips,
+            "world_size": self.engine.world_size,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()``; ValueError naming the differences for an incompatible config."""
+        diffs = resume_mismatches(state["config"], self.cfg)
+        if diffs:
+            raise ValueError("cannot resume: the checkpoint was trained with a different config: " + "; ".join(diffs))
+        if state["world_size"] != self.engine.world_size:
+            raise ValueError(
+                f"cannot resume: the checkpoint was written by {state['world_size']} ranks, this run has "
+                f"{self.engine.world_size}"
+            )
+        self.model.load_state_dict(state["model"])
+        self.ema.load_state_dict(state["ema"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.curriculum.load_state_dict(state["curriculum"])
+        self.loader.load_state_dict(state["data"])
+        self.step = int(state["step"])
+        self.nan_skips = int(state["nan_skips"])
+        rng = state["rng"][self.engine.rank]
+        torch.set_rng_state(rng["torch"])
+        self.gen.set_state(rng["gen"])
+        random.setstate(_to_tuple(rng["python"]))
+        if "cuda" in rng and self.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], self.device)
+
+    def save(self) -> Path | None:
+        """Write a checkpoint of the current step (rank 0 writes; all ranks take part in the gather)."""
+        state = self.state_dict()
+        path = None
+        if self.engine.is_main:
+            path = ckpt_io.save_checkpoint(self.run_dir, self.step, state, self.cfg.checkpoint.keep_last)
+        self.engine.barrier()
+        return path
+
+
+def _to_tuple(obj: Any) -> Any:
+    return tuple(_to_tuple(v) for v in obj) if isinstance(obj, (list, tuple)) else obj
+
+
+def train(
+    cfg: TrainConfig | dict[str, Any], *, resume: bool = False, overwrite: bool = False, engine: Engine | None = None
+) -> dict[str, Any]:
+    """Build a ``Trainer`` for ``cfg`` and run it; the engine is closed at the end when created here."""
+    if isinstance(cfg, dict):
+        cfg = config_from_dict(cfg)
+    own = engine is None
+    engine = engine or create_engine(cfg.engine.kind, cfg.engine.device)
+    try:
+        return Trainer(cfg, engine, resume=resume, overwrite=overwrite).fit()
+    finally:
+        if own:
+            engine.close()
+
+
+__all__ = ["NonFiniteLossError", "Trainer", "lr_at", "train", "unwrap"]

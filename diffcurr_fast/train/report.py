@@ -1,0 +1,124 @@
+"""Run telemetry and the end-of-run plots: metrics.jsonl, optional TensorBoard, GPU stats, matplotlib figures."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to ``metrics.jsonl``; mirrors scalars to TensorBoard when asked and able."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = False):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._fh = open(self.path, "a")
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
+            except ImportError:
+                self._tb = None
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._fh.write(json.dumps(record, allow_nan=True) + "\n")
+        self._fh.flush()
+        if self._tb is not None:
+            step = int(record.get("step", 0))
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self._fh.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Records of a metrics.jsonl file."""
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+_NVML: Any = None
+
+
+def gpu_stats(device_index: int = 0) -> dict[str, Any]:
+    """GPU utilisation and memory via NVML (``nvidia-ml-py``), or ``{"gpu": "no GPU"}`` when unavailable."""
+    global _NVML
+    try:
+        if _NVML is None:
+            import pynvml
+
+            pynvml.nvmlInit()
+            _NVML = pynvml
+        h = _NVML.nvmlDeviceGetHandleByIndex(device_index)
+        util = _NVML.nvmlDeviceGetUtilizationRates(h)
+        mem = _NVML.nvmlDeviceGetMemoryInfo(h)
+        return {"gpu_util": float(util.gpu), "gpu_mem_gib": mem.used / 2**30}
+    except Exception:  # no pynvml, no driver, no device
+        _NVML = None
+        return {"gpu": "no GPU"}
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_cluster_losses(records: list[dict[str, Any]], clusters: list[list[int]], path: str | Path) -> Path:
+    """Per-cluster training loss (EMA) over steps, one line per cluster (ascending t)."""
+    plt = _plt()
+    steps = [r["step"] for r in records if "cluster_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    cmap = plt.get_cmap("viridis")
+    n = len(clusters)
+    for k in range(n):
+        vals = [r["cluster_loss"][k] for r in records if "cluster_loss" in r]
+        vals = [v if v is not None else math.nan for v in vals]
+        lo, hi = clusters[k]
+        ax.plot(steps, vals, color=cmap(k / max(n - 1, 1)), lw=1, label=f"t in [{lo}, {hi})" if n <= 10 else None)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (EMA per cluster)")
+    ax.set_yscale("log")
+    ax.set_title("loss per timestep cluster (dark = low t / hard, light = high t / easy)")
+    if n <= 10:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_curriculum_timeline(
+    records: list[dict[str, Any]], history: list[int], num_clusters: int, max_steps: int, path: str | Path
+) -> Path:
+    """Unlocked clusters over steps (a staircase with the unlock steps marked) and the training loss."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = [0] + list(history) + [max_steps]
+    ys = list(range(1, len(history) + 2)) + [len(history) + 1]
+    ax.step(xs, ys, where="post", color="C0", label="unlocked clusters")
+    for h in history:
+        ax.axvline(h, color="C0", alpha=0.15, lw=0.8)
+    ax.set_ylim(0, num_clusters + 0.5)
+    ax.set_xlabel("step")
+    ax.set_ylabel("unlocked clusters", color="C0")
+    steps = [r["step"] for r in records if "loss" in r]
+    if steps:
+        ax2 = ax.twinx()
+        ax2.plot(steps, [r["loss"] for r in records if "loss" in r], color="C1", lw=0.8, label="loss")
+        ax2.set_ylabel("training loss", color="C1")
+    ax.set_title("curriculum timeline")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)

@@ -1,0 +1,189 @@
+"""Building a model from a training config, and sampling it with DDPM, DDIM, Heun or Euler.
+
+``ddpm`` / ``ddim`` run on the DDPM schedule respaced to ``steps`` (IDDPM ``space_timesteps``). ``heun`` /
+``euler`` integrate the probability-flow ODE of the same model in EDM's variance-exploding form (Karras et al.
+2022, Sec. 2 and Alg. 1): x_ve = x_vp / sqrt(abar), sigma = sqrt((1 - abar) / abar), on the Karras sigma grid
+(EDM Eq. 5) between the schedule's smallest and largest sigma; the network is queried at the fractional DDPM
+timestep whose log sigma matches (linear interpolation of the log-sigma table), which DiT's sinusoidal timestep
+embedding accepts.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from diffcurr_fast.diffusion import (
+    DDPMSchedule,
+    ddim_sample,
+    ddpm_sample,
+    edm_heun_sample,
+    guided_model_output,
+    karras_sigmas,
+    make_generator,
+    respace,
+)
+from diffcurr_fast.models import DiT, DTRConfig, create_dit
+from diffcurr_fast.train.config import SAMPLERS, TrainConfig
+
+
+def build_model(cfg: TrainConfig) -> DiT:
+    """The DiT described by ``cfg.model`` (+ learn_sigma and T from ``cfg.diffusion``)."""
+    m = cfg.model
+    kw: dict[str, Any] = dict(
+        input_size=m.input_size,
+        in_channels=m.in_channels,
+        num_classes=m.num_classes,
+        class_dropout_prob=m.class_dropout_prob,
+        learn_sigma=cfg.diffusion.learn_sigma,
+        attn_backend=m.attn_backend,
+        grad_checkpointing=cfg.engine.grad_checkpointing,
+        fused_adaln=m.fused_adaln,
+        dtr=DTRConfig() if m.dtr else None,
+        num_timesteps=cfg.diffusion.num_timesteps,
+    )
+    if m.preset != "custom":
+        return create_dit(m.preset, **kw)
+    return DiT(
+        patch_size=m.patch_size, hidden_size=m.hidden_size, depth=m.depth, num_heads=m.num_heads,
+        mlp_ratio=m.mlp_ratio, **kw,
+    )  # fmt: skip
+
+
+def build_schedule(cfg: TrainConfig) -> DDPMSchedule:
+    """The DDPM schedule of ``cfg.diffusion``."""
+    return DDPMSchedule(cfg.diffusion.num_timesteps, cfg.diffusion.beta_schedule)
+
+
+class VEDenoiser:
+    """D(x_ve; sigma) of a DDPM network, for the EDM ODE samplers (see the module doc)."""
+
+    def __init__(self, model: nn.Module, schedule: DDPMSchedule, prediction: str, channels: int):
+        self.model, self.prediction, self.channels = model, prediction, channels
+        abar = schedule.alphas_cumprod
+        self.log_sigmas = 0.5 * (torch.log1p(-abar) - torch.log(abar))  # (T,) increasing in t
+        self.sigma_min = float(self.log_sigmas[0].exp())
+        self.sigma_max = float(self.log_sigmas[-1].exp())
+
+    def t_of_sigma(self, sigma: torch.Tensor) -> torch.Tensor:
+        """Fractional timestep with log sigma(t) = log sigma, by linear interpolation of the table."""
+        ls = sigma.detach().to("cpu", torch.float64).log().clamp(self.log_sigmas[0], self.log_sigmas[-1])
+        hi = torch.searchsorted(self.log_sigmas, ls).clamp(1, len(self.log_sigmas) - 1)
+        lo = hi - 1
+        frac = (ls - self.log_sigmas[lo]) / (self.log_sigmas[hi] - self.log_sigmas[lo])
+        return (lo.to(torch.float64) + frac).to(sigma.device)
+
+    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
+        s = sigma.to(torch.float64).reshape(-1, *([1] * (x.ndim - 1)))  # (B, 1, 1, 1)
+        abar = 1.0 / (1.0 + s**2)
+        x_vp = (x.to(torch.float64) * abar.sqrt()).to(x.dtype)  # x_vp = sqrt(abar) x_ve
+        t = self.t_of_sigma(sigma).to(x.dtype)
+        out = self.model(x_vp, t, y)[:, : self.channels].to(torch.float64)  # (B, C, H, W)
+        if self.prediction == "eps":
+            x0 = x.to(torch.float64) - s * out  # x_ve = x0 + sigma eps
+        elif self.prediction == "x0":
+            x0 = out
+        else:  # v = sqrt(abar) eps - sqrt(1 - abar) x0 (Salimans & Ho 2022)
+            x0 = abar.sqrt() * x_vp.to(torch.float64) - (1.0 - abar).sqrt() * out
+        return x0.to(x.dtype)
+
+
+@torch.no_grad()
+def sample(
+    model: nn.Module,
+    schedule: DDPMSchedule,
+    *,
+    sampler: str,
+    steps: int,
+    labels: torch.Tensor,
+    channels: int,
+    size: int,
+    num_classes: int,
+    learn_sigma: bool,
+    prediction: str,
+    cfg_scale: float = 1.0,
+    clip_denoised: bool = False,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    progress: bool = False,
+) -> torch.Tensor:
+    """Draw ``len(labels)`` samples (N, C, H, W) in data space with ``sampler`` in ddpm | ddim | heun | euler."""
+    if sampler not in SAMPLERS:
+        raise ValueError(f"unknown sampler {sampler!r}; choose one of {SAMPLERS}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= schedule.num_timesteps:
+        raise ValueError(f"steps must be an int in [1, {schedule.num_timesteps}], got {steps!r}")
+    if cfg_scale != 1.0 and not cfg_scale >= 0:
+        raise ValueError(f"cfg scale must be >= 0, got {cfg_scale}")
+    device = torch.device(device)
+    y = labels.to(device)
+    shape = (len(labels), channels, size, size)
+    fn = lambda x, t, yy: model(x, t, yy)
+    common = dict(num_classes=num_classes, cfg_scale=cfg_scale, seed=seed, device=device, progress=progress)
+    if sampler in ("ddpm", "ddim"):
+        spec = str(steps) if sampler == "ddpm" else f"ddim{steps}"
+        if sampler == "ddim" and schedule.num_timesteps % steps:
+            spec = str(steps)  # "ddimN" needs N to divide T; fall back to IDDPM's even spacing
+        sched, tmap = respace(schedule, spec)
+        run = ddpm_sample if sampler == "ddpm" else ddim_sample
+        return run(
+            fn, sched, shape, y, learn_sigma=learn_sigma, prediction=prediction, clip_denoised=clip_denoised,
+            timestep_map=tmap.to(device), **common,
+        )  # fmt: skip
+    den = VEDenoiser(model, schedule, prediction, channels)
+    if sampler == "heun":
+        x = edm_heun_sample(den, shape, y, num_steps=steps, sigma_min=den.sigma_min, sigma_max=den.sigma_max, **common)
+    else:
+        x = _euler(den, shape, y, steps, den.sigma_min, den.sigma_max, **common)
+    return x.clamp(-1, 1) if clip_denoised else x
+
+
+def _euler(den, shape, y, steps, sigma_min, sigma_max, *, num_classes, cfg_scale, seed, device, progress):
+    # Euler on dx/dsigma = (x - D(x; sigma)) / sigma (EDM Eq. 3 with sigma(t) = t), Karras grid (EDM Eq. 5).
+    del progress
+    gen = make_generator(seed, None, device)
+    sigmas = karras_sigmas(steps, sigma_min, sigma_max).tolist()
+    x = torch.randn(shape, generator=gen, device=device) * sigmas[0]
+    for s, s_next in zip(sigmas[:-1], sigmas[1:]):
+        vec = torch.full((shape[0],), s, device=device)
+        d = (x - guided_model_output(den, x, vec, y, cfg_scale, num_classes, shape[1])) / s
+        x = x + (s_next - s) * d
+    return x
+
+
+def grid_image(x: torch.Tensor, nrow: int | None = None, pad: int = 1) -> torch.Tensor:
+    """Tile (N, C, H, W) images in [-1, 1] (C in 1 or 3) into one (H', W', C) float image in [0, 1]."""
+    if x.ndim != 4 or x.shape[1] not in (1, 3):
+        raise ValueError(f"a grid needs images (N, 1 or 3, H, W), got shape {tuple(x.shape)}")
+    n, c, h, w = x.shape
+    nrow = nrow or max(1, int(math.ceil(math.sqrt(n))))
+    rows = int(math.ceil(n / nrow))
+    img = torch.ones(c, rows * (h + pad) + pad, nrow * (w + pad) + pad)
+    x = ((x.float().cpu().clamp(-1, 1) + 1) / 2).contiguous()
+    for i in range(n):
+        r, k = divmod(i, nrow)
+        img[:, pad + r * (h + pad) : pad + r * (h + pad) + h, pad + k * (w + pad) : pad + k * (w + pad) + w] = x[i]
+    return img.permute(1, 2, 0)  # (H', W', C)
+
+
+def save_grid(x: torch.Tensor, path: str | Path, nrow: int | None = None, upscale: int = 1) -> Path:
+    """Write ``grid_image(x)`` as a PNG, each pixel repeated ``upscale`` times (small images stay visible)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    img = grid_image(x, nrow)
+    if upscale > 1:
+        img = img.repeat_interleave(upscale, 0).repeat_interleave(upscale, 1)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    arr = img.numpy()
+    if arr.shape[2] == 1:
+        plt.imsave(path, arr[:, :, 0], cmap="gray", vmin=0.0, vmax=1.0)
+    else:
+        plt.imsave(path, arr)
+    return path
