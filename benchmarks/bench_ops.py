@@ -14,7 +14,7 @@ each op must move and is shown next to the copy bandwidth measured in the same r
 ``benchmarks/results/ops.csv`` and ``benchmarks/results/ops.md`` is regenerated.
 
     python benchmarks/bench_ops.py            # full run on CPU
-    python benchmarks/bench_ops.py --quick    # smoke run (small sizes, few repeats)
+    python benchmarks/bench_ops.py --quick    # smoke run (small sizes, few repeats, no torch.compile)
     python benchmarks/bench_ops.py --device cuda
 """
 
@@ -258,8 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--ops", nargs="*", default=None, help="subset of ops to run")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile providers")
+    parser.add_argument("--compile", action="store_true", help="keep the torch.compile providers with --quick")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda requested but CUDA is not available")
@@ -272,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sched = DDPMSchedule(1000)
     cases, make, grad_inputs = build_cases(args, device, sched)
-    providers = _providers(device, not args.no_compile)
+    providers = _providers(device, not (args.no_compile or (args.quick and not args.compile)))
     info = common.run_info(device)
     copy_gbps = common.copy_bandwidth(device, nbytes=(32 if args.quick else 512) * 2**20)
     print(f"{info['machine']} | torch {info['torch']} | {info['git_rev']} | copy bandwidth {copy_gbps:.1f} GB/s")
@@ -283,8 +287,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.ops and case.name not in args.ops:
             continue
         for provider in providers:
-            if args.quick and provider.startswith("compile(") and case.name != "full_loss_path":
-                continue
             fn, grad_name = make(case.name, provider)
             for mode in case.modes:
                 try:
@@ -317,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 print(
                     f"  {case.name:16s} {mode:8s} {provider:22s} {med * 1e3:10.3f} ms "
-                    f"[{p20 * 1e3:.3f}, {p80 * 1e3:.3f}]  {row['gbps'] or '-':>8} GB/s  {row['pct_copy'] or '-':>5}% copy"
+                    f"[{p20 * 1e3:.3f}, {p80 * 1e3:.3f}]  {row['gbps'] or '-':>8} GB/s  "
+                    f"{row['pct_copy'] or '-':>5}% copy"
                 )
     csv_path = args.out / "ops.csv"
     common.append_csv(csv_path, rows)

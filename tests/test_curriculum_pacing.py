@@ -51,6 +51,14 @@ def test_plateau_unlocks_exactly_after_patience():
     assert cur.unlocked_clusters == [3, 2, 1, 0]
 
 
+def test_unlock_resets_best_so_a_higher_loss_scale_is_judged_on_its_own():
+    cur = make(patience=2)
+    assert feed(cur, [1.0, 1.0, 1.0]) == [2]
+    # The enlarged union has a higher loss that keeps improving: no unlock, although it never beats 1.0.
+    assert feed(cur, [2.0 - 0.05 * i for i in range(10)], start=3) == []
+    assert cur.stage == 1 and cur.best_loss == pytest.approx(1.55)
+
+
 def test_steadily_improving_never_unlocks():
     cur = make(patience=2)
     assert feed(cur, [1.0 / (s + 1) for s in range(50)]) == []

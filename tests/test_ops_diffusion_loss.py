@@ -164,5 +164,23 @@ def test_bad_inputs():
         diffusion_loss(pred, x0, None, t, SCHED, seed=1, weights=torch.ones(4))
     with pytest.raises(ValueError, match="dtype"):
         diffusion_loss(pred, x0.half(), None, t, SCHED, seed=1)
+    with pytest.raises(ValueError, match="x0 is on meta"):
+        diffusion_loss(pred, torch.empty(3, 4, device="meta"), None, t, SCHED, seed=1)
     with pytest.raises(ValueError, match="gamma"):
         diffusion_loss(pred, x0, None, t, SCHED, seed=1, weighting="min_snr", gamma=-1.0)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_float16_kernels_match_reference(backend):
+    _need(backend)
+    x0 = torch.randn(3, 37, dtype=torch.float16)
+    t = torch.randint(0, 1000, (3,))
+    grads = []
+    for be in (backend, "reference"):
+        pred = torch.randn(3, 37, generator=torch.Generator().manual_seed(1)).half().requires_grad_()
+        loss = diffusion_loss(pred, x0, None, t, SCHED, prediction="x0", seed=8, backend=be)
+        loss.backward()
+        grads.append((loss.detach(), pred.grad))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-4, atol=1e-6)
+    assert grads[0][1].dtype == torch.float16
+    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-3, atol=1e-5)

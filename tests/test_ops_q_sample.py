@@ -134,5 +134,22 @@ def test_bad_inputs():
         q_sample(x0, _t(3), [0.9, 0.5], seed=3)
     with pytest.raises(ValueError, match="shape"):
         q_sample_coef(x0, torch.rand(4), 1.0, seed=3)
+    with pytest.raises(ValueError, match="noise is on meta"):
+        q_sample(x0, _t(3), SCHED, torch.empty(3, 4, device="meta"))
+    with pytest.raises(ValueError, match="t is on meta"):
+        q_sample(x0, torch.zeros(3, dtype=torch.int64, device="meta"), SCHED, seed=1)
+    with pytest.raises(ValueError, match="a is on meta"):
+        q_sample_coef(x0, torch.ones(3, device="meta"), 1.0, seed=1)
     with pytest.raises(ValueError, match="alphas_cumprod"):
         q_sample(x0, _t(3), torch.full((1000,), 1.5, dtype=torch.float64), seed=3)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_float16_kernels_match_reference(backend):
+    _need(backend)
+    x0 = torch.randn(3, 37, dtype=torch.float16)
+    t = _t(3)
+    got = q_sample(x0, t, SCHED, seed=3, backend=backend)
+    want = q_sample(x0, t, SCHED, seed=3, backend="reference")
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)

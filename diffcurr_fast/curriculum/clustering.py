@@ -1,4 +1,4 @@
-"""Timestep clustering on the difficulty axis (Kim et al., ICLR 2025, Sec. 4.1).
+"""Timestep clustering on the difficulty axis (Kim et al., ICLR 2025: timestep clustering).
 
 A clustering is a list of half-open index ranges ``[(lo_0, hi_0), (lo_1, hi_1), ...]`` in ascending ``t`` that
 partition ``[0, T)``: ``lo_0 == 0``, ``hi_k == lo_{k+1}``, ``hi_{N-1} == T`` and every range is non-empty. Index
@@ -7,7 +7,7 @@ partition ``[0, T)``: ``lo_0 == 0``, ``hi_k == lo_{k+1}``, ``hi_{N-1} == T`` and
 Three rules:
 
 - ``uniform``: equal counts; the sizes differ by at most one (the larger ranges come first).
-- ``snr``: the interval clustering of ANT (Go et al., NeurIPS 2023, Sec. 4.1) on SNR values: contiguous
+- ``snr``: the interval clustering of ANT (Go et al., NeurIPS 2023) on SNR values: contiguous
   intervals minimising  sum_k sum_{t in I_k} |SNR(t) - SNR(c_k)|  by dynamic programming, where the centre
   ``c_k`` of ``I_k = [lo, hi)`` is its median timestep ``lo + (hi - lo) // 2``. SNR is monotone in ``t``, so
   SNR(c_k) is the median of the interval's SNR values and the cost is the interval's least absolute deviation
@@ -84,7 +84,7 @@ def interval_cost_matrix(values: torch.Tensor) -> torch.Tensor:
 def snr_interval_clusters(values: torch.Tensor, num_clusters: int) -> tuple[Clusters, float]:
     """Optimal contiguous L1-median clustering of monotone ``values`` into ``num_clusters`` intervals.
 
-    Dynamic programming over (number of intervals, right end): D[k][r] = min_l D[k-1][l] + C[l, r] (ANT Sec. 4.1
+    Dynamic programming over (number of intervals, right end): D[k][r] = min_l D[k-1][l] + C[l, r] (ANT's
     interval clustering), vectorised over (l, r), so the cost is O(N T^2) time and O(T^2) memory. Returns the
     clusters and the total cost.
     """

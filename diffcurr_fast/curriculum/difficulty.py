@@ -1,14 +1,14 @@
-"""Task-difficulty analysis across timesteps (Kim et al., ICLR 2025, Sec. 3).
+"""Task-difficulty analysis across timesteps (Kim et al., ICLR 2025: the observational study).
 
 Two measurements, both runnable on the built-in digits data in minutes on a CPU:
 
 - ``consecutive_kl``: the relative entropy KL(p_t || p_{t+1}) between consecutive marginals of the forward process
-  (Sec. 3.2). With the empirical data distribution, p_t is the Gaussian mixture
+  (the paper's relative-entropy view of difficulty). With the empirical data distribution, p_t is the Gaussian mixture
   (1/N) sum_i N(a_t x_i, c_t^2 I), a_t = sqrt(abar_t), c_t = sqrt(1 - abar_t); the KL is estimated by Monte Carlo
   over x ~ p_t with exact mixture log-densities (logsumexp over the N components, in float64, chunked).
 - ``convergence_by_interval``: a fresh small model trained on timesteps of one interval only, for each interval;
   loss curves normalised by their initial value and the steps needed to reach a fraction (default 90 %) of the
-  final loss improvement (Sec. 3.1: slower convergence = harder task).
+  final loss improvement (the paper's convergence view: slower convergence = harder task).
 
 ``write_*_csv`` and ``plot_*`` save the results (matplotlib with the Agg backend).
 """
@@ -119,7 +119,7 @@ def consecutive_kl(
 ) -> KLEstimate:
     """KL(p_t || p_{t+1}) for each ``t`` in ``timesteps`` between consecutive forward marginals of ``data`` (N, ...).
 
-    KL = E_{x ~ p_t}[r(x)], r = log p_t(x) - log p_{t+1}(x) (Kim et al. Sec. 3.2), from ``num_samples`` draws
+    KL = E_{x ~ p_t}[r(x)], r = log p_t(x) - log p_{t+1}(x) (Kim et al., relative entropy), from ``num_samples`` draws
     x = a_t x_i + c_t eps, i uniform, per ``t``, ``batch_size`` at a time. Needs 0 <= t <= T - 2. Estimators:
 
     - ``direct``: the mean of r. Its variance is about 2 KL per sample, so tiny KLs drown in noise.

@@ -1,4 +1,4 @@
-"""Curriculum pacing over timestep clusters (Kim et al., ICLR 2025, Sec. 4.2, Algorithms 1 and 2).
+"""Curriculum pacing over timestep clusters (Kim et al., ICLR 2025: curriculum and pacing function).
 
 Clusters are half-open ranges in ascending ``t`` (see ``clustering.py``); the easiest is the one with the highest
 ``t`` (lowest SNR). Training samples ``t`` uniformly from the *union* of unlocked clusters; after the last unlock
@@ -19,9 +19,9 @@ Pacing rules:
   then clusters are sampled in proportion to their recent learning progress, mixed with a floor (below).
 
 Comparability across stages: adding a harder cluster changes the loss *scale* (an eps-prediction loss is larger
-at low ``t``), so the union's loss after an unlock is not comparable with the best value before it. The best
-value, the EMA and the no-improvement counter are therefore reset at every unlock (as in the paper's
-Algorithm 2); each stage is judged only against itself.
+at low ``t``), so the union's loss after an unlock is not comparable with the best value before it: kept, it would
+count every evaluation as "no improvement" and unlock the remaining clusters in quick succession. The best value,
+the EMA and the no-improvement counter are therefore reset at every unlock; each stage is judged against itself.
 
 Adaptive sampling: per-cluster losses (``observe_per_timestep``) feed a fast EMA (decay ``ema``) and a slow EMA
 (decay ``1 - (1 - ema) / 2``, twice the time constant); progress_k = max(slow_k - fast_k, 0) / slow_k is the
@@ -363,7 +363,7 @@ class Curriculum:
         self._win_count = 0
         self._evals += 1
         self._update_cluster_emas(cl_sum, cl_count)
-        # Kim et al. Algorithm 1 (pacing): count evaluations without improvement of the monitored loss.
+        # Kim et al. pacing function (max patience tau): count evaluations without improvement of the monitored loss.
         self._monitor = mean if self._monitor is None else self.ema * self._monitor + (1.0 - self.ema) * mean
         threshold = self._best - self.min_delta * abs(self._best) if math.isfinite(self._best) else math.inf
         if self._monitor < threshold:
@@ -396,7 +396,7 @@ class Curriculum:
         self._stage += 1
         self.history.append(step)
         self._steps_in_stage = 0
-        # The union's loss scale changes at an unlock: judge the new stage only against itself (Algorithm 2).
+        # The union's loss scale changes at an unlock: judge the new stage only against itself.
         self._monitor = None
         self._best = math.inf
         self._bad_evals = 0

@@ -227,11 +227,14 @@ class ShardedLatents(LatentDataset):
                 continue
             if lat.shape != (count, *self.latent_shape) or lat.dtype != np.dtype(dtype):
                 self.report.bad(
-                    lat_path, f"wrong shape: {lat.shape} {lat.dtype}, index says ({count}, *{self.latent_shape}) {dtype}"
+                    lat_path,
+                    f"wrong shape: {lat.shape} {lat.dtype}, index says ({count}, *{self.latent_shape}) {dtype}",
                 )
                 continue
             if lab.shape != (count,) or lab.dtype.kind not in "iu":
-                self.report.bad(lab_path, f"labels not matching latents: {lab.shape} {lab.dtype}, expected ({count},) int")
+                self.report.bad(
+                    lab_path, f"labels not matching latents: {lab.shape} {lab.dtype}, expected ({count},) int"
+                )
                 continue
             self._latents.append(lat)
             self._labels.append(lab)

@@ -130,9 +130,7 @@ class ResumableLoader:
         if isinstance(self.dataset, ArrayDataset) and self.num_workers == 0:
             return (self.dataset.batch(idx) for idx in sampler)
         return iter(
-            DataLoader(
-                self.dataset, batch_sampler=sampler, num_workers=self.num_workers, pin_memory=self.pin_memory
-            )
+            DataLoader(self.dataset, batch_sampler=sampler, num_workers=self.num_workers, pin_memory=self.pin_memory)
         )
 
     def __iter__(self) -> ResumableLoader:

@@ -218,7 +218,9 @@ class ShardedLoader:
             )
             files = self.source.files
         else:
-            pipe = dali.latent_pipeline(self.source, idx, self.batch_size, num_threads=threads, device_id=self.device_id)
+            pipe = dali.latent_pipeline(
+                self.source, idx, self.batch_size, num_threads=threads, device_id=self.device_id
+            )
             files = getattr(self.source, "feature_files", None)
 
         def describe(first: int, last: int) -> str:

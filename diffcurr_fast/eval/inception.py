@@ -170,14 +170,16 @@ class FIDInceptionV3(nn.Module):
         self.Mixed_7c = FIDInceptionE(2048, pool="max")
         self.fc = nn.Linear(2048, num_classes)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, resize: bool = True) -> torch.Tensor:
+        """Pool3 features; ``resize=False`` skips the 299 x 299 resize (inputs must then be at least 75 x 75)."""
         if x.ndim != 4 or x.shape[1] not in (1, 3):
             raise ValueError(f"expected images (N, 1 or 3, H, W), got shape {tuple(x.shape)}")
         if x.shape[1] == 1:
             x = x.expand(-1, 3, -1, -1)
         # pytorch-fid resizes [0, 1] input then maps it to [-1, 1]; bilinear resizing is linear, so resizing
         # [-1, 1] input directly is the same.
-        x = F.interpolate(x.float(), size=(299, 299), mode="bilinear", align_corners=False)  # (N, 3, 299, 299)
+        if resize:
+            x = F.interpolate(x.float(), size=(299, 299), mode="bilinear", align_corners=False)  # (N, 3, 299, 299)
         x = self.Conv2d_2b_3x3(self.Conv2d_2a_3x3(self.Conv2d_1a_3x3(x)))  # (N, 64, 147, 147)
         x = F.max_pool2d(x, 3, stride=2)  # (N, 64, 73, 73)
         x = self.Conv2d_4a_3x3(self.Conv2d_3b_1x1(x))  # (N, 192, 71, 71)

@@ -40,9 +40,7 @@ def _sqrtm(a: np.ndarray) -> np.ndarray:
             return np.full_like(a, np.nan)
 
 
-def frechet_distance(
-    mu1: ArrayLike, sigma1: ArrayLike, mu2: ArrayLike, sigma2: ArrayLike, eps: float = 1e-6
-) -> float:
+def frechet_distance(mu1: ArrayLike, sigma1: ArrayLike, mu2: ArrayLike, sigma2: ArrayLike, eps: float = 1e-6) -> float:
     """Frechet distance between N(mu1, sigma1) and N(mu2, sigma2), numerically as pytorch-fid computes it.
 
     d^2 = ||mu1 - mu2||^2 + Tr(sigma1 + sigma2 - 2 (sigma1 sigma2)^(1/2))   # Heusel et al. 2017, eq. (6)

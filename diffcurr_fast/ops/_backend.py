@@ -38,6 +38,7 @@ def _ext_error() -> str | None:
     return None
 
 
+@functools.cache
 def _ext_has(op: str, dispatch_key: str) -> bool:
     if _ext_error() is not None:
         return False

@@ -126,6 +126,8 @@ class Trainer:
         if self.device.type == "cuda" and e.tf32:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
+        if self.device.type == "cpu" and e.cpu_threads > 0:
+            torch.set_num_threads(e.cpu_threads)
         torch.manual_seed(e.seed + rank)
         random.seed(e.seed + rank)
         self.gen = torch.Generator().manual_seed(e.seed * 7919 + rank)  # timesteps and noise seeds

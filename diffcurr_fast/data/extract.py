@@ -1,0 +1,145 @@
+"""Latent extraction: encode an image folder with a VAE (diffusers ``AutoencoderKL``) into a latent layout.
+
+Latents are ``scale * z`` with ``z ~ q(z | x)`` (or its mode), ``scale = 0.18215`` for the Stable Diffusion VAE
+(as DiT and fast-DiT use). Images are read in folder order (classes sorted, files sorted) with the ADM centre
+crop, so the n-th latent always comes from the n-th usable image; a rerun resumes after the latents already
+written. Noise for ``sample=True`` comes from a generator seeded per batch from ``(seed, first index)``, so a
+resumed run writes the same latents as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from diffcurr_fast.data.errors import check_on_bad
+from diffcurr_fast.data.images import ImageDataset, ImageFolder
+from diffcurr_fast.data.latents import FastDiTLatentWriter, ShardedLatentWriter
+from diffcurr_fast.data.order import flip_decisions
+from diffcurr_fast.data.pipeline import ListSampler, _SkipCollate
+
+SD_VAE_SCALE = 0.18215
+LAYOUTS = ("sharded", "fastdit")
+
+
+class LatentEncoder(Protocol):
+    """What extraction needs from a VAE: ``encode(x).latent_dist`` with ``sample(generator=)`` and ``mode()``."""
+
+    def encode(self, x: torch.Tensor): ...
+
+
+def load_vae(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """A diffusers ``AutoencoderKL`` from a local directory (never downloaded), in eval mode."""
+    try:
+        diffusers = importlib.import_module("diffusers")
+    except ImportError as exc:
+        raise ImportError("extract-latents needs diffusers for the VAE: pip install diffusers") from exc
+    if not Path(path).is_dir():
+        raise FileNotFoundError(
+            f"VAE directory {path} not found (a diffusers AutoencoderKL saved with save_pretrained)"
+        )
+    vae = diffusers.AutoencoderKL.from_pretrained(str(path), local_files_only=True, torch_dtype=dtype)
+    return vae.eval().to(device)
+
+
+@torch.no_grad()
+def encode_latents(
+    vae: LatentEncoder,
+    images: torch.Tensor,
+    scale: float = SD_VAE_SCALE,
+    sample: bool = True,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """``scale * z`` for images (B, 3, H, W) in [-1, 1]; ``z`` sampled from the posterior or its mode."""
+    dist = vae.encode(images).latent_dist
+    z = dist.sample(generator=generator) if sample else dist.mode()  # (B, C, H/8, W/8)
+    return z * scale
+
+
+def extract_latents(
+    vae: LatentEncoder,
+    data: str | os.PathLike | ImageFolder,
+    out: str | os.PathLike,
+    *,
+    image_size: int = 256,
+    batch_size: int = 32,
+    layout: str = "sharded",
+    scale: float = SD_VAE_SCALE,
+    sample: bool = True,
+    hflip: bool = False,
+    seed: int = 0,
+    shard_size: int = 4096,
+    dtype: str = "float16",
+    device: str | torch.device = "cpu",
+    num_workers: int = 0,
+    on_bad: str = "stop",
+    progress: bool = True,
+) -> int:
+    """Encode every usable image of ``data`` into ``out``; returns the number of latents now in ``out``.
+
+    Under ``on_bad="skip"`` the folder is fully decoded once first (bad images are dropped deterministically,
+    which keeps resuming exact); under ``"stop"`` the first bad image raises an error naming it.
+    ``hflip`` flips each image with probability 1/2 (decided from ``seed``), as fast-DiT's extraction does.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    check_on_bad(on_bad)
+    folder = (
+        data if isinstance(data, ImageFolder) else ImageFolder(data, on_bad, "full" if on_bad == "skip" else "header")
+    )
+    n = len(folder)
+    dataset = ImageDataset(folder, image_size)
+    flips = flip_decisions(np.arange(n), n, seed, 0) if hflip else np.zeros(n, dtype=bool)
+    device = torch.device(device)
+    writer: FastDiTLatentWriter | ShardedLatentWriter | None = None
+    if layout == "fastdit":
+        writer = FastDiTLatentWriter(out)
+    elif (Path(out) / "index.json").is_file():
+        import json
+
+        meta = json.loads((Path(out) / "index.json").read_text(encoding="utf-8"))
+        writer = ShardedLatentWriter(out, tuple(meta["latent_shape"]), shard_size, meta["dtype"], scale)
+    start = writer.num_written if writer is not None else 0
+    if start > n:
+        raise ValueError(f"{out} already holds {start} latents but {folder.root} has only {n} usable images")
+    if start == n:
+        return n
+    # Restart at a batch boundary so every batch (and its noise seed) is the one an uninterrupted run would see;
+    # rows already written are dropped from the first batch.
+    first = (start // batch_size) * batch_size
+    keys = [(i, bool(flips[i])) for i in range(first, n)]
+    loader = DataLoader(
+        dataset, batch_size=batch_size, sampler=ListSampler(keys), num_workers=num_workers, collate_fn=_SkipCollate()
+    )
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=n, initial=start, unit="img", desc="extract-latents")
+    done = first
+    for x, y, skipped in loader:
+        if skipped:
+            raise ValueError(f"{skipped} image(s) failed to decode after the folder check; rerun to resume")
+        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + done)
+        param = next(iter(vae.parameters()), None) if hasattr(vae, "parameters") else None
+        x = x.to(device, param.dtype if param is not None else torch.float32)  # (B, 3, S, S)
+        z = encode_latents(vae, x, scale, sample, gen).float().cpu().numpy()  # (B, C, S/8, S/8)
+        if writer is None:
+            writer = ShardedLatentWriter(out, z.shape[1:], shard_size, dtype, scale)
+        drop = max(start - done, 0)
+        writer.write(z[drop:], y.numpy()[drop:])
+        done += len(z)
+        if bar is not None:
+            bar.update(len(z) - drop)
+    if bar is not None:
+        bar.close()
+    writer.close()
+    return writer.num_written

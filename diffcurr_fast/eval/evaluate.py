@@ -1,0 +1,143 @@
+"""Evaluation of generated images against reference statistics: FD, IS, precision/recall, extractor named.
+
+Sample files: ``.npz`` with ``images`` (N, C, H, W) float in [-1, 1], or ADM's ``arr_0`` (N, H, W, C) uint8.
+Reference files: ``.npz`` with ``mu``, ``sigma`` and (optional, needed for precision/recall) ``features``,
+plus the ``extractor`` that produced them; or the keyword ``digits`` for the built-in digits data.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from diffcurr_fast.eval.features import FeatureExtractor, load_digits_data
+from diffcurr_fast.eval.metrics import feature_statistics, frechet_distance, inception_score, precision_recall
+
+
+def load_images(path: str | os.PathLike) -> torch.Tensor:
+    """Images (N, C, H, W) float32 in [-1, 1] from a samples ``.npz`` (``images`` or ADM's uint8 ``arr_0``)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"samples file {path} not found")
+    with np.load(path) as f:
+        if "images" in f:
+            x = torch.from_numpy(np.asarray(f["images"], dtype=np.float32))
+            if x.ndim != 4:
+                raise ValueError(f"{path}: 'images' must be (N, C, H, W), got shape {tuple(x.shape)}")
+            if x.numel() and (float(x.min()) < -1.001 or float(x.max()) > 1.001):
+                raise ValueError(
+                    f"{path}: 'images' must be in [-1, 1], got [{float(x.min()):.3g}, {float(x.max()):.3g}]"
+                )
+            return x.clamp(-1, 1)
+        if "arr_0" in f:
+            a = f["arr_0"]
+            if a.dtype != np.uint8 or a.ndim != 4:
+                raise ValueError(f"{path}: 'arr_0' must be uint8 (N, H, W, C), got {a.dtype} {a.shape}")
+            return torch.from_numpy(a).permute(0, 3, 1, 2).float() / 127.5 - 1.0  # (N, C, H, W)
+        raise ValueError(f"{path}: expected an array 'images' (N, C, H, W) or 'arr_0', found {sorted(f.files)}")
+
+
+@dataclass
+class Reference:
+    """Reference statistics: mean, covariance, optional features (for precision/recall), who made them."""
+
+    mu: np.ndarray
+    sigma: np.ndarray
+    features: np.ndarray | None
+    extractor: str
+    source: str
+    count: int
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write as ``.npz`` (pytorch-fid's ``mu``/``sigma`` keys plus ``features``, ``extractor``, ``source``)."""
+        extra = {"features": self.features} if self.features is not None else {}
+        np.savez(
+            path, mu=self.mu, sigma=self.sigma, extractor=self.extractor, source=self.source, count=self.count, **extra
+        )
+
+
+def reference_from_images(images: torch.Tensor, extractor: FeatureExtractor, source: str) -> Reference:
+    """Statistics and features of ``images`` (N, C, H, W) in [-1, 1] under ``extractor``."""
+    feats, _ = extractor(images)
+    mu, sigma = feature_statistics(feats)
+    return Reference(mu, sigma, feats, extractor.name, source, len(feats))
+
+
+def load_reference(spec: str, extractor: FeatureExtractor) -> Reference:
+    """A reference: ``"digits"`` (all 1,797 built-in digits) or a ``.npz`` of statistics or of images."""
+    if spec == "digits":
+        xtr, _, xte, _ = load_digits_data()
+        return reference_from_images(torch.cat([xtr, xte]), extractor, "sklearn digits (1797 images)")
+    if not os.path.isfile(spec):
+        raise FileNotFoundError(f"reference {spec} not found (a statistics .npz, an images .npz, or 'digits')")
+    with np.load(spec) as f:
+        files = set(f.files)
+        if {"mu", "sigma"} <= files:
+            made_by = str(f["extractor"]) if "extractor" in files else "inception"
+            if made_by != extractor.name:
+                raise ValueError(
+                    f"{spec} holds {made_by!r} statistics but the extractor is {extractor.name!r}; "
+                    f"use --extractor {made_by} or recompute the reference"
+                )
+            feats = np.asarray(f["features"], dtype=np.float64) if "features" in files else None
+            src = str(f["source"]) if "source" in files else spec
+            count = int(f["count"]) if "count" in files else (len(feats) if feats is not None else 0)
+            return Reference(f["mu"].astype(np.float64), f["sigma"].astype(np.float64), feats, made_by, src, count)
+    return reference_from_images(load_images(spec), extractor, spec)
+
+
+@dataclass
+class EvalResult:
+    """Metric values of one evaluation; ``label`` says what the features are."""
+
+    extractor: str
+    label: str
+    num_samples: int
+    num_reference: int
+    fd: float
+    inception_score: float
+    inception_score_std: float
+    precision: float | None
+    recall: float | None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def lines(self) -> list[str]:
+        """Human-readable report, extractor first."""
+        name = "FID" if self.extractor == "inception" else "FD"
+        out = [
+            f"extractor: {self.extractor} ({self.label})",
+            f"samples: {self.num_samples}, reference: {self.num_reference or 'unknown count'}",
+            f"{name}: {self.fd:.4f}",
+            f"IS: {self.inception_score:.4f} +- {self.inception_score_std:.4f}",
+        ]
+        if self.precision is None:
+            out.append("precision/recall: n/a (reference has statistics only, no features)")
+        else:
+            out.append(f"precision: {self.precision:.4f}, recall: {self.recall:.4f}")
+        return out
+
+
+def evaluate(
+    images: torch.Tensor, reference: Reference, extractor: FeatureExtractor, splits: int = 10, k: int = 3
+) -> EvalResult:
+    """FD/IS/precision/recall of ``images`` (N, C, H, W) in [-1, 1] against ``reference``."""
+    if reference.extractor != extractor.name:
+        raise ValueError(f"reference made with {reference.extractor!r}, extractor is {extractor.name!r}")
+    feats, probs = extractor(images)
+    if feats.shape[0] < 2:
+        raise ValueError(f"need at least 2 samples, got {feats.shape[0]}")
+    if reference.mu.shape != (feats.shape[1],):
+        raise ValueError(f"reference has dimension {reference.mu.shape}, features have {feats.shape[1]}")
+    mu, sigma = feature_statistics(feats)
+    fd = frechet_distance(mu, sigma, reference.mu, reference.sigma)
+    is_mean, is_std = inception_score(probs, splits=min(splits, len(probs)))
+    precision = recall = None
+    if reference.features is not None:
+        precision, recall = precision_recall(reference.features, feats, k=k)
+    return EvalResult(
+        extractor.name, extractor.label, len(feats), reference.count, fd, is_mean, is_std, precision, recall
+    )

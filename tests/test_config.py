@@ -1,0 +1,155 @@
+"""Training config: defaults, recipes, typed overrides, strict errors, YAML round trip, --dry-run."""
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from diffcurr_fast.train import cli_train
+from diffcurr_fast.train.config import (
+    SECTIONS,
+    TrainConfig,
+    config_from_dict,
+    config_to_yaml,
+    demo_config,
+    load_config,
+    parse_override,
+    resume_mismatches,
+)
+
+RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
+
+
+def test_defaults_and_demo_validate():
+    cfg = TrainConfig().validate()
+    assert cfg.optim.lr == 1e-4 and cfg.optim.ema_decay == 0.9999 and cfg.curriculum.num_clusters == 20
+    demo = demo_config()
+    assert demo.data.dataset == "digits" and demo.model.input_size == 8 and demo.curriculum.method == "snr"
+    assert load_config(None).to_dict() == demo.to_dict()
+
+
+def test_every_field_is_documented():
+    for name, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            assert f.metadata.get("doc"), f"{name}.{f.name} has no doc"
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
+def test_recipes_load(recipe):
+    cfg = load_config(recipe)
+    assert cfg.data.batch_size == 256 and cfg.optim.lr == pytest.approx(1e-4) and cfg.optim.weight_decay == 0.0
+    assert cfg.model.preset.startswith("DiT-")
+    assert load_config(recipe, ["engine.max_steps=7"]).engine.max_steps == 7
+
+
+def test_there_are_recipes():
+    names = {p.stem for p in RECIPES}
+    assert {"dit_b2_vanilla", "dit_b2_curriculum", "dit_b2_curriculum_minsnr", "dit_b2_curriculum_dtr",
+            "dit_l2_zero2", "dit_xl2"} <= names  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "text, key, value",
+    [
+        ("optim.lr=1e-4", "optim.lr", 1e-4),
+        ("optim.lr=3", "optim.lr", 3),
+        ("engine.compile=true", "engine.compile", True),
+        ("data.path=/x/y.npz", "data.path", "/x/y.npz"),
+        ("model.preset=DiT-B/2", "model.preset", "DiT-B/2"),
+    ],
+)
+def test_parse_override_types(text, key, value):
+    k, v = parse_override(text)
+    assert k == key and v == value and type(v) is type(value)
+
+
+def test_overrides_apply_with_int_to_float_widening():
+    cfg = load_config(None, ["optim.lr=3", "engine.max_steps=12", "diffusion.weighting=min_snr"])
+    assert cfg.optim.lr == 3.0 and isinstance(cfg.optim.lr, float)
+    assert cfg.engine.max_steps == 12 and cfg.diffusion.weighting == "min_snr"
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("optim.lrr=1", r"unknown config key 'optim.lrr'; valid keys of optim: lr, "),
+        ("optimizer.lr=1", r"unknown config section 'optimizer'.*valid sections: model, diffusion"),
+        ("diffusion.prediction=score", r"invalid value 'score' for diffusion.prediction; valid choices: eps, x0, v"),
+        ("engine.max_steps=1.5", r"engine.max_steps must be of type int"),
+        ("engine.compile=1", r"engine.compile must be of type bool"),
+        ("optim.lr=-1", r"optim.lr must lie in \(0"),
+        ("curriculum.ema=1.0", r"curriculum.ema must lie in \[0.0, 1.0\)"),
+        ("data.batch_size=0", r"data.batch_size must be >= 1"),
+        ("lr=1", r"section.field"),
+        ("optim.lr", r"section.field=value"),
+    ],
+)
+def test_bad_overrides_name_the_key(override, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(None, [override])
+
+
+def test_cross_field_rules():
+    with pytest.raises(ValueError, match="stage_iters must be >= 1 when curriculum.pacing is 'fixed'"):
+        load_config(None, ["curriculum.pacing=fixed"])
+    with pytest.raises(ValueError, match="num_clusters .* must be <= diffusion.num_timesteps"):
+        load_config(None, ["diffusion.num_timesteps=5"])
+    with pytest.raises(ValueError, match="data.path is required"):
+        load_config(None, ["data.dataset=npz"])
+    with pytest.raises(ValueError, match="not divisible by model.patch_size"):
+        load_config(None, ["model.patch_size=3"])
+
+
+def test_recipe_file_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("optim:\n  learning_rate: 0.1\n")
+    with pytest.raises(ValueError, match="unknown config key 'optim.learning_rate'"):
+        load_config(bad)
+    bad.write_text("optim: 3\n")
+    with pytest.raises(ValueError, match="section 'optim' must be a mapping"):
+        load_config(bad)
+
+
+def test_yaml_round_trip(tmp_path):
+    cfg = load_config(None, ["optim.lr=2e-4", "curriculum.pacing=adaptive"])
+    path = tmp_path / "c.yaml"
+    path.write_text(config_to_yaml(cfg))
+    assert load_config(path).to_dict() == cfg.to_dict()
+    assert list(yaml.safe_load(config_to_yaml(cfg))) == list(SECTIONS)
+
+
+def test_resume_mismatches_lists_locked_keys():
+    a = demo_config()
+    b = config_from_dict({"model": {"hidden_size": 32}, "optim": {"lr": 0.5}}, base=demo_config())
+    diffs = resume_mismatches(a.to_dict(), b)
+    assert len(diffs) == 1 and diffs[0].startswith("model.hidden_size")
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser()
+    cli_train.add_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_dry_run_prints_resolved_yaml(capsys, tmp_path):
+    rc = cli_train.run(_parse(["--dry-run", "--set", "engine.max_steps=5", "--run-dir", str(tmp_path / "r")]))
+    assert rc == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["engine"]["max_steps"] == 5 and printed["checkpoint"]["run_dir"] == str(tmp_path / "r")
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
+def test_recipes_dry_run(recipe, capsys):
+    assert cli_train.run(_parse([str(recipe), "--dry-run"])) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["model"]["preset"].startswith("DiT-")
+
+
+def test_help_config_lists_keys(capsys):
+    assert cli_train.run(_parse(["--help-config"])) == 0
+    out = capsys.readouterr().out
+    assert "curriculum:" in out and "nan_policy" in out and "one of skip, stop" in out

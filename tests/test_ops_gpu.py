@@ -1,0 +1,86 @@
+"""The fused ops on a CUDA device: every GPU backend against the reference (skipped without CUDA)."""
+
+import pytest
+import torch
+
+import diffcurr_fast.ops as ops
+from diffcurr_fast.diffusion import DDPMSchedule
+from diffcurr_fast.ops import _backend
+
+pytestmark = pytest.mark.gpu
+SCHED = DDPMSchedule(1000)
+
+
+def _dev() -> torch.device:
+    return torch.device("cuda")
+
+
+def _need(backend: str, op: str) -> None:
+    reason = _backend.unavailable_reason(backend, op, _dev())
+    if reason is not None:
+        pytest.skip(reason)
+
+
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("shape", [(1, 37), (17, 4, 31, 33), (256, 4, 32, 32)])
+def test_noise_q_sample_and_loss(backend, shape):
+    _need(backend, "q_sample")
+    d = _dev()
+    x0 = torch.randn(shape, device=d)
+    t = torch.randint(0, 1000, (shape[0],), device=d)
+    seed = 2**62 + 12345
+    ref_noise = ops.philox_randn_ref(seed, shape, d)
+    torch.testing.assert_close(ops.philox_randn(seed, shape, d, backend=backend), ref_noise, rtol=1e-5, atol=1e-5)
+    xt = ops.q_sample(x0, t, SCHED, seed=seed, backend=backend)
+    torch.testing.assert_close(xt, ops.q_sample(x0, t, SCHED, seed=seed, backend="reference"), rtol=1e-5, atol=1e-5)
+    pred = torch.randn(shape, device=d, requires_grad=True)
+    loss = ops.diffusion_loss(pred, x0, None, t, SCHED, prediction="v", weighting="min_snr", seed=seed, backend=backend)
+    loss.backward()
+    p64 = pred.detach().double().requires_grad_()
+    ab = SCHED.alphas_cumprod.to(d)[t].view(-1, *([1] * (len(shape) - 1)))
+    tgt = ab.sqrt() * ref_noise.double() - (1 - ab).sqrt() * x0.double()
+    w = ops._common.schedule_table(SCHED, "loss", d, torch.float64, "v", "min_snr", 5.0)[t, 2]
+    ref = (w * (p64 - tgt).square().flatten(1).mean(1)).mean()
+    ref.backward()
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(pred.grad.double(), p64.grad, rtol=1e-4, atol=1e-9)
+
+
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_adaln_and_gated_residual(backend, dtype):
+    _need(backend, "adaln_modulate_fwd")
+    d = _dev()
+    B, N, D = 17, 257, 1152
+    x = torch.randn(B, N, D, device=d, dtype=dtype, requires_grad=True)
+    shift, scale, gate = (torch.randn(B, D, device=d, dtype=dtype, requires_grad=True) for _ in range(3))
+    out = ops.gated_residual(x, gate, ops.adaln_modulate(x, shift, scale, backend=backend), backend=backend)
+    g = torch.randn_like(out)
+    out.backward(g)
+    leaves = [v.detach().double().requires_grad_() for v in (x, shift, scale, gate)]
+    x6, s6, c6, g6 = leaves
+    ref = x6 + g6[:, None] * (torch.nn.functional.layer_norm(x6, (D,), eps=1e-6) * (1 + c6[:, None]) + s6[:, None])
+    ref.backward(g.double())
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    for mine, theirs in zip((x, shift, scale, gate), leaves):
+        scale_ = float(theirs.grad.abs().max())
+        torch.testing.assert_close(mine.grad.double() / scale_, theirs.grad / scale_, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_sample_timesteps_matches_reference(backend):
+    _need(backend, "sample_timesteps")
+    d = _dev()
+    w = torch.rand(1000, device=d)
+    w[::7] = 0
+    t, imp = ops.sample_timesteps(4097, w, seed=99, backend=backend, return_importance=True)
+    t_ref, imp_ref = ops.sample_timesteps_ref(w, 4097, 99)
+    assert torch.equal(t, t_ref)
+    torch.testing.assert_close(imp, imp_ref)
+    assert bool((w[t] > 0).all())
+
+
+def test_auto_prefers_a_gpu_backend():
+    d = _dev()
+    assert _backend.resolve("q_sample", d) in ("cuda", "triton")

@@ -1,0 +1,116 @@
+"""``diffcurr-fast sample``: every sampler from a trained checkpoint to PNG and NPZ; the VE-ODE wrapper's math."""
+
+import argparse
+
+import numpy as np
+import pytest
+import torch
+
+from diffcurr_fast.diffusion import DDPMSchedule
+from diffcurr_fast.train import cli_sample
+from diffcurr_fast.train.config import load_config
+from diffcurr_fast.train.loop import train
+from diffcurr_fast.train.sampling import VEDenoiser, grid_image
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    run = tmp_path_factory.mktemp("sample") / "run"
+    cfg = load_config(
+        None,
+        [
+            f"checkpoint.run_dir={run}", "model.hidden_size=32", "model.depth=1", "model.num_heads=2",
+            "diffusion.num_timesteps=40", "curriculum.num_clusters=4", "data.batch_size=17", "engine.max_steps=3",
+            "logging.progress=false", "logging.num_samples=0", "logging.plots=false",
+        ],
+    )  # fmt: skip
+    train(cfg)
+    yield run
+    torch.set_num_threads(n)
+
+
+def _args(*argv):
+    p = argparse.ArgumentParser()
+    cli_sample.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+@pytest.mark.parametrize("sampler", ["ddpm", "ddim", "heun", "euler"])
+def test_samplers_write_png(run_dir, tmp_path, sampler, capsys):
+    out = tmp_path / f"{sampler}.png"
+    assert cli_sample.run(_args("--ckpt", str(run_dir), "--sampler", sampler, "--steps", "4", "--num", "7",
+                                "--cfg", "1.5", "--out", str(out))) == 0  # fmt: skip
+    assert out.is_file() and out.stat().st_size > 100
+    assert f"wrote 7 samples ({sampler}, 4 steps, cfg 1.5) from step 3" in capsys.readouterr().out
+
+
+def test_npz_output_and_labels(run_dir, tmp_path):
+    out = tmp_path / "s.npz"
+    ckpt = sorted((run_dir / "checkpoints").iterdir())[-1]
+    assert cli_sample.run(_args("--ckpt", str(ckpt), "--steps", "3", "--num", "5", "--labels", "2,7",
+                                "--weights", "model", "--out", str(out))) == 0  # fmt: skip
+    z = np.load(out)
+    assert z["x"].shape == (5, 1, 8, 8) and z["y"].tolist() == [2, 7, 2, 7, 2]
+    assert np.isfinite(z["x"]).all() and np.abs(z["x"]).max() <= 1.0  # digits are clipped to the data range
+
+
+@pytest.mark.parametrize(
+    "argv, exc, match",
+    [
+        (["--out", "x.jpg"], ValueError, "must end in .png or .npz"),
+        (["--labels", "3,11", "--out", "a.png"], ValueError, r"--labels \[11\] out of range; valid labels are 0..9"),
+        (["--num", "0", "--out", "a.png"], ValueError, "--num must be >= 1"),
+        (["--steps", "41", "--out", "a.png"], ValueError, r"steps must be an int in \[1, 40\]"),
+    ],
+)
+def test_bad_arguments(run_dir, tmp_path, argv, exc, match):
+    argv = [a if not a.endswith((".png", ".jpg")) else str(tmp_path / a) for a in argv]
+    with pytest.raises(exc, match=match):
+        cli_sample.run(_args("--ckpt", str(run_dir), *argv))
+
+
+def test_refuses_to_overwrite_and_missing_ckpt(run_dir, tmp_path):
+    out = tmp_path / "a.png"
+    out.write_bytes(b"x")
+    with pytest.raises(FileExistsError, match="pass --overwrite"):
+        cli_sample.run(_args("--ckpt", str(run_dir), "--out", str(out)))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        cli_sample.run(_args("--ckpt", str(tmp_path / "nope.pt"), "--out", str(tmp_path / "b.png")))
+    with pytest.raises(FileNotFoundError, match="has no checkpoint"):
+        cli_sample.run(_args("--ckpt", str(tmp_path), "--out", str(tmp_path / "b.png")))
+
+
+@pytest.mark.parametrize("prediction", ["eps", "x0", "v"])
+@pytest.mark.parametrize("batch", [1, 3, 17])
+def test_ve_denoiser_matches_vp_reparameterisation(prediction, batch):
+    """D(x_ve; sigma(t)) equals the DDPM x0 estimate at integer t (float64), and sigma -> t inverts the table."""
+    sched = DDPMSchedule(50)
+    t = torch.randint(0, 50, (batch,))
+    x_vp = torch.randn(batch, 3, 5, 5, dtype=torch.float64)
+    net_out = torch.randn(batch, 3, 5, 5, dtype=torch.float64)
+    seen = {}
+
+    def model(x, tt, y):
+        seen["x"], seen["t"] = x, tt
+        return net_out
+
+    den = VEDenoiser(model, sched, prediction, channels=3)
+    abar = sched.coef("alphas_cumprod", t, x_vp)
+    sigma = ((1 - abar) / abar).sqrt().flatten()
+    x_ve = x_vp / abar.sqrt()
+    x0 = den(x_ve, sigma, None)
+    torch.testing.assert_close(seen["t"], t.double(), rtol=0, atol=1e-9)
+    torch.testing.assert_close(seen["x"], x_vp)
+    torch.testing.assert_close(x0, sched.predict_x0(net_out, x_vp, t, prediction))
+
+
+def test_grid_layout():
+    x = torch.linspace(-1, 1, 5 * 4).reshape(5, 1, 2, 2)
+    g = grid_image(x, nrow=3, pad=1)
+    assert g.shape == (2 * 3 + 1, 3 * 3 + 1, 1)
+    torch.testing.assert_close(g[1:3, 1:3, 0], (x[0, 0] + 1) / 2)
+    torch.testing.assert_close(g[4:6, 4:6, 0], (x[4, 0] + 1) / 2)
+    with pytest.raises(ValueError, match="a grid needs images"):
+        grid_image(torch.zeros(2, 4, 3, 3))

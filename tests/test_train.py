@@ -1,0 +1,208 @@
+"""Training loop: a short run end to end, fused loss vs reference, NaN policy, EMA math, LR schedule, run dir."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from diffcurr_fast.diffusion import DDPMSchedule, hybrid_loss, loss_weights
+from diffcurr_fast.train.config import load_config
+from diffcurr_fast.train.ema import EMA
+from diffcurr_fast.train.loop import NonFiniteLossError, Trainer, lr_at, train
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny(run_dir, *extra):
+    return load_config(
+        None,
+        [
+            f"checkpoint.run_dir={run_dir}", "model.hidden_size=32", "model.depth=1", "model.num_heads=2",
+            "diffusion.num_timesteps=60", "curriculum.num_clusters=4", "curriculum.patience=1",
+            "curriculum.eval_every=2", "data.batch_size=17", "engine.max_steps=6", "logging.log_every=2",
+            "logging.progress=false", "logging.num_samples=0", "logging.plots=false", "checkpoint.export_ema=false",
+            "optim.warmup_steps=2", *extra,
+        ],
+    )  # fmt: skip
+
+
+def test_short_run_writes_everything(tmp_path):
+    run = tmp_path / "run"
+    cfg = tiny(run, "engine.max_steps=8", "logging.num_samples=10", "logging.sample_steps=4", "logging.plots=true",
+               "checkpoint.export_ema=true", "checkpoint.every=4", "curriculum.pacing=fixed",
+               "curriculum.stage_iters=2")  # fmt: skip
+    summary = train(cfg)
+    assert summary["step"] == 8 and math.isfinite(summary["loss"]) and summary["nan_skips"] == 0
+    for name in ("config.yaml", "metrics.jsonl", "samples.png", "cluster_loss.png", "curriculum.png",
+                 "ema.safetensors"):  # fmt: skip
+        assert (run / name).is_file(), name
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["ckpt_00000004.pt", "ckpt_00000008.pt"]
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [2, 4, 6, 8]
+    assert all(math.isfinite(r["loss"]) and len(r["cluster_loss"]) == 4 for r in recs)
+    assert [r["unlocked"] for r in recs] == [2, 3, 4, 4]  # fixed pacing: one unlock every 2 steps
+    from safetensors.torch import load_file
+
+    ema = load_file(str(run / "ema.safetensors"))
+    assert "final_layer.linear.weight" in ema
+
+
+@pytest.mark.parametrize("prediction", ["eps", "x0", "v"])
+@pytest.mark.parametrize("weighting", ["none", "min_snr"])
+@pytest.mark.parametrize("learn_sigma", [True, False])
+@pytest.mark.parametrize("batch", [1, 3, 17])
+def test_fused_loss_matches_reference(tmp_path, prediction, weighting, learn_sigma, batch):
+    cfg = tiny(tmp_path / "r", f"diffusion.prediction={prediction}", f"diffusion.weighting={weighting}",
+               f"diffusion.learn_sigma={str(learn_sigma).lower()}", "model.input_size=6", "model.patch_size=3")
+    x = torch.rand(batch, 1, 6, 6) * 2 - 1
+    tr = Trainer(cfg, dataset=_Data(x.repeat(17, 1, 1, 1)))
+    sched = DDPMSchedule(60)
+    x0 = x.double()
+    t = torch.randint(0, 60, (batch,))
+    noise = torch.randn_like(x0)
+    x_t = sched.q_sample(x0, t, noise)
+    out = torch.randn(batch, 2 if learn_sigma else 1, 6, 6, dtype=torch.float64)
+    # reference in float64
+    w = loss_weights(sched.snr(t), prediction, weighting, 5.0)
+    ref_out = out.clone().requires_grad_(True)
+    ref = hybrid_loss(sched, ref_out, x0, x_t, t, noise, learn_sigma, prediction, weights=w)["loss"]
+    ref.sum().backward()
+    got_out = out.float().requires_grad_(True)
+    got = tr.per_sample_loss(got_out, x0.float(), x_t.float(), t, noise.float())
+    got.sum().backward()
+    assert got.shape == (batch,)
+    torch.testing.assert_close(got.double(), ref.detach(), rtol=2e-4, atol=1e-5)
+    torch.testing.assert_close(got_out.grad.double(), ref_out.grad, rtol=2e-4, atol=1e-6)
+
+
+class _Data(torch.utils.data.Dataset):
+    def __init__(self, x):
+        from diffcurr_fast.data.loader import ArrayDataset
+
+        self.inner = ArrayDataset(x, torch.arange(len(x)) % 10)
+        self.x, self.y = self.inner.x, self.inner.y
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, i):
+        return self.inner[i]
+
+
+def test_seeded_fused_noise_is_consistent(tmp_path):
+    """q_sample(seed) and diffusion_loss(seed) see the same Philox noise: the loss equals the explicit-noise one."""
+    from diffcurr_fast.ops import q_sample
+
+    tr = Trainer(tiny(tmp_path / "r", "diffusion.learn_sigma=false"))
+    x0 = torch.rand(3, 1, 8, 8) * 2 - 1
+    t = torch.tensor([0, 30, 59])
+    x_t, noise = q_sample(x0, t, tr.schedule, seed=1234, return_noise=True)
+    out = torch.randn(3, 1, 8, 8)
+    a = tr.per_sample_loss(out, x0, x_t, t, seed=1234)
+    b = tr.per_sample_loss(out, x0, x_t, t, noise=noise)
+    torch.testing.assert_close(a, b)
+
+
+def _params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_nan_policy_skip_counts_and_keeps_weights(tmp_path):
+    tr = Trainer(tiny(tmp_path / "r", "engine.nan_policy=skip", "engine.max_nan_skips=2"))
+    real = tr.per_sample_loss
+    tr.per_sample_loss = lambda *a, **k: real(*a, **k) * float("nan")
+    x, y = next(tr.loader)
+    before, ema_before = _params(tr.model), _params(tr.ema.module)
+    stats = tr.train_step(x, y)
+    assert stats.get("skipped") and tr.nan_skips == 1 and tr.step == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, _params(tr.model)))
+    assert all(torch.equal(a, b) for a, b in zip(ema_before, _params(tr.ema.module)))
+    assert tr.curriculum.state_dict()["steps_seen"] == 0  # the curriculum never saw the bad loss
+    tr.train_step(x, y)
+    with pytest.raises(NonFiniteLossError, match="3 skipped so far, max_nan_skips=2"):
+        tr.train_step(x, y)
+    tr.per_sample_loss = real
+    tr.train_step(x, y)  # a finite step still trains
+    assert not all(torch.equal(a, b) for a, b in zip(before, _params(tr.model)))
+
+
+def test_nan_policy_stop(tmp_path):
+    tr = Trainer(tiny(tmp_path / "r", "engine.nan_policy=stop"))
+    real = tr.per_sample_loss
+    tr.per_sample_loss = lambda *a, **k: real(*a, **k) + float("inf")
+    x, y = next(tr.loader)
+    with pytest.raises(NonFiniteLossError, match="non-finite loss at step 0 \\(nan_policy='stop'"):
+        tr.train_step(x, y)
+
+
+def test_ema_math():
+    torch.manual_seed(1)
+    model = torch.nn.Linear(3, 5)
+    ema = EMA(model, decay=0.9, warmup=True)
+    ref = [p.detach().double().clone() for p in model.parameters()]
+    for n in range(25):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        d = min(0.9, (1 + n) / (10 + n))
+        assert ema.current_decay() == pytest.approx(d)
+        ema.update(model)
+        ref = [d * r + (1 - d) * p.detach().double() for r, p in zip(ref, model.parameters())]
+    for r, e in zip(ref, ema.module.parameters()):
+        torch.testing.assert_close(e.double(), r, rtol=1e-5, atol=1e-6)
+    plain = EMA(model, decay=0.5, warmup=False)
+    start = [p.detach().clone() for p in plain.module.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0)
+    plain.update(model)
+    for s, p, e in zip(start, model.parameters(), plain.module.parameters()):
+        torch.testing.assert_close(e, 0.5 * s + 0.5 * p.detach())
+    with pytest.raises(ValueError, match="EMA decay must lie in \\[0, 1\\], got 1.5"):
+        EMA(model, decay=1.5)
+
+
+def test_lr_schedule(tmp_path):
+    cfg = tiny(tmp_path / "r", "optim.lr=1.0", "optim.warmup_steps=4", "optim.schedule=cosine", "optim.min_lr=0.1",
+               "engine.max_steps=14")  # fmt: skip
+    lrs = [lr_at(s, cfg) for s in range(15)]
+    assert lrs[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert lrs[4] == pytest.approx(1.0) and lrs[9] == pytest.approx(0.55) and lrs[14] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
+    const = tiny(tmp_path / "r", "optim.lr=0.5", "optim.warmup_steps=0", "optim.schedule=constant")
+    assert {lr_at(s, const) for s in range(6)} == {0.5}
+
+
+def test_run_dir_is_not_overwritten(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="is not empty; pass --resume to continue it or --overwrite"):
+        Trainer(tiny(run))
+    assert (run / "notes.txt").read_text() == "keep me" and not (run / "config.yaml").exists()
+    train(tiny(run), overwrite=True)
+    assert (run / "notes.txt").read_text() == "keep me"  # --overwrite replaces only run artifacts
+    assert (run / "checkpoints" / "ckpt_00000006.pt").is_file()
+    with pytest.raises(FileExistsError):
+        train(tiny(run))
+
+
+def test_dataset_shape_mismatch_is_explained(tmp_path):
+    with pytest.raises(ValueError, match="has images 1x8x8 but model.in_channels x model.input_size"):
+        Trainer(tiny(tmp_path / "r", "model.input_size=4"))
+    with pytest.raises(ValueError, match="data has label 9 but model.num_classes is 5"):
+        Trainer(tiny(tmp_path / "r2", "model.num_classes=5"))
+
+
+def test_bf16_autocast_step_runs(tmp_path):
+    tr = Trainer(tiny(tmp_path / "r", "engine.precision=bf16"))
+    x, y = next(tr.loader)
+    stats = tr.train_step(x, y)
+    assert math.isfinite(float(stats["loss"]))
