@@ -41,6 +41,7 @@ from diffcurr_fast.ops._common import schedule_table  # noqa: E402
 SEED = 20250101
 PREDICTION, WEIGHTING, GAMMA = "v", "min_snr", 5.0
 MODES = ("fwd", "bwd", "fwd+bwd")
+BUDGET_S = 15.0  # seconds per measurement: slow providers get fewer repeats (at least 3)
 
 
 class Case:
@@ -223,7 +224,7 @@ def build_cases(args, device: torch.device, sched: DDPMSchedule):
 def time_case(fn, grad_name, mode, grad_inputs, device, warmup, reps):
     """Per-call seconds of ``mode`` for forward ``fn`` (``grad_name`` names its differentiable input)."""
     if grad_name is None:
-        return common.measure(lambda _: fn(), device=device, warmup=warmup, reps=reps)
+        return common.measure(lambda _: fn(), device=device, warmup=warmup, reps=reps, budget_s=BUDGET_S)
     leaf = grad_inputs[grad_name].detach().clone().requires_grad_()
 
     def forward():
@@ -231,20 +232,22 @@ def time_case(fn, grad_name, mode, grad_inputs, device, warmup, reps):
         return out.sum() if out.ndim else out
 
     if mode == "fwd":
-        return common.measure(lambda _: forward(), device=device, warmup=warmup, reps=reps)
+        return common.measure(lambda _: forward(), device=device, warmup=warmup, reps=reps, budget_s=BUDGET_S)
     if mode == "bwd":
 
         def setup():
             leaf.grad = None
             return forward()
 
-        return common.measure(lambda out: out.backward(), setup, device=device, warmup=warmup, reps=reps)
+        return common.measure(
+            lambda out: out.backward(), setup, device=device, warmup=warmup, reps=reps, budget_s=BUDGET_S
+        )
 
     def both(_):
         leaf.grad = None
         forward().backward()
 
-    return common.measure(both, device=device, warmup=warmup, reps=reps)
+    return common.measure(both, device=device, warmup=warmup, reps=reps, budget_s=BUDGET_S)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,8 +33,24 @@ def measure(
     device: torch.device | str = "cpu",
     warmup: int = 3,
     reps: int = 10,
+    budget_s: float | None = None,
+    min_reps: int = 3,
 ) -> list[float]:
-    """Seconds per call of ``run(state)`` over ``reps`` timed calls after ``warmup``; ``setup()`` is untimed."""
+    """Seconds per call of ``run(state)`` over ``reps`` timed calls after ``warmup``; ``setup()`` is untimed.
+
+    With ``budget_s``, slow calls get fewer repeats (at least ``min_reps``) so one measurement takes about
+    ``budget_s`` seconds.
+    """
+    if budget_s is not None:
+        state = setup() if setup is not None else None
+        synchronize(device)
+        t0 = time.perf_counter()
+        run(state)  # first call: compilation, autotuning, allocator warmup
+        synchronize(device)
+        first = time.perf_counter() - t0
+        if first * (warmup + reps) > budget_s:
+            warmup = 1
+            reps = max(min_reps, min(reps, int(budget_s / max(first, 1e-9))))
     times = []
     for i in range(warmup + reps):
         state = setup() if setup is not None else None

@@ -11,7 +11,9 @@ import importlib
 import sys
 
 # name -> (module, one-line help)
-COMMANDS: dict[str, tuple[str, str]] = {}
+COMMANDS: dict[str, tuple[str, str]] = {
+    "analyze": ("diffcurr_fast.curriculum.cli", "difficulty analysis: kl | convergence | clusters"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

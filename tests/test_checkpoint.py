@@ -80,9 +80,10 @@ def test_resume_continues_exactly(tmp_path):
             assert torch.equal(v, b[key][name]), name
     for name, v in a["ema"]["module"].items():
         assert torch.equal(v, b["ema"]["module"][name]), name
-    assert a["curriculum"]["stage"] == b["curriculum"]["stage"] and a["curriculum"]["history"] == b["curriculum"][
-        "history"
-    ]
+    assert (
+        a["curriculum"]["stage"] == b["curriculum"]["stage"]
+        and a["curriculum"]["history"] == b["curriculum"]["history"]
+    )
     assert a["data"] == b["data"]
     sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
     assert all(torch.equal(sa[k]["exp_avg_sq"], sb[k]["exp_avg_sq"]) for k in sa)

@@ -47,7 +47,7 @@ def test_recipes_load(recipe):
 def test_there_are_recipes():
     names = {p.stem for p in RECIPES}
     assert {"dit_b2_vanilla", "dit_b2_curriculum", "dit_b2_curriculum_minsnr", "dit_b2_curriculum_dtr",
-            "dit_l2_zero2", "dit_xl2"} <= names  # fmt: skip
+            "dit_l2", "dit_xl2"} <= names  # fmt: skip
 
 
 @pytest.mark.parametrize(

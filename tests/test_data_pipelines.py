@@ -122,7 +122,7 @@ def test_image_loader_exact(image_dirs, backend):
         idx, flips = loader.keys(0)
         assert x.shape == (6, 3, 16, 16) and flips.any()
         for k, (i, f) in enumerate(zip(idx, flips)):
-            img = np.asarray(Image.open(folder.files[i]).convert("RGB"))
+            img = np.array(Image.open(folder.files[i]).convert("RGB"))
             h, w = img.shape[:2]
             crop = img[(h - 16) // 2 : (h - 16) // 2 + 16, (w - 16) // 2 : (w - 16) // 2 + 16]
             ref = torch.from_numpy(np.ascontiguousarray(crop[:, ::-1] if f else crop)).permute(2, 0, 1) / 127.5 - 1
@@ -195,7 +195,7 @@ def test_loader_argument_errors(latent_dirs, image_dirs):
     with pytest.raises(ValueError, match="backend must be one of"):
         ShardedLoader(root / "fastdit", 2, backend="jax")
     with pytest.raises(ValueError, match="image folders only"):
-        ShardedLoader(root / "fastdit", 2, image_size=16)
+        ShardedLoader(open_latents(root / "fastdit"), 2, image_size=16)
     with pytest.raises(ValueError, match="batch_size"):
         ShardedLoader(root / "fastdit", 0)
     with pytest.raises(ValueError, match="need image_size"):

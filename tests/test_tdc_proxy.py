@@ -20,7 +20,6 @@ from diffcurr_fast.tdc import (
     LocalProposer,
     MemoryBank,
     SearchState,
-    UniformProposer,
     dit_flops,
     importance_scores,
     make_groups,
@@ -182,6 +181,7 @@ class _Server:
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
+        self.httpd.handle_error = lambda request, client_address: None  # the timed-out client has hung up
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()

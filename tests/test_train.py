@@ -59,8 +59,14 @@ def test_short_run_writes_everything(tmp_path):
 @pytest.mark.parametrize("learn_sigma", [True, False])
 @pytest.mark.parametrize("batch", [1, 3, 17])
 def test_fused_loss_matches_reference(tmp_path, prediction, weighting, learn_sigma, batch):
-    cfg = tiny(tmp_path / "r", f"diffusion.prediction={prediction}", f"diffusion.weighting={weighting}",
-               f"diffusion.learn_sigma={str(learn_sigma).lower()}", "model.input_size=6", "model.patch_size=3")
+    cfg = tiny(
+        tmp_path / "r",
+        f"diffusion.prediction={prediction}",
+        f"diffusion.weighting={weighting}",
+        f"diffusion.learn_sigma={str(learn_sigma).lower()}",
+        "model.input_size=6",
+        "model.patch_size=3",
+    )
     x = torch.rand(batch, 1, 6, 6) * 2 - 1
     tr = Trainer(cfg, dataset=_Data(x.repeat(17, 1, 1, 1)))
     sched = DDPMSchedule(60)

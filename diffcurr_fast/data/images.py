@@ -59,7 +59,7 @@ def to_unit_range(arr: np.ndarray, flip: bool = False) -> torch.Tensor:
     """(H, W, C) uint8 -> (C, H, W) float32 in [-1, 1], optionally flipped horizontally."""
     if flip:
         arr = arr[:, ::-1]
-    x = torch.from_numpy(np.ascontiguousarray(arr)).permute(2, 0, 1).to(torch.float32)  # (C, H, W)
+    x = torch.from_numpy(np.array(arr, copy=True)).permute(2, 0, 1).to(torch.float32)  # (C, H, W)
     return x / 127.5 - 1.0
 
 

@@ -12,7 +12,7 @@ import torch
 
 from diffcurr_fast.diffusion.ddpm import DDPMSchedule
 from diffcurr_fast.ops import _backend, _common
-from diffcurr_fast.ops.philox import draw_seed, normalize_seed, philox_randn_ref
+from diffcurr_fast.ops.philox import draw_seed, normalize_seed, philox_randn, philox_randn_ref
 
 
 def q_sample_ref(
@@ -62,7 +62,7 @@ def _backward(ctx, grad):
     ga = (g * x0.to(dt)).flatten(1).sum(1).to(a.dtype) if ctx.needs_input_grad[1] else None
     gc = gnoise = None
     if ctx.needs_input_grad[2]:
-        eps = noise if noise is not None else philox_randn_ref(ctx.seed, x0.shape, x0.device)
+        eps = noise if noise is not None else philox_randn(ctx.seed, tuple(x0.shape), x0.device)
         gc = (g * eps.to(dt)).flatten(1).sum(1).to(c.dtype)
     if ctx.has_noise and ctx.needs_input_grad[3]:
         gnoise = (c.to(dt).view(shape) * g).to(noise.dtype)
@@ -85,8 +85,6 @@ def _finish(x0, a, c, noise, seed, backend, return_noise):
     if not return_noise:
         return xt
     if noise is None:
-        from diffcurr_fast.ops.philox import philox_randn
-
         noise = philox_randn(seed_v, x0.shape, x0.device, backend=name).to(x0.dtype)
     return xt, noise
 

@@ -430,7 +430,9 @@ def proxy_search(
                 continue
             valid.append((list(h), list(m), src))
         if fallback and len(valid) < candidates_per_round and proposer.name != "local":
-            for h, m in local.propose(state, candidates_per_round - len(valid), rng):
+            for h, m in local.propose(state, candidates_per_round + len(valid), rng):
+                if len(valid) == candidates_per_round:
+                    break
                 if validate_widths(state, h, m) is None and all((h, m) != (v[0], v[1]) for v in valid):
                     valid.append((h, m, "local"))
         scores = []

@@ -1,0 +1,41 @@
+"""Training: typed config, engines (single process, DDP), the loop, EMA, checkpoints, logging and sampling."""
+
+from diffcurr_fast.train.checkpoint import (
+    atomic_save,
+    export_safetensors,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
+from diffcurr_fast.train.config import TrainConfig, config_from_dict, config_to_yaml, demo_config, load_config
+from diffcurr_fast.train.ema import EMA
+from diffcurr_fast.train.engine import DDPEngine, Engine, create_engine
+from diffcurr_fast.train.loop import NonFiniteLossError, Trainer, lr_at, train
+from diffcurr_fast.train.sampling import build_model, build_schedule, sample, save_grid
+
+__all__ = [
+    "EMA",
+    "DDPEngine",
+    "Engine",
+    "NonFiniteLossError",
+    "TrainConfig",
+    "Trainer",
+    "atomic_save",
+    "build_model",
+    "build_schedule",
+    "config_from_dict",
+    "config_to_yaml",
+    "create_engine",
+    "demo_config",
+    "export_safetensors",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_config",
+    "load_checkpoint",
+    "lr_at",
+    "sample",
+    "save_checkpoint",
+    "save_grid",
+    "train",
+]

@@ -1,0 +1,113 @@
+import argparse
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch import nn
+
+from diffcurr_fast.data import cli_extract
+from diffcurr_fast.data.extract import encode_latents, extract_latents
+from diffcurr_fast.data.images import ImageDataset, ImageFolder
+from diffcurr_fast.data.latents import open_latents
+
+
+class _Posterior:
+    """Diagonal Gaussian with diffusers' ``sample(generator=)`` / ``mode()`` interface."""
+
+    def __init__(self, moments):
+        self.mean, logvar = moments.chunk(2, dim=1)
+        self.std = torch.exp(0.5 * logvar.clamp(-30, 20))
+
+    def sample(self, generator=None):
+        noise = torch.randn(self.mean.shape, generator=generator, device=self.mean.device, dtype=self.mean.dtype)
+        return self.mean + self.std * noise
+
+    def mode(self):
+        return self.mean
+
+
+class _Encoded:
+    def __init__(self, moments):
+        self.latent_dist = _Posterior(moments)
+
+
+class TinyVAE(nn.Module):
+    """Stand-in for ``AutoencoderKL``: ``encode(x).latent_dist`` with 4 latent channels at 1/8 resolution."""
+
+    def __init__(self, fail_after=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 8, kernel_size=8, stride=8)
+        self.calls, self.fail_after = 0, fail_after
+
+    def encode(self, x):
+        self.calls += 1
+        if self.fail_after is not None and self.calls > self.fail_after:
+            raise RuntimeError("simulated crash")
+        return _Encoded(self.conv(x))  # (B, 8, H/8, W/8)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("imgs")
+    rng = np.random.default_rng(0)
+    for c in range(2):
+        (root / f"c{c}").mkdir()
+        for j in range(6 + c):  # 13 images: not a multiple of the batch or shard size
+            Image.fromarray(rng.integers(0, 256, (16, 20, 3), dtype=np.uint8)).save(root / f"c{c}" / f"{j}.png")
+    return root
+
+
+@pytest.mark.parametrize("layout", ["sharded", "fastdit"])
+def test_extract_matches_direct_encoding(folder, tmp_path, layout):
+    vae = TinyVAE()
+    n = extract_latents(
+        vae, folder, tmp_path / "out", image_size=16, batch_size=3, layout=layout, shard_size=4, dtype="float32",
+        sample=False, progress=False,
+    )  # fmt: skip
+    assert n == 13
+    ds = open_latents(tmp_path / "out")
+    images = ImageDataset(ImageFolder(folder), 16)
+    x = torch.stack([images[i][0] for i in range(13)])  # (13, 3, 16, 16)
+    ref = encode_latents(vae, x, sample=False).numpy()  # (13, 4, 2, 2)
+    got = np.stack([ds.read(i)[0] for i in range(13)])
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+    assert [ds.read(i)[1] for i in range(13)] == [0] * 6 + [1] * 7
+    np.testing.assert_allclose(ref, 0.18215 * vae.encode(x).latent_dist.mode().detach().numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["sharded", "fastdit"])
+def test_extract_resumes_after_a_crash(folder, tmp_path, layout):
+    kwargs = dict(image_size=16, batch_size=3, layout=layout, shard_size=4, dtype="float32", seed=5, progress=False)
+    extract_latents(TinyVAE(), folder, tmp_path / "full", hflip=True, **kwargs)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        extract_latents(TinyVAE(fail_after=2), folder, tmp_path / "part", hflip=True, **kwargs)
+    assert len(open_latents(tmp_path / "part")) == (4 if layout == "sharded" else 6)
+    assert extract_latents(TinyVAE(), folder, tmp_path / "part", hflip=True, **kwargs) == 13
+    full, part = open_latents(tmp_path / "full"), open_latents(tmp_path / "part")
+    for i in range(13):
+        np.testing.assert_array_equal(full.read(i)[0], part.read(i)[0])
+        assert full.read(i)[1] == part.read(i)[1]
+    # a finished extraction is not redone
+    vae = TinyVAE()
+    assert extract_latents(vae, folder, tmp_path / "full", hflip=True, **kwargs) == 13 and vae.calls == 0
+
+
+def test_extract_errors(folder, tmp_path):
+    with pytest.raises(ValueError, match="layout must be one of"):
+        extract_latents(TinyVAE(), folder, tmp_path, layout="lmdb")
+    empty = tmp_path / "empty" / "c"
+    empty.mkdir(parents=True)
+    with pytest.raises(ValueError, match="no usable images"):
+        extract_latents(TinyVAE(), empty.parent, tmp_path / "o", progress=False)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("diffusers") is not None, reason="diffusers is installed")
+def test_cli_without_diffusers(folder, tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    cli_extract.add_arguments(parser)
+    args = parser.parse_args(["--vae", str(tmp_path), "--data", str(folder), "--out", str(tmp_path / "o")])
+    assert cli_extract.run(args) == 2
+    assert "pip install diffusers" in capsys.readouterr().err
