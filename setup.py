@@ -78,6 +78,7 @@ setup(
         "triton": ["triton>=3.0"],
         "deepspeed": ["deepspeed>=0.14"],
         "dali": ["nvidia-dali-cuda130"],
+        "diffusers": ["diffusers"],
         "flash": ["flash-attn"],
         "dev": ["pytest>=8", "pytest-xdist", "ruff", "scikit-learn", "scipy", "ninja"],
     },

@@ -78,11 +78,14 @@ def main() -> None:
     ap.add_argument("--compile-mode", default="default", choices=COMPILE_MODES)
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     if args.quick:
         args.hidden, args.depth, args.heads, args.steps, args.batch, args.reps = 192, 4, 6, 10, 4, 3
     device = torch.device(args.device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     torch.manual_seed(0)
     base = build_base(args).to(device)

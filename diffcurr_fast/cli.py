@@ -13,6 +13,8 @@ import sys
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "analyze": ("diffcurr_fast.curriculum.cli", "difficulty analysis: kl | convergence | clusters"),
+    "extract-latents": ("diffcurr_fast.data.cli_extract", "encode an image dataset to latents with a local VAE"),
+    "eval": ("diffcurr_fast.eval.cli_eval", "FD / IS / precision-recall of samples against reference statistics"),
 }
 
 
@@ -41,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return int(args._module.run(args) or 0)
-    except (ValueError, FileNotFoundError, FileExistsError, KeyError) as exc:
+    except (ValueError, FileNotFoundError, FileExistsError, KeyError, ImportError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"diffcurr-fast {args.command}: error: {msg}", file=sys.stderr)
         return 2

@@ -111,13 +111,16 @@ def test_resume_position(latent_dirs, backend):
         ShardedLoader(ds, 3, seed=2).load_state_dict(state)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS + [pytest.param("dali-parallel", marks=needs_dali)])
 def test_image_loader_exact(image_dirs, backend):
+    backend, py_workers = ("dali", 1) if backend == "dali-parallel" else (backend, 0)
     folder = ImageFolder(image_dirs / "exact")
     assert folder.classes == ["class0", "class1", "class2"] and len(folder) == 12
     ds = ImageDataset(folder, 16)
     for shard in range(2):
-        loader = ShardedLoader(folder, 5, image_size=16, seed=4, shard_id=shard, num_shards=2, backend=backend)
+        loader = ShardedLoader(
+            folder, 5, image_size=16, seed=4, shard_id=shard, num_shards=2, backend=backend, dali_py_workers=py_workers
+        )
         x, y = _collect(loader)
         idx, flips = loader.keys(0)
         assert x.shape == (6, 3, 16, 16) and flips.any()

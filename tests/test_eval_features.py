@@ -148,3 +148,30 @@ def test_fid_inception_structure_and_loading(tmp_path):
         load_fid_inception(tmp_path / "missing.pth")
     with pytest.raises(ValueError, match="--inception-weights"):
         get_extractor("inception")
+
+
+def test_eval_cli_from_checkpoint(digits_cache, tmp_path, capsys):
+    train_loop = pytest.importorskip("diffcurr_fast.train.loop", reason="the trainer is not available")
+    from diffcurr_fast.train.config import load_config
+
+    path, _, _ = digits_cache
+    run = tmp_path / "run"
+    overrides = [
+        f"checkpoint.run_dir={run}", "model.hidden_size=32", "model.depth=1", "model.num_heads=2",
+        "diffusion.num_timesteps=40", "curriculum.num_clusters=4", "data.batch_size=17", "engine.max_steps=2",
+        "logging.progress=false", "logging.num_samples=0", "logging.plots=false",
+    ]  # fmt: skip
+    with single_thread():
+        train_loop.train(load_config(None, overrides))
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    cli_eval.add_arguments(parser)
+    argv = ["--ckpt", str(run), "--num", "12", "--steps", "3", "--splits", "2", "--ref", "digits"]
+    args = parser.parse_args(argv + ["--extractor", "digits", "--digits-cache", str(path)])
+    with single_thread():
+        assert cli_eval.run(args) == 0
+    out = capsys.readouterr().out
+    assert "sampled 12 images" in out and "extractor: digits (digits-classifier features: not Inception FID)" in out
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--ckpt", str(run), "--samples", "x.npz"])

@@ -192,7 +192,9 @@ class _Server:
 
 
 @pytest.fixture
-def server():
+def server(monkeypatch):
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")  # urllib honours *_proxy variables
+    monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")
     srv = _Server()
     yield srv
     srv.close()
@@ -268,3 +270,27 @@ def test_proxy_search_with_llm_and_fallback(setup, server):
     assert res.rejected["llm_over_budget"] == 1 and res.rejected["llm_parse_errors"] == 1
     assert len(server.requests) == 2
     assert len(json.loads(server.requests[1]["body"]["messages"][1]["content"])["memory_bank_best_first"]) == 2
+
+
+class _BadProposer:
+    """Returns an over-budget, an out-of-range, a malformed and a repeated allocation, then one good one."""
+
+    name = "bad"
+
+    def __init__(self, good):
+        self.good = good
+
+    def propose(self, state, n, rng):
+        return [([3, 3, 3], [60, 60, 60]), ([9, 0, 0], [0, 0, 0]), ([1, 1], [1, 1]), self.good, self.good]
+
+
+def test_proxy_search_rejects_and_counts(setup):
+    model, s, group, train, held, imp = setup
+    good = select_widths(model.config(), imp, group.flops)
+    res = proxy_search(model, group, group.flops, train, held, schedule=s, importance=imp,
+                       proposer=_BadProposer(good), rounds=1, candidates_per_round=2, recover_steps=0)  # fmt: skip
+    assert res.rejected == {"over_budget": 1, "invalid": 2, "duplicate": 1}
+    assert [c.source for c in res.bank.entries] == ["bad", "local"]
+    with pytest.raises(ValueError, match="no valid candidate"):
+        proxy_search(model, group, group.flops, train, held, schedule=s, importance=imp,
+                     proposer=_BadProposer(([3, 3, 3], [60, 60, 60])), rounds=1, fallback=False)  # fmt: skip

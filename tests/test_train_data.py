@@ -96,7 +96,8 @@ def test_npz_file_and_directory(tmp_path):
 
 
 def test_recipe_runs_on_user_data(tmp_path):
-    """A latent recipe trains on a user directory of x.npy / y.npy (a small preset and batch stand in)."""
+    """A latent recipe trains on a user directory of x.npy / y.npy (a tiny custom DiT and batch stand in)."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     data = tmp_path / "latents"
     data.mkdir()
@@ -106,12 +107,17 @@ def test_recipe_runs_on_user_data(tmp_path):
     cfg = load_config(
         RECIPES / "dit_b2_curriculum_minsnr.yaml",
         [
-            f"data.path={data}", "data.num_workers=0", "data.batch_size=6", "model.preset=DiT-S/8",
-            "model.input_size=8", "engine.max_steps=2", "engine.precision=fp32", "engine.device=cpu",
+            f"data.path={data}", "data.num_workers=0", "data.batch_size=6", "model.preset=custom",
+            "model.hidden_size=32", "model.depth=1", "model.num_heads=2", "model.input_size=8",
+            "engine.max_steps=2", "engine.precision=fp32", "engine.device=cpu",
             f"checkpoint.run_dir={tmp_path / 'run'}", "logging.progress=false", "checkpoint.export_ema=false",
+            "logging.plots=false",
         ],
     )  # fmt: skip
     assert cfg.diffusion.weighting == "min_snr" and cfg.curriculum.pacing == "patience"
-    summary = train(cfg)
+    try:
+        summary = train(cfg)
+    finally:
+        torch.set_num_threads(threads)
     assert summary["step"] == 2 and np.isfinite(summary["loss"])
     assert (tmp_path / "run" / "checkpoints" / "ckpt_00000002.pt").is_file()

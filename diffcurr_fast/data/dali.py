@@ -17,7 +17,7 @@ same samples as the torch DataLoader fallback for the same seed, epoch and shard
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -47,16 +47,10 @@ def require_dali():
         ) from exc
 
 
-def _to_torch(out, device_id: int | None) -> torch.Tensor:
-    """A DALI TensorList (uniform shape) as a torch tensor on CPU or on GPU ``device_id``."""
-    if device_id is not None and type(out).__name__ == "TensorListGPU":
-        from nvidia.dali.plugin.pytorch import feed_ndarray
-
-        dense = out.as_tensor()
-        dtype = {np.float32: torch.float32, np.int64: torch.int64, np.int32: torch.int32}[np.dtype(dense.dtype).type]
-        result = torch.empty(dense.shape(), dtype=dtype, device=f"cuda:{device_id}")
-        feed_ndarray(out, result)
-        return result
+def _to_torch(out) -> torch.Tensor:
+    """A DALI TensorList (uniform shape) as a torch tensor that owns its memory (DALI reuses its buffers)."""
+    if type(out).__name__ == "TensorListGPU":
+        return torch.from_dlpack(out.as_tensor()).clone()  # stays on the pipeline's GPU
     return torch.from_numpy(np.array(out.as_tensor()))
 
 
@@ -104,6 +98,33 @@ def latent_pipeline(
     return p
 
 
+class _ImageSource:
+    """Per-sample callback of the image pipeline: encoded bytes, label, flip and ADM crop geometry."""
+
+    def __init__(self, files: list[str], labels: list[int], indices: np.ndarray, flips: np.ndarray, size: int):
+        self.files, self.labels, self.indices, self.flips, self.size = files, labels, indices, flips, size
+
+    def __call__(self, info):
+        from PIL import Image
+
+        pos = info.idx_in_epoch % len(self.indices)
+        i = int(self.indices[pos])
+        path = self.files[i]
+        try:
+            with Image.open(path) as img:
+                width, height = img.size
+        except (OSError, SyntaxError, ValueError) as exc:
+            raise ValueError(f"{path}: corrupt image header ({exc})") from None
+        geo = adm_crop_geometry(width, height, self.size)
+        return (
+            np.fromfile(path, dtype=np.uint8),
+            np.asarray(self.labels[i], dtype=np.int64),
+            np.asarray(self.flips[pos], dtype=np.int32),
+            np.asarray(geo.resized[::-1], dtype=np.float32),  # (H, W)
+            np.asarray(geo.offset[::-1], dtype=np.int32),  # (y, x)
+        )
+
+
 def image_pipeline(
     folder: ImageFolder,
     indices: Sequence[int],
@@ -114,8 +135,13 @@ def image_pipeline(
     device_id: int | None = None,
     decoder_device: str = "cpu",
     prefetch_queue_depth: int = 2,
+    py_workers: int = 0,
 ):
-    """A built DALI pipeline yielding ``(images (B, 3, S, S) float32 in [-1, 1], labels (B,) int64)``."""
+    """A built DALI pipeline yielding ``(images (B, 3, S, S) float32 in [-1, 1], labels (B,) int64)``.
+
+    ``py_workers > 0`` reads files and headers in that many forked Python workers (DALI's parallel
+    external source); 0 reads them in the pipeline's own thread.
+    """
     dali = require_dali()
     fn, types = dali.fn, dali.types
     if decoder_device not in DECODER_DEVICES:
@@ -126,37 +152,23 @@ def image_pipeline(
     flips = np.asarray(flips, dtype=bool)
     if len(indices) == 0 or len(flips) != len(indices):
         raise ValueError(f"image_pipeline needs matching non-empty indices and flips, got {len(indices)}/{len(flips)}")
-    from PIL import Image
-
-    def source(info):
-        pos = info.idx_in_epoch % len(indices)
-        i = int(indices[pos])
-        path = folder.files[i]
-        try:
-            with Image.open(path) as img:
-                width, height = img.size
-        except (OSError, SyntaxError, ValueError) as exc:
-            raise ValueError(f"{path}: corrupt image header ({exc})") from None
-        geo = adm_crop_geometry(width, height, image_size)
-        return (
-            np.fromfile(path, dtype=np.uint8),
-            np.asarray(folder.labels[i], dtype=np.int64),
-            np.asarray(flips[pos], dtype=np.int32),
-            np.asarray(geo.resized[::-1], dtype=np.float32),  # (H, W)
-            np.asarray(geo.offset[::-1], dtype=np.int32),  # (y, x)
-        )
+    source = _ImageSource([str(p) for p in folder.files], list(folder.labels), indices, flips, image_size)
+    workers = max(0, int(py_workers))
 
     @dali.pipeline_def(
         batch_size=batch_size,
         num_threads=num_threads,
         device_id=device_id,
         prefetch_queue_depth=prefetch_queue_depth,
+        py_num_workers=max(1, workers),
+        py_start_method="fork",
     )
     def pipe():
         enc, y, flip, size, anchor = fn.external_source(
             source=source,
             num_outputs=5,
             batch=False,
+            parallel=workers > 0,
             dtype=[types.UINT8, types.INT64, types.INT32, types.FLOAT, types.INT32],
         )
         img = fn.decoders.image(enc, device=decoder_device, output_type=types.RGB)  # (H0, W0, 3) uint8
@@ -180,7 +192,7 @@ def image_pipeline(
 
 
 def iterate_pipeline(
-    pipe, num_samples: int, batch_size: int, device_id: int | None = None, describe=None
+    pipe, num_samples: int, batch_size: int, describe: Callable[[int, int], str] | None = None
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Run ``pipe`` for ``ceil(num_samples / batch_size)`` batches, trimming the padded tail of the last one.
 
@@ -193,9 +205,9 @@ def iterate_pipeline(
         except RuntimeError as exc:
             where = describe(done, min(done + batch_size, num_samples)) if describe is not None else ""
             first = str(exc).strip().splitlines()
-            reason = next((line for line in first if "Error" in line or "rror" in line), first[0] if first else "")
+            reason = next((line for line in first if "error" in line.lower()), first[0] if first else "")
             raise ValueError(f"DALI failed on a batch of {where}: {reason}") from exc
         take = min(batch_size, num_samples - done)
-        xt, yt = _to_torch(x, device_id), _to_torch(y, device_id)
+        xt, yt = _to_torch(x), _to_torch(y)
         yield xt[:take], yt[:take]
         done += take

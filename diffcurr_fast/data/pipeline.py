@@ -75,6 +75,7 @@ class ShardedLoader:
         backend: ``"auto"``, ``"dali"`` or ``"torch"``.
         num_workers: DataLoader workers (torch) or DALI CPU threads (at least 1).
         device_id: DALI GPU id (None: CPU-only pipelines); ``decoder_device`` ``"cpu"`` or ``"mixed"`` (GPU).
+        dali_py_workers: forked Python workers reading image files for DALI (0: read in the pipeline thread).
         on_bad, check: bad-data policy and image check level when ``source`` is a path.
         epoch, start: initial position (epoch and samples already consumed in it on this rank).
     """
@@ -96,6 +97,7 @@ class ShardedLoader:
         num_workers: int = 0,
         device_id: int | None = None,
         decoder_device: str = "cpu",
+        dali_py_workers: int = 0,
         on_bad: str = "stop",
         check: str = "header",
         epoch: int = 0,
@@ -123,6 +125,7 @@ class ShardedLoader:
         self.drop_last = drop_last
         self.backend = resolve_backend(backend)
         self.num_workers, self.device_id, self.decoder_device = num_workers, device_id, decoder_device
+        self.dali_py_workers = dali_py_workers
         self.skipped = 0
         self.epoch, self.start = 0, 0
         self.load_state_dict({"epoch": epoch, "start": start})
@@ -215,6 +218,7 @@ class ShardedLoader:
                 num_threads=threads,
                 device_id=self.device_id,
                 decoder_device=self.decoder_device,
+                py_workers=self.dali_py_workers,
             )
             files = self.source.files
         else:
@@ -228,4 +232,4 @@ class ShardedLoader:
                 return f"samples {idx[first:last].tolist()} of {getattr(self.source, 'root', 'the dataset')}"
             return ", ".join(str(files[i]) for i in idx[first:last])
 
-        yield from dali.iterate_pipeline(pipe, len(idx), self.batch_size, self.device_id, describe)
+        yield from dali.iterate_pipeline(pipe, len(idx), self.batch_size, describe)

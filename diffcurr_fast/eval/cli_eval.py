@@ -3,6 +3,7 @@
 Examples::
 
     diffcurr-fast eval --samples samples.npz --ref digits --extractor digits
+    diffcurr-fast eval --ckpt runs/digits --num 500 --ref digits --extractor digits
     diffcurr-fast eval --samples samples.npz --ref imagenet256_ref.npz --extractor inception \\
         --inception-weights pt_inception-2015-12-05-6726825d.pth
     diffcurr-fast eval --ref-images real.npz --save-ref ref_stats.npz --extractor digits   # cache a reference
@@ -13,13 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 
-from diffcurr_fast.eval.evaluate import evaluate, load_images, load_reference
+from diffcurr_fast.eval.evaluate import evaluate, load_images, load_reference, samples_from_checkpoint
 from diffcurr_fast.eval.features import EXTRACTORS, get_extractor
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``eval``."""
-    parser.add_argument("--samples", help="samples .npz: 'images' (N, C, H, W) in [-1, 1] or ADM's uint8 'arr_0'")
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--samples", help="samples .npz: 'images' or 'x' (N, C, H, W) in [-1, 1], or ADM's uint8 'arr_0'")
+    src.add_argument("--ckpt", help="training checkpoint (file or run directory) to sample from")
     parser.add_argument(
         "--ref",
         help="reference: statistics .npz (mu, sigma[, features]), an images .npz, or 'digits' (built-in data)",
@@ -32,14 +35,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=int, default=3, help="k of the k-NN manifolds for precision/recall")
     parser.add_argument("--device", default="cpu", help="torch device for feature extraction")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    ckpt = parser.add_argument_group("sampling with --ckpt")
+    ckpt.add_argument("--num", type=int, default=1000, help="number of samples")
+    ckpt.add_argument("--sampler", default="ddim", help="sampler: ddpm | ddim | heun | euler")
+    ckpt.add_argument("--steps", type=int, default=50, help="sampling steps")
+    ckpt.add_argument("--cfg", type=float, default=1.0, help="classifier-free guidance scale")
+    ckpt.add_argument("--seed", type=int, default=0, help="sampling seed")
+    ckpt.add_argument("--weights", default="ema", choices=("ema", "model"), help="EMA or raw weights")
 
 
 def run(args: argparse.Namespace) -> int:
     """Evaluate; prints one metric per line with the extractor named first."""
     if args.ref is None:
         raise ValueError("--ref is required: a statistics .npz, an images .npz, or 'digits'")
-    if args.samples is None and args.save_ref is None:
-        raise ValueError("nothing to do: give --samples to evaluate and/or --save-ref to cache the reference")
+    if args.samples is None and args.ckpt is None and args.save_ref is None:
+        raise ValueError("nothing to do: give --samples or --ckpt to evaluate, and/or --save-ref")
     extractor = get_extractor(
         args.extractor, inception_weights=args.inception_weights, digits_cache=args.digits_cache, device=args.device
     )
@@ -47,9 +57,17 @@ def run(args: argparse.Namespace) -> int:
     if args.save_ref is not None:
         reference.save(args.save_ref)
         print(f"reference statistics ({extractor.name}: {extractor.label}) written to {args.save_ref}")
-    if args.samples is None:
+    if args.samples is not None:
+        images = load_images(args.samples)
+    elif args.ckpt is not None:
+        images = samples_from_checkpoint(
+            args.ckpt, args.num, sampler=args.sampler, steps=args.steps, cfg_scale=args.cfg, seed=args.seed,
+            weights=args.weights, device=args.device,
+        )  # fmt: skip
+        print(f"sampled {len(images)} images from {args.ckpt} ({args.sampler}, {args.steps} steps)")
+    else:
         return 0
-    result = evaluate(load_images(args.samples), reference, extractor, splits=args.splits, k=args.k)
+    result = evaluate(images, reference, extractor, splits=args.splits, k=args.k)
     for line in result.lines():
         print(line)
     if args.json is not None:

@@ -18,17 +18,19 @@ from diffcurr_fast.eval.metrics import feature_statistics, frechet_distance, inc
 
 
 def load_images(path: str | os.PathLike) -> torch.Tensor:
-    """Images (N, C, H, W) float32 in [-1, 1] from a samples ``.npz`` (``images`` or ADM's uint8 ``arr_0``)."""
+    """Images (N, C, H, W) float32 in [-1, 1] from a samples ``.npz``: ``images``, ``x`` (as written by
+    ``diffcurr-fast sample``) or ADM's uint8 ``arr_0`` (N, H, W, C)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"samples file {path} not found")
     with np.load(path) as f:
-        if "images" in f:
-            x = torch.from_numpy(np.asarray(f["images"], dtype=np.float32))
+        key = "images" if "images" in f else ("x" if "x" in f else None)
+        if key is not None:
+            x = torch.from_numpy(np.asarray(f[key], dtype=np.float32))
             if x.ndim != 4:
-                raise ValueError(f"{path}: 'images' must be (N, C, H, W), got shape {tuple(x.shape)}")
+                raise ValueError(f"{path}: '{key}' must be (N, C, H, W), got shape {tuple(x.shape)}")
             if x.numel() and (float(x.min()) < -1.001 or float(x.max()) > 1.001):
                 raise ValueError(
-                    f"{path}: 'images' must be in [-1, 1], got [{float(x.min()):.3g}, {float(x.max()):.3g}]"
+                    f"{path}: '{key}' must be in [-1, 1], got [{float(x.min()):.3g}, {float(x.max()):.3g}]"
                 )
             return x.clamp(-1, 1)
         if "arr_0" in f:
@@ -37,6 +39,47 @@ def load_images(path: str | os.PathLike) -> torch.Tensor:
                 raise ValueError(f"{path}: 'arr_0' must be uint8 (N, H, W, C), got {a.dtype} {a.shape}")
             return torch.from_numpy(a).permute(0, 3, 1, 2).float() / 127.5 - 1.0  # (N, C, H, W)
         raise ValueError(f"{path}: expected an array 'images' (N, C, H, W) or 'arr_0', found {sorted(f.files)}")
+
+
+def samples_from_checkpoint(
+    ckpt: str | os.PathLike,
+    num: int,
+    *,
+    sampler: str = "ddim",
+    steps: int = 50,
+    cfg_scale: float = 1.0,
+    seed: int = 0,
+    weights: str = "ema",
+    device: str | torch.device = "cpu",
+) -> torch.Tensor:
+    """Images (N, C, H, W) in [-1, 1] sampled from a training checkpoint (file or run directory), labels cycled
+    over the classes. Only pixel-space models (1 or 3 channels) qualify: latents would need the VAE decoder."""
+    from diffcurr_fast.train.checkpoint import load_checkpoint, resolve_checkpoint
+    from diffcurr_fast.train.config import config_from_dict
+    from diffcurr_fast.train.sampling import build_model, build_schedule, sample
+
+    if num < 2:
+        raise ValueError(f"--num must be >= 2 to evaluate, got {num}")
+    if weights not in ("ema", "model"):
+        raise ValueError(f"weights must be 'ema' or 'model', got {weights!r}")
+    state = load_checkpoint(resolve_checkpoint(ckpt))
+    cfg = config_from_dict(state["config"])
+    m = cfg.model
+    if m.in_channels not in (1, 3):
+        raise ValueError(
+            f"{ckpt}: the model generates {m.in_channels}-channel latents, not images; decode them to an "
+            "images .npz and pass --samples"
+        )
+    model = build_model(cfg)
+    model.load_state_dict(state["ema"]["module"] if weights == "ema" else state["model"])
+    model = model.to(device).eval()
+    labels = torch.arange(num, dtype=torch.long) % m.num_classes
+    x = sample(
+        model, build_schedule(cfg), sampler=sampler, steps=steps, labels=labels, channels=m.in_channels,
+        size=m.input_size, num_classes=m.num_classes, learn_sigma=cfg.diffusion.learn_sigma,
+        prediction=cfg.diffusion.prediction, cfg_scale=cfg_scale, clip_denoised=True, seed=seed, device=device,
+    )  # fmt: skip
+    return (x / cfg.data.scale).clamp(-1, 1).float().cpu()  # (N, C, H, W)
 
 
 @dataclass

@@ -425,7 +425,13 @@ def proxy_search(
             if reason is None and ((h, m) in bank or any((h, m) == (v[0], v[1]) for v in valid)):
                 reason = "duplicate"
             if reason is not None:
-                kind = reason.split(":")[0].split("[")[0].split(" ")[0]
+                kind = (
+                    "over_budget"
+                    if reason.startswith("over budget")
+                    else reason
+                    if reason == "duplicate"
+                    else "invalid"
+                )
                 rejected[kind] = rejected.get(kind, 0) + 1
                 continue
             valid.append((list(h), list(m), src))
