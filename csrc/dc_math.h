@@ -15,11 +15,17 @@
 #if defined(__CUDACC__)
 #define DC_HD __host__ __device__
 #define DC_INLINE __forceinline__
-#define DC_UNROLL _Pragma("unroll")
 #else
 #define DC_HD
 #define DC_INLINE inline __attribute__((always_inline))
+#endif
+
+#if defined(__CUDA_ARCH__)
+#define DC_UNROLL _Pragma("unroll")
+#elif defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__)
 #define DC_UNROLL _Pragma("GCC unroll 10")
+#else
+#define DC_UNROLL
 #endif
 
 namespace dcf {
@@ -69,12 +75,19 @@ static DC_HD DC_INLINE void philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2,
                                           uint32_t k1, uint32_t out[4]) {
   DC_UNROLL
   for (int round = 0; round < 10; ++round) {
+#if defined(__CUDA_ARCH__)
+    const uint32_t n0 = __umulhi(kPhiloxM1, c2) ^ c1 ^ k0;
+    const uint32_t n2 = __umulhi(kPhiloxM0, c0) ^ c3 ^ k1;
+    c1 = kPhiloxM1 * c2;
+    c3 = kPhiloxM0 * c0;
+#else
     const uint64_t p0 = static_cast<uint64_t>(kPhiloxM0) * c0;
     const uint64_t p1 = static_cast<uint64_t>(kPhiloxM1) * c2;
     const uint32_t n0 = static_cast<uint32_t>(p1 >> 32) ^ c1 ^ k0;
     const uint32_t n2 = static_cast<uint32_t>(p0 >> 32) ^ c3 ^ k1;
     c1 = static_cast<uint32_t>(p1);
     c3 = static_cast<uint32_t>(p0);
+#endif
     c0 = n0;
     c2 = n2;
     k0 += kPhiloxW0;

@@ -357,6 +357,20 @@ def test_bundle_roundtrip(tmp_path):
         load_bundle(tmp_path)
 
 
+def test_compiled_experts_route_like_eager():
+    # aot_eager traces each expert with dynamo + AOTAutograd like inductor does, without the C++ build time
+    base = tiny_dit(depth=1)
+    multi = MultiExpertDenoiser.from_base(base, [(0, 50), (50, 100)]).eval()
+    x, _, y = inputs(3)
+    with torch.no_grad():
+        want = [multi(x, torch.full((3,), v), y) for v in (10, 80)]
+        multi.compile_experts(mode="default", backend="aot_eager")
+        got = [multi(x, torch.full((3,), v), y) for v in (10, 80)]
+    assert multi.compile_mode == "default"
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
 def test_experts_validation():
     base = tiny_dit()
     with pytest.raises(ValueError, match="one \\(lo, hi\\) range per expert"):

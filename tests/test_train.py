@@ -212,3 +212,49 @@ def test_bf16_autocast_step_runs(tmp_path):
     x, y = next(tr.loader)
     stats = tr.train_step(x, y)
     assert math.isfinite(float(stats["loss"]))
+
+
+def test_cli_train_prints_where_outputs_are(tmp_path, capsys):
+    import argparse
+
+    from diffcurr_fast.train import cli_train
+
+    p = argparse.ArgumentParser()
+    cli_train.add_arguments(p)
+    run = tmp_path / "run"
+    sets = ["model.hidden_size=32", "model.depth=1", "model.num_heads=2", "diffusion.num_timesteps=40",
+            "curriculum.num_clusters=4", "data.batch_size=17", "engine.max_steps=2", "logging.num_samples=10",
+            "logging.sample_steps=2", "logging.progress=false", "logging.plots=false"]  # fmt: skip
+    argv = ["--run-dir", str(run)] + [a for s in sets for a in ("--set", s)]
+    assert cli_train.run(p.parse_args(argv)) == 0
+    out = capsys.readouterr()
+    assert f"sample grid: {run / 'samples.png'}" in out.out and "done: 2 steps" in out.out
+    assert "starting at step 0 of 2; single engine" in out.err
+    with pytest.raises(FileExistsError):
+        cli_train.run(p.parse_args(argv))
+    assert cli_train.run(p.parse_args(argv + ["--resume", "--set", "engine.max_steps=3"])) == 0
+    assert "resuming from" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_step(tmp_path):
+    tr = Trainer(tiny(tmp_path / "r", "engine.device=cuda", "engine.precision=bf16"))
+    assert tr.device.type == "cuda" and tr.opt.defaults.get("fused")
+    x, y = next(tr.loader)
+    stats = tr.train_step(x.cuda(), y.cuda())
+    assert math.isfinite(float(stats["loss"]))
+
+
+def test_metrics_writer_and_telemetry(tmp_path):
+    from diffcurr_fast.train.report import MetricsWriter, gpu_stats, read_metrics
+
+    pytest.importorskip("tensorboard")
+    w = MetricsWriter(tmp_path, tensorboard=True)
+    w.write({"step": 1, "loss": 0.5, "cluster_loss": [None, 1.0]})
+    w.write({"step": 2, "loss": float("nan")})
+    w.close()
+    recs = read_metrics(tmp_path / "metrics.jsonl")
+    assert recs[0] == {"step": 1, "loss": 0.5, "cluster_loss": [None, 1.0]} and math.isnan(recs[1]["loss"])
+    assert any((tmp_path / "tb").iterdir())
+    stats = gpu_stats()
+    assert stats == {"gpu": "no GPU"} if not torch.cuda.is_available() else "gpu_util" in stats

@@ -17,6 +17,7 @@ candidate and steers the next round. Proposers:
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
 import statistics
@@ -48,6 +49,7 @@ __all__ = [
 ]
 
 PROPOSERS = ("local", "uniform", "llm")
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -425,13 +427,11 @@ def proxy_search(
             if reason is None and ((h, m) in bank or any((h, m) == (v[0], v[1]) for v in valid)):
                 reason = "duplicate"
             if reason is not None:
-                kind = (
-                    "over_budget"
-                    if reason.startswith("over budget")
-                    else reason
-                    if reason == "duplicate"
-                    else "invalid"
-                )
+                kind = "invalid"  # malformed or widths out of range
+                if reason.startswith("over budget"):
+                    kind = "over_budget"
+                elif reason == "duplicate":
+                    kind = "duplicate"
                 rejected[kind] = rejected.get(kind, 0) + 1
                 continue
             valid.append((list(h), list(m), src))
@@ -464,6 +464,11 @@ def proxy_search(
                 "best_so_far": bank.best()[0].score if bank.entries else float("nan"),
             }
         )
+        h = history[-1]
+        logger.info(
+            "proxy search round %d: %d candidates, proxy mean %.5g std %.5g, best so far %.5g",
+            r, h["n"], h["mean"], h["std"], h["best_so_far"],
+        )  # fmt: skip
     if not bank.entries:
         raise ValueError(f"proxy search produced no valid candidate in {rounds} rounds (rejected: {rejected})")
     if hasattr(proposer, "stats"):
