@@ -3,6 +3,7 @@
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi2")
 
+#define DC_KERNELS_AVX512 1
 #include "cpu/kernels.h"
 #include "cpu/kernels_impl.h"
 

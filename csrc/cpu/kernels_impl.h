@@ -7,6 +7,19 @@
 
 #include "dc_math.h"
 
+// 64-byte generic vectors are passed in registers only after inlining (always done here); gcc 12 also warns
+// about an intentionally undefined register inside avx512fintrin.h.
+#pragma GCC diagnostic ignored "-Wpsabi"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+#if defined(DC_KERNELS_AVX512) || defined(DC_KERNELS_AVX2)
+#include <immintrin.h>
+#elif defined(__x86_64__) && defined(__SSE2__)
+#define DC_KERNELS_SSE2 1
+#include <emmintrin.h>
+#endif
+
 namespace {
 
 using dcf::bf16_to_f32;
@@ -36,34 +49,83 @@ struct F16 {
 
 inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-// buf[0 .. 4 * nc) = noise of Philox counters [c0, c0 + nc), nc <= kTileCounters.
-inline void gen_tile(uint64_t seed, uint64_t c0, int64_t nc, float* __restrict buf) {
-  alignas(64) float n0[kTileCounters], n1[kTileCounters], n2[kTileCounters], n3[kTileCounters];
-  const uint32_t k0_init = static_cast<uint32_t>(seed);
-  const uint32_t k1_init = static_cast<uint32_t>(seed >> 32);
+// Philox over 16 lanes in generic vectors. The two 32x32->64 multiplies of a round use the even/odd lane
+// trick: a 64-bit lane holds two counters, and mul_epu32 multiplies the low halves of each 64-bit lane.
+typedef uint32_t v16u32 __attribute__((vector_size(64)));
+typedef uint64_t v8u64 __attribute__((vector_size(64)));
+
+DC_INLINE v8u64 mul_even32(v8u64 a, v8u64 b) {  // (a & 0xffffffff) * (b & 0xffffffff) per 64-bit lane
+#if defined(DC_KERNELS_AVX512)
+  return (v8u64)_mm512_mul_epu32((__m512i)a, (__m512i)b);
+#elif defined(DC_KERNELS_AVX2)
+  union {
+    v8u64 v;
+    __m256i h[2];
+  } ua{a}, ub{b}, r;
+  r.h[0] = _mm256_mul_epu32(ua.h[0], ub.h[0]);
+  r.h[1] = _mm256_mul_epu32(ua.h[1], ub.h[1]);
+  return r.v;
+#elif defined(DC_KERNELS_SSE2)
+  union {
+    v8u64 v;
+    __m128i q[4];
+  } ua{a}, ub{b}, r;
+  for (int k = 0; k < 4; ++k) r.q[k] = _mm_mul_epu32(ua.q[k], ub.q[k]);
+  return r.v;
+#else
+  return (a & 0xffffffffULL) * (b & 0xffffffffULL);
+#endif
+}
+
+// hi / lo 32 bits of m * a for each 32-bit lane of a.
+DC_INLINE void mulhilo16(v16u32 a, uint32_t m, v16u32& hi, v16u32& lo) {
+  const v8u64 va = (v8u64)a;
+  const v8u64 vm = (v8u64){} + static_cast<uint64_t>(m);
+  const v8u64 pe = mul_even32(va, vm);        // products of the even lanes
+  const v8u64 po = mul_even32(va >> 32, vm);  // products of the odd lanes
+  hi = (v16u32)((pe >> 32) | (po & 0xffffffff00000000ULL));
+  lo = (v16u32)((pe & 0xffffffffULL) | (po << 32));
+}
+
+// r0..r3[0 .. 64) = Philox4x32-10 of the counters c0 + l, l < 64 (64-bit counter with carry).
+inline void philox_tile(uint64_t seed, uint64_t c0, uint32_t* __restrict r0, uint32_t* __restrict r1,
+                        uint32_t* __restrict r2, uint32_t* __restrict r3) {
+  const v16u32 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const uint32_t base_lo = static_cast<uint32_t>(c0);
-  const uint32_t base_hi = static_cast<uint32_t>(c0 >> 32);
-  for (int64_t l = 0; l < nc; ++l) {
-    // 64-bit counter c0 + l split into (lo, hi) with the carry.
-    const uint32_t lo = base_lo + static_cast<uint32_t>(l);
-    uint32_t x0 = lo;
-    uint32_t x1 = base_hi + (lo < base_lo ? 1u : 0u);
-    uint32_t x2 = 0u, x3 = 0u;
-    uint32_t k0 = k0_init, k1 = k1_init;
+  const v16u32 bl = (v16u32){} + base_lo;
+  const v16u32 bh = (v16u32){} + static_cast<uint32_t>(c0 >> 32);
+  for (int g = 0; g < static_cast<int>(kTileCounters) / 16; ++g) {
+    v16u32 x0 = bl + (iota + static_cast<uint32_t>(16 * g));
+    v16u32 x1 = bh - (v16u32)(x0 < bl);  // carry into the high word
+    v16u32 x2 = (v16u32){}, x3 = (v16u32){};
+    v16u32 k0 = (v16u32){} + static_cast<uint32_t>(seed);
+    v16u32 k1 = (v16u32){} + static_cast<uint32_t>(seed >> 32);
     DC_UNROLL
     for (int round = 0; round < 10; ++round) {
-      const uint64_t p0 = static_cast<uint64_t>(dcf::kPhiloxM0) * x0;
-      const uint64_t p1 = static_cast<uint64_t>(dcf::kPhiloxM1) * x2;
-      const uint32_t y0 = static_cast<uint32_t>(p1 >> 32) ^ x1 ^ k0;
-      const uint32_t y2 = static_cast<uint32_t>(p0 >> 32) ^ x3 ^ k1;
-      x1 = static_cast<uint32_t>(p1);
-      x3 = static_cast<uint32_t>(p0);
-      x0 = y0;
-      x2 = y2;
+      v16u32 h0, l0, h1, l1;
+      mulhilo16(x0, dcf::kPhiloxM0, h0, l0);
+      mulhilo16(x2, dcf::kPhiloxM1, h1, l1);
+      x0 = h1 ^ x1 ^ k0;
+      x2 = h0 ^ x3 ^ k1;
+      x1 = l1;
+      x3 = l0;
       k0 += dcf::kPhiloxW0;
       k1 += dcf::kPhiloxW1;
     }
-    const uint32_t r[4] = {x0, x1, x2, x3};
+    __builtin_memcpy(r0 + 16 * g, &x0, sizeof(x0));
+    __builtin_memcpy(r1 + 16 * g, &x1, sizeof(x1));
+    __builtin_memcpy(r2 + 16 * g, &x2, sizeof(x2));
+    __builtin_memcpy(r3 + 16 * g, &x3, sizeof(x3));
+  }
+}
+
+// buf[0 .. 4 * nc) = noise of Philox counters [c0, c0 + nc), nc <= kTileCounters.
+inline void gen_tile(uint64_t seed, uint64_t c0, int64_t nc, float* __restrict buf) {
+  alignas(64) uint32_t r0[kTileCounters], r1[kTileCounters], r2[kTileCounters], r3[kTileCounters];
+  alignas(64) float n0[kTileCounters], n1[kTileCounters], n2[kTileCounters], n3[kTileCounters];
+  philox_tile(seed, c0, r0, r1, r2, r3);
+  for (int64_t l = 0; l < nc; ++l) {
+    const uint32_t r[4] = {r0[l], r1[l], r2[l], r3[l]};
     float n[4];
     dcf::box_muller4(r, n);
     n0[l] = n[0];
