@@ -16,7 +16,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 endif
 
-SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h)
+SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.h)
 
 .PHONY: setup test demo bench lint format clean cpp-test cuda-compile
 
@@ -45,6 +45,16 @@ lint: setup
 format: setup
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
+
+# The C++ library against libtorch and its ctest (also run by the test suite: tests/test_cmake.py).
+cpp-test: setup
+	cmake -S . -B csrc/build -DCMAKE_PREFIX_PATH=$$($(PY) -c 'import torch; print(torch.utils.cmake_prefix_path)')
+	cmake --build csrc/build -j 2
+	ctest --test-dir csrc/build --output-on-failure
+
+# Compile-only check of the CUDA sources with nvcc (also run by the test suite: tests/test_cuda_compile.py).
+cuda-compile: setup
+	$(PY) -m pytest -q tests/test_cuda_compile.py
 
 clean:
 	rm -rf build *.egg-info diffcurr_fast/_C*.so csrc/build .installed $(VENV)/.installed

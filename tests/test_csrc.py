@@ -456,3 +456,86 @@ def test_isa_variants_agree(tmp_path):
     for isa, res in results.items():
         for got, ref in zip(res[1:], base[1:]):
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, msg=f"{isa} differs from generic")
+
+
+# ----------------------------------------------------------------------------- CUDA kernels (GPU machines only)
+
+
+def _has_cuda_kernels():
+    if not torch.cuda.is_available():
+        return False
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key("diffcurr_fast_C::q_sample", "CUDA")
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,inner", [(1, (7,)), (3, (4, 33, 31)), (17, (4099,))])
+def test_cuda_ops_match_cpu(dtype, B, inner):
+    if not _has_cuda_kernels():
+        pytest.skip("diffcurr_fast._C was built without CUDA kernels")
+    dev = torch.device("cuda")
+    seed = 123457 + B
+    x0, pred = torch.randn(B, *inner).to(dtype), torch.randn(B, *inner).to(dtype)
+    a, c, p, q, w = per_sample(B), per_sample(B), torch.randn(B), torch.randn(B), per_sample(B)
+    tol = dict(rtol=1e-5, atol=2e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(
+        ops().randn_like(x0.to(dev), seed).cpu(), ops().randn(seed, list(x0.shape)), rtol=1e-5, atol=2e-5
+    )
+    cuda_args = [t.to(dev) for t in (x0, a, c)]
+    torch.testing.assert_close(
+        ops().q_sample(*cuda_args, None, seed).cpu(), ops().q_sample(x0, a, c, None, seed), **tol
+    )
+    for noise in (None, torch.randn(B, *inner)):
+        got = ops().diffusion_loss_fwd(
+            pred.to(dev),
+            x0.to(dev),
+            None if noise is None else noise.to(dev),
+            seed,
+            p.to(dev),
+            q.to(dev),
+            w.to(dev),
+            True,
+        )
+        ref = ops().diffusion_loss_fwd(pred, x0, noise, seed, p, q, w, True)
+        torch.testing.assert_close(got[0].cpu(), ref[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got[1].cpu(), ref[1], **tol)
+    N, D = 5, 67
+    x, y = torch.randn(B, N, D).to(dtype), torch.randn(B, N, D).to(dtype)
+    shift, scale, gate = torch.randn(B, D), torch.randn(B, D), torch.randn(B, D)
+    got = ops().adaln_modulate_fwd(x.to(dev), shift.to(dev), scale.to(dev), 1e-6)
+    ref = ops().adaln_modulate_fwd(x, shift, scale, 1e-6)
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g.cpu(), r, **tol)
+    gy = torch.randn(B, N, D).to(dtype)
+    got = ops().adaln_modulate_bwd(gy.to(dev), x.to(dev), scale.to(dev), ref[1].to(dev), ref[2].to(dev))
+    refb = ops().adaln_modulate_bwd(gy, x, scale, ref[1], ref[2])
+    for g, r in zip(got, refb):
+        torch.testing.assert_close(g.cpu(), r, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(
+        ops().gated_residual_fwd(x.to(dev), gate.to(dev), y.to(dev)).cpu(), ops().gated_residual_fwd(x, gate, y), **tol
+    )
+    got = ops().gated_residual_bwd(gy.to(dev), gate.to(dev), y.to(dev))
+    refb = ops().gated_residual_bwd(gy, gate, y)
+    for g, r in zip(got, refb):
+        torch.testing.assert_close(g.cpu(), r, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 1000, 5000])
+def test_cuda_sample_timesteps_matches_cpu(T):
+    if not _has_cuda_kernels():
+        pytest.skip("diffcurr_fast._C was built without CUDA kernels")
+    w = torch.rand(T, dtype=torch.float64)
+    if T > 1:
+        w[: T // 3] = 0.0
+    t, imp = ops().sample_timesteps(w.cuda(), 4099, 77)
+    rt, rimp = ops().sample_timesteps(w, 4099, 77)
+    assert (t.cpu() != rt).sum().item() <= 2  # float64 cdf sums in a different order can move a boundary draw
+    assert (w[t.cpu()] > 0).all()
+    same = t.cpu() == rt
+    torch.testing.assert_close(imp.cpu()[same], rimp[same], rtol=1e-6, atol=0)
+    t0, imp0 = ops().sample_timesteps(torch.zeros(5, device="cuda"), 3, 0)
+    assert (t0 == -1).all() and imp0.isnan().all()

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from diffcurr_fast.diffusion import DDPMSchedule, hybrid_loss, loss_weights
+from diffcurr_fast.diffusion import hybrid_loss, loss_weights
 from diffcurr_fast.train.config import load_config
 from diffcurr_fast.train.ema import EMA
 from diffcurr_fast.train.loop import NonFiniteLossError, Trainer, lr_at, train
@@ -69,7 +69,8 @@ def test_fused_loss_matches_reference(tmp_path, prediction, weighting, learn_sig
     )
     x = torch.rand(batch, 1, 6, 6) * 2 - 1
     tr = Trainer(cfg, dataset=_Data(x.repeat(17, 1, 1, 1)))
-    sched = DDPMSchedule(60)
+    sched = tr.schedule
+    assert sched.beta_schedule == "cosine" and sched.num_timesteps == 60
     x0 = x.double()
     t = torch.randint(0, 60, (batch,))
     noise = torch.randn_like(x0)

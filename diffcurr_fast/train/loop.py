@@ -285,7 +285,7 @@ class Trainer:
                     last_loss = float(win_loss) / max(win_n, 1) if win_n else math.nan
                     rec = self._record(last_loss, seen / max(dt, 1e-9), stats)
                     bar.set_postfix(loss=f"{last_loss:.4f}", img_s=f"{rec['img_per_s']:.0f}",
-                                    stage=f"{rec['unlocked']}/{self.curriculum.num_clusters}")  # fmt: skip
+                                    clusters=f"{rec['unlocked']}/{self.curriculum.num_clusters}")  # fmt: skip
                     if writer is not None:
                         writer.write(rec)
                     win_loss.zero_()
