@@ -114,3 +114,32 @@ def test_grid_layout():
     torch.testing.assert_close(g[4:6, 4:6, 0], (x[4, 0] + 1) / 2)
     with pytest.raises(ValueError, match="a grid needs images"):
         grid_image(torch.zeros(2, 4, 3, 3))
+
+
+@pytest.mark.parametrize(
+    "form, pred, sampler", [("flow", "velocity", "heun"), ("edm", "x0", "heun"), ("edm", "x0", "euler")]
+)
+def test_continuous_checkpoints_sample_with_ode_samplers(tmp_path, form, pred, sampler):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    run = tmp_path / form
+    cfg = load_config(
+        None,
+        [
+            f"checkpoint.run_dir={run}", "model.hidden_size=32", "model.depth=1", "model.num_heads=2",
+            f"diffusion.formulation={form}", f"diffusion.prediction={pred}", "diffusion.learn_sigma=false",
+            "diffusion.weighting=none", "logging.sampler=heun", "curriculum.num_clusters=4", "data.batch_size=17",
+            "engine.max_steps=2", "logging.progress=false", "logging.num_samples=0", "logging.plots=false",
+        ],
+    )  # fmt: skip
+    try:
+        train(cfg)
+        out = tmp_path / "f.npz"
+        assert cli_sample.run(_args("--ckpt", str(run), "--sampler", sampler, "--steps", "3", "--num", "4",
+                                    "--cfg", "2", "--out", str(out))) == 0  # fmt: skip
+        x = np.load(out)["x"]
+        assert x.shape == (4, 1, 8, 8) and np.isfinite(x).all()
+        with pytest.raises(ValueError, match=f"sampler 'ddim' cannot sample a {form} model; valid choices: euler"):
+            cli_sample.run(_args("--ckpt", str(run), "--sampler", "ddim", "--out", str(tmp_path / "g.png")))
+    finally:
+        torch.set_num_threads(threads)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from diffcurr_fast.diffusion import hybrid_loss, loss_weights
+from diffcurr_fast.ops import q_sample_coef
 from diffcurr_fast.train.config import load_config
 from diffcurr_fast.train.ema import EMA
 from diffcurr_fast.train.loop import NonFiniteLossError, Trainer, lr_at, train
@@ -259,3 +260,147 @@ def test_metrics_writer_and_telemetry(tmp_path):
     assert any((tmp_path / "tb").iterdir())
     stats = gpu_stats()
     assert stats == {"gpu": "no GPU"} if not torch.cuda.is_available() else "gpu_util" in stats
+
+
+FLOW = ("diffusion.formulation=flow", "diffusion.prediction=velocity", "diffusion.learn_sigma=false",
+        "diffusion.weighting=none", "logging.sampler=euler")  # fmt: skip
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("batch", [1, 3, 17])
+def test_flow_loss_matches_float64_reference(tmp_path, fused, batch):
+    tr = Trainer(tiny(tmp_path / "r", *FLOW, f"diffusion.fused_ops={str(fused).lower()}"))
+    x0 = torch.randn(batch, 1, 8, 8, dtype=torch.float64)
+    noise = torch.randn_like(x0)
+    t = torch.rand(batch, dtype=torch.float64)
+    x_t = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * noise
+    out = torch.randn_like(x0)
+    ref_out = out.clone().requires_grad_(True)
+    ref = ((ref_out - (noise - x0)) ** 2).mean((1, 2, 3))  # velocity target eps - x0
+    ref.sum().backward()
+    got_out = out.float().requires_grad_(True)
+    got = tr.per_sample_loss(got_out, x0.float(), x_t.float(), t.float(), noise.float())
+    got.sum().backward()
+    torch.testing.assert_close(got.double(), ref.detach(), rtol=2e-5, atol=1e-6)
+    torch.testing.assert_close(got_out.grad.double(), ref_out.grad, rtol=2e-5, atol=1e-6)
+
+
+def test_flow_forward_process_and_run(tmp_path):
+    tr = Trainer(tiny(tmp_path / "r", *FLOW, "diffusion.num_timesteps=50"))
+    x0 = torch.randn(17, 1, 8, 8)
+    k = torch.randint(0, 50, (17,))
+    t, x_t, x_in, t_in = tr.forward_process(x0, k, None, seed=99)
+    assert torch.equal(x_in, x_t) and torch.equal(t_in, t)
+    assert t.dtype == torch.float32 and torch.equal(torch.floor(t.double() * 50).long(), k)  # t inside cell k
+    _, noise = q_sample_coef(x0, 1.0 - t.double(), t.double(), seed=99, return_noise=True)
+    torch.testing.assert_close(x_t, (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * noise)
+    summary = train(tiny(tmp_path / "run", *FLOW, "logging.num_samples=10", "logging.sample_steps=3"))
+    assert summary["step"] == 6 and math.isfinite(summary["loss"]) and "samples" in summary
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (("diffusion.prediction=eps",), "diffusion.prediction='eps' is not supported with diffusion.formulation"),
+        (("diffusion.learn_sigma=true",), "diffusion.learn_sigma=True is not supported"),
+        (("diffusion.weighting=min_snr",), "diffusion.weighting='min_snr' is not supported"),
+        (("logging.sampler=ddim",), "logging.sampler 'ddim' cannot sample a flow model; valid choices: euler, heun"),
+    ],
+)
+def test_flow_config_rules(tmp_path, extra, match):
+    with pytest.raises(ValueError, match=match):
+        tiny(tmp_path / "r", *FLOW, *extra)
+
+
+def test_ddpm_rejects_velocity(tmp_path):
+    with pytest.raises(ValueError, match="'velocity' is not a ddpm target; valid choices: eps, x0, v"):
+        tiny(tmp_path / "r", "diffusion.prediction=velocity")
+
+
+def test_non_finite_gradient_with_finite_loss_is_skipped(tmp_path):
+    tr = Trainer(tiny(tmp_path / "r", "optim.grad_clip=1.0"))
+    p0 = next(p for p in tr.model.parameters() if p.requires_grad)
+    handle = p0.register_hook(lambda g: g * float("inf"))
+    x, y = next(tr.loader)
+    before = _params(tr.model)
+    stats = tr.train_step(x, y)
+    assert stats.get("skipped") and tr.nan_skips == 1 and not math.isfinite(float(stats["grad_norm"]))
+    assert all(torch.equal(a, b) for a, b in zip(before, _params(tr.model)))
+    handle.remove()
+    assert "loss" in tr.train_step(x, y)
+
+
+EDM = ("diffusion.formulation=edm", "diffusion.prediction=x0", "diffusion.learn_sigma=false",
+       "diffusion.weighting=none", "logging.sampler=heun")  # fmt: skip
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("batch", [1, 3, 17])
+def test_edm_loss_matches_float64_reference(tmp_path, fused, batch):
+    """lambda(sigma) |c_skip x + c_out F - x0|^2 (EDM Eq. 2, 7, Table 1) in float64, outputs and gradients."""
+    tr = Trainer(tiny(tmp_path / "r", *EDM, f"diffusion.fused_ops={str(fused).lower()}"))
+    x0 = torch.randn(batch, 1, 8, 8, dtype=torch.float64) * 0.5
+    noise = torch.randn_like(x0)
+    sigma = torch.exp(torch.randn(batch, dtype=torch.float64) * 1.2 - 1.2)
+    s = sigma.view(-1, 1, 1, 1)
+    x_t = x0 + s * noise
+    out = torch.randn_like(x0)
+    ref_out = out.clone().requires_grad_(True)
+    sd = 0.5
+    den = sd**2 / (s**2 + sd**2) * x_t + s * sd / (s**2 + sd**2).sqrt() * ref_out
+    ref = (sigma**2 + sd**2) / (sigma * sd) ** 2 * ((den - x0) ** 2).mean((1, 2, 3))
+    ref.sum().backward()
+    got_out = out.float().requires_grad_(True)
+    got = tr.per_sample_loss(got_out, x0.float(), x_t.float(), sigma.float(), noise.float())
+    got.sum().backward()
+    torch.testing.assert_close(got.double(), ref.detach(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got_out.grad.double(), ref_out.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_edm_forward_process_and_sigma_density(tmp_path):
+    tr = Trainer(tiny(tmp_path / "r", *EDM, "diffusion.num_timesteps=50", "curriculum.pacing=none"))
+    x0 = torch.randn(17, 1, 8, 8)
+    k = torch.randint(0, 50, (17,))
+    sigma, x_t, x_in, t_in = tr.forward_process(x0, k, None, seed=5)
+    lo, hi = math.log(0.002), math.log(80.0)
+    cell = torch.floor((sigma.double().log() - lo) / (hi - lo) * 50).long()
+    assert torch.equal(cell.clamp(0, 49), k)
+    _, noise = q_sample_coef(x0, torch.ones(17), sigma.double(), seed=5, return_noise=True)
+    torch.testing.assert_close(x_t, x0 + sigma.view(-1, 1, 1, 1) * noise)
+    torch.testing.assert_close(x_in, x_t / (sigma.view(-1, 1, 1, 1) ** 2 + 0.25).sqrt())
+    torch.testing.assert_close(t_in, sigma.log() / 4)
+    # vanilla pacing: sampled ln(sigma) follows EDM's N(P_mean, P_std^2) restricted to the cells
+    w = tr._timestep_weights().double()
+    centres = (torch.arange(50, dtype=torch.float64) + 0.5) / 50 * (hi - lo) + lo
+    mean = float((w * centres).sum() / w.sum())
+    assert abs(mean - (-1.2)) < 0.05 and int(w.argmax()) == int((centres + 1.2).abs().argmin())
+
+
+def test_edm_short_run_samples(tmp_path):
+    summary = train(tiny(tmp_path / "run", *EDM, "logging.num_samples=10", "logging.sample_steps=3"))
+    assert summary["step"] == 6 and math.isfinite(summary["loss"]) and "samples" in summary
+    with pytest.raises(
+        ValueError, match="diffusion.prediction='eps' is not supported with diffusion.formulation 'edm'"
+    ):
+        tiny(tmp_path / "r", *EDM, "diffusion.prediction=eps")
+    with pytest.raises(ValueError, match="diffusion.sigma_max must lie in"):
+        tiny(tmp_path / "r", *EDM, "diffusion.sigma_max=0.001")
+
+
+def test_engine_selection(monkeypatch):
+    from diffcurr_fast.train.engine import create_engine, unwrap
+
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    eng = create_engine("auto", "cpu")
+    assert eng.kind == "single" and eng.world_size == 1 and eng.all_true(torch.tensor(True))
+    assert not eng.all_true(torch.tensor(False)) and eng.gather_objects(3) == [3]
+    with pytest.raises(ValueError, match="engine.kind 'ddp' needs the torchrun environment; missing RANK"):
+        create_engine("ddp", "cpu")
+    with pytest.raises(ValueError, match="unknown engine kind 'deepspeed'; choose one of"):
+        create_engine("deepspeed")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="engine.device is 'cuda' but no CUDA device is available"):
+            create_engine("single", "cuda")
+    lin = torch.nn.Linear(2, 2)
+    assert unwrap(lin) is lin

@@ -31,8 +31,8 @@ def _f(default: Any, doc: str, choices: tuple | None = None, **kw: Any) -> Any:
 
 MODEL_PRESETS = ("custom", "DiT-XL/2", "DiT-XL/4", "DiT-XL/8", "DiT-L/2", "DiT-L/4", "DiT-L/8", "DiT-B/2",
                  "DiT-B/4", "DiT-B/8", "DiT-S/2", "DiT-S/4", "DiT-S/8")  # fmt: skip
-FORMULATIONS = ("ddpm",)
-PREDICTIONS = ("eps", "x0", "v")
+FORMULATIONS = ("ddpm", "flow", "edm")
+PREDICTIONS = ("eps", "x0", "v", "velocity")
 WEIGHTINGS = ("none", "min_snr", "p2")
 BETA_SCHEDULES = ("linear", "cosine")
 PACINGS = ("patience", "fixed", "none", "adaptive")
@@ -78,18 +78,30 @@ class ModelConfig:
 class DiffusionConfig:
     """The diffusion formulation and its training objective."""
 
-    formulation: str = _f("ddpm", "diffusion formulation", FORMULATIONS)
-    num_timesteps: int = _f(1000, "T, the number of discrete timesteps")
+    formulation: str = _f(
+        "ddpm", "ddpm (discrete t), flow (linear interpolant, SiT) or edm (Karras et al.)", FORMULATIONS
+    )
+    num_timesteps: int = _f(1000, "T: DDPM timesteps, or the number of flow-t / EDM-sigma cells for the curriculum")
     beta_schedule: str = _f("linear", "beta schedule", BETA_SCHEDULES)
-    prediction: str = _f("eps", "network target: eps, x0 or v", PREDICTIONS)
+    prediction: str = _f("eps", "network target: eps, x0 or v (ddpm); velocity (flow); x0 (edm denoiser)", PREDICTIONS)
     learn_sigma: bool = _f(True, "learn the variance with the IDDPM hybrid loss (network outputs 2C channels)")
     weighting: str = _f("none", "per-timestep loss weighting of the MSE term", WEIGHTINGS)
     min_snr_gamma: float = _f(5.0, "gamma of the MinSNR weighting")
     fused_ops: bool = _f(True, "use the fused q_sample / diffusion_loss / sample_timesteps ops")
     ops_backend: str = _f("auto", "backend of the fused ops", OPS_BACKENDS)
+    sigma_data: float = _f(0.5, "EDM: standard deviation of the data")
+    P_mean: float = _f(-1.2, "EDM: mean of ln(sigma) during training")
+    P_std: float = _f(1.2, "EDM: standard deviation of ln(sigma) during training")
+    sigma_min: float = _f(0.002, "EDM: smallest sigma (training range and sampling grid)")
+    sigma_max: float = _f(80.0, "EDM: largest sigma (training range and sampling grid)")
 
     def validate(self) -> None:
         _positive(self, "num_timesteps")
+        _in_range(self, "sigma_data", 0.0, math.inf, lo_open=True)
+        _in_range(self, "P_std", 0.0, math.inf, lo_open=True)
+        _in_range(self, "sigma_min", 0.0, math.inf, lo_open=True)
+        _in_range(self, "sigma_max", self.sigma_min, math.inf, lo_open=True)
+        _in_range(self, "P_mean", -math.inf, math.inf)
         _in_range(self, "min_snr_gamma", 0.0, math.inf, lo_open=True)
 
 
@@ -246,6 +258,26 @@ class TrainConfig:
             for f in dataclasses.fields(section):
                 _check_field(f"{sec.name}.{f.name}", f, getattr(section, f.name), _hints(type(section))[f.name])
             section.validate()
+        d = self.diffusion
+        if d.formulation == "ddpm" and d.prediction not in ("eps", "x0", "v"):
+            raise ValueError(f"diffusion.prediction {d.prediction!r} is not a ddpm target; valid choices: eps, x0, v")
+        if d.formulation in ("flow", "edm"):
+            bad = {
+                "diffusion.prediction": (d.prediction, "velocity" if d.formulation == "flow" else "x0"),
+                "diffusion.learn_sigma": (d.learn_sigma, False),
+                "diffusion.weighting": (d.weighting, "none"),
+                "model.dtr": (self.model.dtr, False),
+            }
+            for key, (value, need) in bad.items():
+                if value != need:
+                    raise ValueError(
+                        f"{key}={value!r} is not supported with diffusion.formulation {d.formulation!r}; use {need!r}"
+                    )
+            if self.logging.sampler not in ("euler", "heun"):
+                raise ValueError(
+                    f"logging.sampler {self.logging.sampler!r} cannot sample a {d.formulation} model; valid choices: "
+                    "euler, heun"
+                )
         if self.curriculum.num_clusters > self.diffusion.num_timesteps:
             raise ValueError(
                 f"curriculum.num_clusters ({self.curriculum.num_clusters}) must be <= diffusion.num_timesteps "

@@ -23,14 +23,29 @@ import torch
 from tqdm.auto import tqdm
 
 from diffcurr_fast.curriculum import Curriculum, cluster_timesteps
-from diffcurr_fast.diffusion import hybrid_loss, loss_weights, vb_terms_bpd
-from diffcurr_fast.ops import diffusion_loss, q_sample, sample_timesteps
+from diffcurr_fast.diffusion import (
+    EDMFormulation,
+    FlowFormulation,
+    hybrid_loss,
+    loss_weights,
+    vb_terms_bpd,
+    weighted_mse,
+)
+from diffcurr_fast.ops import diffusion_loss, diffusion_loss_coef, q_sample, q_sample_coef, sample_timesteps
 from diffcurr_fast.train import checkpoint as ckpt_io
 from diffcurr_fast.train.config import TrainConfig, config_from_dict, config_to_yaml, resume_mismatches
 from diffcurr_fast.train.ema import EMA
 from diffcurr_fast.train.engine import Engine, create_engine, unwrap
 from diffcurr_fast.train.report import MetricsWriter, gpu_stats, plot_cluster_losses, plot_curriculum_timeline
-from diffcurr_fast.train.sampling import build_model, build_schedule, sample, save_grid
+from diffcurr_fast.train.sampling import (
+    build_model,
+    build_schedule,
+    edm_grid,
+    edm_log_sigma_edges,
+    flow_grid,
+    sample,
+    save_grid,
+)
 
 # Files a run writes into its directory (``--overwrite`` removes exactly these).
 RUN_ARTIFACTS = ("checkpoints", "metrics.jsonl", "config.yaml", "samples.png", "cluster_loss.png",
@@ -119,8 +134,6 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         e, d, o = cfg.engine, cfg.diffusion, cfg.optim
         rank, world = self.engine.rank, self.engine.world_size
-        if d.formulation != "ddpm":
-            raise ValueError(f"diffusion.formulation {d.formulation!r} is not supported; valid choices: ddpm")
         if cfg.data.batch_size % world:
             raise ValueError(f"data.batch_size {cfg.data.batch_size} is not divisible by the world size {world}")
         if self.device.type == "cuda" and e.tf32:
@@ -140,8 +153,20 @@ class Trainer:
             num_workers=cfg.data.num_workers, pin_memory=self.device.type == "cuda",
         )  # fmt: skip
         self.schedule = build_schedule(cfg)
+        self.flow = isinstance(self.schedule, FlowFormulation)
+        self.edm = isinstance(self.schedule, EDMFormulation)
         c = cfg.curriculum
-        clusters = cluster_timesteps(self.schedule, c.num_clusters, c.method)
+        # Flow / EDM: the curriculum works on G = num_timesteps cells of t in [0, 1] / of ln(sigma); t is drawn
+        # uniformly inside the sampled cell. EDM keeps its log-normal sigma density (EDM Table 1) within the
+        # unlocked cells: the curriculum weights are multiplied by each cell's probability under it.
+        grid = flow_grid(d.num_timesteps) if self.flow else None
+        self._cell_mass: torch.Tensor | None = None
+        if self.edm:
+            grid = edm_grid(d.num_timesteps, d.sigma_min, d.sigma_max)
+            z = (edm_log_sigma_edges(d.num_timesteps, d.sigma_min, d.sigma_max) - d.P_mean) / d.P_std
+            cdf = 0.5 * (1.0 + torch.erf(z / math.sqrt(2.0)))  # (G + 1,) normal CDF of ln(sigma)
+            self._cell_mass = (cdf[1:] - cdf[:-1]).clamp(min=1e-30)  # (G,)
+        clusters = cluster_timesteps(self.schedule, c.num_clusters, c.method, grid=grid)
         self.curriculum = Curriculum(
             clusters, d.num_timesteps, pacing=c.pacing, order=c.order, patience=c.patience, ema=c.ema,
             min_delta=c.min_delta, stage_iters=c.stage_iters or None, eval_every=c.eval_every,
@@ -197,6 +222,20 @@ class Trainer:
         """
         d = self.cfg.diffusion
         out = out.float()
+        if self.edm:  # F target of EDM Eq. 8: its plain MSE is the lambda(sigma)-weighted denoiser loss
+            sigma = t.detach().cpu().double()
+            if not d.fused_ops:
+                pre = self.schedule.precond
+                b = lambda v: v.to(x0.device, x0.dtype).view(-1, *([1] * (x0.ndim - 1)))  # noqa: E731
+                den = b(pre.c_skip(sigma)) * x_t + b(pre.c_out(sigma)) * out  # D = c_skip x + c_out F (EDM Eq. 7)
+                return weighted_mse(den, x0, pre.loss_weight(sigma).to(x0.device, torch.float32))
+            p, q = self.schedule.target_coefficients(sigma, "F")
+            return diffusion_loss_coef(out, x0, noise, p, q, reduction="none", seed=seed, backend=self.backend)
+        if self.flow:  # target p x0 + q eps: velocity eps - x0 (SiT); t is the continuous flow time
+            p, q = self.schedule.target_coefficients(t.detach().cpu().double(), d.prediction)
+            if not d.fused_ops:
+                return weighted_mse(out, self.schedule.target(x0, noise, t.detach().cpu().double(), d.prediction))
+            return diffusion_loss_coef(out, x0, noise, p, q, reduction="none", seed=seed, backend=self.backend)
         if not d.fused_ops:
             w = loss_weights(self.schedule.snr(t.cpu()), d.prediction, d.weighting, d.min_snr_gamma)
             w = w.to(device=out.device, dtype=torch.float32)
@@ -214,37 +253,65 @@ class Trainer:
         vb = vb_terms_bpd(self.schedule, frozen, x0, x_t, t, learn_sigma=True, prediction=d.prediction)["output"]
         return mse + vb
 
+    def forward_process(
+        self, x0: torch.Tensor, k: torch.Tensor, noise: torch.Tensor | None, seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(t, x_t, network input, network time) for curriculum indices ``k``.
+
+        DDPM: t = k, x_t = sqrt(abar_t) x0 + sqrt(1 - abar_t) eps (Ho et al. Eq. 4). Flow: t = (k + u) / G,
+        u ~ U[0, 1), x_t = (1 - t) x0 + t eps (linear interpolant, SiT). EDM: ln sigma uniform in cell k,
+        x_t = x0 + sigma eps, network input c_in x_t at time c_noise(sigma) (EDM Table 1).
+        """
+        seed_or_none = None if noise is not None else seed
+        if not (self.flow or self.edm):
+            x_t = q_sample(x0, k, self.schedule, noise, seed=seed_or_none, backend=self.backend, validate=False)
+            return k, x_t, x_t, k
+        d = self.cfg.diffusion
+        u = (k.to(torch.float64).cpu() + torch.rand(k.shape, generator=self.gen, dtype=torch.float64)) / d.num_timesteps
+        if self.flow:
+            t = u.to(x0.device)  # (b,) in [0, 1)
+            x_t = q_sample_coef(x0, 1.0 - t, t, noise, seed=seed_or_none, backend=self.backend)
+            return t.to(x0.dtype), x_t, x_t, t.to(x0.dtype)
+        lo, hi = math.log(d.sigma_min), math.log(d.sigma_max)
+        sigma = torch.exp(lo + u * (hi - lo)).to(x0.device)  # (b,)
+        x_t = q_sample_coef(x0, torch.ones_like(sigma), sigma, noise, seed=seed_or_none, backend=self.backend)
+        pre = self.schedule.precond
+        c_in = pre.c_in(sigma).to(x0.dtype).view(-1, *([1] * (x0.ndim - 1)))
+        return sigma.to(x0.dtype), x_t, c_in * x_t, pre.c_noise(sigma).to(x0.dtype)
+
     def _timestep_weights(self) -> torch.Tensor:
         w = self.curriculum.timestep_weights()
         if w is not self._w_src:
-            self._w_src, self._w_dev = w, w.to(self.device)
+            dev = w if self._cell_mass is None else (w.double() * self._cell_mass).float()
+            self._w_src, self._w_dev = w, dev.to(self.device)
         return self._w_dev
 
     # ---- one step (one screen) ------------------------------------------------------------------------
     def train_step(self, x0: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
         """One optimizer step on the per-rank batch (x0 (b, C, H, W), y (b,)); returns step statistics."""
         b, o = x0.shape[0], self.cfg.optim
-        t = sample_timesteps(b, self._timestep_weights(), generator=self.gen, validate=False,
-                             backend=self.backend)  # (b,) from the unlocked clusters  # fmt: skip
+        k = sample_timesteps(b, self._timestep_weights(), generator=self.gen, validate=False,
+                             backend=self.backend)  # (b,) indices in the unlocked clusters  # fmt: skip
         seed = int(torch.randint(0, 2**62, (1,), generator=self.gen))
         noise = None if self.cfg.diffusion.fused_ops else torch.randn(x0.shape, generator=self.gen).to(x0.device)
-        x_t = q_sample(x0, t, self.schedule, noise, seed=None if noise is not None else seed,
-                       backend=self.backend, validate=False)  # (b, C, H, W), Ho et al. Eq. 4  # fmt: skip
+        t, x_t, x_in, t_in = self.forward_process(x0, k, noise, seed)  # (b,), (b, C, H, W), network inputs
         with self.autocast():
-            out = self.net(x_t, t, y)  # (b, C or 2C, H, W)
+            out = self.net(x_in, t_in, y)  # (b, C or 2C, H, W)
         per = self.per_sample_loss(out, x0, x_t, t, noise, seed)  # (b,)
         loss = per.mean()
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        stats: dict[str, Any] = {"t": t}
-        if self.engine.all_true(torch.isfinite(loss)):  # every rank votes: skip together or step together
-            if o.grad_clip > 0:
-                stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), o.grad_clip)
+        stats: dict[str, Any] = {"t": t, "k": k}
+        ok = torch.isfinite(loss)
+        if o.grad_clip > 0:  # a finite loss can still overflow a gradient: the norm votes too
+            stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), o.grad_clip)
+            ok = ok & torch.isfinite(stats["grad_norm"])
+        if self.engine.all_true(ok):  # every rank votes: skip together or step together
             for group in self.opt.param_groups:
                 group["lr"] = lr_at(self.step, self.cfg)
             self.opt.step()
             self.ema.update(self.model)
-            self.curriculum.observe_per_timestep(t, per.detach())
+            self.curriculum.observe_per_timestep(k, per.detach())
             stats["unlocked"] = self.curriculum.observe(self.step, loss.detach())
             stats["loss"] = loss.detach()
         else:

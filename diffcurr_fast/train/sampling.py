@@ -19,9 +19,13 @@ from torch import nn
 
 from diffcurr_fast.diffusion import (
     DDPMSchedule,
+    EDMDenoiser,
+    EDMFormulation,
+    FlowFormulation,
     ddim_sample,
     ddpm_sample,
     edm_heun_sample,
+    flow_sample,
     guided_model_output,
     karras_sigmas,
     make_generator,
@@ -54,9 +58,30 @@ def build_model(cfg: TrainConfig) -> DiT:
     )  # fmt: skip
 
 
-def build_schedule(cfg: TrainConfig) -> DDPMSchedule:
-    """The DDPM schedule of ``cfg.diffusion``."""
-    return DDPMSchedule(cfg.diffusion.num_timesteps, cfg.diffusion.beta_schedule)
+def build_schedule(cfg: TrainConfig) -> DDPMSchedule | FlowFormulation | EDMFormulation:
+    """The formulation of ``cfg.diffusion``: ``DDPMSchedule``, ``FlowFormulation`` or ``EDMFormulation``."""
+    d = cfg.diffusion
+    if d.formulation == "flow":
+        return FlowFormulation()
+    if d.formulation == "edm":
+        return EDMFormulation(d.sigma_data, d.P_mean, d.P_std, d.sigma_min, d.sigma_max)
+    return DDPMSchedule(d.num_timesteps, d.beta_schedule)
+
+
+def edm_log_sigma_edges(num_cells: int, sigma_min: float, sigma_max: float) -> torch.Tensor:
+    """(G + 1,) float64 edges of G equal cells of ln(sigma) on [ln sigma_min, ln sigma_max]."""
+    return torch.linspace(math.log(sigma_min), math.log(sigma_max), num_cells + 1, dtype=torch.float64)
+
+
+def edm_grid(num_cells: int, sigma_min: float, sigma_max: float) -> torch.Tensor:
+    """(G,) float64 sigma at the ln-sigma centres of the cells the curriculum clusters (ascending)."""
+    e = edm_log_sigma_edges(num_cells, sigma_min, sigma_max)
+    return torch.exp(0.5 * (e[:-1] + e[1:]))
+
+
+def flow_grid(num_cells: int) -> torch.Tensor:
+    """(G,) float64 centres (k + 0.5) / G of the flow-t cells the curriculum clusters (SNR finite on all)."""
+    return (torch.arange(num_cells, dtype=torch.float64) + 0.5) / num_cells
 
 
 class VEDenoiser:
@@ -95,7 +120,7 @@ class VEDenoiser:
 @torch.no_grad()
 def sample(
     model: nn.Module,
-    schedule: DDPMSchedule,
+    schedule: DDPMSchedule | FlowFormulation | EDMFormulation,
     *,
     sampler: str,
     steps: int,
@@ -111,13 +136,42 @@ def sample(
     device: torch.device | str = "cpu",
     progress: bool = False,
 ) -> torch.Tensor:
-    """Draw ``len(labels)`` samples (N, C, H, W) in data space with ``sampler`` in ddpm | ddim | heun | euler."""
+    """Draw ``len(labels)`` samples (N, C, H, W) in data space with ``sampler`` in ddpm | ddim | heun | euler.
+
+    A flow model (``schedule`` a ``FlowFormulation``) integrates its velocity ODE from t = 1 to 0 with euler or heun;
+    an EDM model (raw network F with EDM preconditioning) its probability-flow ODE on the Karras sigma grid.
+    """
     if sampler not in SAMPLERS:
         raise ValueError(f"unknown sampler {sampler!r}; choose one of {SAMPLERS}")
-    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= schedule.num_timesteps:
-        raise ValueError(f"steps must be an int in [1, {schedule.num_timesteps}], got {steps!r}")
     if cfg_scale != 1.0 and not cfg_scale >= 0:
         raise ValueError(f"cfg scale must be >= 0, got {cfg_scale}")
+    if isinstance(schedule, (FlowFormulation, EDMFormulation)) and sampler not in ("euler", "heun"):
+        kind = "flow" if isinstance(schedule, FlowFormulation) else "edm"
+        raise ValueError(f"sampler {sampler!r} cannot sample a {kind} model; valid choices: euler, heun")
+    if isinstance(schedule, EDMFormulation):
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be a positive int, got {steps!r}")
+        den = EDMDenoiser(lambda x, t, yy: model(x, t, yy), schedule.sigma_data)
+        shape = (len(labels), channels, size, size)
+        common = dict(num_classes=num_classes, cfg_scale=cfg_scale, seed=seed, device=torch.device(device))
+        lo, hi = schedule.sigma_min, schedule.sigma_max
+        if sampler == "heun":
+            x = edm_heun_sample(den, shape, labels.to(device), num_steps=steps, sigma_min=lo, sigma_max=hi,
+                                progress=progress, **common)  # fmt: skip
+        else:
+            x = _euler(den, shape, labels.to(device), steps, lo, hi, progress=progress, **common)
+        return x.clamp(-1, 1) if clip_denoised else x
+    if isinstance(schedule, FlowFormulation):
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be a positive int, got {steps!r}")
+        x = flow_sample(
+            lambda x, t, yy: model(x, t, yy), (len(labels), channels, size, size), labels.to(device),
+            num_steps=steps, method=sampler, num_classes=num_classes, cfg_scale=cfg_scale, seed=seed,
+            device=device, progress=progress,
+        )  # fmt: skip
+        return x.clamp(-1, 1) if clip_denoised else x
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= schedule.num_timesteps:
+        raise ValueError(f"steps must be an int in [1, {schedule.num_timesteps}], got {steps!r}")
     device = torch.device(device)
     y = labels.to(device)
     shape = (len(labels), channels, size, size)
