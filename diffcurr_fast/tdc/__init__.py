@@ -1,4 +1,5 @@
-"""TDC training (arXiv 2312.13307): timestep grouping, FLOPs budgets, pruning, proxy search, multi-expert denoiser."""
+"""TDC training (arXiv 2312.13307): timestep grouping, FLOPs budgets, pruning, proxy search, multi-expert denoiser,
+and the end-to-end pipeline (``run_tdc``)."""
 
 from diffcurr_fast.tdc.accounting import sampling_flops, training_flops, write_json
 from diffcurr_fast.tdc.experts import COMPILE_MODES, MultiExpertDenoiser, load_bundle, save_bundle
@@ -13,6 +14,7 @@ from diffcurr_fast.tdc.grouping import (
     snr_db,
 )
 from diffcurr_fast.tdc.llm import LLMProposer, parse_reply
+from diffcurr_fast.tdc.pipeline import TDCOptions, load_bundle_with_config, options_from_dict, run_tdc
 from diffcurr_fast.tdc.proxy import (
     PROPOSERS,
     Candidate,
@@ -54,6 +56,7 @@ __all__ = [
     "MultiExpertDenoiser",
     "SearchResult",
     "SearchState",
+    "TDCOptions",
     "TimestepGroup",
     "UniformProposer",
     "block_flops",
@@ -64,8 +67,10 @@ __all__ = [
     "importance_scores",
     "keep_indices",
     "load_bundle",
+    "load_bundle_with_config",
     "make_groups",
     "make_proposer",
+    "options_from_dict",
     "parse_reply",
     "plot_history",
     "proxy_loss",
@@ -74,6 +79,7 @@ __all__ = [
     "prune_to_budget",
     "prune_to_widths",
     "recover",
+    "run_tdc",
     "sampling_flops",
     "save_bundle",
     "select_widths",

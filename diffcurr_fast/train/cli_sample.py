@@ -2,7 +2,8 @@
 
 Loads a training checkpoint (a ``ckpt_*.pt`` or a run directory: its newest checkpoint), rebuilds the model from
 the config stored in it, and writes a PNG grid (1- or 3-channel data) or an ``.npz`` with ``x`` (N, C, H, W) in
-data units and the labels ``y``.
+data units and the labels ``y``. ``--bundle DIR`` samples a TDC multi-expert bundle instead (each timestep routed to
+its group's expert; the bundle directory carries the training config).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from diffcurr_fast.train.config import SAMPLERS, config_from_dict
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``sample``."""
-    parser.add_argument("--ckpt", required=True, help="checkpoint file, or a run directory (newest checkpoint)")
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--ckpt", help="checkpoint file, or a run directory (newest checkpoint)")
+    src.add_argument("--bundle", help="TDC multi-expert bundle directory (written by `diffcurr-fast tdc`)")
     parser.add_argument("--sampler", default="ddim", choices=SAMPLERS, help="sampler (default: ddim)")
     parser.add_argument("--steps", type=int, default=50, help="sampling steps (default: 50)")
     parser.add_argument("--cfg", type=float, default=1.0, help="classifier-free guidance scale (1 = off)")
@@ -47,13 +50,27 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--device cuda requested but no CUDA device is available; use cpu or auto")
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))  # fmt: skip
-    state = load_checkpoint(resolve_checkpoint(args.ckpt))
-    cfg = config_from_dict(state["config"])
+    if getattr(args, "bundle", None):  # a TDC bundle holds the experts' (EMA) weights and the training config
+        from diffcurr_fast.tdc.pipeline import load_bundle_with_config
+
+        if args.weights != "ema":
+            raise ValueError(f"--weights {args.weights} is not available with --bundle (it holds EMA weights only)")
+        model, cfg = load_bundle_with_config(args.bundle, device)
+        state = {}
+    else:
+        state = load_checkpoint(resolve_checkpoint(args.ckpt))
+        cfg = config_from_dict(state["config"])
     m = cfg.model
     if out.suffix == ".png" and m.in_channels not in (1, 3):
         raise ValueError(f"a PNG grid needs 1- or 3-channel data, this model has {m.in_channels}; write .npz")
-    model = build_model(cfg)
-    model.load_state_dict(state["ema"]["module"] if args.weights == "ema" else state["model"])
+    if "model" in state:  # a pruned (heterogeneous) expert's checkpoint records its own architecture
+        if "model_config" in state:
+            from diffcurr_fast.models import DiT
+
+            model = DiT.from_config(state["model_config"])
+        else:
+            model = build_model(cfg)
+        model.load_state_dict(state["ema"]["module"] if args.weights == "ema" else state["model"])
     model = model.to(device).eval()
     if args.labels:
         try:
@@ -79,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         nrow = m.num_classes if m.num_classes <= 16 and not args.labels else None
         save_grid(x, out, nrow=nrow, upscale=max(1, 32 // m.input_size))
-    print(f"wrote {args.num} samples ({args.sampler}, {args.steps} steps, cfg {args.cfg}) from step "
-          f"{state['step']} to {out}")  # fmt: skip
+    origin = f"step {state['step']}" if "model" in state else f"bundle {args.bundle}"
+    print(f"wrote {args.num} samples ({args.sampler}, {args.steps} steps, cfg {args.cfg}) from {origin} "
+          f"to {out}")  # fmt: skip
     return 0

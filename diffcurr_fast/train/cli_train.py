@@ -1,7 +1,8 @@
 """``diffcurr-fast train [RECIPE] [--set a.b=value ...] [--resume | --overwrite] [--dry-run]``.
 
 Without a recipe it runs the embedded demo (a small DiT with the SNR curriculum on the built-in digits). Under
-``torchrun --nproc_per_node N -m diffcurr_fast.cli train ...`` it trains with DDP.
+``torchrun --nproc_per_node N -m diffcurr_fast.cli train ...`` it trains with DDP; with ``engine.kind=deepspeed``
+under ``deepspeed --num_gpus N --no_local_rank --module diffcurr_fast.cli train ...`` (or torchrun) with ZeRO.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--overwrite", action="store_true", help="replace the run artifacts in a non-empty run dir")
     parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--help-config", action="store_true", help="list every config key with its doc and exit")
+    # launchers (deepspeed, torch.distributed.launch) pass the local rank; it is read from LOCAL_RANK instead
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:

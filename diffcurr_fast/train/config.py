@@ -39,7 +39,7 @@ PACINGS = ("patience", "fixed", "none", "adaptive")
 ORDERS = ("easy_to_hard", "hard_to_easy")
 CLUSTER_METHODS = ("uniform", "snr", "log_snr")
 DATASETS = ("digits", "npz")
-ENGINES = ("auto", "single", "ddp")
+ENGINES = ("auto", "single", "ddp", "deepspeed")
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("fp32", "bf16")
 NAN_POLICIES = ("skip", "stop")
@@ -164,6 +164,7 @@ class OptimConfig:
     schedule: str = _f("constant", "learning-rate schedule after warmup", LR_SCHEDULES)
     min_lr: float = _f(0.0, "final learning rate of the cosine schedule")
     grad_clip: float = _f(0.0, "clip the global gradient norm to this (0 = off)")
+    grad_accum_steps: int = _f(1, "micro-batches per optimizer step (data.batch_size is split into them)")
     ema_decay: float = _f(0.9999, "EMA decay of the weights (DiT: 0.9999)")
     ema_warmup: bool = _f(True, "use decay min(ema_decay, (1 + n) / (10 + n)) at update n")
 
@@ -176,6 +177,7 @@ class OptimConfig:
         _in_range(self, "warmup_steps", 0, math.inf)
         _in_range(self, "min_lr", 0.0, self.lr)
         _in_range(self, "grad_clip", 0.0, math.inf)
+        _positive(self, "grad_accum_steps")
         _in_range(self, "ema_decay", 0.0, 1.0)
 
 
@@ -183,7 +185,8 @@ class OptimConfig:
 class EngineConfig:
     """Where and how the step runs."""
 
-    kind: str = _f("auto", "auto (ddp under torchrun, else single), single or ddp", ENGINES)
+    kind: str = _f("auto", "auto (ddp under torchrun, else single), single, ddp or deepspeed (ZeRO)", ENGINES)
+    deepspeed_config: str = _f("", "deepspeed: DeepSpeed JSON (ZeRO stage, offload); batch, clip, bf16 filled in")
     device: str = _f("auto", "auto (cuda when available), cpu or cuda", DEVICES)
     max_steps: int = _f(1000, "total optimizer steps (attempted steps, skipped ones included)")
     seed: int = _f(0, "global seed (each rank adds its rank)")
@@ -200,6 +203,8 @@ class EngineConfig:
         _in_range(self, "seed", 0, 2**63 - 1)
         _positive(self, "max_nan_skips")
         _in_range(self, "cpu_threads", 0, 4096)
+        if self.kind == "deepspeed" and not self.deepspeed_config:
+            raise ValueError("engine.deepspeed_config is required when engine.kind is 'deepspeed' (a DeepSpeed JSON)")
 
 
 @dataclass

@@ -1,20 +1,32 @@
-"""Execution engines behind one interface: a single process (CPU or one GPU) and DDP under ``torchrun``.
+"""Execution engines behind one interface: a single process (CPU or one GPU), DDP under ``torchrun`` and
+DeepSpeed ZeRO (stages 1, 2, 3, optimizer offload) under ``deepspeed`` or ``torchrun``.
 
-The loop never branches on the engine: it asks it for the device, wraps the model with ``wrap``, reduces flags
-with ``all_true`` and gathers per-rank state with ``gather_objects``. DDP reads the ``torchrun`` environment
-(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) and uses NCCL on CUDA, gloo on CPU.
+The loop never branches on the engine: it asks it for the device, builds the wrapped model and optimizer with
+``setup``, runs each micro-batch inside ``accumulate`` and back-propagates with ``backward``, clips with
+``clip_grad_norm`` (None when the engine clips inside its step), steps with ``step`` (or drops the gradients with
+``skip_step``), reads or writes full parameters inside ``full_params``, keeps optimizer state with
+``optimizer_state`` / ``load_optimizer_state``, reduces flags with ``all_true`` and gathers per-rank state with
+``gather_objects``. DDP and DeepSpeed read the launcher environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR``, ``MASTER_PORT``) and use NCCL on CUDA, gloo on CPU.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import json
 import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-ENGINE_KINDS = ("auto", "single", "ddp")
+ENGINE_KINDS = ("auto", "single", "ddp", "deepspeed")
 
 
 def _resolve_device(device: str, local_rank: int) -> torch.device:
@@ -46,6 +58,53 @@ class Engine:
     def wrap(self, model: nn.Module) -> nn.Module:
         """The module the loop calls (identity here)."""
         return model
+
+    def setup(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Any = None
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """(module the loop calls, optimizer the loop steps) for ``model`` and its ``optimizer``; ``cfg`` is the
+        ``TrainConfig`` (used by engines that configure themselves from it)."""
+        return self.wrap(model), optimizer
+
+    @contextlib.contextmanager
+    def accumulate(self, net: nn.Module, boundary: bool) -> Iterator[None]:
+        """Context of one micro-batch's forward and backward; ``boundary`` marks the last one of the step."""
+        yield
+
+    def backward(self, loss: torch.Tensor, accum_steps: int = 1) -> None:
+        """Back-propagate the mean loss of one of ``accum_steps`` micro-batches (scaled by 1 / accum_steps)."""
+        (loss / accum_steps if accum_steps > 1 else loss).backward()
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor | None:
+        """Clip the global gradient norm to ``max_norm`` (> 0) and return the norm before clipping; None when off."""
+        if max_norm <= 0:
+            return None
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    def step(self, optimizer: torch.optim.Optimizer, lr: float) -> None:
+        """One optimizer update at learning rate ``lr``."""
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+
+    def skip_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drop the accumulated gradients without an update (a non-finite step)."""
+        optimizer.zero_grad(set_to_none=True)
+
+    def full_params(self, model: nn.Module, modify: bool = False) -> contextlib.AbstractContextManager:
+        """Context in which every parameter of ``model`` holds its full value (``modify``: writes are kept)."""
+        return contextlib.nullcontext()
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer, run_dir: Path, step: int) -> Any:
+        """What the checkpoint of ``step`` stores for the optimizer (every rank calls it)."""
+        return optimizer.state_dict()
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: Any, run_dir: Path) -> None:
+        """Restore what ``optimizer_state`` returned."""
+        optimizer.load_state_dict(state)
 
     def all_true(self, flag: bool | torch.Tensor) -> bool:
         """True iff ``flag`` holds on every rank (a host sync)."""
@@ -85,6 +144,13 @@ class DDPEngine(Engine):
         ids = [self.device.index] if self.device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=ids)
 
+    @contextlib.contextmanager
+    def accumulate(self, net: nn.Module, boundary: bool) -> Iterator[None]:
+        """No gradient all-reduce before the last micro-batch of a step."""
+        sync = boundary or not hasattr(net, "no_sync")
+        with contextlib.nullcontext() if sync else net.no_sync():
+            yield
+
     def _collective_device(self) -> torch.device:
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
@@ -106,19 +172,240 @@ class DDPEngine(Engine):
             dist.destroy_process_group()
 
 
+# DeepSpeed JSON keys the trainer owns: JSON value "auto" (or absent) is filled from the trainer config; any other
+# value must equal the trainer's (a mismatch is an error naming both).
+_DS_OWNED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping")
+_DS_CKPT_DIR = "deepspeed"  # under <run_dir>/checkpoints: one DeepSpeed checkpoint tag per ckpt_<step>.pt
+_DS_TAG = re.compile(r"^step_(\d{8,})$")
+
+
+def resolve_deepspeed_config(ds: dict[str, Any], cfg: Any, world_size: int, device_type: str) -> dict[str, Any]:
+    """The DeepSpeed config ``ds`` with the trainer's settings filled in (``cfg`` a ``TrainConfig``).
+
+    train_batch_size = data.batch_size, gradient_accumulation_steps = optim.grad_accum_steps,
+    train_micro_batch_size_per_gpu = batch_size / (world_size * accum), gradient_clipping = optim.grad_clip,
+    bf16.enabled = (engine.precision == "bf16" on CUDA; CPU runs fp32 master weights with bf16 autocast only).
+    A JSON value of "auto" (or a missing key) is filled; a concrete value must agree. The trainer owns the
+    optimizer (AdamW, ``optim.*``) and the LR schedule: an "optimizer" or "scheduler" section, or fp16, is refused.
+    """
+    if not isinstance(ds, dict):
+        raise ValueError(f"a DeepSpeed config must be a JSON object, got {type(ds).__name__}")
+    out = copy.deepcopy(ds)
+    accum = int(cfg.optim.grad_accum_steps)
+    batch = int(cfg.data.batch_size)
+    if batch % (world_size * accum):
+        raise ValueError(
+            f"data.batch_size {batch} is not divisible by world size {world_size} x optim.grad_accum_steps {accum}"
+        )
+    want = {
+        "train_batch_size": batch,
+        "train_micro_batch_size_per_gpu": batch // (world_size * accum),
+        "gradient_accumulation_steps": accum,
+        "gradient_clipping": float(cfg.optim.grad_clip),
+    }
+    for key in _DS_OWNED:
+        have = out.get(key, "auto")
+        if have != "auto" and have != want[key]:
+            raise ValueError(
+                f"DeepSpeed config {key}={have!r} disagrees with the trainer's {want[key]!r}; set it to \"auto\" "
+                f"(filled from data.batch_size, optim.grad_accum_steps, optim.grad_clip and the world size)"
+            )
+        out[key] = want[key]
+    for section in ("optimizer", "scheduler"):
+        if section in out:
+            raise ValueError(
+                f"DeepSpeed config has an {section!r} section; remove it: the trainer builds AdamW from optim.* and "
+                f"sets the learning rate every step (optim.lr, warmup_steps, schedule)"
+            )
+    if out.get("fp16", {}).get("enabled") not in (None, False, "auto"):
+        raise ValueError("DeepSpeed fp16 is not supported; use engine.precision=bf16 (valid choices: fp32, bf16)")
+    out.pop("fp16", None)
+    bf16 = cfg.engine.precision == "bf16" and device_type == "cuda"
+    have = out.get("bf16", {}).get("enabled", "auto")
+    if have != "auto" and bool(have) != bf16:
+        raise ValueError(
+            f"DeepSpeed config bf16.enabled={have!r} disagrees with engine.precision {cfg.engine.precision!r} on "
+            f"{device_type} (bf16 weights need CUDA); set it to \"auto\""
+        )
+    out["bf16"] = {**out.get("bf16", {}), "enabled": bf16}
+    zero = out.setdefault("zero_optimization", {})
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"DeepSpeed zero_optimization.stage {stage!r} is invalid; valid choices: 0, 1, 2, 3")
+    off = zero.get("offload_optimizer", {}).get("device", "none")
+    if off not in ("none", "cpu"):
+        raise ValueError(f"DeepSpeed offload_optimizer.device {off!r} is not supported; valid choices: none, cpu")
+    out.setdefault("steps_per_print", 2**31 - 1)
+    return out
+
+
+def load_deepspeed_config(path: str | Path) -> dict[str, Any]:
+    """The JSON object in ``path``; FileNotFoundError / ValueError naming the path."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"DeepSpeed config {str(p)!r} does not exist")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"DeepSpeed config {str(p)!r} is not valid JSON ({exc})") from None
+
+
+class DeepSpeedEngine(DDPEngine):
+    """DeepSpeed ZeRO (stage 0-3, optional CPU optimizer offload) around the trainer's model and AdamW.
+
+    ``setup`` calls ``deepspeed.initialize`` with the config of ``engine.deepspeed_config`` resolved by
+    ``resolve_deepspeed_config``. DeepSpeed does the gradient reduction, accumulation boundaries and clipping
+    inside ``step``. Under ZeRO-3 parameters are partitioned: ``full_params`` gathers them
+    (``deepspeed.zero.GatheredParameters``) for the EMA update and the model state. Optimizer state is written by
+    DeepSpeed's own ``save_checkpoint`` (one file per rank) under ``checkpoints/deepspeed/step_<N>``; the
+    trainer's ``ckpt_<N>.pt``, written after it, names that tag, so a checkpoint is complete once its .pt exists.
+    """
+
+    kind = "deepspeed"
+
+    def __init__(self, device: str = "auto"):
+        try:
+            import deepspeed
+        except ImportError as exc:
+            raise ImportError(
+                f"engine.kind 'deepspeed' needs the deepspeed package ({exc}); pip install deepspeed "
+                "(or the 'deepspeed' extra), or use engine.kind single or ddp"
+            ) from None
+        self._ds_mod = deepspeed
+        if "RANK" not in os.environ:  # a plain ``python`` launch: one rank
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29511")
+        self.rank = int(os.environ["RANK"])
+        self.world_size = int(os.environ["WORLD_SIZE"])
+        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        self.device = _resolve_device(device, self.local_rank)
+        self._owns_group = not dist.is_initialized()
+        # joins an existing process group (e.g. one a DDP engine of the same process created) or creates one
+        deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
+        self.ds: Any = None
+        self.stage = 0
+
+    def setup(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Any = None
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        if cfg is None or not cfg.engine.deepspeed_config:
+            raise ValueError("engine.kind 'deepspeed' needs engine.deepspeed_config (a DeepSpeed JSON file)")
+        conf = resolve_deepspeed_config(
+            load_deepspeed_config(cfg.engine.deepspeed_config), cfg, self.world_size, self.device.type
+        )
+        self.stage = int(conf["zero_optimization"].get("stage", 0))
+        if conf["zero_optimization"].get("offload_optimizer", {}).get("device", "none") == "cpu":
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            d = optimizer.defaults  # ZeRO-Offload steps on the CPU with DeepSpeed's vectorised AdamW
+            optimizer = DeepSpeedCPUAdam(
+                [p for g in optimizer.param_groups for p in g["params"]], lr=d["lr"], betas=d["betas"],
+                eps=d["eps"], weight_decay=d["weight_decay"], adamw_mode=True,
+            )  # fmt: skip
+        self.ds, opt, _, _ = self._ds_mod.initialize(model=model, optimizer=optimizer, config=conf)
+        self.config = conf
+        return self.ds, opt
+
+    @contextlib.contextmanager
+    def accumulate(self, net: nn.Module, boundary: bool) -> Iterator[None]:
+        """DeepSpeed reduces (and, at the boundary, finalises) gradients itself; the boundary is set explicitly."""
+        self.ds.set_gradient_accumulation_boundary(boundary)
+        yield
+
+    def backward(self, loss: torch.Tensor, accum_steps: int = 1) -> None:
+        self.ds.backward(loss)  # DeepSpeed scales by 1 / gradient_accumulation_steps itself
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        self.ds.zero_grad()
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor | None:
+        return None  # gradient_clipping runs inside DeepSpeed's step on the partitioned gradients
+
+    def step(self, optimizer: torch.optim.Optimizer, lr: float) -> None:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        self.ds.step()
+
+    def last_grad_norm(self) -> float | None:
+        """Global gradient norm DeepSpeed measured in its last step (None when it did not compute one)."""
+        norm = self.ds.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    def skip_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drop the step's gradients as DeepSpeed's own overflow path does (it only has one for fp16/bf16)."""
+        inner = self.ds.optimizer
+        if self.stage in (1, 2):  # the ZeRO-1/2 optimizer restarts accumulation only in its step
+            inner.micro_step_id = -1  # stage_1_and_2.INITIAL_MICRO_STEP_ID: the next backward copies, not adds
+            if getattr(inner, "cpu_offload", False):
+                inner._wait_for_offload_copies()
+                inner._offload_accumulated_param_ids = set()
+        inner.zero_grad(set_to_none=True)  # ZeRO-3 also resets its micro-step here
+        release = getattr(inner, "_release_preflattened_grad_buffers", None)
+        if release is not None:
+            release()
+        if getattr(inner, "cpu_offload", False) or getattr(inner, "offload_optimizer", False):
+            inner.reset_cpu_buffers()
+        elif self.stage == 3:
+            inner.averaged_gradients = {}
+        elif self.stage in (1, 2):
+            for name in ("averaged_gradients", "all_grad_tensors"):  # partitioned gradient buffers
+                bufs = getattr(inner, name, {})
+                for k in bufs:
+                    bufs[k] = None
+        self.ds.zero_grad()
+
+    def full_params(self, model: nn.Module, modify: bool = False) -> contextlib.AbstractContextManager:
+        if self.stage < 3:
+            return contextlib.nullcontext()
+        params = list(model.parameters())
+        return self._ds_mod.zero.GatheredParameters(params, modifier_rank=0 if modify else None)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer, run_dir: Path, step: int) -> Any:
+        root = Path(run_dir) / "checkpoints" / _DS_CKPT_DIR
+        tag = f"step_{step:08d}"
+        self.ds.save_checkpoint(str(root), tag=tag, save_latest=False)
+        self.barrier()
+        if self.is_main:  # drop tags whose ckpt_<N>.pt is gone (retention) or was never written (a crash)
+            from diffcurr_fast.train.checkpoint import list_checkpoints
+
+            keep = {s for s, _ in list_checkpoints(run_dir)} | {step}
+            for d in root.iterdir():
+                m = _DS_TAG.match(d.name)
+                if m and int(m.group(1)) not in keep:
+                    shutil.rmtree(d, ignore_errors=True)
+        return {"deepspeed_tag": tag, "zero_stage": self.stage}
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: Any, run_dir: Path) -> None:
+        if not isinstance(state, dict) or "deepspeed_tag" not in state:
+            raise ValueError("cannot resume with engine.kind 'deepspeed' from a checkpoint written by another engine")
+        if state["zero_stage"] != self.stage:
+            raise ValueError(
+                f"cannot resume: the checkpoint was written with ZeRO stage {state['zero_stage']}, this run uses "
+                f"{self.stage}"
+            )
+        root = Path(run_dir) / "checkpoints" / _DS_CKPT_DIR
+        path, _ = self.ds.load_checkpoint(str(root), tag=state["deepspeed_tag"], load_optimizer_states=True,
+                                          load_lr_scheduler_states=False)  # fmt: skip
+        if path is None:
+            raise FileNotFoundError(f"DeepSpeed checkpoint {state['deepspeed_tag']!r} is missing under {str(root)!r}")
+
+
 def create_engine(kind: str = "auto", device: str = "auto") -> Engine:
-    """``auto``: DDP when launched by torchrun with WORLD_SIZE > 1, else single."""
+    """``auto``: DDP when launched by torchrun with WORLD_SIZE > 1, else single; ``deepspeed`` is only chosen by name."""
     if kind not in ENGINE_KINDS:
         raise ValueError(f"unknown engine kind {kind!r}; choose one of {ENGINE_KINDS}")
     if kind == "auto":
         kind = "ddp" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "single"
+    if kind == "deepspeed":
+        return DeepSpeedEngine(device)
     return DDPEngine(device) if kind == "ddp" else Engine(device)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The bare module under DDP and ``torch.compile`` wrappers."""
     while True:
-        if isinstance(model, nn.parallel.DistributedDataParallel):
+        if isinstance(model, nn.parallel.DistributedDataParallel) or type(model).__name__ == "DeepSpeedEngine":
             model = model.module
         elif hasattr(model, "_orig_mod"):
             model = model._orig_mod

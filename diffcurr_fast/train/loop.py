@@ -121,8 +121,14 @@ class Trainer:
         resume: bool = False,
         overwrite: bool = False,
         dataset: Any = None,
+        model: torch.nn.Module | None = None,
+        timestep_range: tuple[int, int] | None = None,
     ):
+        """``model``: train this module instead of building one from ``cfg.model`` (e.g. a pruned, heterogeneous
+        DiT; its ``config()`` is stored in checkpoints as ``model_config``). ``timestep_range``: sample t only in
+        [lo, hi) (the timestep weights outside are zeroed; needs ``curriculum.pacing`` 'none')."""
         self.cfg = cfg.validate()
+        self._t_mask = _timestep_mask(cfg, timestep_range)
         self.engine = engine or create_engine(cfg.engine.kind, cfg.engine.device)
         self.device = self.engine.device
         self.run_dir = Path(cfg.checkpoint.run_dir)
@@ -134,8 +140,9 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         e, d, o = cfg.engine, cfg.diffusion, cfg.optim
         rank, world = self.engine.rank, self.engine.world_size
-        if cfg.data.batch_size % world:
-            raise ValueError(f"data.batch_size {cfg.data.batch_size} is not divisible by the world size {world}")
+        if cfg.data.batch_size % (world * o.grad_accum_steps):
+            raise ValueError(f"data.batch_size {cfg.data.batch_size} is not divisible by the world size {world} x "
+                             f"optim.grad_accum_steps {o.grad_accum_steps}")  # fmt: skip
         if self.device.type == "cuda" and e.tf32:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
@@ -172,14 +179,14 @@ class Trainer:
             min_delta=c.min_delta, stage_iters=c.stage_iters or None, eval_every=c.eval_every,
             adaptive_floor=c.adaptive_floor,
         )  # fmt: skip
-        self.model = build_model(cfg).to(self.device)
+        self.model = (build_model(cfg) if model is None else _check_given_model(model, cfg)).to(self.device)
         self.ema = EMA(self.model, o.ema_decay, o.ema_warmup)
         params = [p for p in self.model.parameters() if p.requires_grad]
         fused = self.device.type == "cuda"
         self.opt = torch.optim.AdamW(
             params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=fused
         )
-        self.net = self.engine.wrap(self.model)
+        self.net, self.opt = self.engine.setup(self.model, self.opt, cfg)  # DeepSpeed: its engine, ZeRO optimizer
         if e.compile:
             self.net = torch.compile(self.net)
         self.backend = d.ops_backend if d.fused_ops else "reference"
@@ -283,6 +290,8 @@ class Trainer:
         w = self.curriculum.timestep_weights()
         if w is not self._w_src:
             dev = w if self._cell_mass is None else (w.double() * self._cell_mass).float()
+            if self._t_mask is not None:
+                dev = dev * self._t_mask  # only [lo, hi) of timestep_range
             self._w_src, self._w_dev = w, dev.to(self.device)
         return self._w_dev
 
@@ -294,28 +303,35 @@ class Trainer:
                              backend=self.backend)  # (b,) indices in the unlocked clusters  # fmt: skip
         seed = int(torch.randint(0, 2**62, (1,), generator=self.gen))
         noise = None if self.cfg.diffusion.fused_ops else torch.randn(x0.shape, generator=self.gen).to(x0.device)
-        t, x_t, x_in, t_in = self.forward_process(x0, k, noise, seed)  # (b,), (b, C, H, W), network inputs
-        with self.autocast():
-            out = self.net(x_in, t_in, y)  # (b, C or 2C, H, W)
-        per = self.per_sample_loss(out, x0, x_t, t, noise, seed)  # (b,)
+        acc, ts, pers = o.grad_accum_steps, [], []
+        self.engine.zero_grad(self.opt)
+        for i, (xi, yi, ki) in enumerate(zip(x0.chunk(acc), y.chunk(acc), k.chunk(acc))):  # micro-batches
+            ni = None if noise is None else noise.chunk(acc)[i]
+            t, x_t, x_in, t_in = self.forward_process(xi, ki, ni, seed + i)  # (m,), (m, C, H, W), network inputs
+            with self.engine.accumulate(self.net, boundary=i == acc - 1):
+                with self.autocast():
+                    out = self.net(x_in, t_in, yi)  # (m, C or 2C, H, W)
+                per = self.per_sample_loss(out, xi, x_t, t, ni, seed + i)  # (m,)
+                self.engine.backward(per.mean(), acc)
+            ts.append(t)
+            pers.append(per.detach())
+        t, per = torch.cat(ts), torch.cat(pers)  # (b,), (b,)
         loss = per.mean()
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
         stats: dict[str, Any] = {"t": t, "k": k}
         ok = torch.isfinite(loss)
-        if o.grad_clip > 0:  # a finite loss can still overflow a gradient: the norm votes too
-            stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), o.grad_clip)
-            ok = ok & torch.isfinite(stats["grad_norm"])
+        grad_norm = self.engine.clip_grad_norm(self.model, o.grad_clip)  # None: the engine clips in its step
+        if grad_norm is not None:  # a finite loss can still overflow a gradient: the norm votes too
+            stats["grad_norm"] = grad_norm
+            ok = ok & torch.isfinite(grad_norm)
         if self.engine.all_true(ok):  # every rank votes: skip together or step together
-            for group in self.opt.param_groups:
-                group["lr"] = lr_at(self.step, self.cfg)
-            self.opt.step()
-            self.ema.update(self.model)
+            self.engine.step(self.opt, lr_at(self.step, self.cfg))
+            with self.engine.full_params(self.model):  # ZeRO-3: gathered for the EMA
+                self.ema.update(self.model)
             self.curriculum.observe_per_timestep(k, per.detach())
             stats["unlocked"] = self.curriculum.observe(self.step, loss.detach())
             stats["loss"] = loss.detach()
         else:
-            self.opt.zero_grad(set_to_none=True)
+            self.engine.skip_step(self.opt)
             self.nan_skips += 1
             if self.cfg.engine.nan_policy == "stop" or self.nan_skips > self.cfg.engine.max_nan_skips:
                 raise NonFiniteLossError(
@@ -393,7 +409,7 @@ class Trainer:
     def finish(self) -> dict[str, Any]:
         """EMA export, sample grid and plots (rank 0). Returns the paths written."""
         cfg, out = self.cfg, {}
-        meta = {"config": cfg.to_dict(), "step": self.step}
+        meta = {"config": cfg.to_dict(), "step": self.step, **_model_config_entry(self.model)}
         if cfg.checkpoint.export_ema:
             out["ema"] = str(ckpt_io.export_safetensors(self.ema.module.state_dict(), self.run_dir / "ema.safetensors",
                                                         meta))  # fmt: skip
@@ -430,13 +446,17 @@ class Trainer:
         return state
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything a resume needs; RNG states of every rank (gathered)."""
+        """Everything a resume needs; RNG states of every rank (gathered). Every rank calls it (the engine may
+        write its own optimizer shards, e.g. DeepSpeed ZeRO)."""
+        with self.engine.full_params(self.model):  # ZeRO-3: gathered, copied out before they are released
+            model_state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         return {
             "step": self.step,
             "config": self.cfg.to_dict(),
-            "model": self.model.state_dict(),
+            **_model_config_entry(self.model),
+            "model": model_state,
             "ema": self.ema.state_dict(),
-            "optimizer": self.opt.state_dict(),
+            "optimizer": self.engine.optimizer_state(self.opt, self.run_dir, self.step),
             "lr_schedule": {"step": self.step},
             "curriculum": self.curriculum.state_dict(),
             "data": self.loader.state_dict(),
@@ -455,9 +475,10 @@ class Trainer:
                 f"cannot resume: the checkpoint was written by {state['world_size']} ranks, this run has "
                 f"{self.engine.world_size}"
             )
-        self.model.load_state_dict(state["model"])
+        with self.engine.full_params(self.model, modify=True):
+            self.model.load_state_dict(state["model"])
         self.ema.load_state_dict(state["ema"])
-        self.opt.load_state_dict(state["optimizer"])
+        self.engine.load_optimizer_state(self.opt, state["optimizer"], self.run_dir)
         self.curriculum.load_state_dict(state["curriculum"])
         self.loader.load_state_dict(state["data"])
         self.step = int(state["step"])
@@ -477,6 +498,46 @@ class Trainer:
             path = ckpt_io.save_checkpoint(self.run_dir, self.step, state, self.cfg.checkpoint.keep_last)
         self.engine.barrier()
         return path
+
+
+def _timestep_mask(cfg: TrainConfig, timestep_range: tuple[int, int] | None) -> torch.Tensor | None:
+    """(T,) float32 indicator of [lo, hi), or None without a range; ValueError for a bad range."""
+    if timestep_range is None:
+        return None
+    t = cfg.diffusion.num_timesteps
+    try:
+        lo, hi = (int(v) for v in timestep_range)
+    except (TypeError, ValueError):
+        raise ValueError(f"timestep_range must be a (lo, hi) pair of ints, got {timestep_range!r}") from None
+    if not 0 <= lo < hi <= t:
+        raise ValueError(
+            f"timestep_range {timestep_range!r} must satisfy 0 <= lo < hi <= {t} (diffusion.num_timesteps)"
+        )
+    if cfg.curriculum.pacing != "none":
+        raise ValueError(
+            f"timestep_range needs curriculum.pacing 'none', got {cfg.curriculum.pacing!r} (the unlocked clusters "
+            "could miss the range)"
+        )
+    mask = torch.zeros(t, dtype=torch.float32)
+    mask[lo:hi] = 1.0
+    return mask
+
+
+def _check_given_model(model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
+    """A model passed to ``Trainer`` must see the data and objective of ``cfg``; ValueError naming a mismatch."""
+    m, d = cfg.model, cfg.diffusion
+    want = {"in_channels": m.in_channels, "input_size": m.input_size, "num_classes": m.num_classes,
+            "learn_sigma": d.learn_sigma}  # fmt: skip
+    for name, value in want.items():
+        have = getattr(model, name, value)
+        if have != value:
+            raise ValueError(f"the given model has {name}={have!r} but the config needs {value!r}")
+    return model
+
+
+def _model_config_entry(model: torch.nn.Module) -> dict[str, Any]:
+    """``{"model_config": model.config()}`` for a model that can describe itself (rebuilds heterogeneous DiTs)."""
+    return {"model_config": model.config()} if callable(getattr(model, "config", None)) else {}
 
 
 def _to_tuple(obj: Any) -> Any:

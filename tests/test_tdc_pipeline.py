@@ -1,0 +1,323 @@
+"""End-to-end TDC pipeline (``run_tdc``, ``diffcurr-fast tdc``, ``sample --bundle``) and the Trainer kwargs it uses."""
+
+import argparse
+import json
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from diffcurr_fast.models import DiT
+from diffcurr_fast.tdc import cli as tdc_cli
+from diffcurr_fast.tdc.accounting import training_flops
+from diffcurr_fast.tdc.flops import dit_flops
+from diffcurr_fast.tdc.pipeline import (
+    TDCOptions,
+    _prepare,
+    format_accounting,
+    load_bundle_with_config,
+    options_from_dict,
+    run_tdc,
+    stage2_config,
+)
+from diffcurr_fast.train import cli_sample
+from diffcurr_fast.train.checkpoint import latest_checkpoint, load_checkpoint
+from diffcurr_fast.train.config import load_config
+from diffcurr_fast.train.loop import Trainer
+from diffcurr_fast.train.sampling import build_schedule, sample
+
+TINY = [
+    "model.hidden_size=32", "model.depth=2", "model.num_heads=2", "diffusion.num_timesteps=40",
+    "curriculum.num_clusters=4", "data.batch_size=17", "engine.max_steps=4", "engine.cpu_threads=1",
+    "logging.progress=false", "logging.num_samples=3", "logging.sample_steps=4", "logging.log_every=2",
+]  # fmt: skip
+TINY_TDC = {"num_groups": 2, "k": 0.5, "rounds": 2, "candidates": 2, "recover_steps": 1, "search_batches": 1,
+            "heldout_batches": 1, "importance_batches": 1, "finetune_steps": 3, "search_batch_size": 9}  # fmt: skip
+
+
+def tiny_cfg(run_dir, *extra):
+    return load_config(None, [*TINY, f"checkpoint.run_dir={run_dir}", *extra])
+
+
+@pytest.fixture(scope="module")
+def tdc_run(tmp_path_factory):
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    run = tmp_path_factory.mktemp("tdc") / "run"
+    out = run_tdc(tiny_cfg(run), TINY_TDC, run, verbose=False)
+    yield run, out
+    torch.set_num_threads(n)
+
+
+def test_every_artefact_exists(tdc_run):
+    run, out = tdc_run
+    for rel in ("tdc.json", "accounting.json", "samples.png", "stage1/ema.safetensors", "stage1/samples.png",
+                "bundle/bundle.json", "bundle/weights.safetensors", "bundle/train_config.json"):  # fmt: skip
+        assert (run / rel).is_file(), rel
+    assert latest_checkpoint(run / "stage1") is not None
+    for g in range(2):
+        gd = run / f"group_{g}"
+        assert (gd / "search.png").stat().st_size > 1000
+        search = json.loads((gd / "search.json").read_text())
+        assert len(search["history"]) == 2 and search["bank"]
+        assert (gd / "finetune" / "ema.safetensors").is_file()
+        assert latest_checkpoint(gd / "finetune") is not None
+    assert out["bundle"] == str(run / "bundle") and len(out["groups"]) == 2
+
+
+def test_bundle_loads_and_samples(tdc_run):
+    run, _ = tdc_run
+    multi, cfg = load_bundle_with_config(run / "bundle")
+    assert [tuple(r) for r in multi.ranges][0][0] == 0 and multi.num_timesteps == 40
+    assert cfg.model.hidden_size == 32 and cfg.diffusion.learn_sigma
+    x = sample(multi, build_schedule(cfg), sampler="ddim", steps=5, labels=torch.tensor([0, 3, 9]), channels=1,
+               size=8, num_classes=10, learn_sigma=True, prediction="eps", cfg_scale=1.5, seed=1)  # fmt: skip
+    assert x.shape == (3, 1, 8, 8) and torch.isfinite(x).all()
+
+
+def test_experts_meet_budgets_and_match_finetune_runs(tdc_run):
+    run, _ = tdc_run
+    meta = json.loads((run / "bundle" / "bundle.json").read_text())
+    weights = load_file(str(run / "bundle" / "weights.safetensors"))
+    for i, (grp, expert_cfg) in enumerate(zip(meta["groups"], meta["experts"], strict=True)):
+        assert dit_flops(expert_cfg) <= grp["flops"] + 1e-6
+        state = load_checkpoint(latest_checkpoint(run / f"group_{i}" / "finetune"))
+        assert state["model_config"] == expert_cfg  # the heterogeneous expert can be rebuilt from its checkpoint
+        assert state["step"] == 3
+        for name, v in state["ema"]["module"].items():  # the bundle holds the fine-tuned EMA weights
+            torch.testing.assert_close(weights[f"experts.{i}.{name}"], v, rtol=0, atol=0)
+    assert meta["groups"][1]["ratio"] < 1.0 and dit_flops(meta["experts"][1]) < dit_flops(meta["experts"][0])
+
+
+def test_accounting_matches_formula(tdc_run):
+    run, out = tdc_run
+    acc = json.loads((run / "accounting.json").read_text())
+    meta = json.loads((run / "bundle" / "bundle.json").read_text())
+    f = dit_flops(DiT.from_config(load_checkpoint(latest_checkpoint(run / "stage1"))["model_config"]))
+    assert acc["base_flops_per_forward"] == f
+    want = training_flops(f, [dit_flops(c) for c in meta["experts"]], 4, 3, 17)
+    for key in ("stage1_flops", "stage2_flops", "tdc_flops", "single_model_flops", "ratio"):
+        assert acc["training"][key] == pytest.approx(want[key], rel=1e-12)
+    assert acc["training"]["ratio"] < 1.0  # the second expert is pruned
+    assert acc["training"]["search_flops"] > 0
+    assert acc["training"]["tdc_flops_with_search"] == pytest.approx(
+        want["tdc_flops"] + acc["training"]["search_flops"]
+    )
+    s = acc["sampling"]["ddim4"]
+    assert s["steps"] == 4 and s["cfg"] is True and s["flops_ratio"] > 1.0  # the demo samples with guidance 2
+    assert sum(acc["sampling"]["ddpm40"]["steps_per_group"]) == 40
+    assert out["accounting_data"] == acc
+    text = format_accounting(acc)
+    assert f"ratio {acc['training']['ratio']:.3f}" in text and "sampling ddim4" in text and "sampling ddpm40" in text
+
+
+def _sample_args(*argv):
+    p = argparse.ArgumentParser()
+    cli_sample.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_sample_command_takes_bundle_and_pruned_checkpoint(tdc_run, tmp_path, capsys):
+    run, _ = tdc_run
+    out = tmp_path / "b.npz"
+    assert cli_sample.run(_sample_args("--bundle", str(run / "bundle"), "--steps", "4", "--num", "5",
+                                       "--out", str(out))) == 0  # fmt: skip
+    assert f"from bundle {run / 'bundle'}" in capsys.readouterr().out
+    import numpy as np
+
+    z = np.load(out)
+    assert z["x"].shape == (5, 1, 8, 8) and np.isfinite(z["x"]).all()
+    png = tmp_path / "e.png"  # the pruned expert of group 1 alone, rebuilt from model_config in its checkpoint
+    assert cli_sample.run(_sample_args("--ckpt", str(run / "group_1" / "finetune"), "--steps", "4", "--num", "3",
+                                       "--out", str(png))) == 0  # fmt: skip
+    assert png.stat().st_size > 100
+    with pytest.raises(ValueError, match="--weights model is not available with --bundle"):
+        cli_sample.run(_sample_args("--bundle", str(run / "bundle"), "--weights", "model", "--out", str(png) + ".png"))
+    with pytest.raises(SystemExit):  # --ckpt and --bundle are exclusive
+        _sample_args("--bundle", "a", "--ckpt", "b", "--out", "x.png")
+
+
+# ---- Trainer kwargs --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lo, hi", [(0, 1), (5, 9), (31, 40)])
+def test_trainer_timestep_range_restricts_t(tmp_path, lo, hi):
+    cfg = tiny_cfg(tmp_path / "r", "curriculum.pacing=none", "logging.num_samples=0")
+    tr = Trainer(cfg, timestep_range=(lo, hi))
+    x0, y = next(tr.loader)
+    ks = torch.cat([tr.train_step(x0, y)["k"] for _ in range(3)])
+    assert ks.numel() == 51 and int(ks.min()) >= lo and int(ks.max()) < hi
+    if hi - lo > 1:
+        assert ks.unique().numel() > 1
+
+
+@pytest.mark.parametrize(
+    "rng, extra, match",
+    [
+        ((5, 5), [], r"timestep_range \(5, 5\) must satisfy 0 <= lo < hi <= 40"),
+        ((-1, 3), [], "0 <= lo < hi"),
+        ((0, 41), [], "<= 40"),
+        ("ab", [], "must be a \\(lo, hi\\) pair of ints"),
+        ((0, 10), ["curriculum.pacing=patience"], "needs curriculum.pacing 'none', got 'patience'"),
+    ],
+)
+def test_trainer_timestep_range_errors(tmp_path, rng, extra, match):
+    cfg = tiny_cfg(tmp_path / "r", "curriculum.pacing=none", *extra)
+    with pytest.raises(ValueError, match=match):
+        Trainer(cfg, timestep_range=rng)
+
+
+def test_trainer_trains_given_heterogeneous_model(tmp_path):
+    cfg = tiny_cfg(tmp_path / "r", "engine.max_steps=2", "logging.num_samples=0", "logging.plots=false")
+    model = DiT(input_size=8, in_channels=1, num_classes=10, hidden_size=32, depth=2, num_heads=2, patch_size=2,
+                learn_sigma=True, num_timesteps=40, block_num_heads=[1, 2], block_mlp_hidden=[16, 40])  # fmt: skip
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    tr = Trainer(cfg, model=model)
+    assert tr.model is model
+    tr.fit()
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    state = load_checkpoint(latest_checkpoint(tmp_path / "r"))
+    assert state["model_config"]["block_mlp_hidden"] == [16, 40]
+    rebuilt = DiT.from_config(state["model_config"])
+    rebuilt.load_state_dict(state["model"])  # strict: the recorded config rebuilds the exact architecture
+    assert Trainer(cfg, model=DiT.from_config(state["model_config"]), resume=True).step == 2
+
+
+def test_trainer_rejects_mismatched_model(tmp_path):
+    cfg = tiny_cfg(tmp_path / "r")
+    bad = DiT(input_size=8, in_channels=1, num_classes=10, hidden_size=32, depth=1, num_heads=2, learn_sigma=False)
+    with pytest.raises(ValueError, match="learn_sigma=False but the config needs True"):
+        Trainer(cfg, model=bad)
+
+
+# ---- options, config, CLI --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        ({"k": 0.0}, r"tdc.k must lie in \(0, 1\]"),
+        ({"proposer": "random"}, "tdc.proposer 'random' is not valid; valid choices: local, uniform, llm"),
+        ({"proposer": "llm"}, "needs tdc.llm_url and tdc.llm_model"),
+        ({"rounds": 0}, "tdc.rounds must be >= 1"),
+        ({"finetune_steps": 2.5}, "tdc.finetune_steps must be of type int, got 2.5"),
+        ({"bogus": 1}, "unknown tdc option 'bogus'; valid keys: num_groups"),
+        ({"group_method": "kmeans"}, "valid choices: db, uniform, snr, log_snr"),
+    ],
+)
+def test_options_errors(data, match):
+    with pytest.raises(ValueError, match=match):
+        options_from_dict(data)
+
+
+def test_options_and_stage2_config(tmp_path):
+    opts = options_from_dict({"k": 1, "finetune_steps": 7, "finetune_lr": 3e-4})
+    assert opts.k == 1.0 and isinstance(opts.k, float)
+    cfg = stage2_config(tiny_cfg(tmp_path, "curriculum.pacing=patience", "optim.warmup_steps=50"), opts, tmp_path / "f")
+    assert cfg.engine.max_steps == 7 and cfg.curriculum.pacing == "none" and cfg.optim.lr == 3e-4
+    assert cfg.logging.num_samples == 0 and cfg.checkpoint.run_dir == str(tmp_path / "f")
+    assert cfg.optim.warmup_steps == 0 and cfg.checkpoint.every == 7
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (
+            [
+                "diffusion.formulation=flow",
+                "diffusion.prediction=velocity",
+                "diffusion.learn_sigma=false",
+                "diffusion.weighting=none",
+                "logging.sampler=euler",
+            ],
+            "TDC runs on the ddpm formulation",
+        ),  # fmt: skip
+        (["diffusion.prediction=x0"], "eps objective, got diffusion.prediction 'x0'"),
+        (["model.dtr=true"], "model.dtr=True is not supported"),
+    ],
+)
+def test_run_tdc_rejects_unsupported(tmp_path, extra, match):
+    with pytest.raises(ValueError, match=match):
+        run_tdc(tiny_cfg(tmp_path / "r", *extra), TDCOptions(), tmp_path / "r", verbose=False)
+    assert not (tmp_path / "r").exists()
+
+
+def test_prepare_refuses_then_overwrites_only_artefacts(tmp_path):
+    run = tmp_path / "run"
+    (run / "group_0").mkdir(parents=True)
+    (run / "stage1").mkdir()
+    (run / "accounting.json").write_text("{}")
+    (run / "notes.txt").write_text("keep")
+    with pytest.raises(FileExistsError, match="pass --overwrite"):
+        _prepare(run, overwrite=False)
+    _prepare(run, overwrite=True)
+    assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
+
+
+def _tdc_args(*argv):
+    p = argparse.ArgumentParser()
+    tdc_cli.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_cli_resolve_defaults_recipe_and_overrides(tmp_path, capsys):
+    cfg, opts, run_dir = tdc_cli.resolve(_tdc_args())
+    assert (opts.num_groups, opts.k, opts.rounds, opts.candidates) == (3, 0.5, 2, 3)
+    assert 100 <= cfg.engine.max_steps <= 1000 and cfg.curriculum.pacing == "none" and str(run_dir) == "runs/tdc"
+    cfg, opts, _ = tdc_cli.resolve(_tdc_args("--curriculum", "--set", "tdc.rounds=5", "--set", "optim.lr=2e-4"))
+    assert cfg.curriculum.pacing == "patience" and opts.rounds == 5 and cfg.optim.lr == 2e-4
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {hidden_size: 32, num_heads: 2}\ntdc: {num_groups: 4, k: 0.25, proposer: uniform}\n"
+                      "checkpoint: {run_dir: out/x}\n")  # fmt: skip
+    cfg, opts, run_dir = tdc_cli.resolve(_tdc_args(str(recipe), "--set", "tdc.k=0.75", "--run-dir", "y"))
+    assert cfg.model.hidden_size == 32 and (opts.num_groups, opts.k, opts.proposer) == (4, 0.75, "uniform")
+    assert str(run_dir) == "y"
+    assert tdc_cli.run(_tdc_args(str(recipe), "--dry-run")) == 0
+    assert "num_groups: 4" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="unknown config section 'tdcx'"):
+        tdc_cli.resolve(_tdc_args("--set", "tdcx.rounds=1"))
+    with pytest.raises(ValueError, match="unknown tdc option 'round'"):
+        tdc_cli.resolve(_tdc_args("--set", "tdc.round=1"))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        tdc_cli.resolve(_tdc_args(str(tmp_path / "missing.yaml")))
+
+
+def test_cli_refuses_existing_run_dir(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "tdc.json").write_text("{}")
+    with pytest.raises(FileExistsError, match="not empty; pass --overwrite"):
+        tdc_cli.run(_tdc_args("--run-dir", str(run), *[a for s in TINY for a in ("--set", s)]))
+
+
+def test_curriculum_stage1_llm_proposer_and_overwrite(tmp_path):
+    """Stage 1 with the difficulty curriculum, the llm proposer wired through the options (an unreachable endpoint:
+    every request fails, is counted, and the local proposer fills the rounds), and --overwrite of an old run."""
+    run = tmp_path / "run"
+    (run / "group_5").mkdir(parents=True)
+    (run / "accounting.json").write_text("{}")
+    (run / "notes.txt").write_text("keep")
+    cfg = tiny_cfg(run, "curriculum.pacing=patience", "curriculum.patience=1", "curriculum.eval_every=1",
+                   "logging.num_samples=0")  # fmt: skip
+    recipe = tmp_path / "recipe.yaml"  # a recipe path with a tdc: section; the options dict overrides it
+    recipe.write_text(yaml.safe_dump({**cfg.to_dict(), "tdc": {**TINY_TDC, "proposer": "llm", "rounds": 3}}))
+    opts = {"llm_url": "http://127.0.0.1:9/v1", "llm_model": "m", "rounds": 1}
+    out = run_tdc(recipe, opts, run, overwrite=True, verbose=False)
+    assert not (run / "group_5").exists() and (run / "notes.txt").read_text() == "keep"
+    assert (run / "stage1" / "curriculum.png").is_file() and "samples" not in out
+    for g in range(2):
+        search = json.loads((run / f"group_{g}" / "search.json").read_text())
+        assert search["rejected"]["llm_requests"] == 1 and search["rejected"]["llm_network_errors"] == 1
+        assert {e["source"] for e in search["bank"]} == {"local"} and len(search["history"]) == 1
+    assert load_bundle_with_config(run / "bundle")[0].num_timesteps == 40
+
+
+def test_bundle_without_config_is_refused(tdc_run, tmp_path):
+    import shutil
+
+    run, _ = tdc_run
+    shutil.copytree(run / "bundle", tmp_path / "b")
+    (tmp_path / "b" / "train_config.json").unlink()
+    with pytest.raises(ValueError, match="has no train_config.json"):
+        load_bundle_with_config(tmp_path / "b")
