@@ -35,8 +35,8 @@ SCRIPT = textwrap.dedent(
     tmp, recipes, names = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
     base = ["model.hidden_size=36", "model.depth=2", "model.num_heads=3", "diffusion.num_timesteps=50",
             "curriculum.num_clusters=4", "curriculum.patience=1", "curriculum.eval_every=2", "data.batch_size=12",
-            "optim.grad_accum_steps=2", "optim.grad_clip=0.05", "optim.lr=3e-3", "optim.warmup_steps=0", "optim.schedule=constant",
-            "optim.ema_decay=0.9",
+            "optim.grad_accum_steps=2", "optim.grad_clip=0.05", "optim.lr=3e-3", "optim.warmup_steps=0",
+            "optim.schedule=constant", "optim.ema_decay=0.9",
             "logging.progress=false", "logging.num_samples=0", "logging.plots=false", "logging.log_every=1",
             "checkpoint.export_ema=false", "checkpoint.every=2", "engine.device=cpu"]
 
@@ -217,3 +217,24 @@ def test_recipes_resolve():
     assert cfg.engine.kind == "deepspeed" and cfg.engine.deepspeed_config == "recipes/ds/zero2.json"
     out = resolve_deepspeed_config(json.loads((ROOT / cfg.engine.deepspeed_config).read_text()), cfg, 8, "cuda")
     assert out["train_micro_batch_size_per_gpu"] * 8 * out["gradient_accumulation_steps"] == cfg.data.batch_size
+
+
+def test_train_cli_accepts_launcher_local_rank():
+    import argparse
+
+    from diffcurr_fast.train.cli_train import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--local_rank=3", "recipes/dit_l2_zero2.yaml"])
+    assert args.local_rank == 3 and args.recipe == "recipes/dit_l2_zero2.yaml"
+    assert parser.parse_args(["--local-rank", "1"]).local_rank == 1
+
+
+def test_engine_needs_launcher_environment(monkeypatch):
+    from diffcurr_fast.train.engine import create_engine
+
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ValueError, match="engine.kind 'deepspeed' needs the deepspeed or torchrun launcher .*RANK"):
+        create_engine("deepspeed", "cpu")

@@ -207,7 +207,7 @@ def resolve_deepspeed_config(ds: dict[str, Any], cfg: Any, world_size: int, devi
         have = out.get(key, "auto")
         if have != "auto" and have != want[key]:
             raise ValueError(
-                f"DeepSpeed config {key}={have!r} disagrees with the trainer's {want[key]!r}; set it to \"auto\" "
+                f'DeepSpeed config {key}={have!r} disagrees with the trainer\'s {want[key]!r}; set it to "auto" '
                 f"(filled from data.batch_size, optim.grad_accum_steps, optim.grad_clip and the world size)"
             )
         out[key] = want[key]
@@ -225,7 +225,7 @@ def resolve_deepspeed_config(ds: dict[str, Any], cfg: Any, world_size: int, devi
     if have != "auto" and bool(have) != bf16:
         raise ValueError(
             f"DeepSpeed config bf16.enabled={have!r} disagrees with engine.precision {cfg.engine.precision!r} on "
-            f"{device_type} (bf16 weights need CUDA); set it to \"auto\""
+            f'{device_type} (bf16 weights need CUDA); set it to "auto"'
         )
     out["bf16"] = {**out.get("bf16", {}), "enabled": bf16}
     zero = out.setdefault("zero_optimization", {})
@@ -272,10 +272,12 @@ class DeepSpeedEngine(DDPEngine):
                 "(or the 'deepspeed' extra), or use engine.kind single or ddp"
             ) from None
         self._ds_mod = deepspeed
-        if "RANK" not in os.environ:  # a plain ``python`` launch: one rank
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", "29511")
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            raise ValueError(
+                f"engine.kind 'deepspeed' needs the deepspeed or torchrun launcher environment; missing "
+                f"{', '.join(missing)} (one process: deepspeed --num_gpus 1 ...)"
+            )
         self.rank = int(os.environ["RANK"])
         self.world_size = int(os.environ["WORLD_SIZE"])
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
@@ -392,7 +394,7 @@ class DeepSpeedEngine(DDPEngine):
 
 
 def create_engine(kind: str = "auto", device: str = "auto") -> Engine:
-    """``auto``: DDP when launched by torchrun with WORLD_SIZE > 1, else single; ``deepspeed`` is only chosen by name."""
+    """``auto``: DDP when launched by torchrun with WORLD_SIZE > 1, else single; ``deepspeed`` only by name."""
     if kind not in ENGINE_KINDS:
         raise ValueError(f"unknown engine kind {kind!r}; choose one of {ENGINE_KINDS}")
     if kind == "auto":
