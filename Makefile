@@ -5,7 +5,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= dev,triton,dali
+EXTRAS ?= dev,triton,dali,deepspeed
 PYTEST_ARGS ?= -n 2
 
 ifdef VIRTUAL_ENV

@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Kernel-optimized diffusion training: difficulty curriculum and TDC training for DiTs.",
     )
     parser.add_argument("--version", action="version", version=f"diffcurr-fast {__version__}")
+    # The deepspeed launcher passes --local_rank before the subcommand; the rank is read from the environment.
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)

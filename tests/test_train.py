@@ -397,8 +397,10 @@ def test_engine_selection(monkeypatch):
     assert not eng.all_true(torch.tensor(False)) and eng.gather_objects(3) == [3]
     with pytest.raises(ValueError, match="engine.kind 'ddp' needs the torchrun environment; missing RANK"):
         create_engine("ddp", "cpu")
-    with pytest.raises(ValueError, match="unknown engine kind 'deepspeed'; choose one of"):
-        create_engine("deepspeed")
+    with pytest.raises(ValueError, match="unknown engine kind 'horovod'; choose one of"):
+        create_engine("horovod")
+    with pytest.raises((ValueError, ImportError), match="engine.kind 'deepspeed' needs"):
+        create_engine("deepspeed", "cpu")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="engine.device is 'cuda' but no CUDA device is available"):
             create_engine("single", "cuda")

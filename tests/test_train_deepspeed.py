@@ -3,8 +3,9 @@
 One ``torchrun`` launch runs a tiny DiT for 4 optimizer steps (gradient accumulation 2, clipping on) under DDP as
 the reference, then for each ZeRO stage 2 steps, a resume, and 2 more steps. ZeRO only re-partitions the same
 fp32 arithmetic, so its losses, weights and EMA must equal DDP's to reduction-order rounding; a resume that lost
-the (partitioned) AdamW moments would be off by about the learning rate. The first launch JIT-builds DeepSpeed's
-shared-memory op (about a minute, cached afterwards).
+the (partitioned) AdamW moments would be off by about the learning rate. Then a NaN batch must be skipped on both
+ranks without leaving gradients behind. The first launch JIT-builds DeepSpeed's shared-memory op (about a minute,
+cached afterwards).
 """
 
 import json
@@ -238,3 +239,30 @@ def test_engine_needs_launcher_environment(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(ValueError, match="engine.kind 'deepspeed' needs the deepspeed or torchrun launcher .*RANK"):
         create_engine("deepspeed", "cpu")
+
+
+@pytest.mark.parametrize("batch", [6, 34])
+def test_grad_accumulation_equals_full_batch(tmp_path, batch):
+    """The engine-level micro-batch loop: 2 micro-batches give the full-batch step (same t and noise)."""
+    from diffcurr_fast.train.engine import Engine
+    from diffcurr_fast.train.loop import Trainer
+
+    out = {}
+    for acc in (1, 2):
+        over = ["model.hidden_size=20", "model.depth=1", "model.num_heads=2", "model.class_dropout_prob=0.0",
+                "diffusion.num_timesteps=40", "diffusion.fused_ops=false", "curriculum.num_clusters=4",
+                f"data.batch_size={batch}", f"optim.grad_accum_steps={acc}", "optim.grad_clip=0.3",
+                "optim.warmup_steps=0", f"checkpoint.run_dir={tmp_path}/a{acc}"]  # fmt: skip
+        tr = Trainer(load_config(None, over), Engine("cpu"))
+        for _ in range(2):
+            x0, y = next(tr.loader)
+            stats = tr.train_step(x0, y)
+        out[acc] = (torch.cat([p.detach().flatten() for p in tr.model.parameters()]), stats)
+    (p1, s1), (p2, s2) = out[1], out[2]
+    torch.testing.assert_close(s2["loss"], s1["loss"], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(s2["grad_norm"], s1["grad_norm"], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(p2, p1, rtol=0, atol=1e-6)
+    assert torch.equal(s1["t"], s2["t"])
+    with pytest.raises(ValueError, match="not divisible by the world size 1 x optim.grad_accum_steps 4"):
+        Trainer(load_config(None, over + ["optim.grad_accum_steps=4", "data.batch_size=6"]), Engine("cpu"),
+                overwrite=True)  # fmt: skip

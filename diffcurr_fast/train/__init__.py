@@ -1,4 +1,4 @@
-"""Training: typed config, engines (single process, DDP), the loop, EMA, checkpoints, logging and sampling."""
+"""Training: typed config, engines (single, DDP, DeepSpeed), the loop, EMA, checkpoints, logging, sampling."""
 
 from diffcurr_fast.train.checkpoint import (
     atomic_save,
@@ -10,13 +10,14 @@ from diffcurr_fast.train.checkpoint import (
 )
 from diffcurr_fast.train.config import TrainConfig, config_from_dict, config_to_yaml, demo_config, load_config
 from diffcurr_fast.train.ema import EMA
-from diffcurr_fast.train.engine import DDPEngine, Engine, create_engine
+from diffcurr_fast.train.engine import DDPEngine, DeepSpeedEngine, Engine, create_engine, resolve_deepspeed_config
 from diffcurr_fast.train.loop import NonFiniteLossError, Trainer, lr_at, train
 from diffcurr_fast.train.sampling import build_model, build_schedule, sample, save_grid
 
 __all__ = [
     "EMA",
     "DDPEngine",
+    "DeepSpeedEngine",
     "Engine",
     "NonFiniteLossError",
     "TrainConfig",
@@ -34,6 +35,7 @@ __all__ = [
     "load_config",
     "load_checkpoint",
     "lr_at",
+    "resolve_deepspeed_config",
     "sample",
     "save_checkpoint",
     "save_grid",

@@ -329,11 +329,6 @@ class DeepSpeedEngine(DDPEngine):
             group["lr"] = lr
         self.ds.step()
 
-    def last_grad_norm(self) -> float | None:
-        """Global gradient norm DeepSpeed measured in its last step (None when it did not compute one)."""
-        norm = self.ds.get_global_grad_norm()
-        return None if norm is None else float(norm)
-
     def skip_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Drop the step's gradients as DeepSpeed's own overflow path does (it only has one for fp16/bf16)."""
         inner = self.ds.optimizer
