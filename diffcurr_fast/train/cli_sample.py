@@ -2,7 +2,8 @@
 
 Loads a training checkpoint (a ``ckpt_*.pt`` or a run directory: its newest checkpoint), rebuilds the model from
 the config stored in it, and writes a PNG grid (1- or 3-channel data) or an ``.npz`` with ``x`` (N, C, H, W) in
-data units and the labels ``y``. ``--bundle DIR`` samples a TDC multi-expert bundle instead (each timestep routed to
+data units and the labels ``y``. ``--vae DIR`` decodes a latent model's samples (divided by ``data.scale``) with a
+diffusers ``AutoencoderKL`` first, so the grid or ``.npz`` holds images in [-1, 1]. ``--bundle DIR`` samples a TDC multi-expert bundle instead (each timestep routed to
 its group's expert; the bundle directory carries the training config).
 """
 
@@ -32,11 +33,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="device")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    parser.add_argument("--vae", default=None,
+                        help="latent models: decode the samples with this diffusers AutoencoderKL directory")
+    parser.add_argument("--vae-batch", type=int, default=16, help="samples per VAE decode call (default: 16)")
+
+
+def load_decoder(path: str, device: torch.device):
+    """The VAE of ``--vae``: a diffusers ``AutoencoderKL`` from a local directory (``diffusers`` imported lazily)."""
+    from diffcurr_fast.data import extract
+
+    try:
+        return extract.load_vae(path, device)
+    except ImportError:
+        raise ImportError("sample --vae needs diffusers to decode latents: pip install diffusers") from None
+
+
+@torch.no_grad()
+def decode_latents(vae, z: torch.Tensor, batch: int = 16) -> torch.Tensor:
+    """Images (N, 3, 8H, 8W) in [-1, 1] from unscaled latents z (N, C, H, W): ``vae.decode(z).sample``, clipped."""
+    if batch < 1:
+        raise ValueError(f"--vae-batch must be >= 1, got {batch}")
+    params = next(iter(vae.parameters()), None) if hasattr(vae, "parameters") else None
+    dev, dt = (params.device, params.dtype) if params is not None else (z.device, z.dtype)
+    outs = []
+    for chunk in z.split(batch):
+        out = vae.decode(chunk.to(dev, dt))
+        outs.append(getattr(out, "sample", out).float().clamp(-1, 1).cpu())  # (b, 3, 8H, 8W)
+    return torch.cat(outs)
 
 
 def run(args: argparse.Namespace) -> int:
     """Sample from a checkpoint and write the grid or arrays. Returns the exit status."""
     from diffcurr_fast.train.checkpoint import load_checkpoint, resolve_checkpoint
+    from diffcurr_fast.train.loop import pixel_range
     from diffcurr_fast.train.sampling import build_model, build_schedule, sample, save_grid
 
     out = Path(args.out)
@@ -61,8 +90,12 @@ def run(args: argparse.Namespace) -> int:
         state = load_checkpoint(resolve_checkpoint(args.ckpt))
         cfg = config_from_dict(state["config"])
     m = cfg.model
-    if out.suffix == ".png" and m.in_channels not in (1, 3):
-        raise ValueError(f"a PNG grid needs 1- or 3-channel data, this model has {m.in_channels}; write .npz")
+    if args.vae and cfg.data.dataset in ("digits", "images"):
+        raise ValueError(f"--vae decodes latents, but this model was trained on data.dataset {cfg.data.dataset!r}")
+    if out.suffix == ".png" and m.in_channels not in (1, 3) and not args.vae:
+        raise ValueError(f"a PNG grid needs 1- or 3-channel data, this model has {m.in_channels}; write .npz or "
+                         "decode latents with --vae")  # fmt: skip
+    vae = load_decoder(args.vae, device) if args.vae else None
     if "model" in state:  # a pruned (heterogeneous) expert's checkpoint records its own architecture
         if "model_config" in state:
             from diffcurr_fast.models import DiT
@@ -86,16 +119,18 @@ def run(args: argparse.Namespace) -> int:
     x = sample(
         model, build_schedule(cfg), sampler=args.sampler, steps=args.steps, labels=labels, channels=m.in_channels,
         size=m.input_size, num_classes=m.num_classes, learn_sigma=cfg.diffusion.learn_sigma,
-        prediction=cfg.diffusion.prediction, cfg_scale=args.cfg, clip_denoised=cfg.data.dataset == "digits",
-        seed=args.seed, device=device,
+        prediction=cfg.diffusion.prediction, cfg_scale=args.cfg, clip_denoised=pixel_range(cfg), seed=args.seed,
+        device=device,
     )  # fmt: skip
-    x = (x / cfg.data.scale).cpu()
+    x = (x / cfg.data.scale).cpu()  # data units: unscaled latents z for latent models
+    if vae is not None:
+        x = decode_latents(vae, x, args.vae_batch)  # (N, 3, H', W') in [-1, 1]
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.suffix == ".npz":
         np.savez(out, x=x.numpy(), y=labels.numpy())
     else:
         nrow = m.num_classes if m.num_classes <= 16 and not args.labels else None
-        save_grid(x, out, nrow=nrow, upscale=max(1, 32 // m.input_size))
+        save_grid(x, out, nrow=nrow, upscale=max(1, 32 // x.shape[-1]))
     origin = f"step {state['step']}" if "model" in state else f"bundle {args.bundle}"
     print(f"wrote {args.num} samples ({args.sampler}, {args.steps} steps, cfg {args.cfg}) from {origin} "
           f"to {out}")  # fmt: skip

@@ -38,7 +38,9 @@ BETA_SCHEDULES = ("linear", "cosine")
 PACINGS = ("patience", "fixed", "none", "adaptive")
 ORDERS = ("easy_to_hard", "hard_to_easy")
 CLUSTER_METHODS = ("uniform", "snr", "log_snr")
-DATASETS = ("digits", "npz")
+DATASETS = ("digits", "npz", "latents", "images")
+DATA_BACKENDS = ("auto", "dali", "torch")
+ON_BAD = ("skip", "stop")
 ENGINES = ("auto", "single", "ddp", "deepspeed")
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("fp32", "bf16")
@@ -66,6 +68,8 @@ class ModelConfig:
     attn_backend: str = _f("auto", "attention backend", ATTN_BACKENDS)
     fused_adaln: bool = _f(False, "use the fused adaLN modulate / gated residual ops in the blocks")
     dtr: bool = _f(False, "Denoising Task Routing (timestep-dependent channel masks)")
+    init_from: str = _f("", "fine-tune: initial weights (.pt state dict such as DiT-XL-2-256x256.pt, one of our "
+                        "checkpoints, or a .safetensors export); ignored when resuming")
 
     def validate(self) -> None:
         for name in ("input_size", "in_channels", "num_classes", "patch_size", "hidden_size", "depth", "num_heads"):
@@ -136,19 +140,30 @@ class CurriculumConfig:
 class DataConfig:
     """Training data."""
 
-    dataset: str = _f("digits", "digits (built in, 8x8) or npz (arrays x (N, C, H, W) and y (N,))", DATASETS)
-    path: str = _f("", "npz: a .npz file, or a directory holding x.npy and y.npy (memory-mapped)")
-    scale: float = _f(1.0, "multiply the data by this (0.18215 for Stable Diffusion VAE latents)")
+    dataset: str = _f(
+        "digits",
+        "digits (built in, 8x8), npz (arrays x (N, C, H, W) and y (N,)), latents (a fast-DiT or sharded latent "
+        "directory) or images (an ImageNet-layout folder)",
+        DATASETS,
+    )
+    path: str = _f("", "npz: a .npz file or a directory of x.npy and y.npy; latents / images: the directory")
+    scale: float = _f(1.0, "the model trains on scale * data (0.18215 for Stable Diffusion VAE latents; see docs)")
     batch_size: int = _f(128, "global batch size (split evenly across ranks)")
-    num_workers: int = _f(0, "DataLoader worker processes (0 = load in the training process)")
+    num_workers: int = _f(0, "DataLoader worker processes (0 = load in the training process); DALI CPU threads")
+    image_size: int = _f(0, "images: ADM centre-crop size (0 = model.input_size)")
+    hflip: bool = _f(True, "images: random horizontal flips (decided per sample and epoch)")
+    backend: str = _f("auto", "latents / images loader: auto (DALI when importable), dali or torch", DATA_BACKENDS)
+    on_bad: str = _f("stop", "latents / images: a corrupt or unreadable file stops the run or is skipped", ON_BAD)
 
     def validate(self) -> None:
         _positive(self, "batch_size")
         _in_range(self, "num_workers", 0, math.inf)
+        _in_range(self, "image_size", 0, math.inf)
         if not (math.isfinite(self.scale) and self.scale > 0):
             raise ValueError(f"data.scale must be a positive finite float, got {self.scale!r}")
-        if self.dataset == "npz" and not self.path:
-            raise ValueError("data.path is required when data.dataset is 'npz' (a .npz file or a directory)")
+        if self.dataset in ("npz", "latents", "images") and not self.path:
+            what = {"npz": "a .npz file or a directory", "latents": "a latent directory", "images": "an image folder"}
+            raise ValueError(f"data.path is required when data.dataset is {self.dataset!r} ({what[self.dataset]})")
 
 
 @dataclass
@@ -289,6 +304,13 @@ class TrainConfig:
                 f"({self.diffusion.num_timesteps})"
             )
         m = self.model
+        if self.data.dataset == "images":
+            size = self.data.image_size or m.input_size
+            if (m.in_channels, m.input_size) != (3, size):
+                raise ValueError(
+                    f"data.dataset 'images' gives 3x{size}x{size} images but the model takes "
+                    f"{m.in_channels}x{m.input_size}x{m.input_size}; set model.in_channels=3 and model.input_size={size}"
+                )
         if m.preset == "custom":
             if m.input_size % m.patch_size:
                 raise ValueError(f"model.input_size {m.input_size} is not divisible by model.patch_size {m.patch_size}")
@@ -510,6 +532,8 @@ def describe_config() -> str:
 # Sections whose values must match between a checkpoint and the run resuming from it (they define the model,
 # the objective and the curriculum's state); the others (steps, LR, logging, ...) may change on resume.
 RESUME_LOCKED = ("model", "diffusion", "curriculum")
+# Keys of the locked sections that may differ: the initial weights only matter for a fresh start.
+RESUME_FREE = {("model", "init_from")}
 
 
 def resume_mismatches(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
@@ -519,6 +543,8 @@ def resume_mismatches(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
     for sec in RESUME_LOCKED:
         a, b = saved.get(sec, {}), now[sec]
         for key in sorted(set(a) | set(b)):
+            if (sec, key) in RESUME_FREE:
+                continue
             if a.get(key) != b.get(key):
                 diffs.append(f"{sec}.{key}: checkpoint {a.get(key)!r} vs now {b.get(key)!r}")
     if saved.get("data", {}).get("batch_size") != now["data"]["batch_size"]:

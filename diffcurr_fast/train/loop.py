@@ -34,6 +34,7 @@ from diffcurr_fast.diffusion import (
 from diffcurr_fast.ops import diffusion_loss, diffusion_loss_coef, q_sample, q_sample_coef, sample_timesteps
 from diffcurr_fast.train import checkpoint as ckpt_io
 from diffcurr_fast.train.config import TrainConfig, config_from_dict, config_to_yaml, resume_mismatches
+from diffcurr_fast.train.data import SHARDED_DATASETS, TrainBatches, build_train_batches, load_init_weights
 from diffcurr_fast.train.ema import EMA
 from diffcurr_fast.train.engine import Engine, create_engine, unwrap
 from diffcurr_fast.train.report import MetricsWriter, gpu_stats, plot_cluster_losses, plot_curriculum_timeline
@@ -89,6 +90,11 @@ def build_dataset(cfg: TrainConfig):
     if ymax >= m.num_classes:
         raise ValueError(f"data has label {ymax} but model.num_classes is {m.num_classes}")
     return ds
+
+
+def pixel_range(cfg: TrainConfig) -> bool:
+    """Whether the data lies in [-1, 1] (digits; images at scale 1), so samples may be clipped to it."""
+    return cfg.data.dataset == "digits" or (cfg.data.dataset == "images" and cfg.data.scale == 1.0)
 
 
 def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
@@ -154,11 +160,16 @@ class Trainer:
 
         from diffcurr_fast.data.loader import ResumableLoader
 
-        self.dataset = dataset if dataset is not None else build_dataset(cfg)
-        self.loader = ResumableLoader(
-            self.dataset, cfg.data.batch_size, rank=rank, world=world, seed=e.seed,
-            num_workers=cfg.data.num_workers, pin_memory=self.device.type == "cuda",
-        )  # fmt: skip
+        self.loader: Any
+        if dataset is None and cfg.data.dataset in SHARDED_DATASETS:  # through diffcurr_fast.data's ShardedLoader
+            self.loader = build_train_batches(cfg, rank, world)
+            self.dataset = self.loader.source
+        else:
+            self.dataset = dataset if dataset is not None else build_dataset(cfg)
+            self.loader = ResumableLoader(
+                self.dataset, cfg.data.batch_size, rank=rank, world=world, seed=e.seed,
+                num_workers=cfg.data.num_workers, pin_memory=self.device.type == "cuda",
+            )  # fmt: skip
         self.schedule = build_schedule(cfg)
         self.flow = isinstance(self.schedule, FlowFormulation)
         self.edm = isinstance(self.schedule, EDMFormulation)
@@ -179,7 +190,10 @@ class Trainer:
             min_delta=c.min_delta, stage_iters=c.stage_iters or None, eval_every=c.eval_every,
             adaptive_floor=c.adaptive_floor,
         )  # fmt: skip
+        latest = ckpt_io.latest_checkpoint(self.run_dir) if resume else None
         self.model = (build_model(cfg) if model is None else _check_given_model(model, cfg)).to(self.device)
+        if cfg.model.init_from and latest is None:  # fine-tuning start; a resumed run takes its checkpoint's weights
+            load_init_weights(self.model, cfg.model.init_from)
         self.ema = EMA(self.model, o.ema_decay, o.ema_warmup)
         params = [p for p in self.model.parameters() if p.requires_grad]
         fused = self.device.type == "cuda"
@@ -194,15 +208,9 @@ class Trainer:
         self.nan_skips = 0
         self._w_src: torch.Tensor | None = None
         self._w_dev: torch.Tensor | None = None
-        if resume:
-            latest = ckpt_io.latest_checkpoint(self.run_dir)
-            if latest is not None:
-                self.load_state_dict(ckpt_io.load_checkpoint(latest, map_location="cpu"))
-                self.resumed_from: Path | None = latest
-            else:
-                self.resumed_from = None
-        else:
-            self.resumed_from = None
+        self.resumed_from: Path | None = latest
+        if latest is not None:
+            self.load_state_dict(ckpt_io.load_checkpoint(latest, map_location="cpu"))
         if self.engine.is_main:
             (self.run_dir / "config.yaml").write_text(config_to_yaml(cfg))
 
@@ -420,8 +428,7 @@ class Trainer:
                 self.ema.module, self.schedule, sampler=lg.sampler, steps=min(lg.sample_steps,
                 cfg.diffusion.num_timesteps), labels=labels, channels=m.in_channels, size=m.input_size,
                 num_classes=m.num_classes, learn_sigma=cfg.diffusion.learn_sigma, prediction=cfg.diffusion.prediction,
-                cfg_scale=lg.cfg_scale, clip_denoised=cfg.data.dataset == "digits", seed=cfg.engine.seed,
-                device=self.device,
+                cfg_scale=lg.cfg_scale, clip_denoised=pixel_range(cfg), seed=cfg.engine.seed, device=self.device,
             )  # fmt: skip
             x = x / cfg.data.scale
             nrow = m.num_classes if m.num_classes <= 16 else None
@@ -480,6 +487,9 @@ class Trainer:
         self.ema.load_state_dict(state["ema"])
         self.engine.load_optimizer_state(self.opt, state["optimizer"], self.run_dir)
         self.curriculum.load_state_dict(state["curriculum"])
+        if "kind" in state["data"] and not isinstance(self.loader, TrainBatches):
+            raise ValueError("cannot resume: the checkpoint's data position is of data.dataset latents/images, this "
+                             f"run reads {self.cfg.data.dataset!r}")  # fmt: skip
         self.loader.load_state_dict(state["data"])
         self.step = int(state["step"])
         self.nan_skips = int(state["nan_skips"])

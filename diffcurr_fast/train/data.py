@@ -1,0 +1,191 @@
+"""Trainer-side data and weights: latent directories and image folders through ``diffcurr_fast.data``, and the
+initial weights of a fine-tuning run (``model.init_from``).
+
+``data.dataset`` ``latents`` (fast-DiT or sharded layout, ``open_latents``) and ``images`` (ImageNet-layout
+folder, ADM centre crop, optional random flip) are read by a ``ShardedLoader`` (DALI or torch DataLoader backend):
+rank r of W reads shard r of every epoch's permutation (``ShardedOrder``), the permutation is reshuffled
+deterministically per epoch, and the position (epoch, samples consumed on this rank) is the resume state stored
+in the trainer's checkpoint. ``TrainBatches`` turns it into the infinite stream of full per-rank batches the
+loop consumes.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diffcurr_fast.train.config import TrainConfig
+
+SHARDED_DATASETS = ("latents", "images")
+
+
+class TrainBatches:
+    """Infinite per-rank batches ``(x (b, C, H, W) float32, y (b,) int64)`` of a ``ShardedLoader``, resumable.
+
+    Every batch holds exactly ``b = data.batch_size / world`` samples: the loader drops each epoch's tail that
+    does not fill a batch on every rank, and a batch that lost samples to unreadable files (``on_bad='skip'``)
+    is dropped whole (counted in ``dropped_batches``), so every step sees the configured batch.
+    ``state_dict`` / ``load_state_dict`` hold the loader position, so a resumed run reads the same batches.
+    """
+
+    def __init__(self, loader: Any, factor: float, num_classes: int) -> None:
+        self.loader = loader
+        self.factor = float(factor)
+        self.num_classes = int(num_classes)
+        self.dropped_batches = 0
+        self._it: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @property
+    def source(self) -> Any:
+        """The ``LatentDataset`` or ``ImageFolder`` read."""
+        return self.loader.source
+
+    def __iter__(self) -> TrainBatches:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        b, empty_epochs = self.loader.batch_size, 0
+        while True:
+            if self._it is None:
+                self._it = iter(self.loader)
+            try:
+                x, y = next(self._it)
+            except StopIteration:  # the loader moved on to the next epoch
+                self._it = None
+                empty_epochs += 1
+                if empty_epochs > 2:
+                    raise ValueError(
+                        f"the training data yields no full batch of {b} samples per rank (every batch lost samples "
+                        f"to unreadable files); {self.loader.skipped} file(s) skipped"
+                    ) from None
+                continue
+            if x.shape[0] != b:
+                self.dropped_batches += 1
+                if self.dropped_batches == 1:
+                    warnings.warn(f"dropped a batch that lost {b - x.shape[0]} unreadable sample(s) (on_bad='skip')",
+                                  UserWarning, stacklevel=2)  # fmt: skip
+                continue
+            y = y.long()
+            if len(y) and (int(y.min()) < 0 or int(y.max()) >= self.num_classes):
+                bad = int(y.max()) if int(y.max()) >= self.num_classes else int(y.min())
+                raise ValueError(f"data has label {bad} but model.num_classes is {self.num_classes} (valid 0.."
+                                 f"{self.num_classes - 1})")  # fmt: skip
+            x = x.float()
+            return (x * self.factor if self.factor != 1.0 else x), y
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position: the loader's (epoch, start, seed, shard) and the dropped-batch count."""
+        return {"kind": "sharded", **self.loader.state_dict(), "dropped_batches": self.dropped_batches}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state_dict()``; ValueError when the checkpoint's data position is of another loader."""
+        if state.get("kind") != "sharded":
+            raise ValueError(
+                "cannot resume: the checkpoint's data position is of the digits/npz loader, this run reads "
+                "data.dataset latents/images"
+            )
+        self.loader.load_state_dict({k: state[k] for k in ("epoch", "start", "seed", "shard_id", "num_shards")})
+        self.dropped_batches = int(state.get("dropped_batches", 0))
+        self._it = None
+
+
+def build_train_batches(cfg: TrainConfig, rank: int = 0, world: int = 1) -> TrainBatches:
+    """The ``TrainBatches`` of ``cfg.data`` (``latents`` or ``images``) for ``rank`` of ``world``.
+
+    The model trains on ``data.scale * z``: latents in the sharded layout record the scale they were written
+    with (``index.json``) and are rescaled to ``data.scale``; fast-DiT latents are taken as already scaled by
+    ``data.scale`` (fast-DiT stores 0.18215 z); images in [-1, 1] are multiplied by ``data.scale``.
+    """
+    from diffcurr_fast.data import ImageFolder, ShardedLatents, ShardedLoader, open_latents
+
+    d, m = cfg.data, cfg.model
+    if d.dataset not in SHARDED_DATASETS:
+        raise ValueError(f"data.dataset {d.dataset!r} is not read by the sharded loader; valid: latents, images")
+    if d.batch_size % world:
+        raise ValueError(f"data.batch_size {d.batch_size} is not divisible by the world size {world}")
+    local = d.batch_size // world
+    if d.dataset == "latents":
+        source = open_latents(d.path, d.on_bad)
+        shape = tuple(int(s) for s in source.latent_shape)
+        if shape != (m.in_channels, m.input_size, m.input_size):
+            raise ValueError(
+                f"data.path {d.path!r} holds latents {'x'.join(map(str, shape))} but model.in_channels x "
+                f"model.input_size^2 is {m.in_channels}x{m.input_size}x{m.input_size}; set the model fields to match"
+            )
+        stored = float(source.scale) if isinstance(source, ShardedLatents) else d.scale
+        factor, image_size = d.scale / stored, None
+    else:
+        source = ImageFolder(d.path, d.on_bad)
+        if len(source.classes) > m.num_classes:
+            raise ValueError(
+                f"data.path {d.path!r} has {len(source.classes)} classes but model.num_classes is {m.num_classes}"
+            )
+        factor, image_size = d.scale, d.image_size or m.input_size
+    n_shard = len(source) // world
+    if n_shard < local:
+        raise ValueError(
+            f"data.path {d.path!r} has {len(source)} usable samples, {n_shard} per rank: fewer than one per-rank "
+            f"batch of {local} (data.batch_size {d.batch_size} over {world} rank(s))"
+        )
+    loader = ShardedLoader(
+        source, local, image_size=image_size, seed=cfg.engine.seed, shard_id=rank, num_shards=world,
+        shuffle=True, drop_last=True, hflip=d.hflip, backend=d.backend, num_workers=d.num_workers,
+        on_bad=d.on_bad,
+    )  # fmt: skip
+    return TrainBatches(loader, factor, m.num_classes)
+
+
+# ---- fine-tuning: initial weights ------------------------------------------------------------------------
+def read_init_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """The state dict stored at ``path``: a ``.safetensors`` file, a plain ``.pt`` state dict (official DiT
+    release), or a training checkpoint with ``ema`` / ``model`` entries (ours or DiT's ``train.py``; the EMA
+    weights are taken). Loaded with ``weights_only=True``."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"model.init_from {str(p)!r} does not exist")
+    if p.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state: Any = load_file(str(p), device="cpu")
+    else:
+        try:
+            state = torch.load(p, map_location="cpu", weights_only=True)
+        except Exception as exc:  # unpickling refused or not a torch file
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ValueError(f"model.init_from {str(p)!r} is not a weights-only torch file: {first}") from None
+    if isinstance(state, dict) and isinstance(state.get("ema"), dict):
+        ema = state["ema"]
+        state = ema["module"] if isinstance(ema.get("module"), dict) else ema
+    elif isinstance(state, dict) and isinstance(state.get("model"), dict):
+        state = state["model"]
+    if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"model.init_from {str(p)!r} holds no state dict of tensors")
+    for prefix in ("module.", "_orig_mod."):  # DDP / torch.compile wrappers
+        if all(k.startswith(prefix) for k in state):
+            state = {k[len(prefix) :]: v for k, v in state.items()}
+    return state
+
+
+def load_init_weights(model: torch.nn.Module, path: str | Path) -> None:
+    """Load ``read_init_state(path)`` into ``model`` strictly; ValueError naming the first mismatches."""
+    state = read_init_state(path)
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    shapes = [f"{k} {tuple(state[k].shape)} vs model {tuple(v.shape)}" for k, v in own.items()
+              if k in state and state[k].shape != v.shape]  # fmt: skip
+    if missing or unexpected or shapes:
+        parts = []
+        for what, items in (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatches", shapes)):
+            if items:
+                more = f" (+{len(items) - 3} more)" if len(items) > 3 else ""
+                parts.append(f"{len(items)} {what}: {', '.join(items[:3])}{more}")
+        raise ValueError(f"model.init_from {str(path)!r} does not fit the model: " + "; ".join(parts))
+    model.load_state_dict(state, strict=True)
+
+
+__all__ = ["SHARDED_DATASETS", "TrainBatches", "build_train_batches", "load_init_weights", "read_init_state"]
