@@ -575,17 +575,22 @@ class DiT(nn.Module):
         applied to the first 3 output channels by default; ``guide_all_channels=True`` guides all in_channels
         (the standard form). The other channels are returned unguided.
         """
-        if x.shape[0] % 2:
-            raise ValueError(f"forward_with_cfg needs an even batch [cond; uncond], got batch size {x.shape[0]}")
-        half = x[: len(x) // 2]  # (N/2, C, H, W)
-        combined = torch.cat([half, half], dim=0)  # (N, C, H, W)
-        model_out = self.forward(combined, t, y)  # (N, out_channels, H, W)
-        n_guided = self.in_channels if guide_all_channels else 3
-        eps, rest = model_out[:, :n_guided], model_out[:, n_guided:]
-        cond_eps, uncond_eps = torch.split(eps, len(eps) // 2, dim=0)
-        half_eps = uncond_eps + cfg_scale * (cond_eps - uncond_eps)
-        eps = torch.cat([half_eps, half_eps], dim=0)
-        return torch.cat([eps, rest], dim=1)  # (N, out_channels, H, W)
+        return guided_forward(self.forward, x, t, y, cfg_scale, self.in_channels if guide_all_channels else 3)
+
+
+def guided_forward(forward, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, cfg_scale: float, n_guided: int):
+    """DiT's batched classifier-free guidance around any ``forward(x, t, y)``: x's first half is used for both the
+    conditional and the unconditional half of y; the first ``n_guided`` output channels are guided."""
+    if x.shape[0] % 2:
+        raise ValueError(f"forward_with_cfg needs an even batch [cond; uncond], got batch size {x.shape[0]}")
+    half = x[: len(x) // 2]  # (N/2, C, H, W)
+    combined = torch.cat([half, half], dim=0)  # (N, C, H, W)
+    model_out = forward(combined, t, y)  # (N, out_channels, H, W)
+    eps, rest = model_out[:, :n_guided], model_out[:, n_guided:]
+    cond_eps, uncond_eps = torch.split(eps, len(eps) // 2, dim=0)
+    half_eps = uncond_eps + cfg_scale * (cond_eps - uncond_eps)
+    eps = torch.cat([half_eps, half_eps], dim=0)
+    return torch.cat([eps, rest], dim=1)  # (N, out_channels, H, W)
 
 
 #################################################################################

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from diffcurr_fast.curriculum.clustering import check_clusters
+from diffcurr_fast.models.dit import guided_forward
 from diffcurr_fast.tdc.flops import dit_flops
 
 __all__ = ["BUNDLE_FORMAT", "COMPILE_MODES", "MultiExpertDenoiser", "load_bundle", "save_bundle"]
@@ -129,17 +130,7 @@ class MultiExpertDenoiser(nn.Module):
     ) -> torch.Tensor:
         """Classifier-free guidance over the routed model, batched as DiT's ``forward_with_cfg`` (Ho & Salimans
         2022, Eq. 6): x's first half is used for both halves; the first 3 (or all in_channels) channels are guided."""
-        if x.shape[0] % 2:
-            raise ValueError(f"forward_with_cfg needs an even batch [cond; uncond], got batch size {x.shape[0]}")
-        half = x[: len(x) // 2]  # (N/2, C, H, W)
-        combined = torch.cat([half, half], dim=0)  # (N, C, H, W)
-        model_out = self.forward(combined, t, y)  # (N, C', H, W)
-        n_guided = self.in_channels if guide_all_channels else 3
-        eps, rest = model_out[:, :n_guided], model_out[:, n_guided:]
-        cond_eps, uncond_eps = torch.split(eps, len(eps) // 2, dim=0)
-        half_eps = uncond_eps + cfg_scale * (cond_eps - uncond_eps)
-        eps = torch.cat([half_eps, half_eps], dim=0)
-        return torch.cat([eps, rest], dim=1)  # (N, C', H, W)
+        return guided_forward(self.forward, x, t, y, cfg_scale, self.in_channels if guide_all_channels else 3)
 
 
 def save_bundle(model: MultiExpertDenoiser, path: str | Path) -> Path:
