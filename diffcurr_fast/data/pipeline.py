@@ -171,6 +171,10 @@ class ShardedLoader:
 
     def epoch_batches(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Batches of ``epoch`` from position ``start``, without touching the loader's own position."""
+        return ((x, y) for x, y in self._read_batches(epoch, start) if len(x))
+
+    def _read_batches(self, epoch: int, start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        # One item per batch_size samples read, empty when every sample of that batch was skipped as bad.
         idx, flips = self.keys(epoch, start)
         if len(idx) == 0:
             return iter(())
@@ -179,9 +183,10 @@ class ShardedLoader:
         return self._torch_batches(idx, flips)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for x, y in self.epoch_batches(self.epoch, self.start):
-            self.start = min(self.start + self.batch_size, self.samples_per_epoch)
-            yield x, y
+        for x, y in self._read_batches(self.epoch, self.start):
+            self.start = min(self.start + self.batch_size, self.samples_per_epoch)  # a skipped batch counts too
+            if len(x):
+                yield x, y
         self.epoch, self.start = self.epoch + 1, 0
 
     def _torch_batches(self, idx: np.ndarray, flips: np.ndarray) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -199,10 +204,8 @@ class ShardedLoader:
             persistent_workers=False,
         )
         for x, y, skipped in loader:
-            if skipped:
-                self.skipped += skipped
-            if len(x):
-                yield x, y
+            self.skipped += skipped
+            yield x, y
 
     def _dali_batches(self, idx: np.ndarray, flips: np.ndarray) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         from diffcurr_fast.data import dali

@@ -2,9 +2,10 @@
 
 Loads a training checkpoint (a ``ckpt_*.pt`` or a run directory: its newest checkpoint), rebuilds the model from
 the config stored in it, and writes a PNG grid (1- or 3-channel data) or an ``.npz`` with ``x`` (N, C, H, W) in
-data units and the labels ``y``. ``--vae DIR`` decodes a latent model's samples (divided by ``data.scale``) with a
-diffusers ``AutoencoderKL`` first, so the grid or ``.npz`` holds images in [-1, 1]. ``--bundle DIR`` samples a TDC multi-expert bundle instead (each timestep routed to
-its group's expert; the bundle directory carries the training config).
+data units and the labels ``y``. ``--vae DIR`` first decodes a latent model's samples (divided by ``data.scale``)
+with a diffusers ``AutoencoderKL``, so the grid or ``.npz`` holds images in [-1, 1]. ``--bundle DIR`` samples a TDC
+multi-expert bundle instead (each timestep routed to its group's expert; the bundle directory carries the training
+config).
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="device")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output file")
-    parser.add_argument("--vae", default=None,
-                        help="latent models: decode the samples with this diffusers AutoencoderKL directory")
+    parser.add_argument(
+        "--vae", default=None, help="latent models: decode the samples with this diffusers AutoencoderKL directory"
+    )
     parser.add_argument("--vae-batch", type=int, default=16, help="samples per VAE decode call (default: 16)")
 
 

@@ -68,8 +68,11 @@ class ModelConfig:
     attn_backend: str = _f("auto", "attention backend", ATTN_BACKENDS)
     fused_adaln: bool = _f(False, "use the fused adaLN modulate / gated residual ops in the blocks")
     dtr: bool = _f(False, "Denoising Task Routing (timestep-dependent channel masks)")
-    init_from: str = _f("", "fine-tune: initial weights (.pt state dict such as DiT-XL-2-256x256.pt, one of our "
-                        "checkpoints, or a .safetensors export); ignored when resuming")
+    init_from: str = _f(
+        "",
+        "fine-tune: initial weights (.pt state dict such as DiT-XL-2-256x256.pt, one of our "
+        "checkpoints, or a .safetensors export); ignored when resuming",
+    )
 
     def validate(self) -> None:
         for name in ("input_size", "in_channels", "num_classes", "patch_size", "hidden_size", "depth", "num_heads"):
@@ -309,7 +312,7 @@ class TrainConfig:
             if (m.in_channels, m.input_size) != (3, size):
                 raise ValueError(
                     f"data.dataset 'images' gives 3x{size}x{size} images but the model takes "
-                    f"{m.in_channels}x{m.input_size}x{m.input_size}; set model.in_channels=3 and model.input_size={size}"
+                    f"{m.in_channels}x{m.input_size}x{m.input_size}; set model.in_channels=3, model.input_size={size}"
                 )
         if m.preset == "custom":
             if m.input_size % m.patch_size:

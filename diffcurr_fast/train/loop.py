@@ -466,11 +466,17 @@ class Trainer:
             "optimizer": self.engine.optimizer_state(self.opt, self.run_dir, self.step),
             "lr_schedule": {"step": self.step},
             "curriculum": self.curriculum.state_dict(),
-            "data": self.loader.state_dict(),
+            "data": self._data_state(),
             "rng": self.engine.gather_objects(self._rng_state()),
             "nan_skips": self.nan_skips,
             "world_size": self.engine.world_size,
         }
+
+    def _data_state(self) -> dict[str, Any]:
+        """The data position; the sharded loader's differs per rank, so every rank's is kept (gathered)."""
+        if isinstance(self.loader, TrainBatches):
+            return {"kind": "sharded", "ranks": self.engine.gather_objects(self.loader.state_dict())}
+        return self.loader.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()``; ValueError naming the differences for an incompatible config."""
@@ -487,10 +493,13 @@ class Trainer:
         self.ema.load_state_dict(state["ema"])
         self.engine.load_optimizer_state(self.opt, state["optimizer"], self.run_dir)
         self.curriculum.load_state_dict(state["curriculum"])
-        if "kind" in state["data"] and not isinstance(self.loader, TrainBatches):
+        data = state["data"]
+        if isinstance(self.loader, TrainBatches):  # every rank continues its own shard's position
+            data = data["ranks"][self.engine.rank] if "ranks" in data else data
+        elif "kind" in data:
             raise ValueError("cannot resume: the checkpoint's data position is of data.dataset latents/images, this "
                              f"run reads {self.cfg.data.dataset!r}")  # fmt: skip
-        self.loader.load_state_dict(state["data"])
+        self.loader.load_state_dict(data)
         self.step = int(state["step"])
         self.nan_skips = int(state["nan_skips"])
         rng = state["rng"][self.engine.rank]
