@@ -28,7 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="reference: statistics .npz (mu, sigma[, features]), an images .npz, or 'digits' (built-in data)",
     )
     parser.add_argument("--save-ref", metavar="PATH", help="write the reference statistics (+ features) to PATH")
-    parser.add_argument("--extractor", choices=EXTRACTORS, default="inception", help="feature extractor")
+    parser.add_argument(
+        "--extractor",
+        choices=EXTRACTORS,
+        default=None,
+        help="feature extractor (default: digits with --ref digits, else inception)",
+    )
     parser.add_argument("--inception-weights", metavar="PATH", help="pytorch-fid pt_inception-2015-12-05 weights")
     parser.add_argument("--digits-cache", metavar="PATH", help="digits classifier cache file (trained if missing)")
     parser.add_argument("--splits", type=int, default=10, help="Inception Score splits")
@@ -50,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--ref is required: a statistics .npz, an images .npz, or 'digits'")
     if args.samples is None and args.ckpt is None and args.save_ref is None:
         raise ValueError("nothing to do: give --samples or --ckpt to evaluate, and/or --save-ref")
+    if args.extractor is None:
+        args.extractor = "digits" if args.ref == "digits" else "inception"
     extractor = get_extractor(
         args.extractor, inception_weights=args.inception_weights, digits_cache=args.digits_cache, device=args.device
     )
