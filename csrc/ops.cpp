@@ -226,9 +226,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_modulate_fwd_cpu(const at::
 }
 
 // Runs body(b, n0, nrows, acc) over (sample, chunk of kRowChunk rows) tasks in parallel, each with its own
-// zeroed accumulator of `width` floats, then returns the (B, width) sums over chunks (fixed order).
+// zeroed accumulator of nout * D floats, then writes the sums over chunks (fixed order, so independent of the
+// thread count) into nout separate float32 (B, D) tensors: output k holds acc[k * D .. (k + 1) * D).
 template <class Body>
-at::Tensor chunked_row_reduce(int64_t B, int64_t N, int64_t width, Body&& body) {
+std::vector<at::Tensor> chunked_row_reduce(int64_t B, int64_t N, int64_t D, int64_t nout, Body&& body) {
+  const int64_t width = nout * D;
   const int64_t nchunk = std::max<int64_t>(1, (N + kRowChunk - 1) / kRowChunk);
   std::vector<float> part(static_cast<size_t>(B * nchunk * width), 0.0f);
   at::parallel_for(0, B * nchunk, 1, [&](int64_t begin, int64_t end) {
@@ -239,24 +241,30 @@ at::Tensor chunked_row_reduce(int64_t B, int64_t N, int64_t width, Body&& body) 
       if (nrows > 0) body(b, n0, nrows, part.data() + task * width);
     }
   });
-  at::Tensor out = at::empty({B, width}, at::TensorOptions().dtype(at::kFloat));
-  float* o = out.mutable_data_ptr<float>();
-  for (int64_t b = 0; b < B; ++b) {
-    float* ob = o + b * width;
-    const float* src = part.data() + b * nchunk * width;
-    for (int64_t d = 0; d < width; ++d) ob[d] = src[d];
-    for (int64_t k = 1; k < nchunk; ++k) {
-      const float* pk = src + k * width;
-      for (int64_t d = 0; d < width; ++d) ob[d] += pk[d];
+  std::vector<at::Tensor> outs;
+  outs.reserve(static_cast<size_t>(nout));
+  for (int64_t k = 0; k < nout; ++k) {
+    at::Tensor out = at::empty({B, D}, at::TensorOptions().dtype(at::kFloat));
+    float* o = out.mutable_data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b) {
+      float* ob = o + b * D;
+      const float* src = part.data() + b * nchunk * width + k * D;
+      for (int64_t d = 0; d < D; ++d) ob[d] = src[d];
+      for (int64_t c = 1; c < nchunk; ++c) {
+        const float* pc = src + c * width;
+        for (int64_t d = 0; d < D; ++d) ob[d] += pc[d];
+      }
     }
+    outs.push_back(std::move(out));
   }
-  return out;
+  return outs;
 }
 
+// affine_grads == false: grad_x only; gshift and gscale come back empty (shape (0,)).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_modulate_bwd_cpu(const at::Tensor& gy_in, const at::Tensor& x_in,
                                                                       const at::Tensor& scale_in,
                                                                       const at::Tensor& mean_in,
-                                                                      const at::Tensor& rstd_in) {
+                                                                      const at::Tensor& rstd_in, bool affine_grads) {
   const char* op = "adaln_modulate_bwd";
   check_cpu(x_in, op, "x");
   check_bnd(x_in, op, "x");
@@ -276,12 +284,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_modulate_bwd_cpu(const at::
   const float* rp = rstd.const_data_ptr<float>();
   void* gxp = gx.mutable_data_ptr();
   // grad_shift = sum_n grad_y, grad_scale = sum_n grad_y * xhat   (docs/ops.md, adaLN backward)
-  at::Tensor sums = chunked_row_reduce(B, N, 2 * D, [&](int64_t b, int64_t n0, int64_t nrows, float* acc) {
-    K().adaln_bwd(dt, gyp, xp, scp, mp, rp, gxp, acc, acc + D, N, D, b, n0, nrows);
-  });
-  at::Tensor gshift = sums.narrow(1, 0, D).to(scale_in.scalar_type()).contiguous();
-  at::Tensor gscale = sums.narrow(1, D, D).to(scale_in.scalar_type()).contiguous();
-  return {gx, gshift, gscale};
+  if (!affine_grads) {
+    const int64_t nchunk = (N + kRowChunk - 1) / kRowChunk;
+    at::parallel_for(0, B * nchunk, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t n0 = (task % nchunk) * kRowChunk;
+        K().adaln_bwd(dt, gyp, xp, scp, mp, rp, gxp, nullptr, nullptr, N, D, task / nchunk, n0,
+                      std::min(kRowChunk, N - n0));
+      }
+    });
+    return {gx, at::empty({0}, scale_in.options()), at::empty({0}, scale_in.options())};
+  }
+  // grad_shift and grad_scale are separate buffers (never views of one allocation)
+  const std::vector<at::Tensor> sums =
+      chunked_row_reduce(B, N, D, 2, [&](int64_t b, int64_t n0, int64_t nrows, float* acc) {
+        K().adaln_bwd(dt, gyp, xp, scp, mp, rp, gxp, acc, acc + D, N, D, b, n0, nrows);
+      });
+  return {gx, sums[0].to(scale_in.scalar_type()), sums[1].to(scale_in.scalar_type())};
 }
 
 at::Tensor gated_residual_fwd_cpu(const at::Tensor& x_in, const at::Tensor& gate_in, const at::Tensor& y_in) {
@@ -305,9 +324,9 @@ at::Tensor gated_residual_fwd_cpu(const at::Tensor& x_in, const at::Tensor& gate
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_residual_bwd_cpu(const at::Tensor& go_in,
-                                                                      const at::Tensor& gate_in,
-                                                                      const at::Tensor& y_in) {
+// grad_x of gated_residual is grad_out itself: the caller passes it through, so no copy is made here.
+std::tuple<at::Tensor, at::Tensor> gated_residual_bwd_cpu(const at::Tensor& go_in, const at::Tensor& gate_in,
+                                                          const at::Tensor& y_in) {
   const char* op = "gated_residual_bwd";
   check_cpu(y_in, op, "y");
   check_bnd(y_in, op, "y");
@@ -316,18 +335,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_residual_bwd_cpu(const at::
   check_bd(gate_in, y_in, op, "gate");
   const at::Tensor go = go_in.contiguous(), y = y_in.contiguous(), gate = f32_contig(gate_in);
   const int64_t B = y.size(0), N = y.size(1), D = y.size(2);
-  at::Tensor gx = at::empty(y.sizes(), y.options());
   at::Tensor gy = at::empty(y.sizes(), y.options());
   const void* gop = go.const_data_ptr();
   const void* yp = y.const_data_ptr();
   const float* gp = gate.const_data_ptr<float>();
-  void* gxp = gx.mutable_data_ptr();
   void* gyp = gy.mutable_data_ptr();
-  // grad_gate = sum_n grad_out * y
-  at::Tensor ggate = chunked_row_reduce(B, N, D, [&](int64_t b, int64_t n0, int64_t nrows, float* acc) {
-    K().gated_bwd(dt, gop, gp, yp, gxp, gyp, acc, N, D, b, n0, nrows);
-  });
-  return {gx, ggate.to(gate_in.scalar_type()), gy};
+  // grad_gate = sum_n grad_out * y, grad_y = gate * grad_out
+  const std::vector<at::Tensor> ggate =
+      chunked_row_reduce(B, N, D, 1, [&](int64_t b, int64_t n0, int64_t nrows, float* acc) {
+        K().gated_bwd(dt, gop, gp, yp, gyp, acc, N, D, b, n0, nrows);
+      });
+  return {ggate[0].to(gate_in.scalar_type()), gy};
 }
 
 std::string cpu_isa() { return K().isa; }
@@ -346,10 +364,10 @@ TORCH_LIBRARY(diffcurr_fast_C, m) {
   m.def("sample_timesteps(Tensor weights, int batch_size, int seed) -> (Tensor t, Tensor importance)");
   m.def("adaln_modulate_fwd(Tensor x, Tensor shift, Tensor scale, float eps) -> (Tensor y, Tensor mean, Tensor rstd)");
   m.def(
-      "adaln_modulate_bwd(Tensor grad_y, Tensor x, Tensor scale, Tensor mean, Tensor rstd) -> "
-      "(Tensor gx, Tensor gshift, Tensor gscale)");
+      "adaln_modulate_bwd(Tensor grad_y, Tensor x, Tensor scale, Tensor mean, Tensor rstd, bool affine_grads=True) "
+      "-> (Tensor gx, Tensor gshift, Tensor gscale)");
   m.def("gated_residual_fwd(Tensor x, Tensor gate, Tensor y) -> Tensor");
-  m.def("gated_residual_bwd(Tensor grad_out, Tensor gate, Tensor y) -> (Tensor gx, Tensor ggate, Tensor gy)");
+  m.def("gated_residual_bwd(Tensor grad_out, Tensor gate, Tensor y) -> (Tensor ggate, Tensor gy)");
 }
 
 TORCH_LIBRARY_IMPL(diffcurr_fast_C, CPU, m) {

@@ -149,7 +149,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_modulate_bwd_cuda(const at:
                                                                        const at::Tensor& x_in,
                                                                        const at::Tensor& scale_in,
                                                                        const at::Tensor& mean_in,
-                                                                       const at::Tensor& rstd_in) {
+                                                                       const at::Tensor& rstd_in, bool affine_grads) {
   const char* op = "adaln_modulate_bwd";
   check_cuda(x_in, op, "x");
   check_bnd(x_in, op, "x");
@@ -163,12 +163,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_modulate_bwd_cuda(const at:
   const at::Tensor mean = mean_in.contiguous(), rstd = rstd_in.contiguous();
   const int64_t B = x.size(0), N = x.size(1), D = x.size(2);
   at::Tensor gx = at::empty(x.sizes(), x.options());
-  at::Tensor gshift = at::empty({B, D}, x.options().dtype(at::kFloat));
-  at::Tensor gscale = at::empty({B, D}, x.options().dtype(at::kFloat));
+  // affine_grads == false: grad_x only; gshift and gscale come back empty (shape (0,))
+  const int64_t rows = affine_grads ? B : 0;
+  at::Tensor gshift = at::empty({rows, D}, x.options().dtype(at::kFloat));
+  at::Tensor gscale = at::empty({rows, D}, x.options().dtype(at::kFloat));
   DC_CUDA_OK(op, cuda::adaln_bwd(dt, gy.const_data_ptr(), x.const_data_ptr(), scale.const_data_ptr<float>(),
                                  mean.const_data_ptr<float>(), rstd.const_data_ptr<float>(), gx.mutable_data_ptr(),
-                                 gshift.mutable_data_ptr<float>(), gscale.mutable_data_ptr<float>(), B, N, D,
-                                 stream_of(x)));
+                                 affine_grads ? gshift.mutable_data_ptr<float>() : nullptr,
+                                 affine_grads ? gscale.mutable_data_ptr<float>() : nullptr, B, N, D, stream_of(x)));
+  if (!affine_grads) return {gx, at::empty({0}, scale_in.options()), at::empty({0}, scale_in.options())};
   return {gx, gshift.to(scale_in.scalar_type()), gscale.to(scale_in.scalar_type())};
 }
 
@@ -187,9 +190,9 @@ at::Tensor gated_residual_fwd_cuda(const at::Tensor& x_in, const at::Tensor& gat
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_residual_bwd_cuda(const at::Tensor& go_in,
-                                                                       const at::Tensor& gate_in,
-                                                                       const at::Tensor& y_in) {
+// grad_x of gated_residual is grad_out itself: the caller passes it through, so no copy is made here.
+std::tuple<at::Tensor, at::Tensor> gated_residual_bwd_cuda(const at::Tensor& go_in, const at::Tensor& gate_in,
+                                                           const at::Tensor& y_in) {
   const char* op = "gated_residual_bwd";
   check_cuda(y_in, op, "y");
   check_bnd(y_in, op, "y");
@@ -199,13 +202,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_residual_bwd_cuda(const at:
   const c10::cuda::CUDAGuard guard(y_in.device());
   const at::Tensor go = go_in.contiguous(), y = y_in.contiguous(), gate = f32_contig(gate_in);
   const int64_t B = y.size(0), N = y.size(1), D = y.size(2);
-  at::Tensor gx = at::empty(y.sizes(), y.options());
   at::Tensor gy = at::empty(y.sizes(), y.options());
   at::Tensor ggate = at::empty({B, D}, y.options().dtype(at::kFloat));
   DC_CUDA_OK(op, cuda::gated_bwd(dt, go.const_data_ptr(), gate.const_data_ptr<float>(), y.const_data_ptr(),
-                                 gx.mutable_data_ptr(), gy.mutable_data_ptr(), ggate.mutable_data_ptr<float>(), B, N, D,
-                                 stream_of(y)));
-  return {gx, ggate.to(gate_in.scalar_type()), gy};
+                                 gy.mutable_data_ptr(), ggate.mutable_data_ptr<float>(), B, N, D, stream_of(y)));
+  return {ggate.to(gate_in.scalar_type()), gy};
 }
 
 }  // namespace

@@ -338,7 +338,7 @@ def adaln_ref(x, shift, scale, eps):
 
 
 @pytest.mark.parametrize("B", BATCHES)
-@pytest.mark.parametrize("N,D", [(1, 7), (5, 65), (33, 130), (70, 3)])
+@pytest.mark.parametrize("N,D", [(1, 7), (5, 65), (33, 130), (70, 3), (130, 33)])
 def test_adaln_modulate_fwd_bwd(B, N, D):
     eps = 1e-6
     x = (torch.randn(B, N, D) * 2 + 0.5).requires_grad_(False)
@@ -382,11 +382,83 @@ def test_gated_residual_fwd_bwd(B, N, D):
     ref = x64 + g64[:, None, :] * y64  # out = x + gate * y
     torch.testing.assert_close(out.double(), ref.detach(), rtol=1e-6, atol=1e-6)
     go = torch.randn(B, N, D)
-    gx, ggate, gy = ops().gated_residual_bwd(go, gate, y)
+    ggate, gy = ops().gated_residual_bwd(go, gate, y)  # grad_x is grad_out itself (not returned)
     rgx, rgg, rgy = torch.autograd.grad(ref, (x64, g64, y64), go.double())
-    torch.testing.assert_close(gx.double(), rgx, rtol=0, atol=0)
+    torch.testing.assert_close(go.double(), rgx, rtol=0, atol=0)
     torch.testing.assert_close(ggate.double(), rgg, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gy.double(), rgy, rtol=1e-6, atol=1e-6)
+    assert ggate.shape == (B, D) and gy.shape == (B, N, D)
+    _assert_fresh((ggate, gy), (go, gate, y))
+
+
+def _assert_fresh(outputs, inputs):
+    """Every output owns its storage: no output shares memory with an input or with another output."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs}
+    for out in outputs:
+        ptr = out.untyped_storage().data_ptr()
+        assert ptr not in seen
+        seen.add(ptr)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B", BATCHES)
+def test_adaln_bwd_outputs_are_separate(B, dtype):
+    x = torch.randn(B, 3, 17).to(dtype)
+    scale = torch.randn(B, 17).to(dtype)
+    _, mean, rstd = ops().adaln_modulate_fwd(x, scale, scale, 1e-6)
+    gy = torch.randn(B, 3, 17).to(dtype)
+    gx, gshift, gscale = ops().adaln_modulate_bwd(gy, x, scale, mean, rstd)
+    _assert_fresh((gx, gshift, gscale), (gy, x, scale, mean, rstd))
+    gshift.zero_()  # writing one gradient leaves the other untouched
+    torch.testing.assert_close(
+        gscale.double(),
+        (gy.double() * (x.double() - mean[..., None]) * rstd[..., None]).sum(1),
+        rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
+        atol=2e-2 if dtype == torch.bfloat16 else 1e-5,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B", BATCHES)
+def test_adaln_bwd_without_affine_grads(B, dtype):
+    """affine_grads=False gives the same grad_x bit for bit and empty shift / scale gradients."""
+    x, gy = torch.randn(B, 70, 33).to(dtype), torch.randn(B, 70, 33).to(dtype)
+    scale = torch.randn(B, 33).to(dtype)
+    _, mean, rstd = ops().adaln_modulate_fwd(x, scale, scale, 1e-6)
+    full = ops().adaln_modulate_bwd(gy, x, scale, mean, rstd)
+    gx, gshift, gscale = ops().adaln_modulate_bwd(gy, x, scale, mean, rstd, False)
+    assert torch.equal(gx, full[0])
+    assert gshift.shape == (0,) and gscale.shape == (0,) and gshift.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gated_residual_bwd_half_types(dtype):
+    B, N, D = 3, 67, 33
+    go, y = torch.randn(B, N, D).to(dtype), torch.randn(B, N, D).to(dtype)
+    gate = torch.randn(B, D).to(dtype)
+    ggate, gy = ops().gated_residual_bwd(go, gate, y)
+    assert ggate.dtype == dtype and gy.dtype == dtype
+    ref_gy = (gate.double()[:, None, :] * go.double()).to(dtype)  # one rounding of the float32 product
+    torch.testing.assert_close(gy, ref_gy, rtol=0, atol=0)
+    torch.testing.assert_close(ggate.double(), (go.double() * y.double()).sum(1), rtol=2e-2, atol=5e-2)
+
+
+def test_block_bwd_independent_of_threads():
+    """Column reductions over N use fixed row chunks combined in a fixed order: bitwise equal for 1 or 2 threads."""
+    B, N, D = 3, 200, 97
+    x, gy = torch.randn(B, N, D), torch.randn(B, N, D)
+    scale, gate = torch.randn(B, D), torch.randn(B, D)
+    _, mean, rstd = ops().adaln_modulate_fwd(x, scale, scale, 1e-6)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        a = ops().adaln_modulate_bwd(gy, x, scale, mean, rstd) + ops().gated_residual_bwd(gy, gate, x)
+        torch.set_num_threads(2)
+        b = ops().adaln_modulate_bwd(gy, x, scale, mean, rstd) + ops().gated_residual_bwd(gy, gate, x)
+    finally:
+        torch.set_num_threads(before)
+    for u, v in zip(a, b):
+        assert torch.equal(u, v)
 
 
 def test_gated_residual_half_types():
@@ -442,8 +514,10 @@ def test_isa_variants_agree(tmp_path):
         "v = torch.tensor([0.3, 0.5, 0.9]);"
         "l, g = o.diffusion_loss_fwd(x, x.flip(1), None, 9, v, v, v, True);"
         "s = v[:, None].expand(3, 143);"
-        "y, m, r = o.adaln_modulate_fwd(x.view(3, 7, 143), s, s, 1e-6);"
-        "torch.save([o.cpu_isa(), o.randn(9, [3, 1001]), o.q_sample(x, v, v, None, 9), l, g, y], sys.argv[1])"
+        "x3, g3 = x.view(3, 7, 143), x.flip(1).reshape(3, 7, 143);"
+        "y, m, r = o.adaln_modulate_fwd(x3, s, s, 1e-6);"
+        "bw = [*o.adaln_modulate_bwd(g3, x3, s, m, r), *o.gated_residual_bwd(g3, s, x3)];"
+        "torch.save([o.cpu_isa(), o.randn(9, [3, 1001]), o.q_sample(x, v, v, None, 9), l, g, y, *bw], sys.argv[1])"
     )
     results = {}
     for isa in ["generic", "avx2", "avx512"]:
@@ -514,6 +588,9 @@ def test_cuda_ops_match_cpu(dtype, B, inner):
     refb = ops().adaln_modulate_bwd(gy, x, scale, ref[1], ref[2])
     for g, r in zip(got, refb):
         torch.testing.assert_close(g.cpu(), r, rtol=1e-3, atol=1e-3)
+    got = ops().adaln_modulate_bwd(gy.to(dev), x.to(dev), scale.to(dev), ref[1].to(dev), ref[2].to(dev), False)
+    torch.testing.assert_close(got[0].cpu(), refb[0], rtol=1e-3, atol=1e-3)
+    assert got[1].shape == (0,) and got[2].shape == (0,)
     torch.testing.assert_close(
         ops().gated_residual_fwd(x.to(dev), gate.to(dev), y.to(dev)).cpu(), ops().gated_residual_fwd(x, gate, y), **tol
     )

@@ -60,6 +60,68 @@ def test_gated_residual_matches_float64(backend, shape):
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("wanted", ["x", "y", "gate", "gate+y"])
+@pytest.mark.parametrize("shape", [(1, 3, 7), (3, 66, 33), (17, 2, 5)])
+def test_gated_residual_partial_grads(backend, wanted, shape):
+    """Only the requested gradients, from a broadcast grad_out (out.sum()), match float64 autograd."""
+    _need(backend, "gated_residual_fwd")
+    B, N, D = shape
+    x, y, gate = torch.randn(shape), torch.randn(shape), torch.randn(B, D)
+    leaves = {"x": x, "y": y, "gate": gate}
+    for name in wanted.split("+"):
+        leaves[name].requires_grad_()
+    out = gated_residual(x, gate, y, backend=backend)
+    (out.sum() * 1.5).backward()  # grad_out is a stride-0 broadcast of 1.5
+    ins = {k: v.detach().double().requires_grad_(v.requires_grad) for k, v in leaves.items()}
+    ((ins["x"] + ins["gate"][:, None, :] * ins["y"]).sum() * 1.5).backward()
+    for name, leaf in leaves.items():
+        if leaf.requires_grad:
+            torch.testing.assert_close(leaf.grad.double(), ins[name].grad, rtol=1e-5, atol=1e-5)
+        else:
+            assert leaf.grad is None
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("wanted", ["x", "shift", "scale+x", "shift+scale"])
+@pytest.mark.parametrize("shape", [(1, 3, 7), (3, 66, 33), (17, 2, 5)])
+def test_adaln_modulate_partial_grads(backend, wanted, shape):
+    """Only the requested gradients, from a broadcast grad_y (y.sum()), match float64 autograd."""
+    _need(backend, "adaln_modulate_fwd")
+    B, N, D = shape
+    x, shift, scale = torch.randn(shape) * 2 + 1, torch.randn(B, D), torch.randn(B, D)
+    leaves = {"x": x, "shift": shift, "scale": scale}
+    for name in wanted.split("+"):
+        leaves[name].requires_grad_()
+    (adaln_modulate(x, shift, scale, backend=backend).sum() * 0.5).backward()
+    ins = {k: v.detach().double().requires_grad_(v.requires_grad) for k, v in leaves.items()}
+    (_ref_modulate(ins["x"], ins["shift"], ins["scale"]).sum() * 0.5).backward()
+    for name, leaf in leaves.items():
+        if leaf.requires_grad:
+            torch.testing.assert_close(leaf.grad.double(), ins[name].grad, rtol=1e-4, atol=1e-5)
+        else:
+            assert leaf.grad is None
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_backward(backend, dtype):
+    _need(backend, "gated_residual_fwd")
+    B, N, D = 3, 67, 24
+    x, y = torch.randn(B, N, D, dtype=dtype), torch.randn(B, N, D, dtype=dtype)
+    shift, scale, gate = (torch.randn(B, D, dtype=dtype) for _ in range(3))
+    leaves = [v.requires_grad_() for v in (x, shift, scale, gate, y)]
+    out = gated_residual(x, gate, adaln_modulate(y, shift, scale, backend=backend), backend=backend)
+    g = torch.randn_like(out)
+    out.backward(g)
+    ins = [v.detach().double().requires_grad_() for v in leaves]
+    x6, s6, c6, g6, y6 = ins
+    (x6 + g6[:, None, :] * _ref_modulate(y6, s6, c6)).backward(g.double())
+    for mine, theirs in zip(leaves, ins):
+        assert mine.grad.dtype == dtype
+        torch.testing.assert_close(mine.grad.double(), theirs.grad, rtol=5e-2, atol=2e-1)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
 def test_dit_block_path_composes(backend):
     _need(backend, "adaln_modulate_fwd")
     B, N, D = 3, 5, 40

@@ -33,7 +33,7 @@ struct KernelTable {
                     float* rstd, int64_t N, int64_t D, float eps, int64_t r0, int64_t nrows);
 
   // Backward for rows [n0, n0 + nrows) of sample b: writes gx and ADDS sum_n grad_y and sum_n grad_y * xhat
-  // into gshift_acc / gscale_acc (D floats each).
+  // into gshift_acc / gscale_acc (D floats each); gshift_acc == nullptr: gx only (both sums skipped).
   void (*adaln_bwd)(int dt, const void* grad_y, const void* x, const float* scale, const float* mean,
                     const float* rstd, void* gx, float* gshift_acc, float* gscale_acc, int64_t N, int64_t D,
                     int64_t b, int64_t n0, int64_t nrows);
@@ -42,10 +42,10 @@ struct KernelTable {
   void (*gated_fwd)(int dt, const void* x, const float* gate, const void* y, void* out, int64_t N, int64_t D,
                     int64_t r0, int64_t nrows);
 
-  // Backward for rows [n0, n0 + nrows) of sample b: gx = grad_out, gy = gate[b] * grad_out, and ADDS
-  // sum_n grad_out * y into ggate_acc (D floats).
-  void (*gated_bwd)(int dt, const void* grad_out, const float* gate, const void* y, void* gx, void* gy,
-                    float* ggate_acc, int64_t N, int64_t D, int64_t b, int64_t n0, int64_t nrows);
+  // Backward for rows [n0, n0 + nrows) of sample b: gy = gate[b] * grad_out, and ADDS sum_n grad_out * y into
+  // ggate_acc (D floats). grad_x is grad_out itself and is not written.
+  void (*gated_bwd)(int dt, const void* grad_out, const float* gate, const void* y, void* gy, float* ggate_acc,
+                    int64_t N, int64_t D, int64_t b, int64_t n0, int64_t nrows);
 };
 
 // The table for the best instruction set of this CPU (chosen once). DIFFCURR_CPU_ISA=generic|avx2|avx512

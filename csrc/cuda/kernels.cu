@@ -372,20 +372,19 @@ __global__ void column_sums_kernel(const typename T::S* __restrict__ g, const ty
 }
 
 // ---------------------------------------------------------------- gated residual
+// Forward: out = x + gate * y. Backward (a = grad_out, y unused): out = grad_y = gate * grad_out.
 template <class T, bool kBackward>
 __global__ void gated_kernel(const typename T::S* __restrict__ a, const float* __restrict__ gate,
-                             const typename T::S* __restrict__ y, typename T::S* __restrict__ out0,
-                             typename T::S* __restrict__ out1, int64_t total, int64_t N, int64_t D) {
+                             const typename T::S* __restrict__ y, typename T::S* __restrict__ out, int64_t total,
+                             int64_t N, int64_t D) {
   const int64_t ND = N * D;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float gt = gate[(i / ND) * D + i % D];
     if constexpr (kBackward) {
-      const typename T::S go = a[i];
-      out0[i] = go;                                // grad_x = grad_out
-      out1[i] = T::store(gt * T::load(go));        // grad_y = gate * grad_out
+      out[i] = T::store(gt * T::load(a[i]));  // grad_y = gate * grad_out
     } else {
-      out0[i] = T::store(T::load(a[i]) + gt * T::load(y[i]));  // out = x + gate * y
+      out[i] = T::store(T::load(a[i]) + gt * T::load(y[i]));  // out = x + gate * y
     }
   }
 }
@@ -524,8 +523,10 @@ int adaln_bwd(int dt, const void* grad_y, const void* x, const float* scale, con
       adaln_bwd_dx_kernel<T><<<blocks_for(rows, kThreads / kWarp), kThreads, 0, s>>>(
           gp, xp, scale, mean, rstd, static_cast<typename T::S*>(gx), rows, N, D);
     }
-    column_sums_kernel<T, true><<<static_cast<unsigned>(B * col_blocks), dim3(kWarp, 8), 0, s>>>(
-        gp, xp, mean, rstd, gshift, gscale, N, D, col_blocks);
+    if (gshift != nullptr) {
+      column_sums_kernel<T, true><<<static_cast<unsigned>(B * col_blocks), dim3(kWarp, 8), 0, s>>>(
+          gp, xp, mean, rstd, gshift, gscale, N, D, col_blocks);
+    }
     return finish();
   });
 }
@@ -539,13 +540,13 @@ int gated_fwd(int dt, const void* x, const float* gate, const void* y, void* out
     using T = decltype(t);
     gated_kernel<T, false><<<blocks_for(total, kThreads), kThreads, 0, s>>>(
         static_cast<const typename T::S*>(x), gate, static_cast<const typename T::S*>(y),
-        static_cast<typename T::S*>(out), nullptr, total, N, D);
+        static_cast<typename T::S*>(out), total, N, D);
     return finish();
   });
 }
 
-int gated_bwd(int dt, const void* grad_out, const float* gate, const void* y, void* gx, void* gy, float* ggate,
-              int64_t B, int64_t N, int64_t D, void* stream) {
+int gated_bwd(int dt, const void* grad_out, const float* gate, const void* y, void* gy, float* ggate, int64_t B,
+              int64_t N, int64_t D, void* stream) {
   const int64_t total = B * N * D;
   if (B == 0 || D == 0) return 0;
   const auto s = static_cast<cudaStream_t>(stream);
@@ -556,7 +557,7 @@ int gated_bwd(int dt, const void* grad_out, const float* gate, const void* y, vo
     const auto* yp = static_cast<const typename T::S*>(y);
     if (total > 0) {
       gated_kernel<T, true><<<blocks_for(total, kThreads), kThreads, 0, s>>>(
-          gp, gate, nullptr, static_cast<typename T::S*>(gx), static_cast<typename T::S*>(gy), total, N, D);
+          gp, gate, nullptr, static_cast<typename T::S*>(gy), total, N, D);
     }
     // grad_gate = sum_n grad_out * y
     column_sums_kernel<T, false><<<static_cast<unsigned>(B * col_blocks), dim3(kWarp, 8), 0, s>>>(

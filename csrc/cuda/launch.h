@@ -35,7 +35,7 @@ int sample_timesteps(bool w_double, const void* w, int64_t T, double* cdf, int* 
 int adaln_fwd(int dt, const void* x, const float* shift, const float* scale, void* y, float* mean, float* rstd,
               int64_t B, int64_t N, int64_t D, float eps, void* stream);
 
-// Backward of adaln_fwd: gx like x; gshift, gscale (B, D) float32.
+// Backward of adaln_fwd: gx like x; gshift, gscale (B, D) float32 (gshift == nullptr: gx only).
 int adaln_bwd(int dt, const void* grad_y, const void* x, const float* scale, const float* mean, const float* rstd,
               void* gx, float* gshift, float* gscale, int64_t B, int64_t N, int64_t D, void* stream);
 
@@ -43,8 +43,8 @@ int adaln_bwd(int dt, const void* grad_y, const void* x, const float* scale, con
 int gated_fwd(int dt, const void* x, const float* gate, const void* y, void* out, int64_t B, int64_t N, int64_t D,
               void* stream);
 
-// gx = grad_out, gy = gate[b] * grad_out, ggate (B, D) float32 = sum_n grad_out * y.
-int gated_bwd(int dt, const void* grad_out, const float* gate, const void* y, void* gx, void* gy, float* ggate,
-              int64_t B, int64_t N, int64_t D, void* stream);
+// gy = gate[b] * grad_out, ggate (B, D) float32 = sum_n grad_out * y (grad_x is grad_out and is not written).
+int gated_bwd(int dt, const void* grad_out, const float* gate, const void* y, void* gy, float* ggate, int64_t B,
+              int64_t N, int64_t D, void* stream);
 
 }  // namespace dcf::cuda

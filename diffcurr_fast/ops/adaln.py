@@ -53,7 +53,7 @@ def _adaln_fwd_op(
     args = (x.contiguous(), shift.contiguous(), scale.contiguous(), eps)
     if backend == "triton":
         return _backend.kernels("adaln").adaln_modulate_fwd(*args)
-    return _common.unalias(_backend.ext_ops().adaln_modulate_fwd(*args), args[:3])
+    return _backend.ext_ops().adaln_modulate_fwd(*args)  # fresh, separate outputs
 
 
 @_adaln_fwd_op.register_fake
@@ -65,18 +65,31 @@ def _(x, shift, scale, eps, backend):
 
 @torch.library.custom_op("diffcurr_fast::adaln_modulate_backward", mutates_args=())
 def _adaln_bwd_op(
-    grad_y: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, backend: str
+    grad_y: torch.Tensor,
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    backend: str,
+    affine_grads: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_x, grad_shift, grad_scale); without ``affine_grads`` the last two are empty (0,) tensors."""
     if backend == "reference":
-        return adaln_modulate_bwd_ref(grad_y, x, scale, mean, rstd)
-    args = (grad_y.contiguous(), x.contiguous(), scale.contiguous(), mean.contiguous(), rstd.contiguous())
-    if backend == "triton":
-        return _backend.kernels("adaln").adaln_modulate_bwd(*args)
-    return _common.unalias(_backend.ext_ops().adaln_modulate_bwd(*args), args)
+        gx, gshift, gscale = adaln_modulate_bwd_ref(grad_y, x, scale, mean, rstd)
+    else:
+        args = (grad_y.contiguous(), x.contiguous(), scale.contiguous(), mean.contiguous(), rstd.contiguous())
+        if backend != "triton":  # C++: fresh, separate outputs; no column sums without affine_grads
+            return _backend.ext_ops().adaln_modulate_bwd(*args, affine_grads)
+        gx, gshift, gscale = _backend.kernels("adaln").adaln_modulate_bwd(*args)
+    if not affine_grads:
+        return gx, scale.new_empty(0), scale.new_empty(0)
+    return gx, gshift, gscale
 
 
 @_adaln_bwd_op.register_fake
-def _(grad_y, x, scale, mean, rstd, backend):
+def _(grad_y, x, scale, mean, rstd, backend, affine_grads=True):
+    if not affine_grads:
+        return torch.empty_like(x, memory_format=torch.contiguous_format), scale.new_empty(0), scale.new_empty(0)
     return (
         torch.empty_like(x, memory_format=torch.contiguous_format),
         torch.empty_like(scale, memory_format=torch.contiguous_format),
@@ -93,8 +106,10 @@ def _adaln_setup(ctx, inputs, output):
 
 def _adaln_backward(ctx, grad_y, grad_mean, grad_rstd):
     x, scale, mean, rstd = ctx.saved_tensors
-    gx, gshift, gscale = _adaln_bwd_op(grad_y, x, scale, mean, rstd, ctx.backend)
-    return gx, gshift, gscale, None, None
+    need_shift, need_scale = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+    # without shift / scale gradients the kernel skips their column sums over N
+    gx, gshift, gscale = _adaln_bwd_op(grad_y, x, scale, mean, rstd, ctx.backend, need_shift or need_scale)
+    return gx, gshift if need_shift else None, gscale if need_scale else None, None, None
 
 
 _adaln_fwd_op.register_autograd(_adaln_backward, setup_context=_adaln_setup)
@@ -108,7 +123,7 @@ def _gated_fwd_op(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, backend:
     args = (x.contiguous(), gate.contiguous(), y.contiguous())
     if backend == "triton":
         return _backend.kernels("adaln").gated_residual_fwd(*args)
-    return _common.unalias((_backend.ext_ops().gated_residual_fwd(*args),), args)[0]
+    return _backend.ext_ops().gated_residual_fwd(*args)
 
 
 @_gated_fwd_op.register_fake
@@ -127,8 +142,8 @@ def _gated_bwd_op(
     args = (grad_out.contiguous(), gate.contiguous(), y.contiguous())
     if backend == "triton":
         return _backend.kernels("adaln").gated_residual_bwd(*args)
-    _, ggate, gy = _backend.ext_ops().gated_residual_bwd(*args)
-    return _common.unalias((ggate, gy), args)
+    ggate, gy = _backend.ext_ops().gated_residual_bwd(*args)  # grad_x is grad_out: no copy is made
+    return ggate, gy
 
 
 @_gated_bwd_op.register_fake
@@ -147,8 +162,14 @@ def _gated_setup(ctx, inputs, output):
 def _gated_backward(ctx, grad_out):
     gate, y = ctx.saved_tensors
     ggate = gy = None
-    if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+    if ctx.needs_input_grad[1]:
         ggate, gy = _gated_bwd_op(grad_out, gate, y, ctx.backend)
+        if not ctx.needs_input_grad[2]:
+            gy = None
+    elif ctx.needs_input_grad[2]:
+        # grad_y alone is one broadcast multiply (nothing to fuse); it reads grad_out with its own strides, so a
+        # broadcast grad_out is never materialised. The product is rounded once, as in the fused kernel.
+        gy = grad_out * gate[:, None, :]  # (B, N, D)
     return grad_out, ggate, gy, None  # d out / d x is the identity
 
 
