@@ -13,7 +13,7 @@ import sys
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("diffcurr_fast.train.cli_train", "train a diffusion model (no recipe: the embedded digits demo)"),
-    "sample": ("diffcurr_fast.train.cli_sample", "sample a grid or an .npz from a checkpoint"),
+    "sample": ("diffcurr_fast.sample_cli", "sample a grid or an .npz from a checkpoint"),
     "tdc": (
         "diffcurr_fast.tdc.cli",
         "TDC training: stage 1, proxy-pruned experts per timestep group, multi-expert bundle",
