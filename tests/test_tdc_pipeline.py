@@ -8,6 +8,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from diffcurr_fast import sample_cli as cli_sample
 from diffcurr_fast.models import DiT
 from diffcurr_fast.tdc import cli as tdc_cli
 from diffcurr_fast.tdc.accounting import training_flops
@@ -21,7 +22,6 @@ from diffcurr_fast.tdc.pipeline import (
     run_tdc,
     stage2_config,
 )
-from diffcurr_fast.train import cli_sample
 from diffcurr_fast.train.checkpoint import latest_checkpoint, load_checkpoint
 from diffcurr_fast.train.config import load_config
 from diffcurr_fast.train.loop import Trainer
