@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Optional.h>
 
+#include <cmath>
 #include <cstdint>
 
 namespace dcf {
@@ -92,6 +93,115 @@ inline void check_weights(const at::Tensor& w, const char* op) {
               ": weights must have shape (T,) with T >= 1, got ", w.sizes());
   TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kDouble, "diffcurr_fast_C::", op,
               ": weights must be float32 or float64, got ", w.scalar_type());
+}
+
+inline at::Tensor f32_contig(const at::Tensor& t) { return t.to(at::kFloat).contiguous(); }
+
+// ---- Checked, contiguous arguments of each op, shared by the CPU and CUDA wrappers --------------------------
+// (each wrapper first checks the device of its first input, then calls one of these).
+
+inline at::Tensor optional_contig(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? t->contiguous() : at::Tensor();
+}
+
+// q_sample: x_t = a * x0 + c * noise; noise undefined when it is generated from the seed.
+struct QSampleArgs {
+  at::Tensor x0, a, c, noise;
+  int64_t B, M;
+  int dt, ndt;
+  const void* noise_ptr() const { return noise.defined() ? noise.const_data_ptr() : nullptr; }
+};
+
+inline QSampleArgs q_sample_args(const at::Tensor& x0, const at::Tensor& a, const at::Tensor& c,
+                                 const c10::optional<at::Tensor>& noise, const char* op) {
+  const int64_t B = check_batched(x0, op, "x0");
+  const int dt = dtype_code(x0, op, "x0");
+  check_per_sample(a, x0, B, op, "a");
+  check_per_sample(c, x0, B, op, "c");
+  check_noise(noise, x0, op);
+  QSampleArgs r{x0.contiguous(), a.contiguous(), c.contiguous(), optional_contig(noise), B, 0, dt, 0};
+  r.M = B ? x0.numel() / B : 0;
+  r.ndt = r.noise.defined() ? dtype_code(r.noise, op, "noise") : 0;
+  return r;
+}
+
+// diffusion_loss_fwd: target = p * x0 + q * noise, per-sample weight w.
+struct LossArgs {
+  at::Tensor pred, x0, noise, p, q, w;
+  int64_t B, M;
+  int dt, ndt;
+  const void* noise_ptr() const { return noise.defined() ? noise.const_data_ptr() : nullptr; }
+};
+
+inline LossArgs loss_args(const at::Tensor& pred, const at::Tensor& x0, const c10::optional<at::Tensor>& noise,
+                          const at::Tensor& p, const at::Tensor& q, const at::Tensor& w, const char* op) {
+  const int64_t B = check_batched(pred, op, "pred");
+  const int dt = dtype_code(pred, op, "pred");
+  check_like(x0, pred, op, "x0", "pred");
+  check_per_sample(p, pred, B, op, "p");
+  check_per_sample(q, pred, B, op, "q");
+  check_per_sample(w, pred, B, op, "w");
+  check_noise(noise, x0, op);
+  LossArgs r{pred.contiguous(), x0.contiguous(), optional_contig(noise), p.contiguous(), q.contiguous(),
+             w.contiguous(), B, 0, dt, 0};
+  r.M = B ? pred.numel() / B : 0;
+  r.ndt = r.noise.defined() ? dtype_code(r.noise, op, "noise") : 0;
+  return r;
+}
+
+// The DiT block ops: x-like (B, N, D) tensors and float32 (B, D) modulation vectors.
+struct BlockArgs {
+  at::Tensor x, other, v1, v2;  // other: the second (B, N, D) input; v1, v2: (B, D) vectors as float32
+  int64_t B, N, D;
+  int dt;
+};
+
+// adaln_modulate_fwd(x, shift, scale, eps): other undefined, v1 = shift, v2 = scale.
+inline BlockArgs adaln_fwd_args(const at::Tensor& x, const at::Tensor& shift, const at::Tensor& scale, double eps,
+                                const char* op) {
+  check_bnd(x, op, "x");
+  const int dt = dtype_code(x, op, "x");
+  check_bd(shift, x, op, "shift");
+  check_bd(scale, x, op, "scale");
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0.0, "diffcurr_fast_C::", op, ": eps must be finite and >= 0, got ", eps);
+  return {x.contiguous(), at::Tensor(), f32_contig(shift), f32_contig(scale), x.size(0), x.size(1), x.size(2), dt};
+}
+
+// adaln_modulate_bwd(grad_y, x, scale, mean, rstd); scale as float32, mean and rstd (B, N) float32.
+struct AdalnBwdArgs {
+  at::Tensor x, gy, scale, mean, rstd;
+  int64_t B, N, D;
+  int dt;
+};
+
+inline AdalnBwdArgs adaln_bwd_args(const at::Tensor& gy, const at::Tensor& x, const at::Tensor& scale,
+                                   const at::Tensor& mean, const at::Tensor& rstd, const char* op) {
+  check_bnd(x, op, "x");
+  const int dt = dtype_code(x, op, "x");
+  check_like(gy, x, op, "grad_y", "x");
+  check_bd(scale, x, op, "scale");
+  check_bn_stats(mean, x, op, "mean");
+  check_bn_stats(rstd, x, op, "rstd");
+  return {x.contiguous(), gy.contiguous(), f32_contig(scale), mean.contiguous(), rstd.contiguous(),
+          x.size(0), x.size(1), x.size(2), dt};
+}
+
+// gated_residual_fwd(x, gate, y): other = y, v1 = gate.
+inline BlockArgs gated_fwd_args(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& y, const char* op) {
+  check_bnd(x, op, "x");
+  const int dt = dtype_code(x, op, "x");
+  check_bd(gate, x, op, "gate");
+  check_like(y, x, op, "y", "x");
+  return {x.contiguous(), y.contiguous(), f32_contig(gate), at::Tensor(), x.size(0), x.size(1), x.size(2), dt};
+}
+
+// gated_residual_bwd(grad_out, gate, y): x = y, other = grad_out, v1 = gate.
+inline BlockArgs gated_bwd_args(const at::Tensor& go, const at::Tensor& gate, const at::Tensor& y, const char* op) {
+  check_bnd(y, op, "y");
+  const int dt = dtype_code(y, op, "y");
+  check_like(go, y, op, "grad_out", "y");
+  check_bd(gate, y, op, "gate");
+  return {y.contiguous(), go.contiguous(), f32_contig(gate), at::Tensor(), y.size(0), y.size(1), y.size(2), dt};
 }
 
 }  // namespace dcf

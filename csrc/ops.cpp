@@ -31,8 +31,6 @@ void check_cpu(const at::Tensor& t, const char* op, const char* name) {
               t.device());
 }
 
-at::Tensor f32_contig(const at::Tensor& t) { return t.to(at::kFloat).contiguous(); }
-
 at::Tensor randn_cpu(int64_t seed, c10::IntArrayRef shape) {
   for (int64_t s : shape) {
     TORCH_CHECK(s >= 0, "diffcurr_fast_C::randn: shape must be non-negative, got ", shape);
@@ -52,30 +50,19 @@ at::Tensor randn_like_cpu(const at::Tensor& like, int64_t seed) {
 
 at::Tensor q_sample_cpu(const at::Tensor& x0_in, const at::Tensor& a_in, const at::Tensor& c_in,
                         const c10::optional<at::Tensor>& noise_in, int64_t seed) {
-  const char* op = "q_sample";
-  check_cpu(x0_in, op, "x0");
-  const int64_t B = check_batched(x0_in, op, "x0");
-  const int dt = dtype_code(x0_in, op, "x0");
-  check_per_sample(a_in, x0_in, B, op, "a");
-  check_per_sample(c_in, x0_in, B, op, "c");
-  check_noise(noise_in, x0_in, op);
-  const at::Tensor x0 = x0_in.contiguous();
-  const at::Tensor a = a_in.contiguous(), c = c_in.contiguous();
-  at::Tensor noise;
-  if (noise_in.has_value()) noise = noise_in->contiguous();
-  at::Tensor out = at::empty(x0.sizes(), x0.options());
-  const int64_t total = x0.numel();
+  check_cpu(x0_in, "q_sample", "x0");
+  const QSampleArgs g = q_sample_args(x0_in, a_in, c_in, noise_in, "q_sample");
+  at::Tensor out = at::empty(g.x0.sizes(), g.x0.options());
+  const int64_t total = g.x0.numel();
   if (total == 0) return out;
-  const int64_t M = total / B;
-  const int ndt = noise.defined() ? dtype_code(noise, op, "noise") : 0;
-  const void* np = noise.defined() ? noise.const_data_ptr() : nullptr;
-  const void* xp = x0.const_data_ptr();
+  const void* np = g.noise_ptr();
+  const void* xp = g.x0.const_data_ptr();
   void* op_ = out.mutable_data_ptr();
-  const float* ap = a.const_data_ptr<float>();
-  const float* cp = c.const_data_ptr<float>();
+  const float* ap = g.a.const_data_ptr<float>();
+  const float* cp = g.c.const_data_ptr<float>();
   const auto useed = static_cast<uint64_t>(seed);
   at::parallel_for(0, total, kElemGrain, [&](int64_t begin, int64_t end) {
-    K().q_sample(dt, xp, ndt, np, ap, cp, op_, M, useed, begin, end - begin);
+    K().q_sample(g.dt, xp, g.ndt, np, ap, cp, op_, g.M, useed, begin, end - begin);
   });
   return out;
 }
@@ -84,38 +71,26 @@ std::tuple<at::Tensor, at::Tensor> diffusion_loss_fwd_cpu(const at::Tensor& pred
                                                           const c10::optional<at::Tensor>& noise_in, int64_t seed,
                                                           const at::Tensor& p_in, const at::Tensor& q_in,
                                                           const at::Tensor& w_in, bool with_grad) {
-  const char* op = "diffusion_loss_fwd";
-  check_cpu(pred_in, op, "pred");
-  const int64_t B = check_batched(pred_in, op, "pred");
-  const int dt = dtype_code(pred_in, op, "pred");
-  check_like(x0_in, pred_in, op, "x0", "pred");
-  check_per_sample(p_in, pred_in, B, op, "p");
-  check_per_sample(q_in, pred_in, B, op, "q");
-  check_per_sample(w_in, pred_in, B, op, "w");
-  check_noise(noise_in, x0_in, op);
-  const at::Tensor pred = pred_in.contiguous(), x0 = x0_in.contiguous();
-  const at::Tensor p = p_in.contiguous(), q = q_in.contiguous(), w = w_in.contiguous();
-  at::Tensor noise;
-  if (noise_in.has_value()) noise = noise_in->contiguous();
+  check_cpu(pred_in, "diffusion_loss_fwd", "pred");
+  const LossArgs g = loss_args(pred_in, x0_in, noise_in, p_in, q_in, w_in, "diffusion_loss_fwd");
+  const int64_t B = g.B, M = g.M;
+  const at::Tensor& pred = g.pred;
   at::Tensor loss = at::empty({B}, pred.options().dtype(at::kFloat));
   at::Tensor grad = with_grad ? at::empty(pred.sizes(), pred.options()) : at::empty({0}, pred.options());
-  const int64_t total = pred.numel();
   if (B == 0) return {loss, grad};
-  const int64_t M = total / B;
   if (M == 0) {
     loss.zero_();
     return {loss, grad};
   }
   const int64_t nseg = (M + kLossSegment - 1) / kLossSegment;
   std::vector<double> partial(static_cast<size_t>(B * nseg), 0.0);
-  const int ndt = noise.defined() ? dtype_code(noise, op, "noise") : 0;
-  const void* np = noise.defined() ? noise.const_data_ptr() : nullptr;
+  const void* np = g.noise_ptr();
   const void* pp = pred.const_data_ptr();
-  const void* xp = x0.const_data_ptr();
+  const void* xp = g.x0.const_data_ptr();
   void* gp = with_grad ? grad.mutable_data_ptr() : nullptr;
-  const float* pv = p.const_data_ptr<float>();
-  const float* qv = q.const_data_ptr<float>();
-  const float* wv = w.const_data_ptr<float>();
+  const float* pv = g.p.const_data_ptr<float>();
+  const float* qv = g.q.const_data_ptr<float>();
+  const float* wv = g.w.const_data_ptr<float>();
   const auto useed = static_cast<uint64_t>(seed);
   const int64_t grain = std::max<int64_t>(1, kElemGrain / std::min(M, kLossSegment));
   at::parallel_for(0, B * nseg, grain, [&](int64_t begin, int64_t end) {
@@ -123,7 +98,7 @@ std::tuple<at::Tensor, at::Tensor> diffusion_loss_fwd_cpu(const at::Tensor& pred
       const int64_t b = task / nseg;
       const int64_t j0 = (task % nseg) * kLossSegment;
       const int64_t n = std::min(kLossSegment, M - j0);
-      partial[static_cast<size_t>(task)] = K().loss(dt, pp, xp, ndt, np, pv, qv, wv, gp, M, useed, b, j0, n);
+      partial[static_cast<size_t>(task)] = K().loss(g.dt, pp, xp, g.ndt, np, pv, qv, wv, gp, M, useed, b, j0, n);
     }
   });
   // loss[b] = w[b] * (1/M) sum_j (pred - tgt)^2   (docs/ops.md, diffusion_loss)
@@ -191,17 +166,11 @@ std::tuple<at::Tensor, at::Tensor> sample_timesteps_cpu(const at::Tensor& weight
 std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_modulate_fwd_cpu(const at::Tensor& x_in,
                                                                       const at::Tensor& shift_in,
                                                                       const at::Tensor& scale_in, double eps) {
-  const char* op = "adaln_modulate_fwd";
-  check_cpu(x_in, op, "x");
-  check_bnd(x_in, op, "x");
-  const int dt = dtype_code(x_in, op, "x");
-  check_bd(shift_in, x_in, op, "shift");
-  check_bd(scale_in, x_in, op, "scale");
-  TORCH_CHECK(std::isfinite(eps) && eps >= 0.0, "diffcurr_fast_C::adaln_modulate_fwd: eps must be finite and >= 0, got ",
-              eps);
-  const at::Tensor x = x_in.contiguous();
-  const at::Tensor shift = f32_contig(shift_in), scale = f32_contig(scale_in);
-  const int64_t B = x.size(0), N = x.size(1), D = x.size(2);
+  check_cpu(x_in, "adaln_modulate_fwd", "x");
+  const BlockArgs g = adaln_fwd_args(x_in, shift_in, scale_in, eps, "adaln_modulate_fwd");
+  const at::Tensor &x = g.x, &shift = g.v1, &scale = g.v2;
+  const int64_t B = g.B, N = g.N, D = g.D;
+  const int dt = g.dt;
   at::Tensor y = at::empty(x.sizes(), x.options());
   at::Tensor mean = at::empty({B, N}, x.options().dtype(at::kFloat));
   at::Tensor rstd = at::empty({B, N}, x.options().dtype(at::kFloat));
@@ -265,17 +234,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_modulate_bwd_cpu(const at::
                                                                       const at::Tensor& scale_in,
                                                                       const at::Tensor& mean_in,
                                                                       const at::Tensor& rstd_in, bool affine_grads) {
-  const char* op = "adaln_modulate_bwd";
-  check_cpu(x_in, op, "x");
-  check_bnd(x_in, op, "x");
-  const int dt = dtype_code(x_in, op, "x");
-  check_like(gy_in, x_in, op, "grad_y", "x");
-  check_bd(scale_in, x_in, op, "scale");
-  check_bn_stats(mean_in, x_in, op, "mean");
-  check_bn_stats(rstd_in, x_in, op, "rstd");
-  const at::Tensor x = x_in.contiguous(), gy = gy_in.contiguous();
-  const at::Tensor scale = f32_contig(scale_in), mean = mean_in.contiguous(), rstd = rstd_in.contiguous();
-  const int64_t B = x.size(0), N = x.size(1), D = x.size(2);
+  check_cpu(x_in, "adaln_modulate_bwd", "x");
+  const AdalnBwdArgs g = adaln_bwd_args(gy_in, x_in, scale_in, mean_in, rstd_in, "adaln_modulate_bwd");
+  const at::Tensor &x = g.x, &gy = g.gy, &scale = g.scale, &mean = g.mean, &rstd = g.rstd;
+  const int64_t B = g.B, N = g.N, D = g.D;
+  const int dt = g.dt;
   at::Tensor gx = at::empty(x.sizes(), x.options());
   const void* gyp = gy.const_data_ptr();
   const void* xp = x.const_data_ptr();
@@ -304,14 +267,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_modulate_bwd_cpu(const at::
 }
 
 at::Tensor gated_residual_fwd_cpu(const at::Tensor& x_in, const at::Tensor& gate_in, const at::Tensor& y_in) {
-  const char* op = "gated_residual_fwd";
-  check_cpu(x_in, op, "x");
-  check_bnd(x_in, op, "x");
-  const int dt = dtype_code(x_in, op, "x");
-  check_bd(gate_in, x_in, op, "gate");
-  check_like(y_in, x_in, op, "y", "x");
-  const at::Tensor x = x_in.contiguous(), y = y_in.contiguous(), gate = f32_contig(gate_in);
-  const int64_t B = x.size(0), N = x.size(1), D = x.size(2);
+  check_cpu(x_in, "gated_residual_fwd", "x");
+  const BlockArgs g = gated_fwd_args(x_in, gate_in, y_in, "gated_residual_fwd");
+  const at::Tensor &x = g.x, &y = g.other, &gate = g.v1;
+  const int64_t B = g.B, N = g.N, D = g.D;
+  const int dt = g.dt;
   at::Tensor out = at::empty(x.sizes(), x.options());
   if (x.numel() == 0) return out;
   const void* xp = x.const_data_ptr();
@@ -327,14 +287,11 @@ at::Tensor gated_residual_fwd_cpu(const at::Tensor& x_in, const at::Tensor& gate
 // grad_x of gated_residual is grad_out itself: the caller passes it through, so no copy is made here.
 std::tuple<at::Tensor, at::Tensor> gated_residual_bwd_cpu(const at::Tensor& go_in, const at::Tensor& gate_in,
                                                           const at::Tensor& y_in) {
-  const char* op = "gated_residual_bwd";
-  check_cpu(y_in, op, "y");
-  check_bnd(y_in, op, "y");
-  const int dt = dtype_code(y_in, op, "y");
-  check_like(go_in, y_in, op, "grad_out", "y");
-  check_bd(gate_in, y_in, op, "gate");
-  const at::Tensor go = go_in.contiguous(), y = y_in.contiguous(), gate = f32_contig(gate_in);
-  const int64_t B = y.size(0), N = y.size(1), D = y.size(2);
+  check_cpu(y_in, "gated_residual_bwd", "y");
+  const BlockArgs g = gated_bwd_args(go_in, gate_in, y_in, "gated_residual_bwd");
+  const at::Tensor &y = g.x, &go = g.other, &gate = g.v1;
+  const int64_t B = g.B, N = g.N, D = g.D;
+  const int dt = g.dt;
   at::Tensor gy = at::empty(y.sizes(), y.options());
   const void* gop = go.const_data_ptr();
   const void* yp = y.const_data_ptr();

@@ -31,8 +31,6 @@ void check_cuda(const at::Tensor& t, const char* op, const char* name) {
 
 void* stream_of(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
 
-at::Tensor f32_contig(const at::Tensor& t) { return t.to(at::kFloat).contiguous(); }
-
 at::Tensor randn_like_cuda(const at::Tensor& like, int64_t seed) {
   check_cuda(like, "randn_like", "like");
   const c10::cuda::CUDAGuard guard(like.device());
@@ -46,22 +44,13 @@ at::Tensor q_sample_cuda(const at::Tensor& x0_in, const at::Tensor& a_in, const 
                          const c10::optional<at::Tensor>& noise_in, int64_t seed) {
   const char* op = "q_sample";
   check_cuda(x0_in, op, "x0");
-  const int64_t B = check_batched(x0_in, op, "x0");
-  const int dt = dtype_code(x0_in, op, "x0");
-  check_per_sample(a_in, x0_in, B, op, "a");
-  check_per_sample(c_in, x0_in, B, op, "c");
-  check_noise(noise_in, x0_in, op);
   const c10::cuda::CUDAGuard guard(x0_in.device());
-  const at::Tensor x0 = x0_in.contiguous(), a = a_in.contiguous(), c = c_in.contiguous();
-  at::Tensor noise;
-  if (noise_in.has_value()) noise = noise_in->contiguous();
-  at::Tensor out = at::empty(x0.sizes(), x0.options());
-  if (x0.numel() == 0) return out;
-  const int64_t M = x0.numel() / B;
-  DC_CUDA_OK(op, cuda::q_sample(dt, x0.const_data_ptr(), noise.defined() ? dtype_code(noise, op, "noise") : 0,
-                                noise.defined() ? noise.const_data_ptr() : nullptr, a.const_data_ptr<float>(),
-                                c.const_data_ptr<float>(), out.mutable_data_ptr(), B, M, static_cast<uint64_t>(seed),
-                                stream_of(x0)));
+  const QSampleArgs g = q_sample_args(x0_in, a_in, c_in, noise_in, op);
+  at::Tensor out = at::empty(g.x0.sizes(), g.x0.options());
+  if (g.x0.numel() == 0) return out;
+  DC_CUDA_OK(op, cuda::q_sample(g.dt, g.x0.const_data_ptr(), g.ndt, g.noise_ptr(), g.a.const_data_ptr<float>(),
+                                g.c.const_data_ptr<float>(), out.mutable_data_ptr(), g.B, g.M,
+                                static_cast<uint64_t>(seed), stream_of(g.x0)));
   return out;
 }
 
@@ -71,27 +60,16 @@ std::tuple<at::Tensor, at::Tensor> diffusion_loss_fwd_cuda(const at::Tensor& pre
                                                            const at::Tensor& w_in, bool with_grad) {
   const char* op = "diffusion_loss_fwd";
   check_cuda(pred_in, op, "pred");
-  const int64_t B = check_batched(pred_in, op, "pred");
-  const int dt = dtype_code(pred_in, op, "pred");
-  check_like(x0_in, pred_in, op, "x0", "pred");
-  check_per_sample(p_in, pred_in, B, op, "p");
-  check_per_sample(q_in, pred_in, B, op, "q");
-  check_per_sample(w_in, pred_in, B, op, "w");
-  check_noise(noise_in, x0_in, op);
   const c10::cuda::CUDAGuard guard(pred_in.device());
-  const at::Tensor pred = pred_in.contiguous(), x0 = x0_in.contiguous();
-  const at::Tensor p = p_in.contiguous(), q = q_in.contiguous(), w = w_in.contiguous();
-  at::Tensor noise;
-  if (noise_in.has_value()) noise = noise_in->contiguous();
+  const LossArgs g = loss_args(pred_in, x0_in, noise_in, p_in, q_in, w_in, op);
+  const int64_t B = g.B, M = g.M;
+  const at::Tensor& pred = g.pred;
   at::Tensor loss = at::empty({B}, pred.options().dtype(at::kFloat));
   at::Tensor grad = with_grad ? at::empty(pred.sizes(), pred.options()) : at::empty({0}, pred.options());
   if (B == 0) return {loss, grad};
-  const int64_t M = pred.numel() / B;
   at::Tensor scratch = at::empty({cuda::loss_scratch_size(B, M)}, pred.options().dtype(at::kFloat));
-  DC_CUDA_OK(op, cuda::loss_fwd(dt, pred.const_data_ptr(), x0.const_data_ptr(),
-                                noise.defined() ? dtype_code(noise, op, "noise") : 0,
-                                noise.defined() ? noise.const_data_ptr() : nullptr, p.const_data_ptr<float>(),
-                                q.const_data_ptr<float>(), w.const_data_ptr<float>(),
+  DC_CUDA_OK(op, cuda::loss_fwd(g.dt, pred.const_data_ptr(), g.x0.const_data_ptr(), g.ndt, g.noise_ptr(),
+                                g.p.const_data_ptr<float>(), g.q.const_data_ptr<float>(), g.w.const_data_ptr<float>(),
                                 with_grad ? grad.mutable_data_ptr() : nullptr, loss.mutable_data_ptr<float>(),
                                 scratch.mutable_data_ptr<float>(), B, M, static_cast<uint64_t>(seed), stream_of(pred)));
   return {loss, grad};
@@ -122,15 +100,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_modulate_fwd_cuda(const at:
                                                                        const at::Tensor& scale_in, double eps) {
   const char* op = "adaln_modulate_fwd";
   check_cuda(x_in, op, "x");
-  check_bnd(x_in, op, "x");
-  const int dt = dtype_code(x_in, op, "x");
-  check_bd(shift_in, x_in, op, "shift");
-  check_bd(scale_in, x_in, op, "scale");
-  TORCH_CHECK(std::isfinite(eps) && eps >= 0.0, "diffcurr_fast_C::adaln_modulate_fwd: eps must be finite and >= 0, got ",
-              eps);
   const c10::cuda::CUDAGuard guard(x_in.device());
-  const at::Tensor x = x_in.contiguous(), shift = f32_contig(shift_in), scale = f32_contig(scale_in);
-  const int64_t B = x.size(0), N = x.size(1), D = x.size(2);
+  const BlockArgs g = adaln_fwd_args(x_in, shift_in, scale_in, eps, op);
+  const at::Tensor &x = g.x, &shift = g.v1, &scale = g.v2;
+  const int64_t B = g.B, N = g.N, D = g.D;
+  const int dt = g.dt;
   at::Tensor y = at::empty(x.sizes(), x.options());
   at::Tensor mean = at::empty({B, N}, x.options().dtype(at::kFloat));
   at::Tensor rstd = at::empty({B, N}, x.options().dtype(at::kFloat));
@@ -152,16 +126,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_modulate_bwd_cuda(const at:
                                                                        const at::Tensor& rstd_in, bool affine_grads) {
   const char* op = "adaln_modulate_bwd";
   check_cuda(x_in, op, "x");
-  check_bnd(x_in, op, "x");
-  const int dt = dtype_code(x_in, op, "x");
-  check_like(gy_in, x_in, op, "grad_y", "x");
-  check_bd(scale_in, x_in, op, "scale");
-  check_bn_stats(mean_in, x_in, op, "mean");
-  check_bn_stats(rstd_in, x_in, op, "rstd");
   const c10::cuda::CUDAGuard guard(x_in.device());
-  const at::Tensor x = x_in.contiguous(), gy = gy_in.contiguous(), scale = f32_contig(scale_in);
-  const at::Tensor mean = mean_in.contiguous(), rstd = rstd_in.contiguous();
-  const int64_t B = x.size(0), N = x.size(1), D = x.size(2);
+  const AdalnBwdArgs g = adaln_bwd_args(gy_in, x_in, scale_in, mean_in, rstd_in, op);
+  const at::Tensor &x = g.x, &gy = g.gy, &scale = g.scale, &mean = g.mean, &rstd = g.rstd;
+  const int64_t B = g.B, N = g.N, D = g.D;
+  const int dt = g.dt;
   at::Tensor gx = at::empty(x.sizes(), x.options());
   // affine_grads == false: grad_x only; gshift and gscale come back empty (shape (0,))
   const int64_t rows = affine_grads ? B : 0;
@@ -178,15 +147,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_modulate_bwd_cuda(const at:
 at::Tensor gated_residual_fwd_cuda(const at::Tensor& x_in, const at::Tensor& gate_in, const at::Tensor& y_in) {
   const char* op = "gated_residual_fwd";
   check_cuda(x_in, op, "x");
-  check_bnd(x_in, op, "x");
-  const int dt = dtype_code(x_in, op, "x");
-  check_bd(gate_in, x_in, op, "gate");
-  check_like(y_in, x_in, op, "y", "x");
   const c10::cuda::CUDAGuard guard(x_in.device());
-  const at::Tensor x = x_in.contiguous(), y = y_in.contiguous(), gate = f32_contig(gate_in);
-  at::Tensor out = at::empty(x.sizes(), x.options());
-  DC_CUDA_OK(op, cuda::gated_fwd(dt, x.const_data_ptr(), gate.const_data_ptr<float>(), y.const_data_ptr(),
-                                 out.mutable_data_ptr(), x.size(0), x.size(1), x.size(2), stream_of(x)));
+  const BlockArgs g = gated_fwd_args(x_in, gate_in, y_in, op);
+  at::Tensor out = at::empty(g.x.sizes(), g.x.options());
+  DC_CUDA_OK(op, cuda::gated_fwd(g.dt, g.x.const_data_ptr(), g.v1.const_data_ptr<float>(), g.other.const_data_ptr(),
+                                 out.mutable_data_ptr(), g.B, g.N, g.D, stream_of(g.x)));
   return out;
 }
 
@@ -195,13 +160,11 @@ std::tuple<at::Tensor, at::Tensor> gated_residual_bwd_cuda(const at::Tensor& go_
                                                            const at::Tensor& y_in) {
   const char* op = "gated_residual_bwd";
   check_cuda(y_in, op, "y");
-  check_bnd(y_in, op, "y");
-  const int dt = dtype_code(y_in, op, "y");
-  check_like(go_in, y_in, op, "grad_out", "y");
-  check_bd(gate_in, y_in, op, "gate");
   const c10::cuda::CUDAGuard guard(y_in.device());
-  const at::Tensor go = go_in.contiguous(), y = y_in.contiguous(), gate = f32_contig(gate_in);
-  const int64_t B = y.size(0), N = y.size(1), D = y.size(2);
+  const BlockArgs g = gated_bwd_args(go_in, gate_in, y_in, op);
+  const at::Tensor &y = g.x, &go = g.other, &gate = g.v1;
+  const int64_t B = g.B, N = g.N, D = g.D;
+  const int dt = g.dt;
   at::Tensor gy = at::empty(y.sizes(), y.options());
   at::Tensor ggate = at::empty({B, D}, y.options().dtype(at::kFloat));
   DC_CUDA_OK(op, cuda::gated_bwd(dt, go.const_data_ptr(), gate.const_data_ptr<float>(), y.const_data_ptr(),
