@@ -2,7 +2,7 @@
 
 Providers, same model and batch:
 
-- ``reference``: ``diffusion.fused_ops=false`` (pure-torch q_sample, target and hybrid loss, ``torch.randn`` noise);
+- ``reference``: ``diffusion.ops_backend=reference`` (the same objective in pure torch, Philox noise in torch);
 - ``fused``: the fused ops (seeded Philox q_sample, fused diffusion_loss, on-device timestep sampling);
 - ``fused+compile``: the fused ops with ``torch.compile`` of the model (``--compile``).
 
@@ -41,7 +41,8 @@ def bench(provider: str, args: argparse.Namespace) -> dict[str, object]:
     with tempfile.TemporaryDirectory() as tmp:
         overrides = [
             f"checkpoint.run_dir={tmp}/run", f"data.batch_size={args.batch}", f"engine.device={args.device}",
-            f"engine.precision={args.precision}", f"diffusion.fused_ops={str(provider != 'reference').lower()}",
+            f"engine.precision={args.precision}",
+            "diffusion.ops_backend=" + ("reference" if provider == "reference" else "auto"),
             f"engine.compile={str(provider.endswith('compile')).lower()}", "logging.progress=false",
             *args.overrides,
         ]  # fmt: skip

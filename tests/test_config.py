@@ -81,7 +81,11 @@ def test_overrides_apply_with_int_to_float_widening():
         ("diffusion.prediction=score", r"invalid value 'score' for diffusion.prediction; valid choices: eps, x0, v"),
         ("engine.max_steps=1.5", r"engine.max_steps must be of type int"),
         ("engine.compile=1", r"engine.compile must be of type bool"),
-        ("optim.lr=-1", r"optim.lr must lie in \(0"),
+        ("optim.lr=-1", r"optim.lr must be > 0.0, got -1.0"),
+        ("optim.lr=.inf", r"optim.lr must be a finite number, got inf"),
+        ("diffusion.min_snr_gamma=nan", r"diffusion.min_snr_gamma must be a finite number"),
+        ("diffusion.P_mean=-inf", r"diffusion.P_mean must be a finite number"),
+        ("model.preset=DiT-S/8", r"model.depth=4 contradicts model.preset 'DiT-S/8' \(depth 12\); unset it"),
         ("curriculum.ema=1.0", r"curriculum.ema must lie in \[0.0, 1.0\)"),
         ("data.batch_size=0", r"data.batch_size must be >= 1"),
         ("lr=1", r"section.field"),
@@ -155,3 +159,28 @@ def test_help_config_lists_keys(capsys):
     assert cli_train.run(_parse(["--help-config"])) == 0
     out = capsys.readouterr().out
     assert "curriculum:" in out and "nan_policy" in out and "one of skip, stop" in out
+
+
+def test_preset_fills_dimensions_and_a_contradiction_is_an_error(tmp_path):
+    """The resolved config is the model that is built: a preset fills the dimensions left unset."""
+    from diffcurr_fast.train.sampling import build_model
+
+    cfg = config_from_dict({"model": {"preset": "DiT-S/8", "input_size": 16}})
+    m = cfg.model
+    assert (m.patch_size, m.hidden_size, m.depth, m.num_heads) == (8, 384, 12, 6)
+    net = build_model(cfg)
+    assert len(net.blocks) == 12 and net.x_embedder.proj.out_channels == 384
+    again = config_from_dict(cfg.to_dict())  # config.yaml reloads to the same model
+    assert again.to_dict() == cfg.to_dict()
+    with pytest.raises(ValueError, match=r"model.depth=1 contradicts model.preset 'DiT-S/8' \(depth 12\)"):
+        config_from_dict({"model": {"preset": "DiT-S/8", "depth": 1, "input_size": 16}})
+    swapped = config_from_dict({"model": {"preset": "DiT-L/2"}})  # another preset over a resolved one
+    from diffcurr_fast.train.config import _set_field
+
+    _set_field(swapped, "model.preset", "DiT-B/4")
+    assert swapped.validate().model.hidden_size == 768 and swapped.model.patch_size == 4
+    dims = load_config(None, ["model.preset=DiT-S/2", "model.patch_size=null", "model.hidden_size=null",
+                              "model.depth=null", "model.num_heads=null"]).model  # fmt: skip
+    assert (dims.patch_size, dims.hidden_size, dims.depth) == (2, 384, 12)
+    zero2 = load_config("recipes/dit_l2_zero2.yaml").model
+    assert (zero2.hidden_size, zero2.depth, zero2.num_heads) == (1024, 24, 16)  # DiT-L/2 (was 128, 6)

@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from diffcurr_fast.objective import Objective, batch_loss, fit_steps
 
 # ---------------------------------------------------------------------------------------------------------------
 # data
@@ -272,13 +273,15 @@ def convergence_by_interval(
     seed: int = 0,
     device: torch.device | str = "cpu",
     progress: bool = False,
+    objective: Objective | None = None,
 ) -> ConvergenceResult:
     """Train a fresh model on each timestep interval for ``steps`` AdamW steps and record its convergence.
 
     ``model_factory()`` builds the network, called as ``model(x_t, t, y)``; None uses ``small_dit``. Every model
     is built under the same seed (inside a forked RNG, so the global RNG is untouched); each interval has a fixed
     held-out batch (``eval_size`` images, timesteps and noise drawn once) evaluated every ``eval_every`` steps.
-    ``labels`` (N,) default to zeros.
+    ``labels`` (N,) default to zeros. Training and evaluation use the training ``objective`` (default: the
+    plain ``prediction`` MSE on ``schedule``), so the analysis measures what the trainer optimises.
     """
     data = torch.as_tensor(data)
     if data.ndim < 2 or data.shape[0] < 1:
@@ -309,24 +312,8 @@ def convergence_by_interval(
     if y_all.shape != (n,):
         raise ValueError(f"labels must have shape ({n},), got {tuple(y_all.shape)}")
 
-    def coef(t: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        a, c = _sqrt_coefficients(schedule, t.cpu())
-        shape = (-1,) + (1,) * (like.ndim - 1)
-        return a.to(like).reshape(shape), c.to(like).reshape(shape)
-
-    def loss_fn(model: nn.Module, x0: torch.Tensor, y: torch.Tensor, t: torch.Tensor, eps: torch.Tensor):
-        a, c = coef(t, x0)
-        x_t = a * x0 + c * eps  # (B, C, H, W), Ho et al. Eq. 4
-        if prediction == "eps":
-            target = eps
-        elif prediction == "x0":
-            target = x0
-        elif prediction == "v":
-            target = a * eps - c * x0  # Salimans & Ho v-parameterisation
-        else:
-            raise ValueError(f"unknown prediction {prediction!r}; choose one of ('eps', 'x0', 'v')")
-        out = model(x_t, t, y)
-        return F.mse_loss(out.float(), target.float())
+    if objective is None:
+        objective = Objective(schedule, num_cells=num_timesteps, prediction=prediction)
 
     records = []
     bar = None
@@ -336,41 +323,34 @@ def convergence_by_interval(
         bar = tqdm(total=steps * len(checked), desc="convergence", unit="step")
     for k, (lo, hi) in enumerate(checked):
         gen = torch.Generator().manual_seed(seed * 1_000_003 + k)
-        eval_idx = torch.randint(n, (eval_size,), generator=gen)
-        eval_t = torch.randint(lo, hi, (eval_size,), generator=gen)
-        eval_eps = torch.randn((eval_size,) + tuple(x_all.shape[1:]), generator=gen)
-        eval_batch = (x_all[eval_idx.to(device)], y_all[eval_idx.to(device)], eval_t.to(device), eval_eps.to(device))
+        eval_idx = torch.randint(n, (eval_size,), generator=gen).to(device)
+        eval_batch = (x_all[eval_idx], y_all[eval_idx])
+        eval_seed = int(torch.randint(0, 2**62, (1,), generator=gen))
         with torch.random.fork_rng(devices=[]):  # same initial weights for every interval; global RNG untouched
             torch.manual_seed(seed)
             model = factory().to(device)
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
 
-        def evaluate(model: nn.Module = model, batch: tuple = eval_batch) -> float:
-            model.eval()
+        def evaluate(model: nn.Module = model, batch: tuple = eval_batch, cells=(lo, hi), s=eval_seed) -> float:
+            model.eval()  # the same images, cells, noise and in-cell points at every evaluation
             with torch.no_grad():
-                value = float(loss_fn(model, *batch))
+                value = float(batch_loss(objective, model, *batch, cells, torch.Generator().manual_seed(s)))
             model.train()
             return value
 
-        eval_steps, eval_loss, train_loss = [0], [evaluate()], []
-        model.train()
-        for step in range(1, steps + 1):
-            idx = torch.randint(n, (batch_size,), generator=gen).to(device)
-            t = torch.randint(lo, hi, (batch_size,), generator=gen).to(device)
-            eps = torch.randn((batch_size,) + tuple(x_all.shape[1:]), generator=gen).to(device)
-            loss = loss_fn(model, x_all[idx], y_all[idx], t, eps)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            value = float(loss.detach())
-            if not math.isfinite(value):
-                raise ValueError(f"non-finite training loss {value} at step {step} of interval ({lo}, {hi})")
-            train_loss.append(value)
+        eval_steps, eval_loss = [0], [evaluate()]
+
+        def on_step(step: int, loss: float, evaluate=evaluate, eval_steps=eval_steps, eval_loss=eval_loss) -> None:
             if step % eval_every == 0 or step == steps:
                 eval_steps.append(step)
                 eval_loss.append(evaluate())
             if bar is not None:
                 bar.update(1)
+
+        def batch(step: int, gen=gen) -> tuple[torch.Tensor, torch.Tensor]:
+            idx = torch.randint(n, (batch_size,), generator=gen).to(device)
+            return x_all[idx], y_all[idx]
+
+        train_loss = fit_steps(model, objective, batch, (lo, hi), steps, lr=lr, generator=gen, on_step=on_step)
         records.append(
             IntervalConvergence(
                 interval=(lo, hi),

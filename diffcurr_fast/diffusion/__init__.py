@@ -5,7 +5,7 @@ coefficients): discrete DDPM (``DDPMSchedule``, t = timestep index), EDM (``EDMF
 linear-interpolant flow (``FlowFormulation``, t in [0, 1]).
 """
 
-from diffcurr_fast.diffusion.axis import Formulation, log_snr_to_snr, snr_to_db, snr_to_log_snr
+from diffcurr_fast.diffusion.axis import Formulation, TrainingTerms, log_snr_to_snr, snr_to_db, snr_to_log_snr
 from diffcurr_fast.diffusion.ddpm import BETA_SCHEDULES, FIXED_VARIANCES, PREDICTIONS, DDPMSchedule
 from diffcurr_fast.diffusion.edm import (
     EDM_PREDICTIONS,
@@ -44,8 +44,29 @@ from diffcurr_fast.diffusion.samplers import (
 )
 from diffcurr_fast.diffusion.weights import WEIGHTINGS, loss_weights
 
+# The formulations by name (``diffusion.formulation``) and the predictions each trains.
+FORMULATIONS = ("ddpm", "flow", "edm")
+TRAIN_PREDICTIONS = {"ddpm": PREDICTIONS, "flow": ("velocity",), "edm": ("x0",)}
+
+
+def build_formulation(d) -> Formulation:
+    """The formulation described by a ``DiffusionConfig``-like ``d`` (fields formulation, num_timesteps,
+    beta_schedule, sigma_data, P_mean, P_std, sigma_min, sigma_max)."""
+    if d.formulation == "flow":
+        return FlowFormulation()
+    if d.formulation == "edm":
+        return EDMFormulation(d.sigma_data, d.P_mean, d.P_std, d.sigma_min, d.sigma_max)
+    if d.formulation == "ddpm":
+        return DDPMSchedule(d.num_timesteps, d.beta_schedule)
+    raise ValueError(f"unknown formulation {d.formulation!r}; valid choices: {', '.join(FORMULATIONS)}")
+
+
 __all__ = [
     "BETA_SCHEDULES",
+    "FORMULATIONS",
+    "TRAIN_PREDICTIONS",
+    "TrainingTerms",
+    "build_formulation",
     "EDM_PREDICTIONS",
     "FIXED_VARIANCES",
     "FLOW_METHODS",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +24,24 @@ import torch
 def _bshape(coef: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Reshape a per-sample (B,) coefficient to (B, 1, ..., 1) in ``like``'s dtype and device."""
     return coef.to(device=like.device, dtype=like.dtype).reshape(coef.shape + (1,) * (like.ndim - coef.ndim))
+
+
+@dataclass(frozen=True)
+class TrainingTerms:
+    """The per-sample terms of one training draw (``Formulation.training_terms``), each (B,) on the cells' device.
+
+    Network input x_in = a x0 + c eps at network time ``t_in``; regression target p x0 + q eps; loss weight w.
+    ``t`` is the formulation's own noise level (DDPM index, EDM sigma, flow time). Coefficients are float64
+    (float32 where the device has no float64); the fused ops cast them at the kernel boundary.
+    """
+
+    t: torch.Tensor
+    t_in: torch.Tensor
+    a: torch.Tensor
+    c: torch.Tensor
+    p: torch.Tensor
+    q: torch.Tensor
+    w: torch.Tensor
 
 
 class Formulation(ABC):
@@ -69,6 +88,35 @@ class Formulation(ABC):
         self, n: int, generator: torch.Generator | None = None, device: torch.device | str | None = None
     ) -> torch.Tensor:
         """Draw ``n`` training noise levels from the formulation's default training distribution."""
+
+    # ---- training on G cells of the difficulty axis -------------------------------------------------
+    # The curriculum and TDC work on G cells: the T timesteps of DDPM, or G equal cells of a continuous axis
+    # (flow t, EDM ln sigma). A training draw picks a cell k and, for a continuous axis, a point inside it.
+    def cell_grid(self, num_cells: int) -> torch.Tensor | None:
+        """(G,) float64 representative ``t`` of each cell (what the curriculum clusters); None: ``t`` = k."""
+        return None
+
+    def cell_prior(self, num_cells: int) -> torch.Tensor | None:
+        """(G,) float64 mass of each cell under the training distribution; None: uniform over cells."""
+        return None
+
+    @abstractmethod
+    def training_terms(
+        self,
+        k: torch.Tensor,
+        num_cells: int,
+        prediction: str,
+        weighting: str = "none",
+        gamma: float = 5.0,
+        generator: torch.Generator | None = None,
+    ) -> TrainingTerms:
+        """The terms of training at cells ``k`` (B,) int64 (a point inside each cell drawn from ``generator``)."""
+
+    def variance_loss(
+        self, out: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor, prediction: str
+    ) -> torch.Tensor:
+        """(B,) loss of a learned variance (network output of 2C channels); only DDPM learns one (IDDPM)."""
+        raise ValueError(f"{type(self).__name__} has no learned variance; set diffusion.learn_sigma false")
 
     # ---- forward process and targets ----------------------------------------------------------------
     @abstractmethod

@@ -12,7 +12,8 @@ import math
 
 import torch
 
-from diffcurr_fast.diffusion.axis import Formulation
+from diffcurr_fast.diffusion.axis import Formulation, TrainingTerms
+from diffcurr_fast.diffusion.weights import loss_weights
 
 PREDICTIONS = ("eps", "x0", "v")
 BETA_SCHEDULES = ("linear", "cosine")
@@ -169,6 +170,45 @@ class DDPMSchedule(Formulation):
         if prediction == "x0":
             return one, zero
         return -self.coef("sqrt_one_minus_alphas_cumprod", t), self.coef("sqrt_alphas_cumprod", t)
+
+    # ---- training terms -----------------------------------------------------------------------------
+    def training_terms(
+        self,
+        k: torch.Tensor,
+        num_cells: int,
+        prediction: str = "eps",
+        weighting: str = "none",
+        gamma: float = 5.0,
+        generator: torch.Generator | None = None,
+    ) -> TrainingTerms:
+        """t = k; x_t = sqrt(abar_t) x0 + sqrt(1 - abar_t) eps (Ho et al. Eq. 4); target eps, x0 or v (Salimans &
+        Ho 2022); w = ``loss_weights(SNR_t)`` (MinSNR: Hang et al. Eq. 5). Gathered from a (T, 5) table on k's
+        device, so a step needs no host synchronisation. The cells are the timesteps (``num_cells`` = T)."""
+        if num_cells != self.num_timesteps:
+            raise ValueError(f"DDPM trains on its {self.num_timesteps} timesteps, got {num_cells} cells")
+        row = self._terms_table(k.device, prediction, weighting, gamma)[k]  # (B, 5): a, c, p, q, w
+        return TrainingTerms(t=k, t_in=k, a=row[:, 0], c=row[:, 1], p=row[:, 2], q=row[:, 3], w=row[:, 4])
+
+    def _terms_table(self, device: torch.device, prediction: str, weighting: str, gamma: float) -> torch.Tensor:
+        key = ("terms", str(device), prediction, weighting, float(gamma))
+        cache = self.__dict__.setdefault("_table_cache", {})
+        if key not in cache:
+            t = torch.arange(self.num_timesteps)
+            p, q = self.target_coefficients(t, prediction)
+            w = loss_weights(self.snr(t), prediction, weighting, gamma)
+            table = torch.stack([self.sqrt_alphas_cumprod, self.sqrt_one_minus_alphas_cumprod, p, q, w], 1)
+            cache[key] = table.to(device, torch.float32 if device.type == "mps" else torch.float64)
+        return cache[key]
+
+    def variance_loss(
+        self, out: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor, prediction: str
+    ) -> torch.Tensor:
+        """IDDPM's variational term L_vlb (Nichol & Dhariwal Eq. 16) on the learned variance, the mean detached."""
+        from diffcurr_fast.diffusion.losses import vb_terms_bpd
+
+        c = x0.shape[1]
+        frozen = torch.cat([out[:, :c].detach(), out[:, c:]], dim=1)  # (B, 2C, H, W): trains the variance only
+        return vb_terms_bpd(self, frozen, x0, x_t, t, learn_sigma=True, prediction=prediction)["output"]
 
     def t_range(self) -> tuple[float, float]:
         """(0, T - 1): the index range."""

@@ -6,11 +6,12 @@ D(x; sigma) = c_skip(sigma) x + c_out(sigma) F(c_in(sigma) x; c_noise(sigma)). H
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 
-from diffcurr_fast.diffusion.axis import Formulation, _bshape
+from diffcurr_fast.diffusion.axis import Formulation, TrainingTerms, _bshape
 from diffcurr_fast.diffusion.losses import weighted_mse
 
 EDM_PREDICTIONS = ("x0", "eps", "F")
@@ -187,6 +188,46 @@ class EDMFormulation(Formulation):
     ) -> torch.Tensor:
         """ln sigma ~ N(P_mean, P_std^2) (EDM Table 1)."""
         return edm_sample_sigma(n, self.P_mean, self.P_std, generator=generator, device=device)
+
+    def log_sigma_edges(self, num_cells: int) -> torch.Tensor:
+        """(G + 1,) float64 edges of G equal cells of ln sigma on [ln sigma_min, ln sigma_max]."""
+        return torch.linspace(math.log(self.sigma_min), math.log(self.sigma_max), num_cells + 1, dtype=torch.float64)
+
+    def cell_grid(self, num_cells: int) -> torch.Tensor:
+        """(G,) sigma at the ln-sigma centres of the cells (ascending)."""
+        e = self.log_sigma_edges(num_cells)
+        return torch.exp(0.5 * (e[:-1] + e[1:]))
+
+    def cell_prior(self, num_cells: int) -> torch.Tensor:
+        """(G,) mass of each ln-sigma cell under ln sigma ~ N(P_mean, P_std^2) (EDM Table 1), floored at 1e-30."""
+        z = (self.log_sigma_edges(num_cells) - self.P_mean) / self.P_std
+        cdf = 0.5 * (1.0 + torch.erf(z / math.sqrt(2.0)))  # (G + 1,) normal CDF of ln sigma
+        return (cdf[1:] - cdf[:-1]).clamp(min=1e-30)
+
+    def training_terms(
+        self,
+        k: torch.Tensor,
+        num_cells: int,
+        prediction: str = "x0",
+        weighting: str = "none",
+        gamma: float = 5.0,
+        generator: torch.Generator | None = None,
+    ) -> TrainingTerms:
+        """ln sigma uniform in cell k; network input c_in (x0 + sigma eps) at time c_noise (EDM Table 1); the raw
+        network's target F (EDM Eq. 8), whose plain MSE is the lambda(sigma)-weighted denoiser loss (Eq. 2)."""
+        if prediction != "x0" or weighting != "none":
+            raise ValueError("EDM trains the denoiser (prediction 'x0') with its own weight lambda(sigma)")
+        u = torch.rand(k.shape, generator=generator, dtype=torch.float64)
+        lo, hi = math.log(self.sigma_min), math.log(self.sigma_max)
+        sigma = torch.exp(lo + (k.to(torch.float64).cpu() + u) / num_cells * (hi - lo))  # (B,)
+        pre = self.precond
+        c_in = pre.c_in(sigma)
+        p, q = self.target_coefficients(sigma, "F")
+        dev = k.device
+        return TrainingTerms(
+            t=sigma.to(dev), t_in=pre.c_noise(sigma).to(dev), a=c_in.to(dev), c=(c_in * sigma).to(dev),
+            p=p.to(dev), q=q.to(dev), w=torch.ones(k.shape, dtype=torch.float64, device=dev),
+        )  # fmt: skip
 
     def coefficients(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(a, c) = (1, sigma)."""

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from diffcurr_fast.diffusion.axis import Formulation
+from diffcurr_fast.diffusion.axis import Formulation, TrainingTerms
 from diffcurr_fast.diffusion.losses import weighted_mse
 
 FLOW_PREDICTIONS = ("velocity", "eps", "x0")
@@ -90,6 +90,29 @@ class FlowFormulation(Formulation):
             z = torch.randn(n, generator=generator, device=dev, dtype=torch.float64)
             u = torch.sigmoid(z * self.logit_std + self.logit_mean)
         return (self.train_eps + (1.0 - 2.0 * self.train_eps) * u).to(device)
+
+    def cell_grid(self, num_cells: int) -> torch.Tensor:
+        """(G,) cell centres (k + 0.5) / G of t in [0, 1] (SNR finite on all of them)."""
+        return (torch.arange(num_cells, dtype=torch.float64) + 0.5) / num_cells
+
+    def training_terms(
+        self,
+        k: torch.Tensor,
+        num_cells: int,
+        prediction: str = "velocity",
+        weighting: str = "none",
+        gamma: float = 5.0,
+        generator: torch.Generator | None = None,
+    ) -> TrainingTerms:
+        """t = (k + u) / G with u ~ U[0, 1); x_t = (1 - t) x0 + t eps and target velocity eps - x0 (SiT); w = 1."""
+        if weighting != "none":
+            raise ValueError(f"flow training has no {weighting!r} weighting; use 'none'")
+        u = torch.rand(k.shape, generator=generator, dtype=torch.float64)
+        t = (k.to(torch.float64).cpu() + u) / num_cells  # (B,) in [0, 1)
+        p, q = self.target_coefficients(t, prediction)
+        dev = k.device
+        t = t.to(dev)
+        return TrainingTerms(t=t, t_in=t, a=1.0 - t, c=t, p=p.to(dev), q=q.to(dev), w=torch.ones_like(t))
 
     def coefficients(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(a, c) = (1 - t, t)."""

@@ -15,6 +15,7 @@ out here with the same parameter names. Extras, all off by default and none of t
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import warnings
@@ -37,6 +38,7 @@ __all__ = [
     "PatchEmbed",
     "Attention",
     "Mlp",
+    "DIT_PRESETS",
     "DiT_models",
     "create_dit",
     "get_2d_sincos_pos_embed",
@@ -629,68 +631,15 @@ def get_2d_sincos_pos_embed(embed_dim: int, grid_size: int) -> torch.Tensor:
 #################################################################################
 
 
-def DiT_XL_2(**kwargs: Any) -> DiT:
-    return DiT(depth=28, hidden_size=1152, patch_size=2, num_heads=16, **kwargs)
+# The official presets (facebookresearch/DiT ``models.py``): name -> dimensions.
+DIT_PRESETS: dict[str, dict[str, int]] = {
+    f"DiT-{size}/{patch}": {"depth": depth, "hidden_size": hidden, "patch_size": patch, "num_heads": heads}
+    for size, depth, hidden, heads in (("XL", 28, 1152, 16), ("L", 24, 1024, 16), ("B", 12, 768, 12),
+                                       ("S", 12, 384, 6))
+    for patch in (2, 4, 8)
+}  # fmt: skip
 
-
-def DiT_XL_4(**kwargs: Any) -> DiT:
-    return DiT(depth=28, hidden_size=1152, patch_size=4, num_heads=16, **kwargs)
-
-
-def DiT_XL_8(**kwargs: Any) -> DiT:
-    return DiT(depth=28, hidden_size=1152, patch_size=8, num_heads=16, **kwargs)
-
-
-def DiT_L_2(**kwargs: Any) -> DiT:
-    return DiT(depth=24, hidden_size=1024, patch_size=2, num_heads=16, **kwargs)
-
-
-def DiT_L_4(**kwargs: Any) -> DiT:
-    return DiT(depth=24, hidden_size=1024, patch_size=4, num_heads=16, **kwargs)
-
-
-def DiT_L_8(**kwargs: Any) -> DiT:
-    return DiT(depth=24, hidden_size=1024, patch_size=8, num_heads=16, **kwargs)
-
-
-def DiT_B_2(**kwargs: Any) -> DiT:
-    return DiT(depth=12, hidden_size=768, patch_size=2, num_heads=12, **kwargs)
-
-
-def DiT_B_4(**kwargs: Any) -> DiT:
-    return DiT(depth=12, hidden_size=768, patch_size=4, num_heads=12, **kwargs)
-
-
-def DiT_B_8(**kwargs: Any) -> DiT:
-    return DiT(depth=12, hidden_size=768, patch_size=8, num_heads=12, **kwargs)
-
-
-def DiT_S_2(**kwargs: Any) -> DiT:
-    return DiT(depth=12, hidden_size=384, patch_size=2, num_heads=6, **kwargs)
-
-
-def DiT_S_4(**kwargs: Any) -> DiT:
-    return DiT(depth=12, hidden_size=384, patch_size=4, num_heads=6, **kwargs)
-
-
-def DiT_S_8(**kwargs: Any) -> DiT:
-    return DiT(depth=12, hidden_size=384, patch_size=8, num_heads=6, **kwargs)
-
-
-DiT_models: dict[str, Callable[..., DiT]] = {
-    "DiT-XL/2": DiT_XL_2,
-    "DiT-XL/4": DiT_XL_4,
-    "DiT-XL/8": DiT_XL_8,
-    "DiT-L/2": DiT_L_2,
-    "DiT-L/4": DiT_L_4,
-    "DiT-L/8": DiT_L_8,
-    "DiT-B/2": DiT_B_2,
-    "DiT-B/4": DiT_B_4,
-    "DiT-B/8": DiT_B_8,
-    "DiT-S/2": DiT_S_2,
-    "DiT-S/4": DiT_S_4,
-    "DiT-S/8": DiT_S_8,
-}
+DiT_models: dict[str, Callable[..., DiT]] = {name: functools.partial(DiT, **dims) for name, dims in DIT_PRESETS.items()}
 
 
 def create_dit(name: str, **kwargs: Any) -> DiT:

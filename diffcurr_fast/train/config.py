@@ -13,42 +13,65 @@ import dataclasses
 import math
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from diffcurr_fast.curriculum.clustering import CLUSTER_METHODS
+from diffcurr_fast.curriculum.pacing import ORDERS, PACINGS
+from diffcurr_fast.data.errors import ON_BAD
+from diffcurr_fast.data.pipeline import BACKENDS as DATA_BACKENDS
+from diffcurr_fast.diffusion import FORMULATIONS, TRAIN_PREDICTIONS
+from diffcurr_fast.diffusion.ddpm import BETA_SCHEDULES
+from diffcurr_fast.diffusion.weights import WEIGHTINGS
+from diffcurr_fast.models.attention import ATTENTION_BACKENDS
+from diffcurr_fast.models.dit import DIT_PRESETS
+from diffcurr_fast.objective import PRECISIONS
+from diffcurr_fast.ops import BACKENDS as _OPS_BACKENDS
+from diffcurr_fast.train.data import DATASETS
+from diffcurr_fast.train.engine import DEVICES, ENGINE_KINDS
+from diffcurr_fast.train.sampling import SAMPLERS
 
-def _f(default: Any, doc: str, choices: tuple | None = None, **kw: Any) -> Any:
-    meta = {"doc": doc}
+# Every choice below is defined by the module that implements it; the config only collects them.
+MODEL_PRESETS = ("custom", *DIT_PRESETS)
+PREDICTIONS = tuple(dict.fromkeys(p for preds in TRAIN_PREDICTIONS.values() for p in preds))
+OPS_BACKENDS = ("auto", *_OPS_BACKENDS)
+NAN_POLICIES = ("skip", "stop")  # the trainer's, read from this config only
+LR_SCHEDULES = ("constant", "cosine")  # ``train.loop.lr_at``
+
+INF = math.inf
+
+
+def _f(default: Any, doc: str, choices: tuple | None = None, *, lo: float | None = None, hi: float = INF,
+       lo_open: bool = False, hi_open: bool = False) -> Any:  # fmt: skip
+    """A config field: its default, one-line doc, and its valid values (``choices``, or the range [lo, hi] with
+    open ends as flagged). ``_check_field`` is the one place these are checked."""
+    meta: dict[str, Any] = {"doc": doc}
     if choices is not None:
         meta["choices"] = choices
+    if lo is not None:
+        meta["range"] = (lo, hi, lo_open, hi_open)
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta, **kw)
-    return field(default=default, metadata=meta, **kw)
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
-MODEL_PRESETS = ("custom", "DiT-XL/2", "DiT-XL/4", "DiT-XL/8", "DiT-L/2", "DiT-L/4", "DiT-L/8", "DiT-B/2",
-                 "DiT-B/4", "DiT-B/8", "DiT-S/2", "DiT-S/4", "DiT-S/8")  # fmt: skip
-FORMULATIONS = ("ddpm", "flow", "edm")
-PREDICTIONS = ("eps", "x0", "v", "velocity")
-WEIGHTINGS = ("none", "min_snr", "p2")
-BETA_SCHEDULES = ("linear", "cosine")
-PACINGS = ("patience", "fixed", "none", "adaptive")
-ORDERS = ("easy_to_hard", "hard_to_easy")
-CLUSTER_METHODS = ("uniform", "snr", "log_snr")
-DATASETS = ("digits", "npz", "latents", "images")
-DATA_BACKENDS = ("auto", "dali", "torch")
-ON_BAD = ("skip", "stop")
-ENGINES = ("auto", "single", "ddp", "deepspeed")
-DEVICES = ("auto", "cpu", "cuda")
-PRECISIONS = ("fp32", "bf16")
-NAN_POLICIES = ("skip", "stop")
-LR_SCHEDULES = ("constant", "cosine")
-SAMPLERS = ("ddpm", "ddim", "heun", "euler")
-OPS_BACKENDS = ("auto", "cuda", "triton", "cpu", "reference")
-ATTN_BACKENDS = ("auto", "flash_attn", "sdpa", "math")
+def _pos(default: int, doc: str) -> Any:
+    """An int field >= 1."""
+    return _f(default, doc, lo=1)
+
+
+def _nonneg(default: float, doc: str, **kw: Any) -> Any:
+    """A field >= 0 (``hi`` etc. as in ``_f``)."""
+    return _f(default, doc, lo=0, **kw)
+
+
+def _unit(default: float, doc: str, **kw: Any) -> Any:
+    """A float field in [0, 1] (ends open as flagged)."""
+    return _f(default, doc, lo=0.0, hi=1.0, **kw)
 
 
 @dataclass
@@ -56,16 +79,17 @@ class ModelConfig:
     """The network (a DiT)."""
 
     preset: str = _f("custom", "DiT preset name, or 'custom' to use the dimensions below", MODEL_PRESETS)
-    input_size: int = _f(8, "spatial size of the (latent) images the model sees")
-    in_channels: int = _f(1, "channels of the (latent) images")
-    num_classes: int = _f(10, "number of class labels (the null label for guidance is num_classes)")
-    patch_size: int = _f(2, "patch size (custom only)")
-    hidden_size: int = _f(128, "transformer width (custom only)")
-    depth: int = _f(6, "number of DiT blocks (custom only)")
-    num_heads: int = _f(4, "attention heads (custom only)")
-    mlp_ratio: float = _f(4.0, "MLP width / hidden_size (custom only)")
-    class_dropout_prob: float = _f(0.1, "label dropout probability (enables classifier-free guidance)")
-    attn_backend: str = _f("auto", "attention backend", ATTN_BACKENDS)
+    input_size: int = _pos(8, "spatial size of the (latent) images the model sees")
+    in_channels: int = _pos(1, "channels of the (latent) images")
+    num_classes: int = _pos(10, "number of class labels (the null label for guidance is num_classes)")
+    patch_size: int | None = _f(None, "patch size (a preset fills it; custom default 2)", lo=1)
+    hidden_size: int | None = _f(None, "transformer width (a preset fills it; custom default 128)", lo=1)
+    depth: int | None = _f(None, "number of DiT blocks (a preset fills it; custom default 6)", lo=1)
+    num_heads: int | None = _f(None, "attention heads (a preset fills it; custom default 4)", lo=1)
+    mlp_ratio: float = _f(4.0, "MLP width / hidden_size", lo=0.0, lo_open=True)
+    class_dropout_prob: float = _unit(0.1, "label dropout probability (enables classifier-free guidance)",
+                                      hi_open=True)  # fmt: skip
+    attn_backend: str = _f("auto", "attention backend", ATTENTION_BACKENDS)
     fused_adaln: bool = _f(False, "use the fused adaLN modulate / gated residual ops in the blocks")
     dtr: bool = _f(False, "Denoising Task Routing (timestep-dependent channel masks)")
     init_from: str = _f(
@@ -75,10 +99,29 @@ class ModelConfig:
     )
 
     def validate(self) -> None:
-        for name in ("input_size", "in_channels", "num_classes", "patch_size", "hidden_size", "depth", "num_heads"):
-            _positive(self, name)
-        _in_range(self, "class_dropout_prob", 0.0, 1.0, hi_open=True)
-        _in_range(self, "mlp_ratio", 0.0, math.inf)
+        """A preset fills the dimensions left unset; a set dimension that contradicts it is an error."""
+        dims = DIT_PRESETS.get(self.preset, CUSTOM_DIMS)
+        filled = self.__dict__.setdefault("_filled", set())  # dimensions this method filled (not the user's)
+        for name, value in dims.items():
+            have = getattr(self, name)
+            if have is None or name in filled:
+                setattr(self, name, value)
+                filled.add(name)
+            elif self.preset != "custom" and have != value:
+                raise ValueError(
+                    f"model.{name}={have!r} contradicts model.preset {self.preset!r} ({name} {value}); unset it "
+                    f"(model.{name}=null) to take the preset's value, or use model.preset=custom"
+                )
+        if self.input_size % self.patch_size:
+            raise ValueError(f"model.input_size {self.input_size} is not divisible by model.patch_size "
+                             f"{self.patch_size}")  # fmt: skip
+        if self.hidden_size % self.num_heads or self.hidden_size % 4:
+            raise ValueError(
+                f"model.hidden_size {self.hidden_size} must be a multiple of 4 and of model.num_heads {self.num_heads}"
+            )
+
+
+CUSTOM_DIMS = {"patch_size": 2, "hidden_size": 128, "depth": 6, "num_heads": 4}
 
 
 @dataclass
@@ -88,28 +131,35 @@ class DiffusionConfig:
     formulation: str = _f(
         "ddpm", "ddpm (discrete t), flow (linear interpolant, SiT) or edm (Karras et al.)", FORMULATIONS
     )
-    num_timesteps: int = _f(1000, "T: DDPM timesteps, or the number of flow-t / EDM-sigma cells for the curriculum")
+    num_timesteps: int = _pos(1000, "T: DDPM timesteps, or the number of flow-t / EDM-sigma cells for the curriculum")
     beta_schedule: str = _f("linear", "beta schedule", BETA_SCHEDULES)
     prediction: str = _f("eps", "network target: eps, x0 or v (ddpm); velocity (flow); x0 (edm denoiser)", PREDICTIONS)
     learn_sigma: bool = _f(True, "learn the variance with the IDDPM hybrid loss (network outputs 2C channels)")
     weighting: str = _f("none", "per-timestep loss weighting of the MSE term", WEIGHTINGS)
-    min_snr_gamma: float = _f(5.0, "gamma of the MinSNR weighting")
-    fused_ops: bool = _f(True, "use the fused q_sample / diffusion_loss / sample_timesteps ops")
-    ops_backend: str = _f("auto", "backend of the fused ops", OPS_BACKENDS)
-    sigma_data: float = _f(0.5, "EDM: standard deviation of the data")
-    P_mean: float = _f(-1.2, "EDM: mean of ln(sigma) during training")
-    P_std: float = _f(1.2, "EDM: standard deviation of ln(sigma) during training")
-    sigma_min: float = _f(0.002, "EDM: smallest sigma (training range and sampling grid)")
-    sigma_max: float = _f(80.0, "EDM: largest sigma (training range and sampling grid)")
+    min_snr_gamma: float = _f(5.0, "gamma of the MinSNR weighting", lo=0.0, lo_open=True)
+    fused_ops: bool | None = _f(
+        None, "deprecated alias, kept for one release: false means ops_backend 'reference' (unset: ops_backend)"
+    )
+    ops_backend: str = _f("auto", "backend of the fused ops (reference: the pure-torch definition)", OPS_BACKENDS)
+    sigma_data: float = _f(0.5, "EDM: standard deviation of the data", lo=0.0, lo_open=True)
+    P_mean: float = _f(-1.2, "EDM: mean of ln(sigma) during training", lo=-INF)
+    P_std: float = _f(1.2, "EDM: standard deviation of ln(sigma) during training", lo=0.0, lo_open=True)
+    sigma_min: float = _f(0.002, "EDM: smallest sigma (training range and sampling grid)", lo=0.0, lo_open=True)
+    sigma_max: float = _f(80.0, "EDM: largest sigma (training range and sampling grid)", lo=0.0, lo_open=True)
 
     def validate(self) -> None:
-        _positive(self, "num_timesteps")
-        _in_range(self, "sigma_data", 0.0, math.inf, lo_open=True)
-        _in_range(self, "P_std", 0.0, math.inf, lo_open=True)
-        _in_range(self, "sigma_min", 0.0, math.inf, lo_open=True)
-        _in_range(self, "sigma_max", self.sigma_min, math.inf, lo_open=True)
-        _in_range(self, "P_mean", -math.inf, math.inf)
-        _in_range(self, "min_snr_gamma", 0.0, math.inf, lo_open=True)
+        if self.fused_ops is not None:  # the deprecated alias folds into the one knob
+            warnings.warn("diffusion.fused_ops is deprecated; use diffusion.ops_backend (reference = pure torch)",
+                          DeprecationWarning, stacklevel=3)  # fmt: skip
+            if not self.fused_ops:
+                self.ops_backend = "reference"
+            self.fused_ops = None
+        if not self.sigma_min < self.sigma_max:
+            raise ValueError(f"diffusion.sigma_min {self.sigma_min} must be < diffusion.sigma_max {self.sigma_max}")
+        preds = TRAIN_PREDICTIONS[self.formulation]
+        if self.prediction not in preds:
+            raise ValueError(f"diffusion.prediction {self.prediction!r} is not a {self.formulation} target; valid "
+                             f"choices: {', '.join(preds)}")  # fmt: skip
 
 
 @dataclass
@@ -117,24 +167,17 @@ class CurriculumConfig:
     """Difficulty curriculum over timestep clusters (Kim et al., ICLR 2025)."""
 
     pacing: str = _f("patience", "patience (the paper), fixed (NaiveCL), none (vanilla) or adaptive", PACINGS)
-    num_clusters: int = _f(20, "N, the number of timestep clusters")
+    num_clusters: int = _pos(20, "N, the number of timestep clusters")
     method: str = _f("snr", "clustering rule", CLUSTER_METHODS)
     order: str = _f("easy_to_hard", "unlock order (hard_to_easy = anti-curriculum)", ORDERS)
-    patience: int = _f(20, "evaluations without improvement before the next unlock")
-    ema: float = _f(0.9, "decay of the monitored-loss EMA per evaluation, in [0, 1)")
-    min_delta: float = _f(1e-3, "relative decrease of the monitored loss that counts as an improvement")
-    stage_iters: int = _f(0, "steps per stage for fixed pacing (0 = unset)")
-    eval_every: int = _f(10, "steps per evaluation window")
-    adaptive_floor: float = _f(0.5, "share of uniform sampling kept by adaptive pacing, in [0, 1]")
+    patience: int = _nonneg(20, "evaluations without improvement before the next unlock")
+    ema: float = _unit(0.9, "decay of the monitored-loss EMA per evaluation, in [0, 1)", hi_open=True)
+    min_delta: float = _nonneg(1e-3, "relative decrease of the monitored loss that counts as an improvement")
+    stage_iters: int = _nonneg(0, "steps per stage for fixed pacing (0 = unset)")
+    eval_every: int = _pos(10, "steps per evaluation window")
+    adaptive_floor: float = _unit(0.5, "share of uniform sampling kept by adaptive pacing, in [0, 1]")
 
     def validate(self) -> None:
-        _positive(self, "num_clusters")
-        _positive(self, "eval_every")
-        _in_range(self, "patience", 0, math.inf)
-        _in_range(self, "ema", 0.0, 1.0, hi_open=True)
-        _in_range(self, "min_delta", 0.0, math.inf)
-        _in_range(self, "stage_iters", 0, math.inf)
-        _in_range(self, "adaptive_floor", 0.0, 1.0)
         if self.pacing == "fixed" and self.stage_iters < 1:
             raise ValueError("curriculum.stage_iters must be >= 1 when curriculum.pacing is 'fixed'")
 
@@ -150,20 +193,16 @@ class DataConfig:
         DATASETS,
     )
     path: str = _f("", "npz: a .npz file or a directory of x.npy and y.npy; latents / images: the directory")
-    scale: float = _f(1.0, "the model trains on scale * data (0.18215 for Stable Diffusion VAE latents; see docs)")
-    batch_size: int = _f(128, "global batch size (split evenly across ranks)")
-    num_workers: int = _f(0, "DataLoader worker processes (0 = load in the training process); DALI CPU threads")
-    image_size: int = _f(0, "images: ADM centre-crop size (0 = model.input_size)")
+    scale: float = _f(1.0, "the model trains on scale * data (0.18215 for Stable Diffusion VAE latents; see docs)",
+                      lo=0.0, lo_open=True)  # fmt: skip
+    batch_size: int = _pos(128, "global batch size (split evenly across ranks)")
+    num_workers: int = _nonneg(0, "DataLoader worker processes (0 = load in the training process); DALI CPU threads")
+    image_size: int = _nonneg(0, "images: ADM centre-crop size (0 = model.input_size)")
     hflip: bool = _f(True, "images: random horizontal flips (decided per sample and epoch)")
     backend: str = _f("auto", "latents / images loader: auto (DALI when importable), dali or torch", DATA_BACKENDS)
     on_bad: str = _f("stop", "latents / images: a corrupt or unreadable file stops the run or is skipped", ON_BAD)
 
     def validate(self) -> None:
-        _positive(self, "batch_size")
-        _in_range(self, "num_workers", 0, math.inf)
-        _in_range(self, "image_size", 0, math.inf)
-        if not (math.isfinite(self.scale) and self.scale > 0):
-            raise ValueError(f"data.scale must be a positive finite float, got {self.scale!r}")
         if self.dataset in ("npz", "latents", "images") and not self.path:
             what = {"npz": "a .npz file or a directory", "latents": "a latent directory", "images": "an image folder"}
             raise ValueError(f"data.path is required when data.dataset is {self.dataset!r} ({what[self.dataset]})")
@@ -173,54 +212,42 @@ class DataConfig:
 class OptimConfig:
     """AdamW, learning-rate schedule, clipping and EMA."""
 
-    lr: float = _f(1e-4, "peak learning rate")
-    weight_decay: float = _f(0.0, "AdamW weight decay")
-    beta1: float = _f(0.9, "AdamW beta1")
-    beta2: float = _f(0.999, "AdamW beta2")
-    eps: float = _f(1e-8, "AdamW epsilon")
-    warmup_steps: int = _f(0, "linear warmup steps from 0 to lr")
+    lr: float = _f(1e-4, "peak learning rate", lo=0.0, lo_open=True)
+    weight_decay: float = _nonneg(0.0, "AdamW weight decay")
+    beta1: float = _unit(0.9, "AdamW beta1", hi_open=True)
+    beta2: float = _unit(0.999, "AdamW beta2", hi_open=True)
+    eps: float = _f(1e-8, "AdamW epsilon", lo=0.0, lo_open=True)
+    warmup_steps: int = _nonneg(0, "linear warmup steps from 0 to lr")
     schedule: str = _f("constant", "learning-rate schedule after warmup", LR_SCHEDULES)
-    min_lr: float = _f(0.0, "final learning rate of the cosine schedule")
-    grad_clip: float = _f(0.0, "clip the global gradient norm to this (0 = off)")
-    grad_accum_steps: int = _f(1, "micro-batches per optimizer step (data.batch_size is split into them)")
-    ema_decay: float = _f(0.9999, "EMA decay of the weights (DiT: 0.9999)")
+    min_lr: float = _nonneg(0.0, "final learning rate of the cosine schedule (<= lr)")
+    grad_clip: float = _nonneg(0.0, "clip the global gradient norm to this (0 = off)")
+    grad_accum_steps: int = _pos(1, "micro-batches per optimizer step (data.batch_size is split into them)")
+    ema_decay: float = _unit(0.9999, "EMA decay of the weights (DiT: 0.9999)")
     ema_warmup: bool = _f(True, "use decay min(ema_decay, (1 + n) / (10 + n)) at update n")
 
     def validate(self) -> None:
-        _in_range(self, "lr", 0.0, math.inf, lo_open=True)
-        _in_range(self, "weight_decay", 0.0, math.inf)
-        _in_range(self, "beta1", 0.0, 1.0, hi_open=True)
-        _in_range(self, "beta2", 0.0, 1.0, hi_open=True)
-        _in_range(self, "eps", 0.0, math.inf, lo_open=True)
-        _in_range(self, "warmup_steps", 0, math.inf)
-        _in_range(self, "min_lr", 0.0, self.lr)
-        _in_range(self, "grad_clip", 0.0, math.inf)
-        _positive(self, "grad_accum_steps")
-        _in_range(self, "ema_decay", 0.0, 1.0)
+        if self.min_lr > self.lr:
+            raise ValueError(f"optim.min_lr {self.min_lr!r} must be <= optim.lr {self.lr!r}")
 
 
 @dataclass
 class EngineConfig:
     """Where and how the step runs."""
 
-    kind: str = _f("auto", "auto (ddp under torchrun, else single), single, ddp or deepspeed (ZeRO)", ENGINES)
+    kind: str = _f("auto", "auto (ddp under torchrun, else single), single, ddp or deepspeed (ZeRO)", ENGINE_KINDS)
     deepspeed_config: str = _f("", "deepspeed: DeepSpeed JSON (ZeRO stage, offload); batch, clip, bf16 filled in")
     device: str = _f("auto", "auto (cuda when available), cpu or cuda", DEVICES)
-    max_steps: int = _f(1000, "total optimizer steps (attempted steps, skipped ones included)")
-    seed: int = _f(0, "global seed (each rank adds its rank)")
+    max_steps: int = _pos(1000, "total optimizer steps (attempted steps, skipped ones included)")
+    seed: int = _f(0, "global seed (each rank adds its rank)", lo=0, hi=2**63 - 1)
     precision: str = _f("fp32", "fp32, or bf16 autocast", PRECISIONS)
     tf32: bool = _f(True, "allow TF32 matmuls on GPU")
     compile: bool = _f(False, "torch.compile the model")
     grad_checkpointing: bool = _f(False, "recompute each DiT block in the backward pass")
     nan_policy: str = _f("skip", "on a non-finite loss: skip the step and count it, or stop", NAN_POLICIES)
-    max_nan_skips: int = _f(100, "stop after this many skipped steps (skip policy)")
-    cpu_threads: int = _f(0, "torch intra-op threads on CPU (0 = torch's default)")
+    max_nan_skips: int = _pos(100, "stop after this many skipped steps (skip policy)")
+    cpu_threads: int = _f(0, "torch intra-op threads on CPU (0 = torch's default)", lo=0, hi=4096)
 
     def validate(self) -> None:
-        _positive(self, "max_steps")
-        _in_range(self, "seed", 0, 2**63 - 1)
-        _positive(self, "max_nan_skips")
-        _in_range(self, "cpu_threads", 0, 4096)
         if self.kind == "deepspeed" and not self.deepspeed_config:
             raise ValueError("engine.deepspeed_config is required when engine.kind is 'deepspeed' (a DeepSpeed JSON)")
 
@@ -229,20 +256,17 @@ class EngineConfig:
 class LoggingConfig:
     """Progress, metrics and the end-of-run report."""
 
-    log_every: int = _f(10, "steps between metrics.jsonl records")
+    log_every: int = _pos(10, "steps between metrics.jsonl records")
     progress: bool = _f(True, "show a tqdm progress bar")
     tensorboard: bool = _f(False, "also write TensorBoard scalars (when tensorboard is importable)")
-    num_samples: int = _f(64, "images in the end-of-run sample grid (0 = no grid)")
+    num_samples: int = _nonneg(64, "images in the end-of-run sample grid (0 = no grid)")
     sampler: str = _f("ddim", "sampler of the end-of-run grid", SAMPLERS)
-    sample_steps: int = _f(50, "sampling steps of the end-of-run grid")
-    cfg_scale: float = _f(1.0, "classifier-free guidance scale of the end-of-run grid")
+    sample_steps: int = _pos(50, "sampling steps of the end-of-run grid")
+    cfg_scale: float = _nonneg(1.0, "classifier-free guidance scale of the end-of-run grid")
     plots: bool = _f(True, "write the per-cluster loss and curriculum timeline plots at the end")
 
     def validate(self) -> None:
-        _positive(self, "log_every")
-        _in_range(self, "num_samples", 0, math.inf)
-        _positive(self, "sample_steps")
-        _in_range(self, "cfg_scale", 0.0, math.inf)
+        pass
 
 
 @dataclass
@@ -250,15 +274,13 @@ class CheckpointConfig:
     """Run directory and checkpoints."""
 
     run_dir: str = _f("runs/demo", "output directory of the run")
-    every: int = _f(1000, "steps between checkpoints (a final one is always written)")
-    keep_last: int = _f(3, "checkpoints kept (older ones are deleted)")
+    every: int = _pos(1000, "steps between checkpoints (a final one is always written)")
+    keep_last: int = _pos(3, "checkpoints kept (older ones are deleted)")
     export_ema: bool = _f(True, "write the EMA weights as ema.safetensors at the end")
 
     def validate(self) -> None:
         if not self.run_dir:
             raise ValueError("checkpoint.run_dir must be a non-empty path")
-        _positive(self, "every")
-        _positive(self, "keep_last")
 
 
 @dataclass
@@ -282,11 +304,8 @@ class TrainConfig:
                 _check_field(f"{sec.name}.{f.name}", f, getattr(section, f.name), _hints(type(section))[f.name])
             section.validate()
         d = self.diffusion
-        if d.formulation == "ddpm" and d.prediction not in ("eps", "x0", "v"):
-            raise ValueError(f"diffusion.prediction {d.prediction!r} is not a ddpm target; valid choices: eps, x0, v")
         if d.formulation in ("flow", "edm"):
             bad = {
-                "diffusion.prediction": (d.prediction, "velocity" if d.formulation == "flow" else "x0"),
                 "diffusion.learn_sigma": (d.learn_sigma, False),
                 "diffusion.weighting": (d.weighting, "none"),
                 "model.dtr": (self.model.dtr, False),
@@ -314,13 +333,6 @@ class TrainConfig:
                     f"data.dataset 'images' gives 3x{size}x{size} images but the model takes "
                     f"{m.in_channels}x{m.input_size}x{m.input_size}; set model.in_channels=3, model.input_size={size}"
                 )
-        if m.preset == "custom":
-            if m.input_size % m.patch_size:
-                raise ValueError(f"model.input_size {m.input_size} is not divisible by model.patch_size {m.patch_size}")
-            if m.hidden_size % m.num_heads or m.hidden_size % 4:
-                raise ValueError(
-                    f"model.hidden_size {m.hidden_size} must be a multiple of 4 and of model.num_heads {m.num_heads}"
-                )
         return self
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -332,20 +344,6 @@ SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fiel
 
 
 # ---- checks -------------------------------------------------------------------------------------------
-def _positive(section: Any, name: str) -> None:
-    value = getattr(section, name)
-    if value < 1:
-        raise ValueError(f"{_section_name(section)}.{name} must be >= 1, got {value!r}")
-
-
-def _in_range(section, name, lo, hi, lo_open: bool = False, hi_open: bool = False) -> None:
-    value = getattr(section, name)
-    ok = (value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi)
-    if not ok or (isinstance(value, float) and math.isnan(value)):
-        lb, rb = "(" if lo_open else "[", ")" if hi_open else "]"
-        raise ValueError(f"{_section_name(section)}.{name} must lie in {lb}{lo}, {hi}{rb}, got {value!r}")
-
-
 def _section_name(section: Any) -> str:
     for name, cls in SECTIONS.items():
         if isinstance(section, cls):
@@ -394,10 +392,21 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
 
 
 def _check_field(key: str, f: dataclasses.Field, value: Any, tp: Any) -> None:
-    _coerce(key, value, tp)
+    """The one check of a field's value: its type, then its choices or its range; every float must be finite."""
+    value = _coerce(key, value, tp)
     choices = f.metadata.get("choices")
     if choices is not None and value not in choices:
         raise ValueError(f"invalid value {value!r} for {key}; valid choices: {', '.join(map(str, choices))}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{key} must be a finite number, got {value!r}")
+    rng = f.metadata.get("range")
+    if rng is not None and value is not None:
+        lo, hi, lo_open, hi_open = rng
+        if not ((value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi)):
+            if hi == INF:
+                raise ValueError(f"{key} must be {'>' if lo_open else '>='} {lo}, got {value!r}")
+            lb, rb = "(" if lo_open else "[", ")" if hi_open else "]"
+            raise ValueError(f"{key} must lie in {lb}{lo}, {hi}{rb}, got {value!r}")
 
 
 # ---- building ------------------------------------------------------------------------------------------
@@ -434,6 +443,7 @@ def _set_field(cfg: TrainConfig, dotted: str, value: Any) -> None:
     value = _coerce(dotted, value, _hints(type(section))[key])
     _check_field(dotted, f, value, _hints(type(section))[key])
     setattr(section, key, value)
+    section.__dict__.get("_filled", set()).discard(key)  # set by the user now, not filled from a preset
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -536,7 +546,7 @@ def describe_config() -> str:
 # the objective and the curriculum's state); the others (steps, LR, logging, ...) may change on resume.
 RESUME_LOCKED = ("model", "diffusion", "curriculum")
 # Keys of the locked sections that may differ: the initial weights only matter for a fresh start.
-RESUME_FREE = {("model", "init_from")}
+RESUME_FREE = {("model", "init_from"), ("diffusion", "fused_ops")}
 
 
 def resume_mismatches(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:

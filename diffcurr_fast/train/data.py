@@ -14,13 +14,15 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from diffcurr_fast.train.config import TrainConfig
+if TYPE_CHECKING:
+    from diffcurr_fast.train.config import TrainConfig
 
 SHARDED_DATASETS = ("latents", "images")
+DATASETS = ("digits", "npz", *SHARDED_DATASETS)  # data.dataset: built-in, arrays, or through ShardedLoader
 
 
 class TrainBatches:

@@ -3,8 +3,8 @@ DeepSpeed ZeRO (stages 1, 2, 3, optimizer offload) under ``deepspeed`` or ``torc
 
 The loop never branches on the engine: it asks it for the device, builds the wrapped model and optimizer with
 ``setup``, runs each micro-batch inside ``accumulate`` and back-propagates with ``backward``, clips with
-``clip_grad_norm`` (None when the engine clips inside its step), steps with ``step`` (or drops the gradients with
-``skip_step``), reads or writes full parameters inside ``full_params``, keeps optimizer state with
+``clip_grad_norm`` (None when the engine clips inside its step), steps with ``step`` (which drops the gradients of
+a non-finite step instead), reads or writes full parameters inside ``full_params``, keeps optimizer state with
 ``optimizer_state`` / ``load_optimizer_state``, reduces flags with ``all_true`` and gathers per-rank state with
 ``gather_objects``. DDP and DeepSpeed read the launcher environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``MASTER_ADDR``, ``MASTER_PORT``) and use NCCL on CUDA, gloo on CPU.
@@ -27,11 +27,12 @@ import torch.distributed as dist
 from torch import nn
 
 ENGINE_KINDS = ("auto", "single", "ddp", "deepspeed")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 def _resolve_device(device: str, local_rank: int) -> torch.device:
-    if device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"unknown device {device!r}; choose one of ('auto', 'cpu', 'cuda')")
+    if device not in DEVICES:
+        raise ValueError(f"unknown device {device!r}; choose one of {DEVICES}")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
@@ -84,15 +85,16 @@ class Engine:
             return None
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
-    def step(self, optimizer: torch.optim.Optimizer, lr: float) -> None:
-        """One optimizer update at learning rate ``lr``."""
+    def step(self, optimizer: torch.optim.Optimizer, lr: float, ok: bool | torch.Tensor = True) -> bool:
+        """One optimizer update at learning rate ``lr`` when ``ok`` holds on every rank (a host sync); otherwise
+        drop the accumulated gradients without an update. Returns whether the update was applied."""
+        if not self.all_true(ok):
+            optimizer.zero_grad(set_to_none=True)
+            return False
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()
-
-    def skip_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Drop the accumulated gradients without an update (a non-finite step)."""
-        optimizer.zero_grad(set_to_none=True)
+        return True
 
     def full_params(self, model: nn.Module, modify: bool = False) -> contextlib.AbstractContextManager:
         """Context in which every parameter of ``model`` holds its full value (``modify``: writes are kept)."""
@@ -324,33 +326,18 @@ class DeepSpeedEngine(DDPEngine):
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor | None:
         return None  # gradient_clipping runs inside DeepSpeed's step on the partitioned gradients
 
-    def step(self, optimizer: torch.optim.Optimizer, lr: float) -> None:
+    def step(self, optimizer: torch.optim.Optimizer, lr: float, ok: bool | torch.Tensor = True) -> bool:
+        """DeepSpeed's own overflow handling decides: under ZeRO 1-3 its step discards an update whose gradient
+        norm is not finite (``was_step_applied``); without ZeRO the gradients are dropped through ``zero_grad``.
+        A step whose loss was not finite counts as skipped even if its gradients were."""
+        ok = self.all_true(ok)
+        if self.stage == 0 and not ok:
+            self.ds.zero_grad()
+            return False
         for group in optimizer.param_groups:
             group["lr"] = lr
         self.ds.step()
-
-    def skip_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Drop the step's gradients as DeepSpeed's own overflow path does (it only has one for fp16/bf16)."""
-        inner = self.ds.optimizer
-        if self.stage in (1, 2):  # the ZeRO-1/2 optimizer restarts accumulation only in its step
-            inner.micro_step_id = -1  # stage_1_and_2.INITIAL_MICRO_STEP_ID: the next backward copies, not adds
-            if getattr(inner, "cpu_offload", False):
-                inner._wait_for_offload_copies()
-                inner._offload_accumulated_param_ids = set()
-        inner.zero_grad(set_to_none=True)  # ZeRO-3 also resets its micro-step here
-        release = getattr(inner, "_release_preflattened_grad_buffers", None)
-        if release is not None:
-            release()
-        if getattr(inner, "cpu_offload", False) or getattr(inner, "offload_optimizer", False):
-            inner.reset_cpu_buffers()
-        elif self.stage == 3:
-            inner.averaged_gradients = {}
-        elif self.stage in (1, 2):
-            for name in ("averaged_gradients", "all_grad_tensors"):  # partitioned gradient buffers
-                bufs = getattr(inner, name, {})
-                for k in bufs:
-                    bufs[k] = None
-        self.ds.zero_grad()
+        return ok and self.ds.was_step_applied()
 
     def full_params(self, model: nn.Module, modify: bool = False) -> contextlib.AbstractContextManager:
         if self.stage < 3:

@@ -11,7 +11,6 @@ uninterrupted one exactly.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import random
 import shutil
@@ -23,30 +22,16 @@ import torch
 from tqdm.auto import tqdm
 
 from diffcurr_fast.curriculum import Curriculum, cluster_timesteps
-from diffcurr_fast.diffusion import (
-    EDMFormulation,
-    FlowFormulation,
-    hybrid_loss,
-    loss_weights,
-    vb_terms_bpd,
-    weighted_mse,
-)
-from diffcurr_fast.ops import diffusion_loss, diffusion_loss_coef, q_sample, q_sample_coef, sample_timesteps
+from diffcurr_fast.diffusion import build_formulation
+from diffcurr_fast.objective import Objective, draw_seed
+from diffcurr_fast.ops import sample_timesteps
 from diffcurr_fast.train import checkpoint as ckpt_io
 from diffcurr_fast.train.config import TrainConfig, config_from_dict, config_to_yaml, resume_mismatches
 from diffcurr_fast.train.data import SHARDED_DATASETS, TrainBatches, build_train_batches, load_init_weights
 from diffcurr_fast.train.ema import EMA
 from diffcurr_fast.train.engine import Engine, create_engine, unwrap
 from diffcurr_fast.train.report import MetricsWriter, gpu_stats, plot_cluster_losses, plot_curriculum_timeline
-from diffcurr_fast.train.sampling import (
-    build_model,
-    build_schedule,
-    edm_grid,
-    edm_log_sigma_edges,
-    flow_grid,
-    sample,
-    save_grid,
-)
+from diffcurr_fast.train.sampling import build_model, sample, save_grid
 
 # Files a run writes into its directory (``--overwrite`` removes exactly these).
 RUN_ARTIFACTS = ("checkpoints", "metrics.jsonl", "config.yaml", "samples.png", "cluster_loss.png",
@@ -170,21 +155,16 @@ class Trainer:
                 self.dataset, cfg.data.batch_size, rank=rank, world=world, seed=e.seed,
                 num_workers=cfg.data.num_workers, pin_memory=self.device.type == "cuda",
             )  # fmt: skip
-        self.schedule = build_schedule(cfg)
-        self.flow = isinstance(self.schedule, FlowFormulation)
-        self.edm = isinstance(self.schedule, EDMFormulation)
+        self.schedule = build_formulation(d)
+        self.objective = Objective.from_config(cfg, self.schedule)
         c = cfg.curriculum
-        # Flow / EDM: the curriculum works on G = num_timesteps cells of t in [0, 1] / of ln(sigma); t is drawn
-        # uniformly inside the sampled cell. EDM keeps its log-normal sigma density (EDM Table 1) within the
-        # unlocked cells: the curriculum weights are multiplied by each cell's probability under it.
-        grid = flow_grid(d.num_timesteps) if self.flow else None
-        self._cell_mass: torch.Tensor | None = None
-        if self.edm:
-            grid = edm_grid(d.num_timesteps, d.sigma_min, d.sigma_max)
-            z = (edm_log_sigma_edges(d.num_timesteps, d.sigma_min, d.sigma_max) - d.P_mean) / d.P_std
-            cdf = 0.5 * (1.0 + torch.erf(z / math.sqrt(2.0)))  # (G + 1,) normal CDF of ln(sigma)
-            self._cell_mass = (cdf[1:] - cdf[:-1]).clamp(min=1e-30)  # (G,)
-        clusters = cluster_timesteps(self.schedule, c.num_clusters, c.method, grid=grid)
+        # Flow / EDM: the curriculum works on G = num_timesteps cells of t in [0, 1] / of ln(sigma), and t is drawn
+        # inside the sampled cell. EDM keeps its log-normal sigma density (EDM Table 1) within the unlocked cells:
+        # the curriculum weights are multiplied by each cell's prior mass.
+        self._cell_prior = self.schedule.cell_prior(d.num_timesteps)
+        clusters = cluster_timesteps(
+            self.schedule, c.num_clusters, c.method, grid=self.schedule.cell_grid(d.num_timesteps)
+        )
         self.curriculum = Curriculum(
             clusters, d.num_timesteps, pacing=c.pacing, order=c.order, patience=c.patience, ema=c.ema,
             min_delta=c.min_delta, stage_iters=c.stage_iters or None, eval_every=c.eval_every,
@@ -203,7 +183,7 @@ class Trainer:
         self.net, self.opt = self.engine.setup(self.model, self.opt, cfg)  # DeepSpeed: its engine, ZeRO optimizer
         if e.compile:
             self.net = torch.compile(self.net)
-        self.backend = d.ops_backend if d.fused_ops else "reference"
+        self.backend = d.ops_backend
         self.step = 0
         self.nan_skips = 0
         self._w_src: torch.Tensor | None = None
@@ -214,90 +194,12 @@ class Trainer:
         if self.engine.is_main:
             (self.run_dir / "config.yaml").write_text(config_to_yaml(cfg))
 
-    # ---- the objective --------------------------------------------------------------------------------
-    def autocast(self):
-        """bf16 autocast when ``engine.precision`` is bf16, else a no-op context."""
-        if self.cfg.engine.precision == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
-    def per_sample_loss(
-        self,
-        out: torch.Tensor,
-        x0: torch.Tensor,
-        x_t: torch.Tensor,
-        t: torch.Tensor,
-        noise: torch.Tensor | None = None,
-        seed: int | None = None,
-    ) -> torch.Tensor:
-        """(B,) loss of network output ``out`` (B, C or 2C, H, W): weighted MSE (+ VB term with learned sigma).
-
-        With fused ops the MSE is ``ops.diffusion_loss`` (noise regenerated from ``seed`` or given); otherwise
-        the reference ``hybrid_loss`` with ``loss_weights`` (MinSNR: Hang et al. Eq. 5). IDDPM Eq. 16 hybrid.
-        """
-        d = self.cfg.diffusion
-        out = out.float()
-        if self.edm:  # F target of EDM Eq. 8: its plain MSE is the lambda(sigma)-weighted denoiser loss
-            sigma = t.detach().cpu().double()
-            if not d.fused_ops:
-                pre = self.schedule.precond
-                b = lambda v: v.to(x0.device, x0.dtype).view(-1, *([1] * (x0.ndim - 1)))  # noqa: E731
-                den = b(pre.c_skip(sigma)) * x_t + b(pre.c_out(sigma)) * out  # D = c_skip x + c_out F (EDM Eq. 7)
-                return weighted_mse(den, x0, pre.loss_weight(sigma).to(x0.device, torch.float32))
-            p, q = self.schedule.target_coefficients(sigma, "F")
-            return diffusion_loss_coef(out, x0, noise, p, q, reduction="none", seed=seed, backend=self.backend)
-        if self.flow:  # target p x0 + q eps: velocity eps - x0 (SiT); t is the continuous flow time
-            p, q = self.schedule.target_coefficients(t.detach().cpu().double(), d.prediction)
-            if not d.fused_ops:
-                return weighted_mse(out, self.schedule.target(x0, noise, t.detach().cpu().double(), d.prediction))
-            return diffusion_loss_coef(out, x0, noise, p, q, reduction="none", seed=seed, backend=self.backend)
-        if not d.fused_ops:
-            w = loss_weights(self.schedule.snr(t.cpu()), d.prediction, d.weighting, d.min_snr_gamma)
-            w = w.to(device=out.device, dtype=torch.float32)
-            terms = hybrid_loss(self.schedule, out, x0, x_t, t, noise, d.learn_sigma, d.prediction, weights=w)
-            return terms["loss"]
-        c = x0.shape[1]
-        pred = out[:, :c]  # (B, C, H, W)
-        mse = diffusion_loss(
-            pred, x0, noise, t, self.schedule, prediction=d.prediction, weighting=d.weighting,
-            gamma=d.min_snr_gamma, reduction="none", seed=seed, backend=self.backend, validate=False,
-        )  # fmt: skip
-        if not d.learn_sigma:
-            return mse
-        frozen = torch.cat([pred.detach(), out[:, c:]], dim=1)  # (B, 2C, H, W): VB trains the variance only
-        vb = vb_terms_bpd(self.schedule, frozen, x0, x_t, t, learn_sigma=True, prediction=d.prediction)["output"]
-        return mse + vb
-
-    def forward_process(
-        self, x0: torch.Tensor, k: torch.Tensor, noise: torch.Tensor | None, seed: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(t, x_t, network input, network time) for curriculum indices ``k``.
-
-        DDPM: t = k, x_t = sqrt(abar_t) x0 + sqrt(1 - abar_t) eps (Ho et al. Eq. 4). Flow: t = (k + u) / G,
-        u ~ U[0, 1), x_t = (1 - t) x0 + t eps (linear interpolant, SiT). EDM: ln sigma uniform in cell k,
-        x_t = x0 + sigma eps, network input c_in x_t at time c_noise(sigma) (EDM Table 1).
-        """
-        seed_or_none = None if noise is not None else seed
-        if not (self.flow or self.edm):
-            x_t = q_sample(x0, k, self.schedule, noise, seed=seed_or_none, backend=self.backend, validate=False)
-            return k, x_t, x_t, k
-        d = self.cfg.diffusion
-        u = (k.to(torch.float64).cpu() + torch.rand(k.shape, generator=self.gen, dtype=torch.float64)) / d.num_timesteps
-        if self.flow:
-            t = u.to(x0.device)  # (b,) in [0, 1)
-            x_t = q_sample_coef(x0, 1.0 - t, t, noise, seed=seed_or_none, backend=self.backend)
-            return t.to(x0.dtype), x_t, x_t, t.to(x0.dtype)
-        lo, hi = math.log(d.sigma_min), math.log(d.sigma_max)
-        sigma = torch.exp(lo + u * (hi - lo)).to(x0.device)  # (b,)
-        x_t = q_sample_coef(x0, torch.ones_like(sigma), sigma, noise, seed=seed_or_none, backend=self.backend)
-        pre = self.schedule.precond
-        c_in = pre.c_in(sigma).to(x0.dtype).view(-1, *([1] * (x0.ndim - 1)))
-        return sigma.to(x0.dtype), x_t, c_in * x_t, pre.c_noise(sigma).to(x0.dtype)
-
     def _timestep_weights(self) -> torch.Tensor:
+        """(G,) sampling weights of the cells: the curriculum's, times the formulation's prior and the range mask
+        (rebuilt only when the curriculum's weights change, so a step makes no host-to-device copy)."""
         w = self.curriculum.timestep_weights()
         if w is not self._w_src:
-            dev = w if self._cell_mass is None else (w.double() * self._cell_mass).float()
+            dev = w if self._cell_prior is None else (w.double() * self._cell_prior).float()
             if self._t_mask is not None:
                 dev = dev * self._t_mask  # only [lo, hi) of timestep_range
             self._w_src, self._w_dev = w, dev.to(self.device)
@@ -308,47 +210,41 @@ class Trainer:
         """One optimizer step on the per-rank batch (x0 (b, C, H, W), y (b,)); returns step statistics."""
         b, o = x0.shape[0], self.cfg.optim
         k = sample_timesteps(b, self._timestep_weights(), generator=self.gen, validate=False,
-                             backend=self.backend)  # (b,) indices in the unlocked clusters  # fmt: skip
-        seed = int(torch.randint(0, 2**62, (1,), generator=self.gen))
-        noise = None if self.cfg.diffusion.fused_ops else torch.randn(x0.shape, generator=self.gen).to(x0.device)
-        acc, ts, pers = o.grad_accum_steps, [], []
+                             backend=self.backend)  # (b,) cells in the unlocked clusters  # fmt: skip
+        seed, acc, pers = draw_seed(self.gen), o.grad_accum_steps, []
         self.engine.zero_grad(self.opt)
         for i, (xi, yi, ki) in enumerate(zip(x0.chunk(acc), y.chunk(acc), k.chunk(acc))):  # micro-batches
-            ni = None if noise is None else noise.chunk(acc)[i]
-            t, x_t, x_in, t_in = self.forward_process(xi, ki, ni, seed + i)  # (m,), (m, C, H, W), network inputs
             with self.engine.accumulate(self.net, boundary=i == acc - 1):
-                with self.autocast():
-                    out = self.net(x_in, t_in, yi)  # (m, C or 2C, H, W)
-                per = self.per_sample_loss(out, xi, x_t, t, ni, seed + i)  # (m,)
+                per = self.objective(self.net, xi, yi, ki, seed=seed + i, generator=self.gen)  # (m,)
                 self.engine.backward(per.mean(), acc)
-            ts.append(t)
             pers.append(per.detach())
-        t, per = torch.cat(ts), torch.cat(pers)  # (b,), (b,)
+        per = torch.cat(pers)  # (b,)
         loss = per.mean()
-        stats: dict[str, Any] = {"t": t, "k": k}
+        stats: dict[str, Any] = {"k": k}
         ok = torch.isfinite(loss)
         grad_norm = self.engine.clip_grad_norm(self.model, o.grad_clip)  # None: the engine clips in its step
         if grad_norm is not None:  # a finite loss can still overflow a gradient: the norm votes too
             stats["grad_norm"] = grad_norm
             ok = ok & torch.isfinite(grad_norm)
-        if self.engine.all_true(ok):  # every rank votes: skip together or step together
-            self.engine.step(self.opt, lr_at(self.step, self.cfg))
+        if self.engine.step(self.opt, lr_at(self.step, self.cfg), ok):  # every rank steps, or every rank skips
             with self.engine.full_params(self.model):  # ZeRO-3: gathered for the EMA
                 self.ema.update(self.model)
-            self.curriculum.observe_per_timestep(k, per.detach())
+            self.curriculum.observe_per_timestep(k, per)
             stats["unlocked"] = self.curriculum.observe(self.step, loss.detach())
             stats["loss"] = loss.detach()
         else:
-            self.engine.skip_step(self.opt)
-            self.nan_skips += 1
-            if self.cfg.engine.nan_policy == "stop" or self.nan_skips > self.cfg.engine.max_nan_skips:
-                raise NonFiniteLossError(
-                    f"non-finite loss at step {self.step} (nan_policy={self.cfg.engine.nan_policy!r}, "
-                    f"{self.nan_skips} skipped so far, max_nan_skips={self.cfg.engine.max_nan_skips})"
-                )
+            self._skipped()
             stats["skipped"] = True
         self.step += 1
         return stats
+
+    def _skipped(self) -> None:
+        """Count a skipped (non-finite) step; NonFiniteLossError when the policy says stop."""
+        self.nan_skips += 1
+        e = self.cfg.engine
+        if e.nan_policy == "stop" or self.nan_skips > e.max_nan_skips:
+            raise NonFiniteLossError(f"non-finite loss at step {self.step} (nan_policy={e.nan_policy!r}, "
+                                     f"{self.nan_skips} skipped so far, max_nan_skips={e.max_nan_skips})")  # fmt: skip
 
     # ---- the run --------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -22,6 +22,7 @@ from diffcurr_fast.diffusion import (
     EDMDenoiser,
     EDMFormulation,
     FlowFormulation,
+    build_formulation,
     ddim_sample,
     ddpm_sample,
     edm_heun_sample,
@@ -31,8 +32,12 @@ from diffcurr_fast.diffusion import (
     make_generator,
     respace,
 )
-from diffcurr_fast.models import DiT, DTRConfig, create_dit
-from diffcurr_fast.train.config import SAMPLERS, TrainConfig
+from diffcurr_fast.models import DiT, DTRConfig
+
+if TYPE_CHECKING:
+    from diffcurr_fast.train.config import TrainConfig
+
+SAMPLERS = ("ddpm", "ddim", "heun", "euler")
 
 
 def build_model(cfg: TrainConfig) -> DiT:
@@ -50,8 +55,7 @@ def build_model(cfg: TrainConfig) -> DiT:
         dtr=DTRConfig() if m.dtr else None,
         num_timesteps=cfg.diffusion.num_timesteps,
     )
-    if m.preset != "custom":
-        return create_dit(m.preset, **kw)
+    # the config has resolved a preset into its dimensions (``ModelConfig.validate``)
     return DiT(
         patch_size=m.patch_size, hidden_size=m.hidden_size, depth=m.depth, num_heads=m.num_heads,
         mlp_ratio=m.mlp_ratio, **kw,
@@ -60,28 +64,7 @@ def build_model(cfg: TrainConfig) -> DiT:
 
 def build_schedule(cfg: TrainConfig) -> DDPMSchedule | FlowFormulation | EDMFormulation:
     """The formulation of ``cfg.diffusion``: ``DDPMSchedule``, ``FlowFormulation`` or ``EDMFormulation``."""
-    d = cfg.diffusion
-    if d.formulation == "flow":
-        return FlowFormulation()
-    if d.formulation == "edm":
-        return EDMFormulation(d.sigma_data, d.P_mean, d.P_std, d.sigma_min, d.sigma_max)
-    return DDPMSchedule(d.num_timesteps, d.beta_schedule)
-
-
-def edm_log_sigma_edges(num_cells: int, sigma_min: float, sigma_max: float) -> torch.Tensor:
-    """(G + 1,) float64 edges of G equal cells of ln(sigma) on [ln sigma_min, ln sigma_max]."""
-    return torch.linspace(math.log(sigma_min), math.log(sigma_max), num_cells + 1, dtype=torch.float64)
-
-
-def edm_grid(num_cells: int, sigma_min: float, sigma_max: float) -> torch.Tensor:
-    """(G,) float64 sigma at the ln-sigma centres of the cells the curriculum clusters (ascending)."""
-    e = edm_log_sigma_edges(num_cells, sigma_min, sigma_max)
-    return torch.exp(0.5 * (e[:-1] + e[1:]))
-
-
-def flow_grid(num_cells: int) -> torch.Tensor:
-    """(G,) float64 centres (k + 0.5) / G of the flow-t cells the curriculum clusters (SNR finite on all)."""
-    return (torch.arange(num_cells, dtype=torch.float64) + 0.5) / num_cells
+    return build_formulation(cfg.diffusion)
 
 
 class VEDenoiser:

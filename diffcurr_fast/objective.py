@@ -1,0 +1,186 @@
+"""The training objective: one definition of the per-sample diffusion loss, shared by every trainer.
+
+For a batch x0 (B, C, H, W), cells k (B,) on the formulation's difficulty axis and a Philox seed:
+
+    terms = formulation.training_terms(k)              # t, t_in and per-sample a, c, p, q, w
+    x_in  = a x0 + c eps(seed)                         # ops.q_sample_coef, the noise made in-kernel
+    out   = model(x_in, t_in, y)                       # (B, C or 2C, H, W)
+    loss  = w * mean_j (out - (p x0 + q eps(seed)))^2  # ops.diffusion_loss_coef, the same noise regenerated
+          (+ the formulation's variance term when the variance is learned: IDDPM's L_vlb)
+
+in the spirit of NVlabs/edm ``training/loss.py``: the formulation owns its equations (DDPM, EDM, flow) and this
+module never asks which one it has. The trainer (``train.loop``), TDC (importance, proxy recovery and scoring,
+fine-tuning) and the difficulty analysis (``curriculum.difficulty``) all call it; ``fit_steps`` is the plain
+AdamW loop the short fine-tunes share. The fused ops' ``reference`` backend is the pure-torch definition of the
+same computation (``diffusion.ops_backend``), not a separate code path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from diffcurr_fast.diffusion import Formulation, TrainingTerms, build_formulation
+from diffcurr_fast.ops import diffusion_loss_coef, q_sample_coef
+
+PRECISIONS = ("fp32", "bf16")
+
+
+class Objective:
+    """Per-sample training loss of a diffusion model on cells of ``formulation``'s axis (module doc).
+
+    Args:
+        formulation: a ``DDPMSchedule``, ``EDMFormulation`` or ``FlowFormulation``.
+        num_cells: G, the cells the timesteps are drawn from (DDPM: its T timesteps).
+        prediction, weighting, gamma: the regression target and its per-sample weight (MinSNR gamma).
+        learn_sigma: add the formulation's variance term (the network outputs 2C channels).
+        backend: backend of the fused ops (``auto``, ``cuda``, ``triton``, ``cpu``, ``reference``).
+        precision: ``fp32``, or ``bf16`` autocast around the network call.
+    """
+
+    def __init__(
+        self,
+        formulation: Formulation,
+        *,
+        num_cells: int,
+        prediction: str,
+        weighting: str = "none",
+        gamma: float = 5.0,
+        learn_sigma: bool = False,
+        backend: str = "auto",
+        precision: str = "fp32",
+    ):
+        formulation.check_prediction(prediction)
+        self.formulation, self.num_cells = formulation, int(num_cells)
+        self.prediction, self.weighting, self.gamma = prediction, weighting, float(gamma)
+        self.learn_sigma, self.backend, self.precision = bool(learn_sigma), backend, precision
+
+    @classmethod
+    def from_config(cls, cfg: Any, formulation: Formulation | None = None) -> Objective:
+        """The objective of a ``TrainConfig`` (its diffusion section and engine precision)."""
+        d = cfg.diffusion
+        return cls(
+            formulation if formulation is not None else build_formulation(d), num_cells=d.num_timesteps,
+            prediction=d.prediction, weighting=d.weighting, gamma=d.min_snr_gamma, learn_sigma=d.learn_sigma,
+            backend=d.ops_backend, precision=cfg.engine.precision,
+        )  # fmt: skip
+
+    def terms(self, k: torch.Tensor, generator: torch.Generator | None = None) -> TrainingTerms:
+        """The per-sample terms at cells ``k`` (B,) (a point inside each continuous cell drawn from ``generator``)."""
+        return self.formulation.training_terms(
+            k, self.num_cells, self.prediction, self.weighting, self.gamma, generator
+        )
+
+    def autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
+        """bf16 autocast for ``precision`` bf16, else a no-op context."""
+        if self.precision == "bf16":
+            return torch.autocast(device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def __call__(
+        self,
+        model: Callable[..., torch.Tensor],
+        x0: torch.Tensor,
+        y: torch.Tensor,
+        k: torch.Tensor,
+        *,
+        seed: int,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """(B,) per-sample loss of ``model(x_in, t_in, y)`` on x0 (B, C, H, W) at cells ``k`` with noise ``seed``."""
+        terms = self.terms(k, generator)
+        x_in = q_sample_coef(x0, terms.a, terms.c, seed=seed, backend=self.backend)  # (B, C, H, W)
+        t_in = terms.t_in.to(x0.dtype) if terms.t_in.is_floating_point() else terms.t_in
+        with self.autocast(x0.device):
+            out = model(x_in, t_in, y)  # (B, C or 2C, H, W)
+        return self.loss(out, x0, x_in, terms, seed)
+
+    def loss(
+        self, out: torch.Tensor, x0: torch.Tensor, x_in: torch.Tensor, terms: TrainingTerms, seed: int
+    ) -> torch.Tensor:
+        """(B,) loss of the network output ``out`` for the draw (``x_in``, ``terms``, ``seed``)."""
+        out = out.to(x0.dtype)  # bf16 autocast output: the loss reads it in the data's precision
+        pred = out[:, : x0.shape[1]]  # (B, C, H, W)
+        per = diffusion_loss_coef(
+            pred, x0, None, terms.p, terms.q, terms.w, reduction="none", seed=seed, backend=self.backend
+        )
+        if self.learn_sigma:  # only DDPM has one; its network input is x_t itself (a, c = sqrt(abar), ...)
+            per = per + self.formulation.variance_loss(out, x0, x_in, terms.t, self.prediction)
+        return per
+
+
+def draw_seed(generator: torch.Generator) -> int:
+    """A Philox seed for one batch, drawn from ``generator``."""
+    return int(torch.randint(0, 2**62, (1,), generator=generator))
+
+
+def sample_cells(n: int, lo: int, hi: int, generator: torch.Generator, device: torch.device | str) -> torch.Tensor:
+    """(n,) int64 cells uniform in [lo, hi) (a TDC group, an analysis interval)."""
+    if hi <= lo:
+        raise ValueError(f"cell range must be non-empty, got [{lo}, {hi})")
+    return torch.randint(lo, hi, (n,), generator=generator).to(device)
+
+
+def batch_loss(
+    objective: Objective,
+    model: Callable[..., torch.Tensor],
+    x0: torch.Tensor,
+    y: torch.Tensor,
+    cells: tuple[int, int],
+    generator: torch.Generator,
+) -> torch.Tensor:
+    """Mean loss of ``model`` on x0 with cells uniform in ``cells`` = [lo, hi), drawn from ``generator``."""
+    k = sample_cells(x0.shape[0], cells[0], cells[1], generator, x0.device)
+    return objective(model, x0, y, k, seed=draw_seed(generator), generator=generator).mean()
+
+
+def fit_steps(
+    model: nn.Module,
+    objective: Objective,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]] | Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    cells: tuple[int, int],
+    steps: int,
+    *,
+    lr: float,
+    weight_decay: float = 0.0,
+    generator: torch.Generator,
+    on_step: Callable[[int, float], None] | None = None,
+) -> list[float]:
+    """``steps`` plain AdamW steps of ``objective`` on cells [lo, hi); returns the per-step losses.
+
+    ``batches`` is a sequence of ``(x0, y)`` batches (cycled) or a function of the step giving one. ``on_step(step,
+    loss)`` runs after each step (1-based). A non-finite loss raises ValueError naming the step.
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"steps must be an int >= 0, got {steps!r}")
+    if not (lr > 0 and math.isfinite(lr)):
+        raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
+    get = batches if callable(batches) else (lambda s, b=list(batches): b[s % len(b)])
+    if steps and not callable(batches) and not batches:
+        raise ValueError("fit_steps needs at least one (x0, y) batch")
+    losses: list[float] = []
+    if not steps:
+        return losses
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
+    model.train()
+    for step in range(steps):
+        x0, y = get(step)
+        loss = batch_loss(objective, model, x0, y, cells, generator)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            raise ValueError(f"non-finite training loss {value} at step {step + 1} on cells [{cells[0]}, {cells[1]})")
+        losses.append(value)
+        if on_step is not None:
+            on_step(step + 1, value)
+    return losses
+
+
+__all__ = ["PRECISIONS", "Objective", "batch_loss", "draw_seed", "fit_steps", "sample_cells"]
