@@ -25,6 +25,7 @@ import torch
 
 from diffcurr_fast.diffusion.losses import training_losses
 from diffcurr_fast.tdc.flops import block_flops, default_widths, widths_flops
+from diffcurr_fast.train.config import IMPORTANCE_METHODS
 
 __all__ = [
     "IMPORTANCE_METHODS",
@@ -40,7 +41,6 @@ __all__ = [
     "unit_costs",
 ]
 
-IMPORTANCE_METHODS = ("taylor", "magnitude")
 Batches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
