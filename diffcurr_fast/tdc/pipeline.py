@@ -219,8 +219,8 @@ def run_tdc(
             expert, record = finetune_group(cfg, engine, base, g, res, record, verbose)
             experts.append(expert)
             per_group.append(record)
-        out = bundle(cfg, base, experts, groups, run_dir)
-        acc = accounting(cfg, base, out.pop("multi"), per_group, time.perf_counter() - t_start)
+        multi, out = bundle(cfg, base, experts, groups, run_dir)
+        acc = accounting(cfg, base, multi, per_group, time.perf_counter() - t_start)
         out.update(groups=per_group, accounting=str(write_json(acc, run_dir / "accounting.json")), accounting_data=acc)
         _log(verbose, format_accounting(acc))
         return out
@@ -286,17 +286,19 @@ def finetune_group(
     return expert, record
 
 
-def bundle(cfg: TrainConfig, base: Stage1, experts: list, groups: list[TimestepGroup], run_dir: Path) -> dict[str, Any]:
+def bundle(
+    cfg: TrainConfig, base: Stage1, experts: list, groups: list[TimestepGroup], run_dir: Path
+) -> tuple[MultiExpertDenoiser, dict[str, Any]]:
     """Save the experts as a ``MultiExpertDenoiser`` bundle (with the training config) and draw the end-of-run
-    grid from it; the paths written, and the model under ``multi``."""
+    grid from it; the model and the paths written."""
     multi = MultiExpertDenoiser(experts, [(g.lo, g.hi) for g in groups], groups=[g.to_dict() for g in groups])
     bundle_dir = save_bundle(multi, run_dir / "bundle")
     write_json(cfg.to_dict(), bundle_dir / "train_config.json")
-    out: dict[str, Any] = {"run_dir": str(run_dir), "bundle": str(bundle_dir), "stage1": base.summary, "multi": multi}
+    out: dict[str, Any] = {"run_dir": str(run_dir), "bundle": str(bundle_dir), "stage1": base.summary}
     grid = sample_grid(multi.to(base.device).eval(), base.schedule, cfg, run_dir / "samples.png", base.device)
     if grid is not None:
         out["samples"] = str(grid)
-    return out
+    return multi, out
 
 
 def accounting(
