@@ -67,8 +67,7 @@ def decode_latents(vae, z: torch.Tensor, batch: int = 16) -> torch.Tensor:
 def run(args: argparse.Namespace) -> int:
     """Sample from a checkpoint and write the grid or arrays. Returns the exit status."""
     from diffcurr_fast.train.checkpoint import load_checkpoint, resolve_checkpoint
-    from diffcurr_fast.train.loop import pixel_range
-    from diffcurr_fast.train.sampling import build_model, build_schedule, sample, save_grid
+    from diffcurr_fast.train.sampling import build_model, build_schedule, pixel_range, sample, save_grid
 
     out = Path(args.out)
     if out.suffix not in (".png", ".npz"):

@@ -184,3 +184,27 @@ def test_preset_fills_dimensions_and_a_contradiction_is_an_error(tmp_path):
     assert (dims.patch_size, dims.hidden_size, dims.depth) == (2, 384, 12)
     zero2 = load_config("recipes/dit_l2_zero2.yaml").model
     assert (zero2.hidden_size, zero2.depth, zero2.num_heads) == (1024, 24, 16)  # DiT-L/2 (was 128, 6)
+
+
+def test_tdc_section_is_part_of_the_config(tmp_path, capsys):
+    """The TDC options are the ``tdc`` section: --set, YAML, --help-config, strict keys, validation."""
+    cfg = load_config(None, ["tdc.num_groups=4", "tdc.k=1", "tdc.proposer=uniform"])
+    assert (cfg.tdc.num_groups, cfg.tdc.k, cfg.tdc.proposer) == (4, 1.0, "uniform") and isinstance(cfg.tdc.k, float)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("tdc:\n  num_groups: 5\n  recover_lr: 3e-4\n")
+    assert (load_config(recipe).tdc.num_groups, load_config(recipe).tdc.recover_lr) == (5, 3e-4)
+    assert yaml.safe_load(config_to_yaml(cfg))["tdc"]["num_groups"] == 4
+    for override, match in [
+        ("tdc.groups=2", r"unknown config key 'tdc.groups'; valid keys of tdc: num_groups, k, "),
+        ("tdc.proposer=genetic", r"invalid value 'genetic' for tdc.proposer; valid choices: local, uniform, llm"),
+        ("tdc.num_groups=0", r"tdc.num_groups must be >= 1"),
+        ("tdc.num_groups=1001", r"tdc.num_groups \(1001\) must be <= diffusion.num_timesteps \(1000\)"),
+        ("tdc.k=1.5", r"tdc.k must lie in \(0.0, 1.0\]"),
+        ("tdc.finetune_lr=-1", r"tdc.finetune_lr must be >= 0, got -1"),
+        ("tdc.proposer=llm", r"tdc.proposer 'llm' needs tdc.llm_url and tdc.llm_model"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            load_config(None, [override])
+    assert cli_train.run(_parse(["--help-config"])) == 0
+    out = capsys.readouterr().out
+    assert "tdc:" in out and "num_groups: 3" in out and "one of local, uniform, llm" in out

@@ -206,7 +206,7 @@ def test_prune_nothing_is_identity(method):
     base = tiny_dit()
     s = DDPMSchedule(100)
     batches = [inputs(3)[::2]]
-    imp = importance_scores(base, method, schedule=s, group=(0, 50), batches=batches)
+    imp = importance_scores(base, method, objective=s, group=(0, 50), batches=batches)
     same = prune_to_budget(base, dit_flops(base), imp)
     assert same.config() == {**base.config(), "block_num_heads": [3] * 3, "block_mlp_hidden": [90] * 3}
     for batch in (1, 3, 17):
@@ -241,7 +241,7 @@ def test_taylor_scores_are_w_times_grad_per_unit():
     base = tiny_dit(torch.float64)
     s = DDPMSchedule(100)
     batches = [inputs(3, torch.float64)[::2], inputs(5, torch.float64)[::2]]
-    imp = importance_scores(base, "taylor", schedule=s, group=(10, 40), batches=batches, seed=7)
+    imp = importance_scores(base, "taylor", objective=s, group=(10, 40), batches=batches, seed=7)
     gen = torch.Generator().manual_seed(7)
     loss = sum(group_loss(base, s, (10, 40), x, y, gen) for x, y in batches)
     loss.backward()
@@ -273,7 +273,7 @@ def test_drop_empty_blocks_and_errors():
         prune_to_budget(base, 1.0, imp)
     with pytest.raises(ValueError, match="valid choices"):
         importance_scores(base, "random")
-    with pytest.raises(ValueError, match="needs schedule"):
+    with pytest.raises(ValueError, match="needs objective"):
         importance_scores(base, "taylor")
     with pytest.raises(ValueError, match="width must be"):
         prune_to_widths(base, imp, [4, 3, 3], [90, 90, 90])

@@ -12,10 +12,11 @@ from diffcurr_fast import sample_cli as cli_sample
 from diffcurr_fast.models import DiT
 from diffcurr_fast.tdc import cli as tdc_cli
 from diffcurr_fast.tdc.accounting import training_flops
+from diffcurr_fast.tdc.experts import MultiExpertDenoiser
 from diffcurr_fast.tdc.flops import dit_flops
 from diffcurr_fast.tdc.pipeline import (
+    TDC_ARTIFACTS,
     TDCOptions,
-    _prepare,
     format_accounting,
     load_bundle_with_config,
     options_from_dict,
@@ -23,8 +24,8 @@ from diffcurr_fast.tdc.pipeline import (
     stage2_config,
 )
 from diffcurr_fast.train.checkpoint import latest_checkpoint, load_checkpoint
-from diffcurr_fast.train.config import load_config
-from diffcurr_fast.train.loop import Trainer
+from diffcurr_fast.train.config import TDCConfig, load_config
+from diffcurr_fast.train.loop import Trainer, clear_artifacts, prepare_run_dir
 from diffcurr_fast.train.sampling import build_schedule, sample
 
 TINY = [
@@ -45,7 +46,12 @@ def tdc_run(tmp_path_factory):
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     run = tmp_path_factory.mktemp("tdc") / "run"
-    out = run_tdc(tiny_cfg(run), TINY_TDC, run, verbose=False)
+    calls = []  # the timestep of every network evaluation of the bundle (only the grid samples it)
+    forward = MultiExpertDenoiser.forward
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(MultiExpertDenoiser, "forward", lambda self, x, t, *a: calls.append(t) or forward(self, x, t, *a))
+        out = run_tdc(tiny_cfg(run), TINY_TDC, run, verbose=False)
+    out["grid_timesteps"] = calls
     yield run, out
     torch.set_num_threads(n)
 
@@ -110,6 +116,18 @@ def test_accounting_matches_formula(tdc_run):
     assert out["accounting_data"] == acc
     text = format_accounting(acc)
     assert f"ratio {acc['training']['ratio']:.3f}" in text and "sampling ddim4" in text and "sampling ddpm40" in text
+
+
+def test_grid_and_accounting_use_one_sampler(tdc_run):
+    """The sampling accounting counts the network evaluations the grid's sampler made, group by group."""
+    run, out = tdc_run
+    multi, cfg = load_bundle_with_config(run / "bundle")
+    calls = out["grid_timesteps"]
+    assert all(t.unique().numel() == 1 for t in calls)  # each evaluation is at one timestep
+    visited = torch.cat([t.unique() for t in calls])
+    acc = out["accounting_data"]["sampling"][f"{cfg.logging.sampler}{cfg.logging.sample_steps}"]
+    assert acc["steps"] == len(calls) == 4
+    assert torch.bincount(multi.group_index(visited), minlength=2).tolist() == acc["steps_per_group"]
 
 
 def _sample_args(*argv):
@@ -197,13 +215,15 @@ def test_trainer_rejects_mismatched_model(tmp_path):
 @pytest.mark.parametrize(
     "data, match",
     [
-        ({"k": 0.0}, r"tdc.k must lie in \(0, 1\]"),
-        ({"proposer": "random"}, "tdc.proposer 'random' is not valid; valid choices: local, uniform, llm"),
+        ({"k": 0.0}, r"tdc.k must lie in \(0.0, 1.0\], got 0.0"),
+        ({"proposer": "random"}, "invalid value 'random' for tdc.proposer; valid choices: local, uniform, llm"),
         ({"proposer": "llm"}, "needs tdc.llm_url and tdc.llm_model"),
         ({"rounds": 0}, "tdc.rounds must be >= 1"),
+        ({"recover_lr": float("inf")}, r"tdc.recover_lr must be a finite number, got inf"),
         ({"finetune_steps": 2.5}, "tdc.finetune_steps must be of type int, got 2.5"),
-        ({"bogus": 1}, "unknown tdc option 'bogus'; valid keys: num_groups"),
+        ({"bogus": 1}, "unknown config key 'tdc.bogus'; valid keys of tdc: num_groups"),
         ({"group_method": "kmeans"}, "valid choices: db, uniform, snr, log_snr"),
+        ({"num_groups": 1001}, r"tdc.num_groups \(1001\) must be <= diffusion.num_timesteps \(1000\)"),
     ],
 )
 def test_options_errors(data, match):
@@ -213,8 +233,10 @@ def test_options_errors(data, match):
 
 def test_options_and_stage2_config(tmp_path):
     opts = options_from_dict({"k": 1, "finetune_steps": 7, "finetune_lr": 3e-4})
-    assert opts.k == 1.0 and isinstance(opts.k, float)
-    cfg = stage2_config(tiny_cfg(tmp_path, "curriculum.pacing=patience", "optim.warmup_steps=50"), opts, tmp_path / "f")
+    assert opts.k == 1.0 and isinstance(opts.k, float) and isinstance(opts, TDCConfig) and TDCOptions is TDCConfig
+    base = tiny_cfg(tmp_path, "curriculum.pacing=patience", "optim.warmup_steps=50")
+    base.tdc = opts
+    cfg = stage2_config(base, tmp_path / "f")
     assert cfg.engine.max_steps == 7 and cfg.curriculum.pacing == "none" and cfg.optim.lr == 3e-4
     assert cfg.logging.num_samples == 0 and cfg.checkpoint.run_dir == str(tmp_path / "f")
     assert cfg.optim.warmup_steps == 0 and cfg.checkpoint.every == 7
@@ -233,25 +255,30 @@ def test_options_and_stage2_config(tmp_path):
             ],
             "TDC runs on the ddpm formulation",
         ),  # fmt: skip
-        (["diffusion.prediction=x0"], "eps objective, got diffusion.prediction 'x0'"),
         (["model.dtr=true"], "model.dtr=True is not supported"),
+        (["logging.sampler=heun"], "ddpm or ddim sampler, got logging.sampler 'heun'"),
+        (["logging.sampler=euler"], "ddpm or ddim sampler, got logging.sampler 'euler'"),
+        (["tdc.num_groups=41"], r"tdc.num_groups \(41\) must be <= diffusion.num_timesteps \(40\)"),
+        (["tdc.search_batches=200"], r"\(200 \+ 2\) batches of 17 need 3434 samples, the dataset has 1797"),
     ],
 )
 def test_run_tdc_rejects_unsupported(tmp_path, extra, match):
+    """Refused up front: nothing is written and stage 1 does not train."""
     with pytest.raises(ValueError, match=match):
-        run_tdc(tiny_cfg(tmp_path / "r", *extra), TDCOptions(), tmp_path / "r", verbose=False)
+        run_tdc(tiny_cfg(tmp_path / "r", *extra), None, tmp_path / "r", verbose=False)
     assert not (tmp_path / "r").exists()
 
 
 def test_prepare_refuses_then_overwrites_only_artefacts(tmp_path):
     run = tmp_path / "run"
     (run / "group_0").mkdir(parents=True)
+    (run / "group_12").mkdir()
     (run / "stage1").mkdir()
     (run / "accounting.json").write_text("{}")
     (run / "notes.txt").write_text("keep")
-    with pytest.raises(FileExistsError, match="pass --overwrite"):
-        _prepare(run, overwrite=False)
-    _prepare(run, overwrite=True)
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        prepare_run_dir(run, resume=False, overwrite=False)
+    clear_artifacts(run, TDC_ARTIFACTS)
     assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
 
 
@@ -262,22 +289,26 @@ def _tdc_args(*argv):
 
 
 def test_cli_resolve_defaults_recipe_and_overrides(tmp_path, capsys):
-    cfg, opts, run_dir = tdc_cli.resolve(_tdc_args())
+    cfg, run_dir = tdc_cli.resolve(_tdc_args())
+    opts = cfg.tdc
     assert (opts.num_groups, opts.k, opts.rounds, opts.candidates) == (3, 0.5, 2, 3)
     assert 100 <= cfg.engine.max_steps <= 1000 and cfg.curriculum.pacing == "none" and str(run_dir) == "runs/tdc"
-    cfg, opts, _ = tdc_cli.resolve(_tdc_args("--curriculum", "--set", "tdc.rounds=5", "--set", "optim.lr=2e-4"))
-    assert cfg.curriculum.pacing == "patience" and opts.rounds == 5 and cfg.optim.lr == 2e-4
+    cfg, _ = tdc_cli.resolve(_tdc_args("--curriculum", "--set", "tdc.rounds=5", "--set", "optim.lr=2e-4"))
+    assert cfg.curriculum.pacing == "patience" and cfg.tdc.rounds == 5 and cfg.optim.lr == 2e-4
     recipe = tmp_path / "r.yaml"
     recipe.write_text("model: {hidden_size: 32, num_heads: 2}\ntdc: {num_groups: 4, k: 0.25, proposer: uniform}\n"
                       "checkpoint: {run_dir: out/x}\n")  # fmt: skip
-    cfg, opts, run_dir = tdc_cli.resolve(_tdc_args(str(recipe), "--set", "tdc.k=0.75", "--run-dir", "y"))
+    cfg, run_dir = tdc_cli.resolve(_tdc_args(str(recipe), "--set", "tdc.k=0.75", "--run-dir", "y"))
+    opts = cfg.tdc
     assert cfg.model.hidden_size == 32 and (opts.num_groups, opts.k, opts.proposer) == (4, 0.75, "uniform")
     assert str(run_dir) == "y"
     assert tdc_cli.run(_tdc_args(str(recipe), "--dry-run")) == 0
     assert "num_groups: 4" in capsys.readouterr().out
+    assert tdc_cli.run(_tdc_args("--help-config")) == 0
+    assert "tdc:  # TDC training" in capsys.readouterr().out
     with pytest.raises(ValueError, match="unknown config section 'tdcx'"):
         tdc_cli.resolve(_tdc_args("--set", "tdcx.rounds=1"))
-    with pytest.raises(ValueError, match="unknown tdc option 'round'"):
+    with pytest.raises(ValueError, match="unknown config key 'tdc.round'; valid keys of tdc: num_groups"):
         tdc_cli.resolve(_tdc_args("--set", "tdc.round=1"))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         tdc_cli.resolve(_tdc_args(str(tmp_path / "missing.yaml")))
@@ -287,7 +318,7 @@ def test_cli_refuses_existing_run_dir(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "tdc.json").write_text("{}")
-    with pytest.raises(FileExistsError, match="not empty; pass --overwrite"):
+    with pytest.raises(FileExistsError, match="not empty; pass .*--overwrite"):
         tdc_cli.run(_tdc_args("--run-dir", str(run), *[a for s in TINY for a in ("--set", s)]))
 
 
@@ -301,8 +332,9 @@ def test_curriculum_stage1_llm_proposer_and_overwrite(tmp_path):
     cfg = tiny_cfg(run, "curriculum.pacing=patience", "curriculum.patience=1", "curriculum.eval_every=1",
                    "logging.num_samples=0")  # fmt: skip
     recipe = tmp_path / "recipe.yaml"  # a recipe path with a tdc: section; the options dict overrides it
-    recipe.write_text(yaml.safe_dump({**cfg.to_dict(), "tdc": {**TINY_TDC, "proposer": "llm", "rounds": 3}}))
-    opts = {"llm_url": "http://127.0.0.1:9/v1", "llm_model": "m", "rounds": 1}
+    llm = {"proposer": "llm", "llm_url": "http://127.0.0.1:9/v1", "llm_model": "m"}
+    recipe.write_text(yaml.safe_dump({**cfg.to_dict(), "tdc": {**TINY_TDC, **llm, "rounds": 3}}))
+    opts = {"rounds": 1}
     out = run_tdc(recipe, opts, run, overwrite=True, verbose=False)
     assert not (run / "group_5").exists() and (run / "notes.txt").read_text() == "keep"
     assert (run / "stage1" / "curriculum.png").is_file() and "samples" not in out
@@ -321,3 +353,29 @@ def test_bundle_without_config_is_refused(tdc_run, tmp_path):
     (tmp_path / "b" / "train_config.json").unlink()
     with pytest.raises(ValueError, match="has no train_config.json"):
         load_bundle_with_config(tmp_path / "b")
+
+
+def test_search_scores_on_the_training_objective(tmp_path, monkeypatch):
+    """Importance, recovery and the proxy use the objective stage 1 trained (here MinSNR-1 on v prediction): the
+    proxy of every candidate equals the held-out loss recomputed with that objective."""
+    from diffcurr_fast.objective import batch_loss
+    from diffcurr_fast.tdc import search
+
+    seen = []
+    real = search.proxy_loss
+
+    def spy(model, group, heldout, *, objective, seed=1234):
+        value = real(model, group, heldout, objective=objective, seed=seed)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            again = sum(float(batch_loss(objective, model.eval(), x, y, (group.lo, group.hi), gen)) for x, y in heldout)
+        seen.append((objective.prediction, objective.weighting, objective.gamma, value, again / len(heldout)))
+        return value
+
+    monkeypatch.setattr(search, "proxy_loss", spy)
+    cfg = tiny_cfg(tmp_path / "r", "diffusion.prediction=v", "diffusion.weighting=min_snr", "diffusion.min_snr_gamma=1",
+                   "logging.num_samples=0")  # fmt: skip
+    run_tdc(cfg, {**TINY_TDC, "finetune_steps": 1}, tmp_path / "r", verbose=False)
+    assert seen and all(s[:3] == ("v", "min_snr", 1.0) for s in seen)
+    for *_, value, again in seen:
+        assert value == pytest.approx(again, rel=1e-6)

@@ -50,7 +50,7 @@ def setup():
     g = torch.Generator().manual_seed(1)
     train = [(torch.randn(5, 3, 4, 4, generator=g), torch.randint(0, 4, (5,), generator=g)) for _ in range(2)]
     held = [(torch.randn(3, 3, 4, 4, generator=g), torch.randint(0, 4, (3,), generator=g))]
-    imp = importance_scores(model, "taylor", schedule=s, group=group, batches=train)
+    imp = importance_scores(model, "taylor", objective=s, group=group, batches=train)
     return model, s, group, train, held, imp
 
 
@@ -111,23 +111,23 @@ def test_recover_and_proxy(setup):
     import copy
 
     m = copy.deepcopy(model)
-    before = proxy_loss(m, group, train, schedule=s)
-    assert proxy_loss(m, group, train, schedule=s) == before  # fixed draws: deterministic
-    losses = recover(m, group, train, 6, schedule=s, lr=3e-3)
+    before = proxy_loss(m, group, train, objective=s)
+    assert proxy_loss(m, group, train, objective=s) == before  # fixed draws: deterministic
+    losses = recover(m, group, train, 6, objective=s, lr=3e-3)
     assert len(losses) == 6 and all(math.isfinite(v) for v in losses)
-    assert proxy_loss(m, group, train, schedule=s) < before
+    assert proxy_loss(m, group, train, objective=s) < before
     assert not m.training
     with pytest.raises(ValueError, match="steps"):
-        recover(m, group, train, -1, schedule=s)
+        recover(m, group, train, -1, objective=s)
     with pytest.raises(ValueError, match="held-out"):
-        proxy_loss(m, group, [], schedule=s)
+        proxy_loss(m, group, [], objective=s)
 
 
 def test_proxy_search_local(setup, tmp_path):
     model, s, group, train, held, imp = setup
     res = proxy_search(
-        model, group, group.flops, train, held, schedule=s, importance=imp, rounds=2, candidates_per_round=3,
-        recover_steps=1, log_path=tmp_path / "search.json",
+        model, group, group.flops, train, held, objective=s, importance=imp, proposer=LocalProposer(), rounds=2,
+        candidates_per_round=3, recover_steps=1, log_path=tmp_path / "search.json",
     )  # fmt: skip
     assert len(res.history) == 2 and len(res.bank) == 6
     assert res.best.score == min(c.score for c in res.bank.entries)
@@ -142,7 +142,9 @@ def test_proxy_search_local(setup, tmp_path):
     png = plot_history(res.history, tmp_path / "curve.png")
     assert png.stat().st_size > 1000
     with pytest.raises(ValueError, match="budget"):
-        proxy_search(model, group, 1.0, train, held, schedule=s, importance=imp)
+        proxy_search(model, group, 1.0, train, held, objective=s, importance=imp, proposer=LocalProposer())
+    with pytest.raises(TypeError, match="make_proposer"):  # a proposer object, not a name
+        proxy_search(model, group, group.flops, train, held, objective=s, importance=imp, proposer="local")
 
 
 # ---------------------------------------------------------------------------------------------- llm
@@ -228,7 +230,7 @@ def test_llm_proposer_against_local_server(setup, server, monkeypatch):
     over = ([3, 3, 3], [60, 60, 60])
     out_of_range = ([5, 0, 0], [1, 1, 1])
     server.replies = [
-        ("content", _content([good, over, out_of_range, good2, good])),  # 2 valid, 1 over, 1 invalid, 1 duplicate
+        ("content", _content([good, over, out_of_range, good2, good])),  # the search checks them, not the proposer
         ("content", "this is not JSON"),
         ("raw", "{broken"),
         ("content", _content([over])),
@@ -237,15 +239,17 @@ def test_llm_proposer_against_local_server(setup, server, monkeypatch):
     ]
     p = LLMProposer(server.url, "test-model", api_key_env="TDC_TEST_LLM_KEY", timeout=0.5)
     rng = random.Random(0)
-    assert p.propose(state, 4, rng) == [good, good2]
+    assert p.propose(state, 4, rng) == [good, over, out_of_range, good2, good]
     req = server.requests[0]
     assert req["path"] == "/v1/chat/completions" and req["auth"] == "Bearer sk-local-test"
     assert req["body"]["model"] == "test-model"
     assert json.loads(req["body"]["messages"][1]["content"])["flops_budget"] == group.flops
-    for _ in range(5):
+    assert p.propose(state, 4, rng) == []  # not JSON
+    assert p.propose(state, 4, rng) == []  # not a chat-completions body
+    assert p.propose(state, 4, rng) == [over]
+    for _ in range(2):  # HTTP 500, timeout
         assert p.propose(state, 4, rng) == []
-    assert p.stats == {"requests": 6, "network_errors": 1, "timeouts": 1, "parse_errors": 2, "invalid": 1,
-                       "over_budget": 2, "duplicates": 1, "accepted": 2}  # fmt: skip
+    assert p.stats == {"requests": 6, "network_errors": 1, "timeouts": 1, "parse_errors": 2}
 
 
 def test_llm_proposer_config_errors(monkeypatch):
@@ -263,34 +267,60 @@ def test_proxy_search_with_llm_and_fallback(setup, server):
     good = select_widths(model.config(), imp, group.flops)
     server.replies = [("content", _content([good, ([3, 3, 3], [60, 60, 60])])), ("content", "nope")]
     p = LLMProposer(server.url, "m", timeout=5.0)
-    res = proxy_search(model, group, group.flops, train, held, schedule=s, importance=imp, proposer=p, rounds=2,
-                       candidates_per_round=2, recover_steps=0)  # fmt: skip
+    res = proxy_search(model, group, group.flops, train, held, objective=s, importance=imp, proposer=p,
+                       fallback=LocalProposer(), rounds=2, candidates_per_round=2, recover_steps=0)  # fmt: skip
     sources = [c.source for c in res.bank.entries]
     assert sources.count("llm") == 1 and sources.count("local") == 3  # the shortfall is filled locally
-    assert res.rejected["llm_over_budget"] == 1 and res.rejected["llm_parse_errors"] == 1
+    assert res.rejected["over_budget"] == 1 and res.rejected["llm_parse_errors"] == 1
     assert len(server.requests) == 2
     assert len(json.loads(server.requests[1]["body"]["messages"][1]["content"])["memory_bank_best_first"]) == 2
 
 
 class _BadProposer:
-    """Returns an over-budget, an out-of-range, a malformed and a repeated allocation, then one good one."""
+    """Returns an over-budget, an out-of-range and a malformed allocation, a good one twice, then ``more``."""
 
     name = "bad"
 
-    def __init__(self, good):
-        self.good = good
+    def __init__(self, good, more=()):
+        self.good, self.more = good, list(more)
 
     def propose(self, state, n, rng):
-        return [([3, 3, 3], [60, 60, 60]), ([9, 0, 0], [0, 0, 0]), ([1, 1], [1, 1]), self.good, self.good]
+        return [([3, 3, 3], [60, 60, 60]), ([9, 0, 0], [0, 0, 0]), ([1, 1], [1, 1]), self.good, self.good, *self.more]
 
 
 def test_proxy_search_rejects_and_counts(setup):
     model, s, group, train, held, imp = setup
     good = select_widths(model.config(), imp, group.flops)
-    res = proxy_search(model, group, group.flops, train, held, schedule=s, importance=imp,
-                       proposer=_BadProposer(good), rounds=1, candidates_per_round=2, recover_steps=0)  # fmt: skip
+    res = proxy_search(model, group, group.flops, train, held, objective=s, importance=imp,
+                       proposer=_BadProposer(good), fallback=LocalProposer(), rounds=1, candidates_per_round=2,
+                       recover_steps=0)  # fmt: skip
     assert res.rejected == {"over_budget": 1, "invalid": 2, "duplicate": 1}
     assert [c.source for c in res.bank.entries] == ["bad", "local"]
+    fewer = (list(good[0]), [max(0, v - 3) for v in good[1]])
+    res = proxy_search(model, group, group.flops, train, held, objective=s, importance=imp,
+                       proposer=_BadProposer(good, [fewer]), rounds=1, candidates_per_round=1,
+                       recover_steps=0)  # fmt: skip
+    assert res.rejected == {"over_budget": 1, "invalid": 2, "duplicate": 1, "surplus": 1}  # one asked, two valid
+    assert [(c.heads, c.mlp, c.source) for c in res.bank.entries] == [(*good, "bad")]
     with pytest.raises(ValueError, match="no valid candidate"):
-        proxy_search(model, group, group.flops, train, held, schedule=s, importance=imp,
-                     proposer=_BadProposer(([3, 3, 3], [60, 60, 60])), rounds=1, fallback=False)  # fmt: skip
+        proxy_search(model, group, group.flops, train, held, objective=s, importance=imp,
+                     proposer=_BadProposer(([3, 3, 3], [60, 60, 60])), rounds=1)  # fmt: skip
+
+
+def test_search_imports_no_proposer():
+    """The search sees proposers only through the ``Proposer`` protocol; the registry matches the config's names."""
+    import ast
+    import importlib
+
+    from diffcurr_fast.tdc import PROPOSERS
+    from diffcurr_fast.tdc.proposers import _REGISTRY
+
+    def imports(name):
+        tree = ast.parse(open(importlib.import_module(name).__file__).read())
+        return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
+            a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+        }
+
+    assert not imports("diffcurr_fast.tdc.search") & {"diffcurr_fast.tdc.proposers", "diffcurr_fast.tdc.llm"}
+    assert not imports("diffcurr_fast.tdc.llm") & {"diffcurr_fast.tdc.proposers", "diffcurr_fast.tdc.proxy"}
+    assert tuple(_REGISTRY) == PROPOSERS

@@ -25,20 +25,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from diffcurr_fast.data.builtin import load_digits_tensors
 from diffcurr_fast.objective import Objective, batch_loss, fit_steps
 
 # ---------------------------------------------------------------------------------------------------------------
 # data
 
 
-def load_digits_data(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """scikit-learn's 1,797 8x8 digits as images (N, 1, 8, 8) scaled from 0..16 to [-1, 1], and labels (N,) int64."""
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    x = torch.as_tensor(digits.images, dtype=torch.float64).unsqueeze(1) / 8.0 - 1.0  # (N, 1, 8, 8)
-    y = torch.as_tensor(digits.target, dtype=torch.long)
-    return x.to(dtype), y
+# scikit-learn's 8x8 digits as images (N, 1, 8, 8) in [-1, 1] and labels (N,): the built-in dataset's loader.
+load_digits_data = load_digits_tensors
 
 
 def _sqrt_coefficients(schedule: Any, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -339,7 +334,10 @@ def convergence_by_interval(
 
         eval_steps, eval_loss = [0], [evaluate()]
 
-        def on_step(step: int, loss: float, evaluate=evaluate, eval_steps=eval_steps, eval_loss=eval_loss) -> None:
+        def on_step(step: int, loss: float, evaluate=evaluate, eval_steps=eval_steps, eval_loss=eval_loss,
+                    cells=(lo, hi)) -> None:  # fmt: skip
+            if not math.isfinite(loss):
+                raise ValueError(f"non-finite training loss {loss} at step {step} of interval {cells}")
             if step % eval_every == 0 or step == steps:
                 eval_steps.append(step)
                 eval_loss.append(evaluate())

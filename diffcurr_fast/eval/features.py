@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffcurr_fast.data.builtin import load_digits_tensors
 from diffcurr_fast.eval.inception import load_fid_inception
 
 EXTRACTORS = ("digits", "inception")
@@ -46,15 +47,12 @@ def single_thread() -> Iterator[None]:
 
 def load_digits_data(seed: int = 0, test_fraction: float = 0.2) -> tuple[torch.Tensor, ...]:
     """scikit-learn digits as (x_train (N, 1, 8, 8) in [-1, 1], y_train, x_test, y_test), stratified split."""
-    from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
-    d = load_digits()
-    x = d.images.astype(np.float32) / 8.0 - 1.0  # pixel values 0..16 -> [-1, 1]
-    xtr, xte, ytr, yte = train_test_split(x, d.target, test_size=test_fraction, random_state=seed, stratify=d.target)
-    as_x = lambda a: torch.from_numpy(a).unsqueeze(1)  # (N, 1, 8, 8)
-    as_y = lambda a: torch.from_numpy(a.astype(np.int64))
-    return as_x(xtr), as_y(ytr), as_x(xte), as_y(yte)
+    x, y = load_digits_tensors()
+    xtr, xte, ytr, yte = train_test_split(x.numpy(), y.numpy(), test_size=test_fraction, random_state=seed,
+                                          stratify=y.numpy())  # fmt: skip
+    return torch.from_numpy(xtr), torch.from_numpy(ytr), torch.from_numpy(xte), torch.from_numpy(yte)
 
 
 class DigitsCNN(nn.Module):

@@ -15,21 +15,8 @@ from diffcurr_fast.tdc.grouping import (
 )
 from diffcurr_fast.tdc.llm import LLMProposer, parse_reply
 from diffcurr_fast.tdc.pipeline import TDCOptions, load_bundle_with_config, options_from_dict, run_tdc
-from diffcurr_fast.tdc.proxy import (
-    PROPOSERS,
-    Candidate,
-    LocalProposer,
-    MemoryBank,
-    SearchResult,
-    SearchState,
-    UniformProposer,
-    make_proposer,
-    plot_history,
-    proxy_loss,
-    proxy_search,
-    recover,
-    validate_widths,
-)
+from diffcurr_fast.tdc.proposers import PROPOSERS, LocalProposer, UniformProposer, make_proposer
+from diffcurr_fast.tdc.proxy import proxy_loss, recover
 from diffcurr_fast.tdc.prune import (
     IMPORTANCE_METHODS,
     Importance,
@@ -41,6 +28,17 @@ from diffcurr_fast.tdc.prune import (
     select_widths,
     unit_costs,
 )
+from diffcurr_fast.tdc.search import (
+    Candidate,
+    MemoryBank,
+    Proposer,
+    SearchResult,
+    SearchState,
+    plot_history,
+    proxy_search,
+    validate_widths,
+)
+from diffcurr_fast.train.config import TDCConfig
 
 __all__ = [
     "COMPILE_MODES",
@@ -54,8 +52,10 @@ __all__ = [
     "LocalProposer",
     "MemoryBank",
     "MultiExpertDenoiser",
+    "Proposer",
     "SearchResult",
     "SearchState",
+    "TDCConfig",
     "TDCOptions",
     "TimestepGroup",
     "UniformProposer",

@@ -1,9 +1,10 @@
-"""``diffcurr-fast tdc [RECIPE] [--set a.b=value ...] [--set tdc.key=value ...] [--overwrite] [--dry-run]``.
+"""``diffcurr-fast tdc [RECIPE] [--set a.b=value ...] [--set tdc.key=value ...] [--overwrite] [--dry-run]
+[--help-config]``.
 
 Without a recipe it runs a small TDC run on the built-in digits (``TDC_DEMO``): stage 1 trains the demo DiT for a
 few hundred steps, then N = 3 groups with k = 0.5 are pruned by a 2-round x 3-candidate proxy search and fine-tuned.
-A recipe is a training recipe (the sections of ``diffcurr_fast.train.config``) with an optional ``tdc:`` section of
-``TDCOptions`` fields; ``--set tdc.rounds=4`` overrides those like any training key.
+A recipe is a training recipe (the sections of ``diffcurr_fast.train.config``, its ``tdc:`` section included);
+``--set tdc.rounds=4`` overrides a TDC option like any training key.
 """
 
 from __future__ import annotations
@@ -16,8 +17,14 @@ from typing import Any
 
 import yaml
 
-from diffcurr_fast.tdc.pipeline import TDCOptions, load_tdc_recipe, options_from_dict
-from diffcurr_fast.train.config import DEMO, TrainConfig, config_from_dict, parse_override
+from diffcurr_fast.train.config import (
+    DEMO,
+    TrainConfig,
+    apply_overrides,
+    config_from_dict,
+    describe_config,
+    load_config,
+)
 
 # The embedded default run: the training demo's model and data, 800 steps of stage 1 without the curriculum (the
 # TDC paper's stage 1; --curriculum turns it on), then three experts (N = 3, k = 0.5) with 2 x 3 candidate searches
@@ -28,8 +35,8 @@ TDC_DEMO["optim"].update({"warmup_steps": 50, "schedule": "constant", "min_lr": 
 TDC_DEMO["engine"]["max_steps"] = 800
 TDC_DEMO["logging"].update({"num_samples": 100, "sample_steps": 50, "progress": False})
 TDC_DEMO["checkpoint"] = {"run_dir": "runs/tdc", "every": 1000, "keep_last": 1}
-TDC_DEMO_OPTIONS: dict[str, Any] = {"num_groups": 3, "k": 0.5, "rounds": 2, "candidates": 3, "recover_steps": 10,
-                                    "finetune_steps": 200, "finetune_lr": 5e-4}  # fmt: skip
+TDC_DEMO["tdc"] = {"num_groups": 3, "k": 0.5, "rounds": 2, "candidates": 3, "recover_steps": 10,
+                   "finetune_steps": 200, "finetune_lr": 5e-4}  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,47 +52,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--curriculum", action="store_true",
                         help="stage 1 with the difficulty curriculum (sets curriculum.pacing=patience)")  # fmt: skip
     parser.add_argument("--overwrite", action="store_true", help="replace the TDC artefacts of a non-empty run dir")
-    parser.add_argument("--dry-run", action="store_true", help="print the resolved config and options and exit")
+    parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--help-config", action="store_true", help="list every config key (tdc.* too) and exit")
 
 
-def resolve(args: argparse.Namespace) -> tuple[TrainConfig, TDCOptions, Path]:
-    """The training config, TDC options and run directory of ``args`` (recipe, then ``--set`` overrides)."""
+def resolve(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
+    """The config (its tdc section included) and run directory of ``args``: recipe, then ``--set`` overrides."""
+    overrides = [*args.overrides, *(["curriculum.pacing=patience"] if args.curriculum else [])]
     if args.recipe is None:
-        data: dict[str, Any] = copy.deepcopy(TDC_DEMO)
-        tdc_data: dict[str, Any] = dict(TDC_DEMO_OPTIONS)
+        cfg = apply_overrides(config_from_dict(copy.deepcopy(TDC_DEMO)), overrides)
     else:
-        data, tdc_data = load_tdc_recipe(args.recipe)
-    overrides = list(args.overrides)
-    if args.curriculum:
-        overrides.append("curriculum.pacing=patience")
-    for text in overrides:
-        key, value = parse_override(text)
-        sec, _, name = key.partition(".")
-        if not name or "." in name:
-            raise ValueError(f"override keys look like section.field or tdc.option, got {key!r}")
-        if sec == "tdc":
-            tdc_data[name] = value
-        else:
-            section = data.setdefault(sec, {})
-            if not isinstance(section, dict):
-                raise ValueError(f"config section {sec!r} must be a mapping, got {section!r}")
-            section[name] = value
-    cfg = config_from_dict(data)
-    opts = options_from_dict(tdc_data)
-    run_dir = Path(args.run_dir or cfg.checkpoint.run_dir)
-    return cfg, opts, run_dir
+        cfg = load_config(args.recipe, overrides)
+    return cfg, Path(args.run_dir or cfg.checkpoint.run_dir)
 
 
 def run(args: argparse.Namespace) -> int:
     """Resolve the run and execute ``run_tdc`` (or print it with ``--dry-run``). Returns the exit status."""
-    cfg, opts, run_dir = resolve(args)
+    if args.help_config:
+        print(describe_config())
+        return 0
+    cfg, run_dir = resolve(args)
     if args.dry_run:
-        sys.stdout.write(yaml.safe_dump({**cfg.to_dict(), "tdc": opts.to_dict(), "run_dir": str(run_dir)},
-                                        sort_keys=False))  # fmt: skip
+        sys.stdout.write(yaml.safe_dump({**cfg.to_dict(), "run_dir": str(run_dir)}, sort_keys=False))
         return 0
     from diffcurr_fast.tdc.pipeline import run_tdc
 
-    out = run_tdc(cfg, opts, run_dir, overwrite=args.overwrite)
+    out = run_tdc(cfg, None, run_dir, overwrite=args.overwrite)
     print(f"done: TDC run in {out['run_dir']}")
     print(f"  bundle: {out['bundle']} (diffcurr-fast sample --bundle {out['bundle']} --out samples.png)")
     print(f"  accounting: {out['accounting']}")

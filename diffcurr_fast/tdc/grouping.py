@@ -20,12 +20,9 @@ from typing import Any
 
 import torch
 
-from diffcurr_fast.curriculum.clustering import (
-    CLUSTER_METHODS,
-    check_clusters,
-    cluster_timesteps,
-    snr_interval_clusters,
-)
+from diffcurr_fast.curriculum.clustering import check_clusters, cluster_timesteps, snr_interval_clusters
+from diffcurr_fast.diffusion import snr_to_db
+from diffcurr_fast.train.config import FULL_BUDGET_ENDS, GROUP_METHODS
 
 __all__ = [
     "FULL_BUDGET_ENDS",
@@ -36,9 +33,6 @@ __all__ = [
     "make_groups",
     "snr_db",
 ]
-
-FULL_BUDGET_ENDS = ("hardest", "easiest")
-GROUP_METHODS = ("db", *CLUSTER_METHODS)
 
 
 @dataclass(frozen=True)
@@ -93,10 +87,8 @@ class TimestepGroup:
 
 def snr_db(schedule: Any, t: torch.Tensor | None = None) -> torch.Tensor:
     """SNR in decibels, 10 log10(abar_t / (1 - abar_t)) (TDC Eq. 1), float64, at ``t`` (default: every t)."""
-    abar = torch.as_tensor(schedule.alphas_cumprod, dtype=torch.float64)
-    if t is not None:
-        abar = abar[torch.as_tensor(t, dtype=torch.long)]
-    return 10.0 * torch.log10(abar / (1.0 - abar))
+    t = torch.arange(schedule.num_timesteps) if t is None else torch.as_tensor(t, dtype=torch.long)
+    return snr_to_db(schedule.snr(t))
 
 
 def budget_ratio(rank: int, num_groups: int, k: float) -> float:

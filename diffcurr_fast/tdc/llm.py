@@ -4,8 +4,9 @@ TDC (arXiv 2312.13307, Sec. 3.3) asks GPT-4 for candidate allocations given the 
 whatever the user configures (``url``, ``model``, the *name* of the environment variable holding the API key); no
 request is made unless an ``LLMProposer`` is built and asked to propose. The reply must be a JSON object
 ``{"candidates": [{"heads": [...], "mlp_hidden": [...]}, ...]}`` (optionally inside one ```json fence). Replies are
-parsed strictly: anything else, widths out of range, over-budget or duplicate allocations are rejected and counted
-in ``stats``; network errors and timeouts are counted too and give no proposals, never an exception.
+parsed strictly: anything else is counted in ``stats`` as a parse error; network errors and timeouts are counted
+too; all three give no proposals, never an exception. The allocations themselves are checked by the search (widths,
+budget, repeats), as those of every proposer.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from diffcurr_fast.tdc.proxy import SearchState, validate_widths
+from diffcurr_fast.tdc.search import SearchState
 
 __all__ = ["LLMProposer", "SYSTEM_PROMPT", "parse_reply"]
 
@@ -29,7 +30,7 @@ SYSTEM_PROMPT = (
     'only: {"candidates": [{"heads": [int per block], "mlp_hidden": [int per block]}, ...]}.'
 )
 
-_STATS = ("requests", "network_errors", "timeouts", "parse_errors", "invalid", "over_budget", "duplicates", "accepted")
+_STATS = ("requests", "network_errors", "timeouts", "parse_errors")
 
 
 class ReplyError(ValueError):
@@ -147,28 +148,15 @@ class LLMProposer:
             self.last_error = f"{type(exc).__name__}: {exc}"
         return None
 
-    def propose(self, state: SearchState, n: int, rng: random.Random) -> list[tuple[list[int], list[int]]]:
-        """Ask the endpoint once; return its valid, new, within-budget allocations (at most ``n``)."""
+    def propose(self, state: SearchState, n: int, rng: random.Random) -> list[tuple[Any, Any]]:
+        """Ask the endpoint once for ``n`` allocations; return the ``(heads, mlp_hidden)`` of its reply, as given."""
+        del rng  # the endpoint samples on its own
         body = self._request(state, n)
         if body is None:
             return []
         try:
-            candidates = parse_reply(body)
+            return [(c["heads"], c["mlp_hidden"]) for c in parse_reply(body)]
         except ReplyError as exc:
             self.stats["parse_errors"] += 1
             self.last_error = str(exc)
             return []
-        out: list[tuple[list[int], list[int]]] = []
-        for c in candidates:
-            heads, mlp = c["heads"], c["mlp_hidden"]
-            reason = validate_widths(state, heads, mlp)
-            if reason is not None:
-                self.stats["over_budget" if reason.startswith("over budget") else "invalid"] += 1
-                continue
-            if (heads, mlp) in state.bank or (list(heads), list(mlp)) in out:
-                self.stats["duplicates"] += 1
-                continue
-            if len(out) < n:
-                out.append((list(heads), list(mlp)))
-                self.stats["accepted"] += 1
-        return out

@@ -23,13 +23,15 @@ from dataclasses import dataclass
 
 import torch
 
-from diffcurr_fast.diffusion.losses import training_losses
+from diffcurr_fast.objective import batch_loss, default_objective
 from diffcurr_fast.tdc.flops import block_flops, default_widths, widths_flops
+from diffcurr_fast.train.config import IMPORTANCE_METHODS
 
 __all__ = [
     "IMPORTANCE_METHODS",
     "Importance",
     "Batches",
+    "group_cells",
     "group_loss",
     "importance_scores",
     "keep_indices",
@@ -40,7 +42,6 @@ __all__ = [
     "unit_costs",
 ]
 
-IMPORTANCE_METHODS = ("taylor", "magnitude")
 Batches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -62,21 +63,18 @@ def _check_batches(batches: Batches) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def _group_t(group, n: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+def group_cells(group) -> tuple[int, int]:
+    """The [lo, hi) cell range of a ``TimestepGroup`` or an ``(lo, hi)`` pair."""
     lo, hi = (group.lo, group.hi) if hasattr(group, "lo") else (int(group[0]), int(group[1]))
     if hi <= lo:
         raise ValueError(f"group range must be non-empty, got [{lo}, {hi})")
-    return torch.randint(lo, hi, (n,), generator=generator).to(device)
+    return lo, hi
 
 
-def group_loss(model, schedule, group, x0: torch.Tensor, y: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Mean diffusion loss (IDDPM hybrid, or MSE without learned sigma) of ``model`` on t ~ U[group]."""
-    t = _group_t(group, x0.shape[0], generator, x0.device)
-    noise = torch.randn(x0.shape, generator=generator, dtype=x0.dtype).to(x0.device)
-    terms = training_losses(
-        schedule, model, x0, t, noise, {"y": y}, learn_sigma=bool(getattr(model, "learn_sigma", False))
-    )
-    return terms["loss"].mean()
+def group_loss(model, objective, group, x0: torch.Tensor, y: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Mean training-objective loss of ``model`` on x0 with t ~ U[group] (``objective``: an ``Objective``, or a
+    formulation for its plain eps objective)."""
+    return batch_loss(default_objective(objective, model), model, x0, y, group_cells(group), generator)
 
 
 def _unit_sums(block, values: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,15 +107,16 @@ def importance_scores(
     model,
     method: str = "taylor",
     *,
-    schedule=None,
+    objective=None,
     group=None,
     batches: Batches | None = None,
     seed: int = 0,
 ) -> Importance:
     """Score every head and MLP channel of ``model`` (see the module docstring).
 
-    ``taylor`` needs ``schedule``, ``group`` (a ``TimestepGroup`` or an ``(lo, hi)`` range) and ``batches`` of
-    ``(x0, y)``; the model's gradients are left untouched (scores use their own backward passes).
+    ``taylor`` needs the training ``objective`` (or a formulation, for its plain eps objective), ``group`` (a
+    ``TimestepGroup`` or an ``(lo, hi)`` range) and ``batches`` of ``(x0, y)``; the model's gradients are left
+    untouched (scores use their own backward passes).
     """
     if method not in IMPORTANCE_METHODS:
         raise ValueError(f"unknown importance method {method!r}; valid choices: {', '.join(IMPORTANCE_METHODS)}")
@@ -128,8 +127,8 @@ def importance_scores(
             params = dict(block.named_parameters())
             per_block.append({k: params[k].detach().abs().double().cpu() for k in _UNIT_PARAMS if k in params})
     else:
-        if schedule is None or group is None or batches is None:
-            raise ValueError("taylor importance needs schedule, group and batches")
+        if objective is None or group is None or batches is None:
+            raise ValueError("taylor importance needs objective, group and batches")
         batches = _check_batches(batches)
         params = [p for block in blocks for n, p in block.named_parameters() if n in _UNIT_PARAMS]
         grads = [torch.zeros_like(p, dtype=torch.float64) for p in params]
@@ -138,7 +137,7 @@ def importance_scores(
         gen = torch.Generator().manual_seed(seed)
         try:
             for x0, y in batches:
-                loss = group_loss(model, schedule, group, x0, y, gen)
+                loss = group_loss(model, objective, group, x0, y, gen)
                 for acc, g in zip(grads, torch.autograd.grad(loss, params, allow_unused=True), strict=True):
                     if g is not None:
                         acc += g.double()

@@ -1,7 +1,7 @@
 """Typed, strict training configuration: dataclass sections, YAML recipes and ``--set a.b=value`` overrides.
 
-A configuration is a ``TrainConfig`` of eight sections (model, diffusion, curriculum, data, optim, engine,
-logging, checkpoint). Every field carries a one-line doc (``metadata["doc"]``) and, where it is a choice, its
+A configuration is a ``TrainConfig`` of nine sections (model, diffusion, curriculum, data, optim, engine,
+logging, checkpoint, tdc). Every field carries a one-line doc (``metadata["doc"]``) and, where it is a choice, its
 valid values (``metadata["choices"]``). Unknown keys, wrong types and invalid values raise ``ValueError`` naming
 the key and what is valid. ``load_config(path, overrides)`` builds one from a recipe; ``config_to_yaml`` writes
 the resolved configuration (the run directory keeps it as ``config.yaml``).
@@ -283,6 +283,48 @@ class CheckpointConfig:
             raise ValueError("checkpoint.run_dir must be a non-empty path")
 
 
+# Choices of the tdc section. The config is the lowest layer that needs them, so it owns them; ``diffcurr_fast.tdc``
+# imports them from here.
+GROUP_METHODS = ("db", *CLUSTER_METHODS)
+FULL_BUDGET_ENDS = ("hardest", "easiest")
+BASE_WEIGHTS = ("ema", "model")
+IMPORTANCE_METHODS = ("taylor", "magnitude")
+PROPOSERS = ("local", "uniform", "llm")
+
+
+@dataclass
+class TDCConfig:
+    """TDC training (diffcurr-fast tdc): stage 2 after stage 1, which is the rest of this config."""
+
+    num_groups: int = _pos(3, "N, the number of timestep groups (one expert each)")
+    k: float = _f(0.5, "budget anchor of TDC Eq. 2, in (0, 1]: FLOPs(i) = (i/N + (N-i)/N k) F", lo=0.0, hi=1.0,
+                  lo_open=True)  # fmt: skip
+    group_method: str = _f("db", "grouping rule on the SNR axis", GROUP_METHODS)
+    full_budget: str = _f("hardest", "which end of t gets the full budget F", FULL_BUDGET_ENDS)
+    base_weights: str = _f("ema", "stage-1 weights that stage 2 prunes", BASE_WEIGHTS)
+    importance: str = _f("taylor", "unit importance for pruning", IMPORTANCE_METHODS)
+    importance_batches: int = _pos(2, "batches of the Taylor importance (diffusion-loss gradients)")
+    proposer: str = _f("local", "candidate proposer of the proxy search", PROPOSERS)
+    rounds: int = _pos(2, "proxy-search rounds")
+    candidates: int = _pos(3, "candidates per round")
+    recover_steps: int = _nonneg(10, "AdamW steps that recover each candidate before it is scored")
+    recover_lr: float = _f(1e-4, "learning rate of the recovery steps", lo=0.0, lo_open=True)
+    search_batches: int = _pos(4, "training batches cycled by the recovery steps")
+    heldout_batches: int = _pos(2, "held-out batches of the proxy score (disjoint from the search batches)")
+    search_batch_size: int = _nonneg(0, "batch size of importance, recovery and proxy (0 = data.batch_size)")
+    drop_empty_blocks: bool = _f(False, "remove blocks left with no head and no channel")
+    finetune_steps: int = _pos(200, "stage-2 fine-tuning steps of every expert")
+    finetune_lr: float = _nonneg(0.0, "stage-2 peak learning rate (0 = optim.lr)")
+    llm_url: str = _f("", "llm proposer: OpenAI-compatible endpoint (https://host/v1)")
+    llm_model: str = _f("", "llm proposer: model name")
+    llm_api_key_env: str = _f("", "llm proposer: NAME of the environment variable holding the API key")
+    seed: int = _nonneg(0, "seed of the data split, importance and search")
+
+    def validate(self) -> None:
+        if self.proposer == "llm" and not (self.llm_url and self.llm_model):
+            raise ValueError("tdc.proposer 'llm' needs tdc.llm_url and tdc.llm_model")
+
+
 @dataclass
 class TrainConfig:
     """The whole training configuration."""
@@ -295,6 +337,7 @@ class TrainConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    tdc: TDCConfig = field(default_factory=TDCConfig)
 
     def validate(self) -> TrainConfig:
         """Check every field (types, choices, ranges) and the cross-section rules; returns self."""
@@ -323,6 +366,11 @@ class TrainConfig:
         if self.curriculum.num_clusters > self.diffusion.num_timesteps:
             raise ValueError(
                 f"curriculum.num_clusters ({self.curriculum.num_clusters}) must be <= diffusion.num_timesteps "
+                f"({self.diffusion.num_timesteps})"
+            )
+        if self.tdc.num_groups > self.diffusion.num_timesteps:
+            raise ValueError(
+                f"tdc.num_groups ({self.tdc.num_groups}) must be <= diffusion.num_timesteps "
                 f"({self.diffusion.num_timesteps})"
             )
         m = self.model
@@ -516,7 +564,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise FileNotFoundError(f"recipe {str(p)!r} does not exist")
         with open(p) as fh:
             data = _fix_floats(yaml.safe_load(fh) or {})
-    cfg = config_from_dict(data)
+    return apply_overrides(config_from_dict(data), overrides)
+
+
+def apply_overrides(cfg: TrainConfig, overrides: list[str] | None) -> TrainConfig:
+    """``cfg`` with the ``a.b=value`` overrides applied in order; validated."""
     for text in overrides or []:
         key, value = parse_override(text)
         _set_field(cfg, key, value)

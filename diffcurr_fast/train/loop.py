@@ -31,7 +31,7 @@ from diffcurr_fast.train.data import SHARDED_DATASETS, TrainBatches, build_train
 from diffcurr_fast.train.ema import EMA
 from diffcurr_fast.train.engine import Engine, create_engine, unwrap
 from diffcurr_fast.train.report import MetricsWriter, gpu_stats, plot_cluster_losses, plot_curriculum_timeline
-from diffcurr_fast.train.sampling import build_model, sample, save_grid
+from diffcurr_fast.train.sampling import build_model, sample_grid
 
 # Files a run writes into its directory (``--overwrite`` removes exactly these).
 RUN_ARTIFACTS = ("checkpoints", "metrics.jsonl", "config.yaml", "samples.png", "cluster_loss.png",
@@ -77,11 +77,6 @@ def build_dataset(cfg: TrainConfig):
     return ds
 
 
-def pixel_range(cfg: TrainConfig) -> bool:
-    """Whether the data lies in [-1, 1] (digits; images at scale 1), so samples may be clipped to it."""
-    return cfg.data.dataset == "digits" or (cfg.data.dataset == "images" and cfg.data.scale == 1.0)
-
-
 def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
     """Refuse a non-empty run directory unless resuming or overwriting (which removes only run artifacts)."""
     if run_dir.exists() and not run_dir.is_dir():
@@ -92,9 +87,9 @@ def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
         )
 
 
-def _clear_artifacts(run_dir: Path) -> None:
-    for name in RUN_ARTIFACTS:
-        p = run_dir / name
+def clear_artifacts(run_dir: Path, names: tuple[str, ...] = RUN_ARTIFACTS) -> None:
+    """Remove the artifacts ``names`` (file or directory names, or glob patterns) from ``run_dir``."""
+    for p in sorted({p for name in names for p in run_dir.glob(name)}):
         if p.is_dir():
             shutil.rmtree(p)
         elif p.exists():
@@ -127,7 +122,7 @@ class Trainer:
         self.engine.barrier()  # every rank has checked before rank 0 writes
         if self.engine.is_main:
             if overwrite and not resume:
-                _clear_artifacts(self.run_dir)
+                clear_artifacts(self.run_dir)
             self.run_dir.mkdir(parents=True, exist_ok=True)
         e, d, o = cfg.engine, cfg.diffusion, cfg.optim
         rank, world = self.engine.rank, self.engine.world_size
@@ -317,20 +312,10 @@ class Trainer:
         if cfg.checkpoint.export_ema:
             out["ema"] = str(ckpt_io.export_safetensors(self.ema.module.state_dict(), self.run_dir / "ema.safetensors",
                                                         meta))  # fmt: skip
-        lg, m = cfg.logging, cfg.model
-        if lg.num_samples > 0 and m.in_channels in (1, 3):
-            labels = torch.arange(lg.num_samples) % m.num_classes
-            x = sample(
-                self.ema.module, self.schedule, sampler=lg.sampler, steps=min(lg.sample_steps,
-                cfg.diffusion.num_timesteps), labels=labels, channels=m.in_channels, size=m.input_size,
-                num_classes=m.num_classes, learn_sigma=cfg.diffusion.learn_sigma, prediction=cfg.diffusion.prediction,
-                cfg_scale=lg.cfg_scale, clip_denoised=pixel_range(cfg), seed=cfg.engine.seed, device=self.device,
-            )  # fmt: skip
-            x = x / cfg.data.scale
-            nrow = m.num_classes if m.num_classes <= 16 else None
-            out["samples"] = str(save_grid(x, self.run_dir / "samples.png", nrow=nrow,
-                                           upscale=max(1, 32 // m.input_size)))  # fmt: skip
-        if lg.plots:
+        grid = sample_grid(self.ema.module, self.schedule, cfg, self.run_dir / "samples.png", self.device)
+        if grid is not None:
+            out["samples"] = str(grid)
+        if cfg.logging.plots:
             from diffcurr_fast.train.report import read_metrics
 
             records = read_metrics(self.run_dir / "metrics.jsonl")

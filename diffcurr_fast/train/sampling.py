@@ -161,10 +161,7 @@ def sample(
     fn = lambda x, t, yy: model(x, t, yy)
     common = dict(num_classes=num_classes, cfg_scale=cfg_scale, seed=seed, device=device, progress=progress)
     if sampler in ("ddpm", "ddim"):
-        spec = str(steps) if sampler == "ddpm" else f"ddim{steps}"
-        if sampler == "ddim" and schedule.num_timesteps % steps:
-            spec = str(steps)  # "ddimN" needs N to divide T; fall back to IDDPM's even spacing
-        sched, tmap = respace(schedule, spec)
+        sched, tmap = respaced(schedule, sampler, steps)
         run = ddpm_sample if sampler == "ddpm" else ddim_sample
         return run(
             fn, sched, shape, y, learn_sigma=learn_sigma, prediction=prediction, clip_denoised=clip_denoised,
@@ -176,6 +173,42 @@ def sample(
     else:
         x = _euler(den, shape, y, steps, den.sigma_min, den.sigma_max, **common)
     return x.clamp(-1, 1) if clip_denoised else x
+
+
+def respaced(schedule: DDPMSchedule, sampler: str, steps: int) -> tuple[DDPMSchedule, torch.Tensor]:
+    """The DDPM schedule ``sample`` runs ``sampler`` (ddpm | ddim) on with ``steps`` steps, and its ``timestep_map``
+    (the original timesteps the sampler visits)."""
+    spec = str(steps) if sampler == "ddpm" else f"ddim{steps}"
+    if sampler == "ddim" and schedule.num_timesteps % steps:
+        spec = str(steps)  # "ddimN" needs N to divide T; fall back to IDDPM's even spacing
+    return respace(schedule, spec)
+
+
+def pixel_range(cfg: TrainConfig) -> bool:
+    """Whether the data lies in [-1, 1] (digits; images at scale 1), so samples may be clipped to it."""
+    return cfg.data.dataset == "digits" or (cfg.data.dataset == "images" and cfg.data.scale == 1.0)
+
+
+def grid_sampler(cfg: TrainConfig) -> tuple[str, int]:
+    """Sampler and number of steps of the end-of-run grid (``cfg.logging``; at most T steps)."""
+    return cfg.logging.sampler, min(cfg.logging.sample_steps, cfg.diffusion.num_timesteps)
+
+
+def sample_grid(model: nn.Module, schedule: Any, cfg: TrainConfig, path: str | Path, device: Any) -> Path | None:
+    """The end-of-run grid of ``cfg.logging`` (sampler, steps, guidance; ``num_samples`` images, labels cycling
+    through the classes) drawn from ``model`` and saved at ``path``; None when the config asks for no grid."""
+    lg, m = cfg.logging, cfg.model
+    if lg.num_samples == 0 or m.in_channels not in (1, 3):
+        return None
+    sampler, steps = grid_sampler(cfg)
+    x = sample(
+        model, schedule, sampler=sampler, steps=steps,
+        labels=torch.arange(lg.num_samples) % m.num_classes, channels=m.in_channels, size=m.input_size,
+        num_classes=m.num_classes, learn_sigma=cfg.diffusion.learn_sigma, prediction=cfg.diffusion.prediction,
+        cfg_scale=lg.cfg_scale, clip_denoised=pixel_range(cfg), seed=cfg.engine.seed, device=device,
+    )  # fmt: skip
+    nrow = m.num_classes if m.num_classes <= 16 else None
+    return save_grid(x / cfg.data.scale, path, nrow=nrow, upscale=max(1, 32 // m.input_size))
 
 
 def _euler(den, shape, y, steps, sigma_min, sigma_max, *, num_classes, cfg_scale, seed, device, progress):
