@@ -268,3 +268,17 @@ def test_grad_accumulation_equals_full_batch(tmp_path, batch):
     with pytest.raises(ValueError, match="not divisible by the world size 1 x optim.grad_accum_steps 4"):
         Trainer(load_config(None, over + ["optim.grad_accum_steps=4", "data.batch_size=6"]), Engine("cpu"),
                 overwrite=True)  # fmt: skip
+
+
+def test_deepspeed_engine_uses_no_private_state():
+    """A non-finite step is skipped through DeepSpeed's public behaviour (its overflow check, was_step_applied,
+    zero_grad), never by rewriting the ZeRO optimizer's private fields (which break on an upgrade)."""
+    import inspect
+    import re
+
+    from diffcurr_fast.train.engine import DeepSpeedEngine
+
+    src = inspect.getsource(DeepSpeedEngine)
+    assert "skip_step" not in src and "was_step_applied" in src
+    private = re.findall(r"\.optimizer\.\w+|micro_step_id|averaged_gradients|all_grad_tensors|reset_cpu_buffers", src)
+    assert not private, private
