@@ -30,8 +30,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 
 
+def resume_command(args: argparse.Namespace) -> str:
+    """The command line that continues the run of ``args``: its recipe and overrides, with ``--resume``."""
+    import shlex
+
+    parts = ["diffcurr-fast", "train", *([args.recipe] if args.recipe else [])]
+    for o in args.overrides:
+        parts += ["--set", o]
+    if args.run_dir:
+        parts += ["--run-dir", args.run_dir]
+    return " ".join(shlex.quote(p) for p in parts) + " --resume"
+
+
+def describe_model(cfg, num_params: int | None = None) -> str:
+    """``DiT-B/2`` or ``custom DiT depth 4, width 64, patch 2, 4 heads``, with the parameter count when known."""
+    m = cfg.model
+    name = m.preset if m.preset != "custom" else (
+        f"custom DiT depth {m.depth}, width {m.hidden_size}, patch {m.patch_size}, {m.num_heads} heads")  # fmt: skip
+    return name + (f", {num_params / 1e6:.2f}M parameters" if num_params is not None else "")
+
+
+def describe_data(cfg) -> str:
+    d, m = cfg.data, cfg.model
+    src = "built-in digits" if d.dataset == "digits" else f"{d.dataset} {d.path}"
+    return f"{src} ({m.in_channels}x{m.input_size}x{m.input_size}, {m.num_classes} classes)"
+
+
 def run(args: argparse.Namespace) -> int:
-    """Resolve the config and train (or print it with ``--dry-run``). Returns the exit status."""
+    """Resolve and validate the config, then train (or print it with ``--dry-run``). Returns the exit status."""
     if args.help_config:
         print(describe_config())
         return 0
@@ -39,21 +65,39 @@ def run(args: argparse.Namespace) -> int:
     if args.run_dir:
         overrides.append(f"checkpoint.run_dir={args.run_dir}")
     cfg = load_config(args.recipe, overrides)
+    from diffcurr_fast.train.preflight import check_run
+
+    start = check_run(cfg, resume=args.resume, overwrite=args.overwrite)  # everything, before anything is written
     if args.dry_run:
         sys.stdout.write(config_to_yaml(cfg))
+        print(f"dry run: the config, inputs, backends and run directory {cfg.checkpoint.run_dir!r} are valid "
+              f"({start.mode} start); nothing was written", file=sys.stderr)  # fmt: skip
+        return 0
+    if start.mode == "finished":
+        print(f"diffcurr-fast train: run {cfg.checkpoint.run_dir!r} already finished (checkpoint at step "
+              f"{start.step}, engine.max_steps {cfg.engine.max_steps}); nothing to do, nothing changed. Raise "
+              "engine.max_steps with --resume to train further")  # fmt: skip
         return 0
     from diffcurr_fast.train.engine import create_engine
-    from diffcurr_fast.train.loop import Trainer
+    from diffcurr_fast.train.loop import Trainer, TrainingInterrupted
 
     engine = create_engine(cfg.engine.kind, cfg.engine.device)
     try:
         trainer = Trainer(cfg, engine, resume=args.resume, overwrite=args.overwrite)
         if engine.is_main:
             where = f"resuming from {trainer.resumed_from}" if trainer.resumed_from else "starting"
+            n = sum(p.numel() for p in trainer.model.parameters())
             print(f"diffcurr-fast train: {where} at step {trainer.step} of {cfg.engine.max_steps}; "
+                  f"data {describe_data(cfg)}; model {describe_model(cfg, n)}; "
                   f"{engine.kind} engine, world size {engine.world_size}, device {engine.device}; "
                   f"run dir {trainer.run_dir}", file=sys.stderr)  # fmt: skip
-        summary = trainer.fit()
+        try:
+            summary = trainer.fit()
+        except TrainingInterrupted as stop:
+            if engine.is_main:
+                print(f"diffcurr-fast train: {stop}; resume with (under the same launcher): "
+                      f"{resume_command(args)}", file=sys.stderr)  # fmt: skip
+            return stop.exit_code
     finally:
         engine.close()
     if engine.is_main:

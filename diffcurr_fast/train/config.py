@@ -167,6 +167,9 @@ class DataConfig:
         if self.dataset in ("npz", "latents", "images") and not self.path:
             what = {"npz": "a .npz file or a directory", "latents": "a latent directory", "images": "an image folder"}
             raise ValueError(f"data.path is required when data.dataset is {self.dataset!r} ({what[self.dataset]})")
+        if self.dataset == "digits" and self.path:
+            raise ValueError(f"data.path {self.path!r} is set but data.dataset is 'digits' (built in, reads no file); "
+                             "set data.dataset to npz, latents or images to train on it")  # fmt: skip
 
 
 @dataclass
@@ -231,7 +234,7 @@ class LoggingConfig:
 
     log_every: int = _f(10, "steps between metrics.jsonl records")
     progress: bool = _f(True, "show a tqdm progress bar")
-    tensorboard: bool = _f(False, "also write TensorBoard scalars (when tensorboard is importable)")
+    tensorboard: bool = _f(False, "also write TensorBoard scalars (needs the tensorboard package)")
     num_samples: int = _f(64, "images in the end-of-run sample grid (0 = no grid)")
     sampler: str = _f("ddim", "sampler of the end-of-run grid", SAMPLERS)
     sample_steps: int = _f(50, "sampling steps of the end-of-run grid")
@@ -496,16 +499,68 @@ def demo_config() -> TrainConfig:
     return config_from_dict(DEMO)
 
 
+# Config fields that name input files: inside a recipe, a relative value is relative to the recipe's folder (so a
+# recipe and its DeepSpeed JSON travel together); on the command line (--set), relative to the current directory.
+RECIPE_PATH_KEYS = (("data", "path"), ("engine", "deepspeed_config"), ("model", "init_from"))
+
+
+def recipes_dir() -> Path:
+    """The folder of the shipped recipes (package data ``diffcurr_fast.recipes``; a source checkout's recipes/)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("diffcurr_fast.recipes")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(list(spec.submodule_search_locations)[0])
+    return Path(__file__).resolve().parents[2] / "recipes"
+
+
+def list_recipes() -> list[Path]:
+    """The shipped recipes, sorted by name."""
+    d = recipes_dir()
+    return sorted(d.glob("*.yaml")) if d.is_dir() else []
+
+
+def find_recipe(name: str | Path) -> Path:
+    """A recipe file: ``name`` as a path, else a shipped recipe of that name (``dit_b2_curriculum`` or with .yaml)."""
+    p = Path(name)
+    if p.is_file():
+        return p
+    shipped = recipes_dir() / (p.name if p.suffix in (".yaml", ".yml") else f"{p.name}.yaml")
+    if p.parent == Path(".") and shipped.is_file():
+        return shipped
+    names = ", ".join(r.stem for r in list_recipes())
+    raise FileNotFoundError(f"recipe {str(name)!r} does not exist (no such file, and no shipped recipe of that "
+                            f"name: {names})")  # fmt: skip
+
+
+def read_recipe(path: str | Path) -> dict[str, Any]:
+    """The mapping in a YAML recipe, with the input paths of ``RECIPE_PATH_KEYS`` made relative to its folder;
+    ValueError in one line (file, line, column) for malformed YAML."""
+    p = find_recipe(path)
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise ValueError(f"recipe {str(p)!r} is not valid YAML{where}: {problem}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"recipe {str(p)!r} must be a mapping of sections, got {type(data).__name__}")
+    data = _fix_floats(data)
+    for sec, key in RECIPE_PATH_KEYS:
+        section = data.get(sec)
+        if isinstance(section, dict) and isinstance(section.get(key), str) and section[key]:
+            v = Path(section[key]).expanduser()
+            if not v.is_absolute():
+                section[key] = str(p.parent / v)
+    return data
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
-    """The YAML recipe at ``path`` over the paper defaults (or the embedded demo when ``path`` is None), then
-    ``overrides`` (``a.b=value``); validated."""
-    data: dict[str, Any] = DEMO if path is None else {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise FileNotFoundError(f"recipe {str(p)!r} does not exist")
-        with open(p) as fh:
-            data = _fix_floats(yaml.safe_load(fh) or {})
+    """The YAML recipe at ``path`` (a file, or the name of a shipped recipe) over the paper defaults (or the
+    embedded demo when ``path`` is None), then ``overrides`` (``a.b=value``); validated. Relative input paths in
+    the recipe are relative to its folder (``read_recipe``)."""
+    data: dict[str, Any] = DEMO if path is None else read_recipe(path)
     cfg = config_from_dict(data)
     for text in overrides or []:
         key, value = parse_override(text)

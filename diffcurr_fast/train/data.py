@@ -75,6 +75,13 @@ class TrainBatches:
                 raise ValueError(f"data has label {bad} but model.num_classes is {self.num_classes} (valid 0.."
                                  f"{self.num_classes - 1})")  # fmt: skip
             x = x.float()
+            if not bool(torch.isfinite(x).all()):  # readers that bypass the dataset's own check (DALI's numpy reader)
+                from diffcurr_fast.data.errors import check_finite
+
+                pos = self.loader.state_dict()
+                root = getattr(self.source, "root", "the data")
+                check_finite(x, f"{root} (epoch {pos.get('epoch')}, batch ending at sample {pos.get('start')} of "
+                                f"this rank's shard; data.backend=torch names the file)")  # fmt: skip
             return (x * self.factor if self.factor != 1.0 else x), y
 
     def state_dict(self) -> dict[str, Any]:
