@@ -127,7 +127,7 @@ def test_sample_command_takes_bundle_and_pruned_checkpoint(tdc_run, tmp_path, ca
     import numpy as np
 
     z = np.load(out)
-    assert z["x"].shape == (5, 1, 8, 8) and np.isfinite(z["x"]).all()
+    assert z["arr_0"].shape == (5, 8, 8, 1) and z["arr_0"].dtype == np.uint8  # ADM layout
     png = tmp_path / "e.png"  # the pruned expert of group 1 alone, rebuilt from model_config in its checkpoint
     assert cli_sample.run(_sample_args("--ckpt", str(run / "group_1" / "finetune"), "--steps", "4", "--num", "3",
                                        "--out", str(png))) == 0  # fmt: skip

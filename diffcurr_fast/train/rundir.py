@@ -1,6 +1,6 @@
 """The run directory: what a run writes there, and the one place that checks, opens, resumes and clears it.
 
-A ``RunLayout`` lists what a kind of run writes, as glob patterns relative to its directory: ``files`` (written
+A ``RunLayout`` lists what a kind of run writes, as name patterns relative to its directory: ``files`` (written
 by the run), ``owned_dirs`` (directories whose whole content the run writes, e.g. a DeepSpeed checkpoint tag)
 and ``subruns`` (subdirectories holding a nested run of another layout, e.g. TDC's ``stage1``). Nothing outside
 the layout is ever removed: ``--overwrite`` deletes exactly the run's own files, then the directories of the
@@ -18,7 +18,6 @@ Two steps, so that nothing is written before a run is known to start:
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import os
 import re
@@ -44,7 +43,9 @@ _CKPT = re.compile(r"^ckpt_(\d{8,})\.pt$")
 
 @dataclass(frozen=True)
 class RunLayout:
-    """What one kind of run writes under its directory (glob patterns relative to it, ``/``-separated)."""
+    """What one kind of run writes under its directory: paths relative to it, ``/``-separated, each component a
+    regular expression matched against a whole name (``checkpoints/ckpt_\\d{8,}\\.pt`` does not match a user's
+    ``checkpoints/ckpt_best.pt``)."""
 
     files: tuple[str, ...]
     owned_dirs: tuple[str, ...] = ()
@@ -54,20 +55,20 @@ class RunLayout:
 
 TRAIN_LAYOUT = RunLayout(
     files=(
-        "config.yaml", METRICS, "samples.png", "cluster_loss.png", "curriculum.png", "ema.safetensors",
-        "ema.safetensors.tmp", "metrics.jsonl.tmp", "checkpoints/ckpt_*.pt", "checkpoints/ckpt_*.pt.tmp",
-        "tb/events.out.tfevents.*",
+        r"config\.yaml", r"metrics\.jsonl", r"samples\.png", r"cluster_loss\.png", r"curriculum\.png",
+        r"ema\.safetensors", r"(ema\.safetensors|metrics\.jsonl)\.tmp", r"checkpoints/ckpt_\d{8,}\.pt(\.tmp)?",
+        r"tb/events\.out\.tfevents\..+",
     ),
-    owned_dirs=("checkpoints/deepspeed/step_*",),
+    owned_dirs=(r"checkpoints/deepspeed/step_\d{8,}",),
     checkpoints="checkpoints",
 )  # fmt: skip
 
 TDC_LAYOUT = RunLayout(
     files=(
-        "tdc.json", "accounting.json", "samples.png", "group_*/search.json", "group_*/search.png",
-        "bundle/bundle.json", "bundle/weights.safetensors", "bundle/train_config.json",
+        r"tdc\.json", r"accounting\.json", r"samples\.png", r"group_\d+/search\.(json|png)",
+        r"bundle/(bundle\.json|weights\.safetensors|train_config\.json)",
     ),
-    subruns=(("stage1", TRAIN_LAYOUT), ("group_*/finetune", TRAIN_LAYOUT)),
+    subruns=((r"stage1", TRAIN_LAYOUT), (r"group_\d+/finetune", TRAIN_LAYOUT)),
 )  # fmt: skip
 
 
@@ -132,14 +133,15 @@ def check_run_dir(
 
 
 def _glob(run_dir: Path, pattern: str) -> list[Path]:
-    """Paths matching ``pattern`` (``*`` within one path component, never ``**``), without following links out."""
+    """Paths matching ``pattern`` (one regular expression per component), without following links out."""
     out = [run_dir]
     for part in pattern.split("/"):
+        rx = re.compile(part)
         nxt = []
         for base in out:
             if not base.is_dir() or base.is_symlink() and base != run_dir:
                 continue
-            nxt.extend(sorted(p for p in base.iterdir() if fnmatch.fnmatchcase(p.name, part)))
+            nxt.extend(sorted(p for p in base.iterdir() if rx.fullmatch(p.name)))
         out = nxt
     return out
 
@@ -229,5 +231,5 @@ def open_run_dir(start: RunStart) -> None:
     if start.mode == "overwrite":
         clear_run(start.run_dir, start.layout)
     start.run_dir.mkdir(parents=True, exist_ok=True)
-    if start.mode == "resume" and METRICS in start.layout.files:
+    if start.mode == "resume":
         truncate_metrics(start.run_dir / METRICS, start.step)
