@@ -30,7 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sampler", default="ddim", choices=SAMPLERS, help="sampler (default: ddim)")
     parser.add_argument("--steps", type=int, default=50, help="sampling steps (default: 50)")
     parser.add_argument("--cfg", type=float, default=1.0, help="classifier-free guidance scale (1 = off)")
-    parser.add_argument("--num", type=int, default=64, help="number of samples (default: 64)")
+    # --num-samples first: under torchrun, "--num" is taken for an abbreviation of torchrun's own --numa-binding
+    parser.add_argument("--num-samples", "--num", dest="num", type=int, default=64,
+                        help="number of samples (default: 64)")  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=64,
                         help="samples drawn per model batch (default: 64); under torchrun, per rank")  # fmt: skip
     parser.add_argument("--labels", default=None, help="comma-separated class labels, cycled (default: 0, 1, ...)")

@@ -22,7 +22,7 @@ def _device_type(cfg: TrainConfig):
     import torch
 
     if cfg.engine.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("engine.device 'cuda' was asked for but no CUDA device is available; use auto or cpu")
+        raise ValueError("engine.device is 'cuda' but no CUDA device is available; use 'cpu' or 'auto'")
     return "cuda" if cfg.engine.device != "cpu" and torch.cuda.is_available() else "cpu"
 
 
