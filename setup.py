@@ -62,7 +62,8 @@ setup(
     long_description=open(os.path.join(ROOT, "README.md"), encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["diffcurr_fast", "diffcurr_fast.*"]) + ["diffcurr_fast.kernels", "diffcurr_fast.recipes"],
+    packages=find_packages(include=["diffcurr_fast", "diffcurr_fast.*"])
+    + ["diffcurr_fast.kernels", "diffcurr_fast.recipes"],
     package_dir={"diffcurr_fast.kernels": "kernels", "diffcurr_fast.recipes": "recipes"},
     package_data={"diffcurr_fast.recipes": ["*.yaml", "ds/*.json"]},
     # torch is required but not pinned: a user's own (CUDA) torch is kept. The Makefile installs a CPU build

@@ -109,8 +109,14 @@ def run(args: argparse.Namespace) -> int:
     from diffcurr_fast.train.checkpoint import check_finite_weights, load_checkpoint, resolve_checkpoint
     from diffcurr_fast.train.config import config_from_dict
     from diffcurr_fast.train.loop import pixel_range
-    from diffcurr_fast.train.sampling import batch_slices, build_model, build_schedule, sample_batch, save_grid
-    from diffcurr_fast.train.sampling import to_uint8_nhwc
+    from diffcurr_fast.train.sampling import (
+        batch_slices,
+        build_model,
+        build_schedule,
+        sample_batch,
+        save_grid,
+        to_uint8_nhwc,
+    )
 
     out = Path(args.out)
     if out.suffix not in (".png", ".npz"):

@@ -336,7 +336,7 @@ def test_sample_under_torchrun_matches_one_process(trained, tmp_path):
 @pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["sample", "--help"], ["eval", "--help"],
                                   ["train", "--bogus"], ["recipes"]])  # fmt: skip
 def test_cli_parsing_does_not_import_torch(argv):
-    code = ("import sys\nfrom diffcurr_fast.cli import main\ntry:\n    main(%r)\nexcept SystemExit:\n    pass\n"
-            "assert 'torch' not in sys.modules, 'torch was imported'\n") % (argv,)  # fmt: skip
+    code = (f"import sys\nfrom diffcurr_fast.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")  # fmt: skip
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr

@@ -2,7 +2,7 @@
 
 Without a recipe it runs the embedded demo (a small DiT with the SNR curriculum on the built-in digits). Under
 ``torchrun --nproc_per_node N -m diffcurr_fast.cli train ...`` it trains with DDP; with ``engine.kind=deepspeed``
-under ``deepspeed --num_gpus N --no_local_rank --module diffcurr_fast.cli train ...`` (or torchrun) with ZeRO.
+under ``deepspeed --num_gpus N --module diffcurr_fast.cli train ...`` (or torchrun) with ZeRO.
 """
 
 from __future__ import annotations

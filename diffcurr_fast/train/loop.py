@@ -50,6 +50,7 @@ from diffcurr_fast.train.sampling import (
     save_grid,
 )
 
+
 class NonFiniteLossError(RuntimeError):
     """Raised when the NaN/inf loss policy stops the run."""
 

@@ -257,8 +257,9 @@ def batch_slices(num: int, batch_size: int, rank: int = 0, world: int = 1) -> li
     return [(b, slice(b * batch_size, min((b + 1) * batch_size, num))) for b in range(rank, n_batches, world)]
 
 
-def sample_batch(model: nn.Module, schedule: Any, *, labels: torch.Tensor, batch: int, seed: int,
-                 **kw: Any) -> torch.Tensor:
+def sample_batch(
+    model: nn.Module, schedule: Any, *, labels: torch.Tensor, batch: int, seed: int, **kw: Any
+) -> torch.Tensor:
     """``sample`` of one batch of a batched draw (seed ``seed + batch * BATCH_SEED_STRIDE``); ValueError when the
     model produced NaN or inf."""
     x = sample(model, schedule, labels=labels, seed=seed + batch * BATCH_SEED_STRIDE, **kw)
