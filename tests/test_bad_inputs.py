@@ -340,3 +340,33 @@ def test_cli_parsing_does_not_import_torch(argv):
             "assert 'torch' not in sys.modules, 'torch was imported'\n")  # fmt: skip
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def test_light_parsers_name_the_real_choices():
+    from diffcurr_fast.curriculum import cli as analyze_cli
+    from diffcurr_fast.curriculum.clustering import CLUSTER_METHODS
+    from diffcurr_fast.data import cli_extract, extract, latents
+
+    assert analyze_cli.CLUSTER_METHODS == CLUSTER_METHODS
+    assert (cli_extract.LAYOUTS, cli_extract.SD_VAE_SCALE, cli_extract.LATENT_DTYPES) == (
+        extract.LAYOUTS, extract.SD_VAE_SCALE, latents.LATENT_DTYPES)  # fmt: skip
+
+
+def test_bundle_weights_finite_and_readable(tmp_path):
+    from diffcurr_fast.models import DiT
+    from diffcurr_fast.tdc.experts import MultiExpertDenoiser, load_bundle, save_bundle
+
+    experts = [DiT(input_size=8, in_channels=1, patch_size=4, hidden_size=16, depth=1, num_heads=2, num_classes=10,
+                   num_timesteps=40) for _ in range(2)]  # fmt: skip
+    multi = MultiExpertDenoiser(experts, [(0, 20), (20, 40)])
+    old = os.umask(0o022)
+    try:
+        save_bundle(multi, tmp_path / "b")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "b" / "weights.safetensors").stat().st_mode & 0o777 == 0o644
+    load_bundle(tmp_path / "b")
+    with torch.no_grad():
+        next(experts[1].parameters()).fill_(float("nan"))
+    with pytest.raises(ck.NonFiniteWeightsError, match="experts.1."):
+        save_bundle(multi, tmp_path / "c")

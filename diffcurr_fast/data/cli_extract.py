@@ -14,8 +14,12 @@ import argparse
 import sys
 
 from diffcurr_fast.data.errors import ON_BAD
-from diffcurr_fast.data.extract import LAYOUTS, SD_VAE_SCALE, extract_latents, load_vae
-from diffcurr_fast.data.latents import LATENT_DTYPES
+
+# torch and the encoder are imported in run(): `diffcurr-fast extract-latents --help` stays instant. The values of
+# extract.LAYOUTS, extract.SD_VAE_SCALE and latents.LATENT_DTYPES (a test keeps them equal):
+LAYOUTS = ("sharded", "fastdit")
+SD_VAE_SCALE = 0.18215
+LATENT_DTYPES = ("float16", "float32")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +50,8 @@ def _cuda() -> bool:
 
 def run(args: argparse.Namespace) -> int:
     """Run the extraction; prints how many latents the output now holds."""
+    from diffcurr_fast.data.extract import extract_latents, load_vae
+
     try:
         vae = load_vae(args.vae, args.device)
     except ImportError as exc:
