@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from diffcurr_fast.train import cli_train
@@ -118,6 +119,24 @@ def test_failed_start_writes_nothing_and_rerun_works(tmp_path):
     assert not run.exists()
     Trainer(tiny(run, "engine.max_steps=1")).fit()  # the corrected rerun is not refused as "not empty"
     assert (run / "checkpoints" / "ckpt_00000001.pt").is_file()
+
+
+def test_start_failing_on_its_first_batch_does_not_block_the_rerun(tmp_path):
+    x = np.full((20, 1, 8, 8), np.nan, np.float32)
+    d = tmp_path / "d"  # memory-mapped data fails only when the batch is read, after the start wrote config.yaml
+    d.mkdir()
+    np.save(d / "x.npy", x)
+    np.save(d / "y.npy", np.arange(20) % 10)
+    run = tmp_path / "run"
+    with pytest.raises(ValueError, match="NaN or inf"):
+        Trainer(tiny(run, "data.dataset=npz", f"data.path={d}", "engine.max_steps=2")).fit()
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "metrics.jsonl"]
+    np.save(d / "x.npy", np.zeros_like(x))
+    Trainer(tiny(run, "data.dataset=npz", f"data.path={d}", "engine.max_steps=2")).fit()  # no --overwrite needed
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2]
+    _touch(run, "mine.txt")  # anything more than a failed start's two files is still protected
+    with pytest.raises(FileExistsError, match="not empty"):
+        check_run_dir(run)
 
 
 @pytest.mark.parametrize(

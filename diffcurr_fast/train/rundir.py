@@ -9,7 +9,8 @@ layout that are left empty, so a user's ``checkpoints/my_best_model.pt`` survive
 Two steps, so that nothing is written before a run is known to start:
 
 - ``check_run_dir(run_dir, layout, resume=..., overwrite=..., max_steps=...)`` reads only; it refuses a
-  non-empty directory without ``--resume`` / ``--overwrite``, a ``--resume`` of a missing directory or of one
+  non-empty directory without ``--resume`` / ``--overwrite`` (except the ``config.yaml`` and empty
+  ``metrics.jsonl`` of a start that failed on its first batch, which the next start replaces), a ``--resume`` of a missing directory or of one
   without a checkpoint, and says when the run has already finished. It returns a ``RunStart``.
 - ``open_run_dir(start)`` (rank 0) clears the previous run's artifacts on ``--overwrite``, creates the
   directory, and on a resume truncates ``metrics.jsonl`` to the checkpoint's step (the records after it are
@@ -123,6 +124,8 @@ def check_run_dir(
         mode = "finished" if max_steps is not None and step >= max_steps else "resume"
         return RunStart(run_dir, layout, mode, path, step)
     if run_dir.is_dir() and any(run_dir.iterdir()):
+        if _failed_start(run_dir, layout):  # a start that stopped before its first step: nothing to lose
+            return RunStart(run_dir, layout, "overwrite")
         if not overwrite:
             raise FileExistsError(
                 f"run directory {str(run_dir)!r} is not empty; pass --resume to continue it or --overwrite to "
@@ -130,6 +133,16 @@ def check_run_dir(
             )
         return RunStart(run_dir, layout, "overwrite")
     return RunStart(run_dir, layout, "fresh")
+
+
+def _failed_start(run_dir: Path, layout: RunLayout) -> bool:
+    """Whether ``run_dir`` holds only what a training start writes before its first step: ``config.yaml`` and an
+    empty ``metrics.jsonl`` (a start that failed on its first batch)."""
+    if layout is not TRAIN_LAYOUT:
+        return False
+    names = {p.name for p in run_dir.iterdir()}
+    metrics = run_dir / METRICS
+    return names <= {"config.yaml", METRICS} and (not metrics.is_file() or metrics.stat().st_size == 0)
 
 
 def _glob(run_dir: Path, pattern: str) -> list[Path]:
