@@ -227,8 +227,10 @@ def test_ema_export_mode_is_0644(tmp_path):
 
 
 # ---- item 9: SIGINT / SIGTERM ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_signal_checkpoints_and_prints_resume_command(tmp_path, sig):
+@pytest.mark.parametrize(
+    "sig, repeat", [(signal.SIGINT, None), (signal.SIGTERM, None), (signal.SIGINT, signal.SIGTERM)]
+)
+def test_signal_checkpoints_and_prints_resume_command(tmp_path, sig, repeat):
     run = tmp_path / "run"
     argv = [sys.executable, "-m", "diffcurr_fast.cli", "train", "--run-dir", str(run),
             *[a for s in SETS for a in ("--set", s)], "--set", "engine.max_steps=100000",
@@ -238,8 +240,11 @@ def test_signal_checkpoints_and_prints_resume_command(tmp_path, sig):
     while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").stat().st_size):
         time.sleep(0.2)
     proc.send_signal(sig)
+    if repeat is not None:  # a launcher forwarding the signal (deepspeed: SIGTERM right after the terminal's SIGINT)
+        proc.send_signal(repeat)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + int(sig), err
+    # a repeat that lands after the run has stopped (handlers restored) ends the process by its default action
+    assert proc.returncode == 128 + int(sig) or (repeat is not None and proc.returncode == -int(repeat)), err
     assert "Traceback" not in err
     ckpts = sorted((run / "checkpoints").glob("ckpt_*.pt"))
     assert len(ckpts) == 1

@@ -2,14 +2,17 @@
 
 ``StopRequest`` installs handlers for SIGINT and SIGTERM (main thread only) that only record the signal; the loop
 asks ``should_stop(engine)`` at each step boundary, where every rank votes (a rank that saw the signal stops all
-of them), so all ranks take part in the checkpoint. A second signal restores the default handlers and raises
-``KeyboardInterrupt`` at once. The trainer then raises ``TrainingInterrupted``.
+of them), so all ranks take part in the checkpoint. Launchers forward the signal to their workers, which then get
+it twice (from the terminal and from torchrun, or SIGINT then deepspeed's SIGTERM): repeats within
+``REPEAT_GRACE_S`` of the first are ignored; a later one restores the default handlers and raises
+``KeyboardInterrupt`` at once (no checkpoint). The trainer then raises ``TrainingInterrupted``.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+import time
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -17,6 +20,7 @@ from typing import Any
 __all__ = ["StopRequest", "TrainingInterrupted"]
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+REPEAT_GRACE_S = 3.0
 
 
 class TrainingInterrupted(Exception):
@@ -34,13 +38,15 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self._first = 0.0
         self._old: dict[int, Any] = {}
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
-        if self.signum is not None:  # the second signal: stop now, without a checkpoint
+        if self.signum is None:
+            self.signum, self._first = signum, time.monotonic()
+        elif time.monotonic() - self._first > REPEAT_GRACE_S:  # asked again: stop now, without a checkpoint
             self._restore()
             raise KeyboardInterrupt
-        self.signum = signum
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
