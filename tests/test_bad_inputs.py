@@ -333,8 +333,11 @@ def test_sample_under_torchrun_matches_one_process(trained, tmp_path):
 
 
 # ---- lazy imports: --help and argument errors do not import torch ------------------------------------------------
-@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["sample", "--help"], ["eval", "--help"],
-                                  ["train", "--bogus"], ["recipes"]])  # fmt: skip
+ARGVS = [["--help"], ["train", "--help"], ["sample", "--help"], ["eval", "--help"], ["analyze", "--help"],
+         ["extract-latents", "--help"], ["train", "--bogus"], ["sample", "--ckpt", "x"], ["recipes"]]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv", ARGVS)
 def test_cli_parsing_does_not_import_torch(argv):
     code = (f"import sys\nfrom diffcurr_fast.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")  # fmt: skip
