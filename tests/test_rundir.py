@@ -80,7 +80,8 @@ def test_clear_tdc_layout_only_run_files(tmp_path):
     written = ["tdc.json", "accounting.json", "samples.png", "stage1/config.yaml", "stage1/metrics.jsonl",
                "stage1/ema.safetensors", "stage1/checkpoints/ckpt_00000010.pt", "group_0/search.json",
                "group_0/search.png", "group_0/finetune/checkpoints/ckpt_00000004.pt", "group_0/finetune/config.yaml",
-               "group_1/search.json", "bundle/bundle.json", "bundle/weights.safetensors", "bundle/train_config.json"]  # fmt: skip
+               "group_1/search.json", "bundle/bundle.json", "bundle/weights.safetensors",
+               "bundle/train_config.json"]  # fmt: skip
     mine = ["stage1/checkpoints/my_best_model.pt", "group_0/notes.md", "bundle/my_export.onnx", "plots/loss.png",
             "group_1/finetune/checkpoints/keep.pt"]  # fmt: skip
     _touch(run, *written, *mine)
