@@ -181,6 +181,14 @@ def test_backends_asked_for_are_checked_before_the_run(tmp_path, monkeypatch, se
     assert not (tmp_path / "run").exists()
 
 
+def test_available_backends_pass_the_check(tmp_path):
+    from diffcurr_fast.ops import _backend
+
+    assert check_run(tiny(tmp_path / "a", "diffusion.ops_backend=reference")).mode == "fresh"
+    if _backend.unavailable_reason("cpu", "q_sample", torch.device("cpu")) is None:  # the C++ extension is built
+        assert check_run(tiny(tmp_path / "b", "diffusion.ops_backend=cpu", "engine.device=cpu")).mode == "fresh"
+
+
 def test_corrupt_data_files_are_named(tmp_path):
     np.savez(tmp_path / "obj.npz", x=np.array([object()], dtype=object), y=np.arange(1))
     with pytest.raises(BadDataError, match=r"obj\.npz' holds object \(pickled\) arrays"):

@@ -43,7 +43,7 @@ def check_backends(cfg: TrainConfig) -> None:
     if d.fused_ops and d.ops_backend not in ("auto", "reference"):
         from diffcurr_fast.ops._backend import unavailable_reason
 
-        for op in ("q_sample", "diffusion_loss", "sample_timesteps"):
+        for op in ("q_sample", "diffusion_loss_fwd", "sample_timesteps"):  # the names the fused ops resolve
             reason = unavailable_reason(d.ops_backend, op, dev)
             if reason is not None:
                 raise ValueError(
