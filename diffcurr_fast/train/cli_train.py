@@ -15,7 +15,9 @@ from diffcurr_fast.train.config import config_to_yaml, describe_config, load_con
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``train``."""
-    parser.add_argument("recipe", nargs="?", default=None, help="YAML recipe (default: the embedded digits demo)")
+    parser.add_argument("recipe", nargs="?", default=None,
+                        help="YAML recipe, or the name of a shipped one (`diffcurr-fast recipes`; default: the "
+                             "embedded digits demo)")  # fmt: skip
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
         help="override one config value (repeatable), e.g. --set optim.lr=2e-4 --set engine.max_steps=500",
@@ -23,8 +25,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", default=None, help="shorthand for --set checkpoint.run_dir=PATH")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--resume", action="store_true", help="continue the newest checkpoint in the run directory")
-    group.add_argument("--overwrite", action="store_true", help="replace the run artifacts in a non-empty run dir")
-    parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    group.add_argument(
+        "--overwrite", action="store_true", help="remove the files a previous run wrote (only those) and start afresh"
+    )
+    parser.add_argument("--dry-run", action="store_true",
+                        help="run every check of a real start (files, backends, run dir), print the config, write "
+                             "nothing")  # fmt: skip
     parser.add_argument("--help-config", action="store_true", help="list every config key with its doc and exit")
     # launchers (deepspeed, torch.distributed.launch) pass the local rank; it is read from LOCAL_RANK instead
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
