@@ -381,3 +381,19 @@ def test_bundle_weights_finite_and_readable(tmp_path):
         next(experts[1].parameters()).fill_(float("nan"))
     with pytest.raises(ck.NonFiniteWeightsError, match="experts.1."):
         save_bundle(multi, tmp_path / "c")
+
+
+@pytest.mark.parametrize("backend", ["torch", "dali"])
+def test_nonfinite_latents_stop_training_under_either_loader(tmp_path, backend):
+    if backend == "dali":
+        pytest.importorskip("nvidia.dali")
+    lat = np.zeros((16, 4, 4, 4), np.float32)
+    lat[:, 0, 0, 0] = np.nan  # every latent: the first batch holds one, whatever the order
+    w = FastDiTLatentWriter(tmp_path / "fd")
+    w.write(lat, np.arange(16) % 10)
+    w.close()
+    cfg = tiny(tmp_path / "run", "data.dataset=latents", f"data.path={tmp_path / 'fd'}", f"data.backend={backend}",
+               "data.batch_size=4", "model.in_channels=4", "model.input_size=4", "engine.max_steps=2")  # fmt: skip
+    match = r"\.npy: sample \d+ holds NaN" if backend == "torch" else "holds NaN or inf values; data.backend=torch"
+    with pytest.raises(BadDataError, match=match):
+        Trainer(cfg).fit()

@@ -76,12 +76,14 @@ class TrainBatches:
                                  f"{self.num_classes - 1})")  # fmt: skip
             x = x.float()
             if not bool(torch.isfinite(x).all()):  # readers that bypass the dataset's own check (DALI's numpy reader)
-                from diffcurr_fast.data.errors import check_finite
+                from diffcurr_fast.data.errors import BadDataError
 
                 pos = self.loader.state_dict()
-                root = getattr(self.source, "root", "the data")
-                check_finite(x, f"{root} (epoch {pos.get('epoch')}, batch ending at sample {pos.get('start')} of "
-                                f"this rank's shard; data.backend=torch names the file)")  # fmt: skip
+                raise BadDataError(
+                    f"{getattr(self.source, 'root', 'the data')}: a batch of epoch {pos.get('epoch')} (ending at "
+                    f"position {pos.get('start')} of this rank's shard) holds NaN or inf values; data.backend=torch "
+                    "names the file"
+                )
             return (x * self.factor if self.factor != 1.0 else x), y
 
     def state_dict(self) -> dict[str, Any]:
