@@ -163,9 +163,9 @@ def read_init_state(path: str | Path) -> dict[str, torch.Tensor]:
     else:
         try:
             state = torch.load(p, map_location="cpu", weights_only=True)
-        except Exception as exc:  # unpickling refused or not a torch file
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ValueError(f"model.init_from {str(p)!r} is not a weights-only torch file: {first}") from None
+        except Exception as exc:  # unpickling refused or not a torch file; torch's text may advise an unsafe load
+            raise ValueError(f"model.init_from {str(p)!r} is corrupt or not a weights-only torch file "
+                             f"({type(exc).__name__})") from None  # fmt: skip
     if isinstance(state, dict) and isinstance(state.get("ema"), dict):
         ema = state["ema"]
         state = ema["module"] if isinstance(ema.get("module"), dict) else ema
