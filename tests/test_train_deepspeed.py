@@ -216,7 +216,9 @@ def test_recipes_resolve():
         assert out["zero_optimization"]["stage"] == stage
     cfg = load_config(ROOT / "recipes" / "dit_l2_zero2.yaml")
     # the recipe's relative path is relative to the recipe's folder, wherever the command runs
-    assert cfg.engine.kind == "deepspeed" and Path(cfg.engine.deepspeed_config) == ROOT / "recipes" / "ds" / "zero2.json"
+    assert (
+        cfg.engine.kind == "deepspeed" and Path(cfg.engine.deepspeed_config) == ROOT / "recipes" / "ds" / "zero2.json"
+    )
     out = resolve_deepspeed_config(json.loads(Path(cfg.engine.deepspeed_config).read_text()), cfg, 8, "cuda")
     assert out["train_micro_batch_size_per_gpu"] * 8 * out["gradient_accumulation_steps"] == cfg.data.batch_size
 
