@@ -21,12 +21,21 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "analyze": ("diffcurr_fast.curriculum.cli", "difficulty analysis: kl | convergence | clusters"),
     "extract-latents": ("diffcurr_fast.data.cli_extract", "encode an image dataset to latents with a local VAE"),
     "eval": ("diffcurr_fast.eval.cli_eval", "FD / IS / precision-recall of samples against reference statistics"),
+    "recipes": ("diffcurr_fast.train.cli_recipes", "list the shipped recipes (train NAME runs one by name)"),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _command_of(argv: list[str]) -> str | None:
+    """The subcommand named in ``argv`` (the first argument that is one), or None."""
+    return next((a for a in argv if a in COMMANDS), None)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; only the subcommand named in ``argv`` has its module imported (all of them when ``argv`` is
+    None), so ``--help`` and argument errors do not wait for torch."""
     from diffcurr_fast import __version__
 
+    wanted = _command_of(argv) if argv is not None else None
     parser = argparse.ArgumentParser(
         prog="diffcurr-fast",
         description="Kernel-optimized diffusion training: difficulty curriculum and TDC training for DiTs.",
@@ -37,14 +46,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        mod = importlib.import_module(module)
-        mod.add_arguments(p)
-        p.set_defaults(_module=mod)
+        if argv is None or name == wanted:
+            mod = importlib.import_module(module)
+            mod.add_arguments(p)
+            p.set_defaults(_module=mod)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

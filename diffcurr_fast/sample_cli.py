@@ -1,22 +1,26 @@
 """``diffcurr-fast sample --ckpt RUN_OR_FILE --sampler ddpm|ddim|heun|euler --steps N --cfg S --num N --out F``.
 
 Loads a training checkpoint (a ``ckpt_*.pt`` or a run directory: its newest checkpoint), rebuilds the model from
-the config stored in it, and writes a PNG grid (1- or 3-channel data) or an ``.npz`` with ``x`` (N, C, H, W) in
-data units and the labels ``y``. ``--vae DIR`` first decodes a latent model's samples (divided by ``data.scale``)
-with a diffusers ``AutoencoderKL``, so the grid or ``.npz`` holds images in [-1, 1]. ``--bundle DIR`` samples a TDC
-multi-expert bundle instead (each timestep routed to its group's expert; the bundle directory carries the training
-config).
+the config stored in it, and draws ``--num`` samples in batches of ``--batch-size`` (a progress bar per batch).
+Under ``torchrun --nproc_per_node N`` every rank draws its share of the batches (dealt round-robin, as ADM's
+``sample_ddp.py``) and rank 0 writes the file; batch b is seeded with ``--seed`` and b, so the samples do not
+depend on the number of ranks. Output: a PNG grid (1- or 3-channel data), or an ``.npz``: images in the layout
+of the ADM evaluation suite (``arr_0`` uint8 (N, H, W, C), ``arr_1`` the labels), or, for a latent model
+without ``--vae``, ``x`` (N, C, H, W) float32 in data units and ``y``. ``--vae DIR`` first decodes a latent
+model's samples (divided by ``data.scale``) with a diffusers ``AutoencoderKL``. ``--bundle DIR`` samples a TDC
+multi-expert bundle instead (each timestep routed to its group's expert; the bundle directory carries the
+training config). A model with NaN or inf weights is refused.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
+from typing import Any
 
-import numpy as np
-import torch
-
-from diffcurr_fast.train.config import SAMPLERS, config_from_dict
+# torch is imported inside the functions, so --help stays instant; the names are train.sampling's (tested)
+SAMPLERS = ("ddpm", "ddim", "heun", "euler")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sampler", default="ddim", choices=SAMPLERS, help="sampler (default: ddim)")
     parser.add_argument("--steps", type=int, default=50, help="sampling steps (default: 50)")
     parser.add_argument("--cfg", type=float, default=1.0, help="classifier-free guidance scale (1 = off)")
-    parser.add_argument("--num", type=int, default=64, help="number of samples (default: 64)")
+    # --num-samples first: under torchrun, "--num" is taken for an abbreviation of torchrun's own --numa-binding
+    parser.add_argument("--num-samples", "--num", dest="num", type=int, default=64,
+                        help="number of samples (default: 64)")  # fmt: skip
+    parser.add_argument("--batch-size", type=int, default=64,
+                        help="samples drawn per model batch (default: 64); under torchrun, per rank")  # fmt: skip
     parser.add_argument("--labels", default=None, help="comma-separated class labels, cycled (default: 0, 1, ...)")
     parser.add_argument("--out", required=True, help="output file: .png (grid) or .npz")
     parser.add_argument("--weights", default="ema", choices=("ema", "model"), help="EMA (default) or raw weights")
@@ -40,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vae-batch", type=int, default=16, help="samples per VAE decode call (default: 16)")
 
 
-def load_decoder(path: str, device: torch.device):
+def load_decoder(path: str, device):
     """The VAE of ``--vae``: a diffusers ``AutoencoderKL`` from a local directory (``diffusers`` imported lazily)."""
     from diffcurr_fast.data import extract
 
@@ -50,24 +58,66 @@ def load_decoder(path: str, device: torch.device):
         raise ImportError("sample --vae needs diffusers to decode latents: pip install diffusers") from None
 
 
-@torch.no_grad()
-def decode_latents(vae, z: torch.Tensor, batch: int = 16) -> torch.Tensor:
+def decode_latents(vae, z, batch: int = 16):
     """Images (N, 3, 8H, 8W) in [-1, 1] from unscaled latents z (N, C, H, W): ``vae.decode(z).sample``, clipped."""
+    import torch
+
     if batch < 1:
         raise ValueError(f"--vae-batch must be >= 1, got {batch}")
     params = next(iter(vae.parameters()), None) if hasattr(vae, "parameters") else None
     dev, dt = (params.device, params.dtype) if params is not None else (z.device, z.dtype)
     outs = []
-    for chunk in z.split(batch):
-        out = vae.decode(chunk.to(dev, dt))
-        outs.append(getattr(out, "sample", out).float().clamp(-1, 1).cpu())  # (b, 3, 8H, 8W)
+    with torch.no_grad():
+        for chunk in z.split(batch):
+            out = vae.decode(chunk.to(dev, dt))
+            outs.append(getattr(out, "sample", out).float().clamp(-1, 1).cpu())  # (b, 3, 8H, 8W)
     return torch.cat(outs)
+
+
+def _distributed() -> tuple[int, int, Any]:
+    """(rank, world, device) under torchrun (a process group is started), else (0, 1, None)."""
+    import torch
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1, None
+    import torch.distributed as dist
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def _save_npz(path: Path, arrays: dict[str, Any]) -> None:
+    import numpy as np
+
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        np.savez(fh, **arrays)
+    os.replace(tmp, path)
 
 
 def run(args: argparse.Namespace) -> int:
     """Sample from a checkpoint and write the grid or arrays. Returns the exit status."""
-    from diffcurr_fast.train.checkpoint import load_checkpoint, resolve_checkpoint
-    from diffcurr_fast.train.sampling import build_model, build_schedule, pixel_range, sample, save_grid
+    import numpy as np
+    import torch
+    from tqdm.auto import tqdm
+
+    from diffcurr_fast.train.checkpoint import check_finite_weights, load_checkpoint, resolve_checkpoint
+    from diffcurr_fast.train.config import config_from_dict
+    from diffcurr_fast.train.sampling import (
+        batch_slices,
+        build_model,
+        build_schedule,
+        pixel_range,
+        sample_batch,
+        save_grid,
+        to_uint8_nhwc,
+    )
 
     out = Path(args.out)
     if out.suffix not in (".png", ".npz"):
@@ -76,19 +126,24 @@ def run(args: argparse.Namespace) -> int:
         raise FileExistsError(f"{str(out)!r} exists; pass --overwrite to replace it")
     if args.num < 1:
         raise ValueError(f"--num must be >= 1, got {args.num}")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda requested but no CUDA device is available; use cpu or auto")
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))  # fmt: skip
+    rank, world, dist_device = _distributed()
+    device = dist_device or torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                                         ("cpu" if args.device == "auto" else args.device))  # fmt: skip
     if getattr(args, "bundle", None):  # a TDC bundle holds the experts' (EMA) weights and the training config
         from diffcurr_fast.tdc.pipeline import load_bundle_with_config
 
         if args.weights != "ema":
             raise ValueError(f"--weights {args.weights} is not available with --bundle (it holds EMA weights only)")
         model, cfg = load_bundle_with_config(args.bundle, device)
+        check_finite_weights(model.state_dict(), f"bundle {args.bundle}")
         state = {}
     else:
-        state = load_checkpoint(resolve_checkpoint(args.ckpt))
+        path = resolve_checkpoint(args.ckpt)
+        state = load_checkpoint(path)
         cfg = config_from_dict(state["config"])
     m = cfg.model
     if args.vae and cfg.data.dataset in ("digits", "images"):
@@ -104,7 +159,9 @@ def run(args: argparse.Namespace) -> int:
             model = DiT.from_config(state["model_config"])
         else:
             model = build_model(cfg)
-        model.load_state_dict(state["ema"]["module"] if args.weights == "ema" else state["model"])
+        weights = state["ema"]["module"] if args.weights == "ema" else state["model"]
+        check_finite_weights(weights, f"checkpoint {path} ({args.weights} weights)")
+        model.load_state_dict(weights)
     model = model.to(device).eval()
     if args.labels:
         try:
@@ -117,22 +174,50 @@ def run(args: argparse.Namespace) -> int:
     else:
         base = list(range(m.num_classes))
     labels = torch.tensor([base[i % len(base)] for i in range(args.num)], dtype=torch.long)
-    x = sample(
-        model, build_schedule(cfg), sampler=args.sampler, steps=args.steps, labels=labels, channels=m.in_channels,
-        size=m.input_size, num_classes=m.num_classes, learn_sigma=cfg.diffusion.learn_sigma,
-        prediction=cfg.diffusion.prediction, cfg_scale=args.cfg, clip_denoised=pixel_range(cfg), seed=args.seed,
-        device=device,
-    )  # fmt: skip
-    x = (x / cfg.data.scale).cpu()  # data units: unscaled latents z for latent models
-    if vae is not None:
-        x = decode_latents(vae, x, args.vae_batch)  # (N, 3, H', W') in [-1, 1]
+    images = vae is not None or (m.in_channels in (1, 3) and pixel_range(cfg))
+    adm = out.suffix == ".npz" and images  # the ADM evaluation suite's layout: uint8 (N, H, W, C)
+    schedule = build_schedule(cfg)
+    mine = batch_slices(args.num, args.batch_size, rank, world)
+    parts: dict[int, Any] = {}
+    for b, sl in tqdm(mine, desc="sampling", unit="batch", disable=rank != 0, dynamic_ncols=True):
+        x = sample_batch(
+            model, schedule, labels=labels[sl], batch=b, seed=args.seed, sampler=args.sampler, steps=args.steps,
+            channels=m.in_channels, size=m.input_size, num_classes=m.num_classes,
+            learn_sigma=cfg.diffusion.learn_sigma, prediction=cfg.diffusion.prediction, cfg_scale=args.cfg,
+            clip_denoised=pixel_range(cfg), device=device,
+        )  # fmt: skip
+        x = (x / cfg.data.scale).cpu()  # data units: unscaled latents z for latent models
+        if vae is not None:
+            x = decode_latents(vae, x, args.vae_batch)  # (b, 3, H', W') in [-1, 1]
+        parts[b] = (to_uint8_nhwc(x) if adm else x.float()).numpy()
+    if world > 1:  # every rank writes its batches; rank 0 merges them in batch order
+        import torch.distributed as dist
+
+        shard = out.with_name(f"{out.name}.rank{rank}.npz")
+        _save_npz(shard, {f"b{b}": a for b, a in parts.items()})
+        dist.barrier()
+        if rank == 0:
+            for r in range(1, world):
+                other = out.with_name(f"{out.name}.rank{r}.npz")
+                with np.load(other) as z:
+                    parts.update({int(k[1:]): z[k] for k in z.files})
+                other.unlink()
+            shard.unlink()
+        dist.barrier()
+        dist.destroy_process_group()
+        if rank != 0:
+            return 0
+    arr = np.concatenate([parts[b] for b in sorted(parts)])
     out.parent.mkdir(parents=True, exist_ok=True)
-    if out.suffix == ".npz":
-        np.savez(out, x=x.numpy(), y=labels.numpy())
+    if adm:
+        _save_npz(out, {"arr_0": arr, "arr_1": labels.numpy()})
+    elif out.suffix == ".npz":
+        _save_npz(out, {"x": arr, "y": labels.numpy()})
     else:
         nrow = m.num_classes if m.num_classes <= 16 and not args.labels else None
-        save_grid(x, out, nrow=nrow, upscale=max(1, 32 // x.shape[-1]))
+        save_grid(torch.from_numpy(arr), out, nrow=nrow, upscale=max(1, 32 // arr.shape[-1]))
     origin = f"step {state['step']}" if "model" in state else f"bundle {args.bundle}"
-    print(f"wrote {args.num} samples ({args.sampler}, {args.steps} steps, cfg {args.cfg}) from {origin} "
+    ranks = f", {world} ranks" if world > 1 else ""
+    print(f"wrote {args.num} samples ({args.sampler}, {args.steps} steps, cfg {args.cfg}{ranks}) from {origin} "
           f"to {out}")  # fmt: skip
     return 0

@@ -51,7 +51,7 @@ def test_load_is_weights_only(tmp_path):
 
     path = tmp_path / "x.pt"
     torch.save({"model": {}, "config": {}, "obj": Evil()}, path)
-    with pytest.raises(ValueError, match="cannot be read"):
+    with pytest.raises(ValueError, match="is corrupt or not a weights-only torch file"):
         ck.load_checkpoint(path)
     torch.save({"something": 1}, path)
     with pytest.raises(ValueError, match="not a diffcurr_fast training checkpoint"):
@@ -147,9 +147,14 @@ def test_resume_with_incompatible_config_is_refused(tmp_path):
     assert tr.step == 2
 
 
-def test_resume_on_empty_dir_starts_fresh(tmp_path):
-    tr = Trainer(tiny(tmp_path / "new"), resume=True)
-    assert tr.step == 0 and tr.resumed_from is None
+def test_resume_without_a_checkpoint_is_refused_and_writes_nothing(tmp_path):
+    with pytest.raises(FileNotFoundError, match="cannot resume: run directory .* does not exist"):
+        Trainer(tiny(tmp_path / "new"), resume=True)
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="has no checkpoint under checkpoints/"):
+        Trainer(tiny(tmp_path / "empty"), resume=True)
+    assert not any((tmp_path / "empty").iterdir())
 
 
 def test_safetensors_export_round_trip(tmp_path):

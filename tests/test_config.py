@@ -149,10 +149,29 @@ def test_dry_run_prints_resolved_yaml(capsys, tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+def _stub_data(recipe: Path, root: Path) -> str:
+    """A path that passes the dry run's file checks for the recipe's data.dataset (npz / latents / images)."""
+    kind = yaml.safe_load(recipe.read_text())["data"]["dataset"]
+    d = root / kind
+    if kind == "images":
+        (d / "cls").mkdir(parents=True)
+        (d / "cls" / "a.png").write_bytes(b"")
+    elif kind == "npz":
+        d.mkdir()
+        (d / "x.npy").write_bytes(b"")
+        (d / "y.npy").write_bytes(b"")
+    else:
+        d.mkdir()
+    return str(d)
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
-def test_recipes_dry_run(recipe, capsys):
-    assert cli_train.run(_parse([str(recipe), "--dry-run"])) == 0
+def test_recipes_dry_run(recipe, capsys, tmp_path):
+    data = _stub_data(recipe, tmp_path)
+    assert cli_train.run(_parse([str(recipe), "--dry-run", "--set", f"data.path={data}",
+                                 "--run-dir", str(tmp_path / "run")])) == 0  # fmt: skip
     assert yaml.safe_load(capsys.readouterr().out)["model"]["preset"].startswith("DiT-")
+    assert not (tmp_path / "run").exists()
 
 
 def test_help_config_lists_keys(capsys):

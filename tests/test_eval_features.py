@@ -52,9 +52,11 @@ def test_digits_features_separate_classes(digits_cache):
     within = np.mean([ftr[ytr.numpy() == c].var(0).sum() for c in range(10)])
     between = means.var(0).sum()
     assert between > within
-    # the extractor also accepts RGB and larger images (averaged and resized to 8x8)
+    # RGB and larger images are refused; only when asked (convert) are they averaged and resized to 8x8
     rgb = torch.nn.functional.interpolate(xte[:3], size=(16, 16), mode="nearest").expand(-1, 3, -1, -1)
-    f_rgb, _ = ext(rgb)
+    with pytest.raises(ValueError, match="takes 1x8x8 images, got 3x16x16; pass --convert"):
+        ext(rgb)
+    f_rgb, _ = DigitsExtractor(path, convert=True)(rgb)
     assert f_rgb.shape == (3, 64)
     with pytest.raises(ValueError, match=r"\[-1, 1\]"):
         ext(xte[:2] * 3)

@@ -15,7 +15,6 @@ from diffcurr_fast.tdc.accounting import training_flops
 from diffcurr_fast.tdc.experts import MultiExpertDenoiser
 from diffcurr_fast.tdc.flops import dit_flops
 from diffcurr_fast.tdc.pipeline import (
-    TDC_ARTIFACTS,
     TDCOptions,
     format_accounting,
     load_bundle_with_config,
@@ -25,7 +24,7 @@ from diffcurr_fast.tdc.pipeline import (
 )
 from diffcurr_fast.train.checkpoint import latest_checkpoint, load_checkpoint
 from diffcurr_fast.train.config import TDCConfig, load_config
-from diffcurr_fast.train.loop import Trainer, clear_artifacts, prepare_run_dir
+from diffcurr_fast.train.loop import Trainer
 from diffcurr_fast.train.sampling import build_schedule, sample
 
 TINY = [
@@ -145,7 +144,7 @@ def test_sample_command_takes_bundle_and_pruned_checkpoint(tdc_run, tmp_path, ca
     import numpy as np
 
     z = np.load(out)
-    assert z["x"].shape == (5, 1, 8, 8) and np.isfinite(z["x"]).all()
+    assert z["arr_0"].shape == (5, 8, 8, 1) and z["arr_0"].dtype == np.uint8  # ADM layout
     png = tmp_path / "e.png"  # the pruned expert of group 1 alone, rebuilt from model_config in its checkpoint
     assert cli_sample.run(_sample_args("--ckpt", str(run / "group_1" / "finetune"), "--steps", "4", "--num", "3",
                                        "--out", str(png))) == 0  # fmt: skip
@@ -269,17 +268,18 @@ def test_run_tdc_rejects_unsupported(tmp_path, extra, match):
     assert not (tmp_path / "r").exists()
 
 
-def test_prepare_refuses_then_overwrites_only_artefacts(tmp_path):
+def test_overwrite_keeps_user_files_and_refuses_without_it(tmp_path):
     run = tmp_path / "run"
-    (run / "group_0").mkdir(parents=True)
-    (run / "group_12").mkdir()
-    (run / "stage1").mkdir()
-    (run / "accounting.json").write_text("{}")
+    run_tdc(tiny_cfg(run, "logging.num_samples=0"), {**TINY_TDC, "finetune_steps": 1}, run, verbose=False)
     (run / "notes.txt").write_text("keep")
+    (run / "stage1" / "checkpoints" / "my_best_model.pt").write_text("keep")
+    (run / "group_0" / "mine.txt").write_text("keep")
     with pytest.raises(FileExistsError, match="--overwrite"):
-        prepare_run_dir(run, resume=False, overwrite=False)
-    clear_artifacts(run, TDC_ARTIFACTS)
-    assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
+        run_tdc(tiny_cfg(run, "logging.num_samples=0"), {**TINY_TDC, "finetune_steps": 1}, run, verbose=False)
+    run_tdc(tiny_cfg(run, "logging.num_samples=0"), {**TINY_TDC, "finetune_steps": 1}, run, overwrite=True,
+            verbose=False)  # fmt: skip
+    for rel in ("notes.txt", "stage1/checkpoints/my_best_model.pt", "group_0/mine.txt", "bundle/bundle.json"):
+        assert (run / rel).is_file(), rel
 
 
 def _tdc_args(*argv):

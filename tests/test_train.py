@@ -180,7 +180,9 @@ def test_cli_train_prints_where_outputs_are(tmp_path, capsys):
     assert cli_train.run(p.parse_args(argv)) == 0
     out = capsys.readouterr()
     assert f"sample grid: {run / 'samples.png'}" in out.out and "done: 2 steps" in out.out
-    assert "starting at step 0 of 2; single engine" in out.err
+    # the start line names the dataset, the model (dimensions and parameter count), the engine and world size
+    assert "starting at step 0 of 2; data built-in digits (1x8x8, 10 classes); model custom DiT depth 1, width 32, " \
+           "patch 2, 2 heads, 0." in out.err and "M parameters; single engine, world size 1" in out.err  # fmt: skip
     with pytest.raises(FileExistsError):
         cli_train.run(p.parse_args(argv))
     assert cli_train.run(p.parse_args(argv + ["--resume", "--set", "engine.max_steps=3"])) == 0

@@ -215,8 +215,11 @@ def test_recipes_resolve():
         out = resolve_deepspeed_config(ds, _cfg(), world_size=2, device_type="cuda")
         assert out["zero_optimization"]["stage"] == stage
     cfg = load_config(ROOT / "recipes" / "dit_l2_zero2.yaml")
-    assert cfg.engine.kind == "deepspeed" and cfg.engine.deepspeed_config == "recipes/ds/zero2.json"
-    out = resolve_deepspeed_config(json.loads((ROOT / cfg.engine.deepspeed_config).read_text()), cfg, 8, "cuda")
+    # the recipe's relative path is relative to the recipe's folder, wherever the command runs
+    assert (
+        cfg.engine.kind == "deepspeed" and Path(cfg.engine.deepspeed_config) == ROOT / "recipes" / "ds" / "zero2.json"
+    )
+    out = resolve_deepspeed_config(json.loads(Path(cfg.engine.deepspeed_config).read_text()), cfg, 8, "cuda")
     assert out["train_micro_batch_size_per_gpu"] * 8 * out["gradient_accumulation_steps"] == cfg.data.batch_size
 
 

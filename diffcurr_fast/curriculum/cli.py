@@ -12,9 +12,9 @@ import argparse
 import csv
 from pathlib import Path
 
-import torch
-
-from diffcurr_fast.curriculum.clustering import CLUSTER_METHODS, cluster_timesteps
+# torch and the analysis modules are imported in run(): `diffcurr-fast analyze --help` stays instant. The names of
+# clustering.CLUSTER_METHODS (a test keeps the two equal):
+CLUSTER_METHODS = ("uniform", "snr", "log_snr")
 
 ANALYSES = ("kl", "convergence", "clusters")
 OUTPUTS = {
@@ -74,6 +74,9 @@ def _prepare_out(out: Path, names: tuple[str, ...], overwrite: bool) -> list[Pat
 
 def run(args: argparse.Namespace) -> int:
     """Run the analysis named by ``args.analysis``; returns 0 on success."""
+    import torch
+
+    from diffcurr_fast.curriculum.clustering import cluster_timesteps
     from diffcurr_fast.diffusion.ddpm import DDPMSchedule
 
     if args.analysis not in ANALYSES:
@@ -127,6 +130,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_clusters(args: argparse.Namespace, schedule, path: Path) -> int:
+    import torch
+
+    from diffcurr_fast.curriculum.clustering import cluster_timesteps
+
     rows = []
     t_all = torch.arange(args.num_timesteps)
     log_snr = schedule.log_snr(t_all)

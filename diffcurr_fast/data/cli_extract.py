@@ -14,8 +14,12 @@ import argparse
 import sys
 
 from diffcurr_fast.data.errors import ON_BAD
-from diffcurr_fast.data.extract import LAYOUTS, SD_VAE_SCALE, extract_latents, load_vae
-from diffcurr_fast.data.latents import LATENT_DTYPES
+
+# torch and the encoder are imported in run(): `diffcurr-fast extract-latents --help` stays instant. The values of
+# extract.LAYOUTS, extract.SD_VAE_SCALE and latents.LATENT_DTYPES (a test keeps them equal):
+LAYOUTS = ("sharded", "fastdit")
+SD_VAE_SCALE = 0.18215
+LATENT_DTYPES = ("float16", "float32")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", action="store_true", help="store the posterior mode instead of a sample")
     parser.add_argument("--hflip", action="store_true", help="random horizontal flips (seeded), as fast-DiT")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     parser.add_argument("--num-workers", type=int, default=4)
     parser.add_argument("--on-bad", choices=ON_BAD, default="stop", help="bad images: stop with an error or skip")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -46,6 +50,11 @@ def _cuda() -> bool:
 
 def run(args: argparse.Namespace) -> int:
     """Run the extraction; prints how many latents the output now holds."""
+    from diffcurr_fast.data.extract import extract_latents, load_vae
+
+    if args.device is None:
+        args.device = "cuda" if _cuda() else "cpu"
+
     try:
         vae = load_vae(args.vae, args.device)
     except ImportError as exc:

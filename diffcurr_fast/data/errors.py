@@ -9,6 +9,7 @@ from __future__ import annotations
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 ON_BAD = ("skip", "stop")
 
@@ -57,3 +58,29 @@ class BadDataReport:
         """Emit the summary as a ``UserWarning`` when anything was skipped."""
         if self.problems:
             warnings.warn(self.summary(), UserWarning, stacklevel=2)
+
+
+def first_nonfinite(x: Any) -> int | None:
+    """Index along the first axis of the first sample of ``x`` (numpy array or tensor) holding a NaN or inf, or None
+    when every value is finite. Reads ``x`` in chunks of samples (memory-mapped arrays stay cheap)."""
+    import numpy as np
+
+    n = int(x.shape[0]) if getattr(x, "ndim", 0) else 1
+    step = max(1, (1 << 22) // max(1, int(np.prod(x.shape[1:])) if getattr(x, "ndim", 0) > 1 else 1))
+    for lo in range(0, n, step):
+        chunk = np.asarray(x[lo : lo + step]) if not hasattr(x, "detach") else x[lo : lo + step].detach().cpu().numpy()
+        if chunk.dtype.kind != "f" and chunk.dtype.kind != "c":
+            return None
+        ok = np.isfinite(chunk).reshape(len(chunk), -1).all(axis=1) if chunk.ndim else np.isfinite(chunk)
+        if not ok.all():
+            return lo + int(np.argmin(ok))
+    return None
+
+
+def check_finite(x: Any, where: str, offset: int = 0, indices: Any = None) -> None:
+    """``BadDataError`` naming ``where`` and the sample (``indices[i]`` or ``offset + i``) when ``x`` holds a NaN or
+    inf. Non-finite data is never skipped: it would train a NaN model."""
+    i = first_nonfinite(x)
+    if i is not None:
+        sample = int(indices[i]) if indices is not None else offset + i
+        raise BadDataError(f"{where}: sample {sample} holds NaN or inf values; clean the data (it is never skipped)")

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from diffcurr_fast.data.errors import BadDataReport, check_on_bad
+from diffcurr_fast.data.errors import BadDataReport, check_finite, check_on_bad
 
 SHARDED_FORMAT = "diffcurr-latents"
 SHARDED_VERSION = 1
@@ -179,6 +179,7 @@ class FastDiTLatents(LatentDataset):
 
     def read(self, index: int) -> tuple[np.ndarray, int]:
         lat = np.load(self.feature_files[index]).reshape(self.latent_shape).astype(np.float32, copy=False)
+        check_finite(lat[None], str(self.feature_files[index]), offset=index)
         return lat, int(np.load(self.label_files[index]).reshape(()))
 
 
@@ -213,6 +214,7 @@ class ShardedLatents(LatentDataset):
         self.scale = float(meta.get("scale", 1.0))
         self._latents: list[np.ndarray] = []
         self._labels: list[np.ndarray] = []
+        self._paths: list[Path] = []
         for shard in meta.get("shards", []):
             lat_path, lab_path, count = self.root / shard["latents"], self.root / shard["labels"], int(shard["count"])
             try:
@@ -238,6 +240,7 @@ class ShardedLatents(LatentDataset):
                 continue
             self._latents.append(lat)
             self._labels.append(lab)
+            self._paths.append(lat_path)
         counts = [len(x) for x in self._latents]
         self._offsets = np.cumsum([0, *counts])
         if self._offsets[-1] == 0:
@@ -256,7 +259,9 @@ class ShardedLatents(LatentDataset):
 
     def read(self, index: int) -> tuple[np.ndarray, int]:
         shard, row = self.locate(index)
-        return np.array(self._latents[shard][row], dtype=np.float32), int(self._labels[shard][row])
+        lat = np.array(self._latents[shard][row], dtype=np.float32)
+        check_finite(lat[None], f"{self._paths[shard]} row {row}", offset=index)
+        return lat, int(self._labels[shard][row])
 
 
 def open_latents(root: str | os.PathLike, on_bad: str = "stop") -> LatentDataset:

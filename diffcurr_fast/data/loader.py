@@ -10,6 +10,7 @@ sees exactly the batches the uninterrupted run would have seen, whatever the wor
 
 from __future__ import annotations
 
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,22 +19,41 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from diffcurr_fast.data.errors import BadDataError, check_finite
+
 
 class ArrayDataset(Dataset):
-    """Images (N, C, H, W) and int labels (N,) as tensors or (memory-mapped) numpy arrays, scaled by ``scale``."""
+    """Images (N, C, H, W) and int labels (N,) as tensors or (memory-mapped) numpy arrays, scaled by ``scale``.
 
-    def __init__(self, x: torch.Tensor | np.ndarray, y: torch.Tensor | np.ndarray, scale: float = 1.0):
+    Labels must be of an integer dtype and >= 0 (checked here). Images must be finite: in-memory arrays are checked
+    here, memory-mapped ones batch by batch as they are read; a NaN or inf raises ``BadDataError`` naming
+    ``source`` and the sample index."""
+
+    def __init__(
+        self, x: torch.Tensor | np.ndarray, y: torch.Tensor | np.ndarray, scale: float = 1.0, source: str = "data"
+    ):
         if x.ndim != 4:
-            raise ValueError(f"images must have shape (N, C, H, W), got {tuple(x.shape)}")
+            raise ValueError(f"{source}: images must have shape (N, C, H, W), got {tuple(x.shape)}")
         if y.ndim != 1 or y.shape[0] != x.shape[0]:
-            raise ValueError(f"labels must have shape ({x.shape[0]},), got {tuple(y.shape)}")
-        self.x, self.y, self.scale = x, y, float(scale)
+            raise ValueError(f"{source}: labels must have shape ({x.shape[0]},), got {tuple(y.shape)}")
+        ydt = y.dtype if isinstance(y, np.ndarray) else torch.empty(0, dtype=y.dtype).numpy().dtype
+        if ydt.kind not in "iu":
+            raise BadDataError(f"{source}: labels y must be integers, got dtype {ydt} (a float label would be "
+                               "truncated); store them as int64")  # fmt: skip
+        if len(y) and int(np.asarray(y).min()) < 0:
+            raise BadDataError(f"{source}: labels must be >= 0, got {int(np.asarray(y).min())}")
+        self.x, self.y, self.scale, self.source = x, y, float(scale), source
+        self._lazy_check = isinstance(x, np.memmap)  # big files: checked as read, not scanned up front
+        if not self._lazy_check:
+            check_finite(x, source)
 
     def __len__(self) -> int:
         return int(self.x.shape[0])
 
     def _get(self, idx: Any) -> tuple[torch.Tensor, torch.Tensor]:
         x = torch.as_tensor(np.asarray(self.x[idx]) if isinstance(self.x, np.ndarray) else self.x[idx])
+        if self._lazy_check:
+            check_finite(x if x.ndim == 4 else x[None], self.source, indices=np.atleast_1d(np.asarray(idx)))
         y = torch.as_tensor(np.asarray(self.y[idx]) if isinstance(self.y, np.ndarray) else self.y[idx])
         x = x.float() if x.dtype not in (torch.float32, torch.float64) else x
         return (x * self.scale if self.scale != 1.0 else x), y.long()
@@ -60,14 +80,34 @@ def load_npz(path: str | Path, scale: float = 1.0) -> ArrayDataset:
         fx, fy = p / "x.npy", p / "y.npy"
         if not (fx.is_file() and fy.is_file()):
             raise FileNotFoundError(f"data directory {str(p)!r} must contain x.npy and y.npy")
-        return ArrayDataset(np.load(fx, mmap_mode="r"), np.load(fy, mmap_mode="r"), scale)
+        x, y = _read_npy(fx, mmap=True), _read_npy(fy, mmap=False)
+        return ArrayDataset(x, y, scale, source=str(fx))
     if not p.is_file():
         raise FileNotFoundError(f"data file {str(p)!r} does not exist")
-    with np.load(p) as z:
-        missing = {"x", "y"} - set(z.files)
-        if missing:
-            raise ValueError(f"{str(p)!r} lacks array(s) {sorted(missing)}; it needs x (N, C, H, W) and y (N,)")
-        return ArrayDataset(torch.from_numpy(z["x"].copy()), torch.from_numpy(z["y"].copy()), scale)
+    try:
+        with np.load(p) as z:
+            missing = {"x", "y"} - set(z.files)
+            if missing:
+                raise ValueError(f"{str(p)!r} lacks array(s) {sorted(missing)}; it needs x (N, C, H, W) and y (N,)")
+            x, y = z["x"], z["y"]
+    except (OSError, EOFError, zipfile.BadZipFile) as exc:
+        raise BadDataError(f"{str(p)!r} is not a readable .npz file ({type(exc).__name__}: {exc})") from None
+    except ValueError as exc:
+        if "pickle" in str(exc) or "Object arrays" in str(exc):
+            raise BadDataError(f"{str(p)!r} holds object (pickled) arrays, which are not loaded; x and y must be "
+                               "numeric arrays") from None  # fmt: skip
+        if "lacks array" in str(exc):
+            raise
+        raise BadDataError(f"{str(p)!r} is not a readable .npz file ({exc})") from None
+    return ArrayDataset(torch.from_numpy(x.copy()), torch.from_numpy(y.copy()), scale, source=str(p))
+
+
+def _read_npy(path: Path, mmap: bool) -> np.ndarray:
+    """``np.load`` of one ``.npy`` (memory-mapped when ``mmap``); BadDataError naming the file when unreadable."""
+    try:
+        return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+    except (OSError, EOFError, ValueError) as exc:
+        raise BadDataError(f"{str(path)!r} is not a readable .npy file (truncated or corrupt: {exc})") from None
 
 
 class EpochBatchSampler(Sampler[list[int]]):

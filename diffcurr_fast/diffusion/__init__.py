@@ -47,6 +47,7 @@ from diffcurr_fast.diffusion.weights import WEIGHTINGS, loss_weights
 # The formulations by name (``diffusion.formulation``) and the predictions each trains.
 FORMULATIONS = ("ddpm", "flow", "edm")
 TRAIN_PREDICTIONS = {"ddpm": PREDICTIONS, "flow": ("velocity",), "edm": ("x0",)}
+ALL_PREDICTIONS = tuple(dict.fromkeys(p for preds in TRAIN_PREDICTIONS.values() for p in preds))
 
 
 def build_formulation(d) -> Formulation:
@@ -63,6 +64,7 @@ def build_formulation(d) -> Formulation:
 
 __all__ = [
     "BETA_SCHEDULES",
+    "ALL_PREDICTIONS",
     "FORMULATIONS",
     "TRAIN_PREDICTIONS",
     "TrainingTerms",

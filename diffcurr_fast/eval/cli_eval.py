@@ -14,8 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from diffcurr_fast.eval.evaluate import evaluate, load_images, load_reference, samples_from_checkpoint
-from diffcurr_fast.eval.features import EXTRACTORS, get_extractor
+# The evaluation modules (torch) are imported in run(): `diffcurr-fast eval --help` stays instant. The names of
+# features.EXTRACTORS (a test keeps the two equal):
+EXTRACTORS = ("digits", "inception")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--inception-weights", metavar="PATH", help="pytorch-fid pt_inception-2015-12-05 weights")
     parser.add_argument("--digits-cache", metavar="PATH", help="digits classifier cache file (trained if missing)")
+    parser.add_argument("--convert", action="store_true",
+                        help="digits extractor: average the channels and resize samples that are not 1x8x8 "
+                             "(refused otherwise)")  # fmt: skip
     parser.add_argument("--splits", type=int, default=10, help="Inception Score splits")
     parser.add_argument("--k", type=int, default=3, help="k of the k-NN manifolds for precision/recall")
     parser.add_argument("--device", default="cpu", help="torch device for feature extraction")
@@ -47,6 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ckpt.add_argument("--cfg", type=float, default=1.0, help="classifier-free guidance scale")
     ckpt.add_argument("--seed", type=int, default=0, help="sampling seed")
     ckpt.add_argument("--weights", default="ema", choices=("ema", "model"), help="EMA or raw weights")
+    ckpt.add_argument("--batch-size", type=int, default=64, help="samples drawn per model batch (default: 64)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,11 +60,15 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--ref is required: a statistics .npz, an images .npz, or 'digits'")
     if args.samples is None and args.ckpt is None and args.save_ref is None:
         raise ValueError("nothing to do: give --samples or --ckpt to evaluate, and/or --save-ref")
+    from diffcurr_fast.eval.evaluate import evaluate, load_images, load_reference, samples_from_checkpoint
+    from diffcurr_fast.eval.features import get_extractor
+
     if args.extractor is None:
         args.extractor = "digits" if args.ref == "digits" else "inception"
     extractor = get_extractor(
-        args.extractor, inception_weights=args.inception_weights, digits_cache=args.digits_cache, device=args.device
-    )
+        args.extractor, inception_weights=args.inception_weights, digits_cache=args.digits_cache, device=args.device,
+        convert=args.convert,
+    )  # fmt: skip
     reference = load_reference(args.ref, extractor)
     if args.save_ref is not None:
         reference.save(args.save_ref)
@@ -69,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.ckpt is not None:
         images = samples_from_checkpoint(
             args.ckpt, args.num, sampler=args.sampler, steps=args.steps, cfg_scale=args.cfg, seed=args.seed,
-            weights=args.weights, device=args.device,
+            weights=args.weights, device=args.device, batch_size=args.batch_size, progress=True,
         )  # fmt: skip
         print(f"sampled {len(images)} images from {args.ckpt} ({args.sampler}, {args.steps} steps)")
     else:

@@ -51,18 +51,26 @@ def samples_from_checkpoint(
     seed: int = 0,
     weights: str = "ema",
     device: str | torch.device = "cpu",
+    batch_size: int = 64,
+    progress: bool = False,
 ) -> torch.Tensor:
     """Images (N, C, H, W) in [-1, 1] sampled from a training checkpoint (file or run directory), labels cycled
-    over the classes. Only pixel-space models (1 or 3 channels) qualify: latents would need the VAE decoder."""
-    from diffcurr_fast.train.checkpoint import load_checkpoint, resolve_checkpoint
+    over the classes, in batches of ``batch_size`` (seeded as ``diffcurr-fast sample`` seeds them). Only
+    pixel-space models (1 or 3 channels) qualify: latents would need the VAE decoder. A model with NaN or inf
+    weights is refused."""
+    from tqdm.auto import tqdm
+
+    from diffcurr_fast.train.checkpoint import check_finite_weights, load_checkpoint, resolve_checkpoint
     from diffcurr_fast.train.config import config_from_dict
-    from diffcurr_fast.train.sampling import build_model, build_schedule, sample
+    from diffcurr_fast.train.sampling import batch_slices, build_model, build_schedule, sample_batch
 
     if num < 2:
         raise ValueError(f"--num must be >= 2 to evaluate, got {num}")
     if weights not in ("ema", "model"):
         raise ValueError(f"weights must be 'ema' or 'model', got {weights!r}")
-    state = load_checkpoint(resolve_checkpoint(ckpt))
+    slices = batch_slices(num, batch_size)
+    path = resolve_checkpoint(ckpt)
+    state = load_checkpoint(path)
     cfg = config_from_dict(state["config"])
     m = cfg.model
     if m.in_channels not in (1, 3):
@@ -71,15 +79,21 @@ def samples_from_checkpoint(
             "images .npz and pass --samples"
         )
     model = build_model(cfg)
-    model.load_state_dict(state["ema"]["module"] if weights == "ema" else state["model"])
+    sd = state["ema"]["module"] if weights == "ema" else state["model"]
+    check_finite_weights(sd, f"checkpoint {path} ({weights} weights)")
+    model.load_state_dict(sd)
     model = model.to(device).eval()
     labels = torch.arange(num, dtype=torch.long) % m.num_classes
-    x = sample(
-        model, build_schedule(cfg), sampler=sampler, steps=steps, labels=labels, channels=m.in_channels,
-        size=m.input_size, num_classes=m.num_classes, learn_sigma=cfg.diffusion.learn_sigma,
-        prediction=cfg.diffusion.prediction, cfg_scale=cfg_scale, clip_denoised=True, seed=seed, device=device,
-    )  # fmt: skip
-    return (x / cfg.data.scale).clamp(-1, 1).float().cpu()  # (N, C, H, W)
+    schedule, out = build_schedule(cfg), []
+    for b, sl in tqdm(slices, desc="sampling", unit="batch", disable=not progress, dynamic_ncols=True):
+        x = sample_batch(
+            model, schedule, labels=labels[sl], batch=b, seed=seed, sampler=sampler, steps=steps,
+            channels=m.in_channels, size=m.input_size, num_classes=m.num_classes,
+            learn_sigma=cfg.diffusion.learn_sigma, prediction=cfg.diffusion.prediction, cfg_scale=cfg_scale,
+            clip_denoised=True, device=device,
+        )  # fmt: skip
+        out.append((x / cfg.data.scale).clamp(-1, 1).float().cpu())
+    return torch.cat(out)  # (N, C, H, W)
 
 
 @dataclass

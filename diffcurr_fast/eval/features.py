@@ -149,11 +149,15 @@ class FeatureExtractor(abc.ABC):
 
 
 class DigitsExtractor(FeatureExtractor):
-    """Digits-classifier features; images are averaged to one channel and resized to 8x8 when needed."""
+    """Digits-classifier features of 1x8x8 images. Other shapes are refused unless ``convert`` (then the channels
+    are averaged and the images resized to 8x8: the score is no longer one of digits-like samples)."""
 
     name, label, dim = "digits", DIGITS_LABEL, 64
 
-    def __init__(self, cache: str | os.PathLike | None = None, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self, cache: str | os.PathLike | None = None, device: str | torch.device = "cpu", convert: bool = False
+    ) -> None:
+        self.convert = convert
         self.model, self.accuracy = digits_classifier(cache)
         self.device = torch.device(device)
         self.model.to(self.device)
@@ -165,6 +169,10 @@ class DigitsExtractor(FeatureExtractor):
             return super().__call__(images, batch_size)
 
     def _forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if tuple(images.shape[1:]) != (1, 8, 8) and not self.convert:
+            c, h, w = images.shape[1:]
+            raise ValueError(f"the digits extractor takes 1x8x8 images, got {c}x{h}x{w}; pass --convert to average "
+                             "the channels and resize to 8x8 (or use --extractor inception)")  # fmt: skip
         x = images.mean(dim=1, keepdim=True) if images.shape[1] != 1 else images  # (N, 1, H, W)
         if x.shape[-2:] != (8, 8):
             x = F.interpolate(x, size=(8, 8), mode="bilinear", antialias=True, align_corners=False)  # (N, 1, 8, 8)
@@ -197,10 +205,11 @@ def get_extractor(
     inception_weights: str | os.PathLike | None = None,
     digits_cache: str | os.PathLike | None = None,
     device: str | torch.device = "cpu",
+    convert: bool = False,
 ) -> FeatureExtractor:
-    """The feature extractor called ``name`` (one of ``EXTRACTORS``)."""
+    """The feature extractor called ``name`` (one of ``EXTRACTORS``); ``convert``: see ``DigitsExtractor``."""
     if name == "digits":
-        return DigitsExtractor(digits_cache, device)
+        return DigitsExtractor(digits_cache, device, convert)
     if name == "inception":
         return InceptionExtractor(inception_weights, device)
     raise ValueError(f"extractor must be one of {EXTRACTORS}, got {name!r}")

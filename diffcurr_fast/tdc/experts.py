@@ -134,8 +134,9 @@ class MultiExpertDenoiser(nn.Module):
 
 
 def save_bundle(model: MultiExpertDenoiser, path: str | Path) -> Path:
-    """Write ``weights.safetensors`` and ``bundle.json`` into directory ``path`` (created if needed)."""
-    from safetensors.torch import save_file
+    """Write ``weights.safetensors`` and ``bundle.json`` into directory ``path`` (created if needed); experts with
+    NaN or inf weights are refused (``export_safetensors``)."""
+    from diffcurr_fast.train.checkpoint import export_safetensors
 
     if not isinstance(model, MultiExpertDenoiser):
         raise ValueError(f"save_bundle expects a MultiExpertDenoiser, got {type(model).__name__}")
@@ -149,7 +150,7 @@ def save_bundle(model: MultiExpertDenoiser, path: str | Path) -> Path:
         configs.append(expert.config())
         for name, value in expert.state_dict().items():
             tensors[f"experts.{i}.{name}"] = value.detach().cpu().contiguous().clone()
-    save_file(tensors, str(path / "weights.safetensors"))
+    export_safetensors(tensors, path / "weights.safetensors", {})  # atomic, finite, mode 0644
     meta = {
         "format": BUNDLE_FORMAT,
         "num_timesteps": model.num_timesteps,

@@ -44,17 +44,18 @@ from diffcurr_fast.tdc.accounting import sampling_flops, training_flops, write_j
 from diffcurr_fast.tdc.experts import MultiExpertDenoiser, load_bundle, save_bundle
 from diffcurr_fast.tdc.flops import dit_flops
 from diffcurr_fast.tdc.grouping import TimestepGroup, make_groups
+from diffcurr_fast.tdc.preflight import check_tdc_run
 from diffcurr_fast.tdc.proposers import make_proposer
 from diffcurr_fast.tdc.prune import importance_scores
 from diffcurr_fast.tdc.search import SearchResult, plot_history, proxy_search
 from diffcurr_fast.train.config import TDCConfig, TrainConfig, config_from_dict, load_config
 from diffcurr_fast.train.data import SHARDED_DATASETS
 from diffcurr_fast.train.engine import create_engine
-from diffcurr_fast.train.loop import Trainer, build_dataset, clear_artifacts, prepare_run_dir
+from diffcurr_fast.train.loop import Trainer, build_dataset
+from diffcurr_fast.train.rundir import open_run_dir
 from diffcurr_fast.train.sampling import grid_sampler, respaced, sample_grid
 
 __all__ = [
-    "TDC_ARTIFACTS",
     "TDCOptions",
     "format_accounting",
     "load_bundle_with_config",
@@ -64,8 +65,6 @@ __all__ = [
     "stage2_config",
 ]
 
-# What a TDC run writes into its directory (``overwrite`` removes exactly these; glob patterns).
-TDC_ARTIFACTS = ("tdc.json", "stage1", "group_*", "bundle", "accounting.json", "samples.png")
 TDCOptions = TDCConfig  # the tdc section of the training config, under its former name
 
 
@@ -196,6 +195,7 @@ def run_tdc(
         verbose: print progress and the accounting.
     """
     cfg, run_dir, t_start = resolve_config(cfg, options), Path(run_dir), time.perf_counter()
+    start = check_tdc_run(cfg, cfg.tdc, run_dir, overwrite=overwrite)  # everything checked before anything is written
     cfg.checkpoint.run_dir = str(run_dir / "stage1")
     dataset = None if cfg.data.dataset in SHARDED_DATASETS else build_dataset(cfg)
     if dataset is not None:  # the search data must fit before stage 1 trains
@@ -205,10 +205,7 @@ def run_tdc(
     try:
         if engine.world_size != 1:
             raise ValueError(f"run_tdc runs in one process, got world size {engine.world_size}; use engine.kind single")
-        prepare_run_dir(run_dir, resume=False, overwrite=overwrite)
-        if overwrite:
-            clear_artifacts(run_dir, TDC_ARTIFACTS)
-        run_dir.mkdir(parents=True, exist_ok=True)
+        open_run_dir(start)  # overwrite: only the files a TDC run writes are removed (TDC_LAYOUT)
         write_json({"config": cfg.to_dict()}, run_dir / "tdc.json")
         base = stage1(cfg, engine, dataset, verbose)
         groups = make_groups(base.schedule, cfg.tdc.num_groups, cfg.tdc.k, base.flops, method=cfg.tdc.group_method,
@@ -234,7 +231,7 @@ def stage1(cfg: TrainConfig, engine: Any, dataset: Any, verbose: bool) -> Stage1
     """Train the base model on all timesteps (``cfg`` as given) and take its ``tdc.base_weights``."""
     _log(verbose, f"tdc: stage 1, {cfg.engine.max_steps} steps (curriculum pacing {cfg.curriculum.pacing!r})")
     t0 = time.perf_counter()
-    trainer = Trainer(cfg, engine, dataset=dataset)
+    trainer = Trainer(cfg, engine, dataset=dataset, overwrite=True)  # stage1/ was cleared; user files may remain
     summary = trainer.fit()
     base = copy.deepcopy(trainer.ema.module if cfg.tdc.base_weights == "ema" else trainer.model).float()
     base = base.to(trainer.device).eval().requires_grad_(True)  # Taylor importance needs its gradients
@@ -278,7 +275,7 @@ def finetune_group(
     """Fine-tune the best candidate of ``res`` on the group's timesteps; its EMA weights and the updated record."""
     t0 = time.perf_counter()
     ft = Trainer(stage2_config(cfg, Path(record["finetune_dir"])), engine, model=copy.deepcopy(res.model).train(),
-                 timestep_range=(g.lo, g.hi), dataset=base.dataset)  # fmt: skip
+                 timestep_range=(g.lo, g.hi), dataset=base.dataset, overwrite=True)  # fmt: skip
     summary = ft.fit()
     expert = copy.deepcopy(ft.ema.module).eval()
     record = {**record, "expert_flops": dit_flops(expert), "finetune_loss": summary["loss"],

@@ -1,19 +1,39 @@
 """Training: typed config, engines (single, DDP, DeepSpeed), the loop, EMA, checkpoints, logging, sampling."""
 
-from diffcurr_fast.train.checkpoint import (
-    atomic_save,
-    export_safetensors,
-    latest_checkpoint,
-    list_checkpoints,
-    load_checkpoint,
-    save_checkpoint,
-)
-from diffcurr_fast.train.config import TrainConfig, config_from_dict, config_to_yaml, demo_config, load_config
-from diffcurr_fast.train.data import TrainBatches, build_train_batches, load_init_weights
-from diffcurr_fast.train.ema import EMA
-from diffcurr_fast.train.engine import DDPEngine, DeepSpeedEngine, Engine, create_engine, resolve_deepspeed_config
-from diffcurr_fast.train.loop import NonFiniteLossError, Trainer, lr_at, train
-from diffcurr_fast.train.sampling import build_model, build_schedule, sample, save_grid
+from diffcurr_fast._lazy import lazy_exports
+
+# name -> module, imported on first use: importing one submodule does not import the whole package (torch)
+_EXPORTS: dict[str, str] = {
+    "atomic_save": "diffcurr_fast.train.checkpoint",
+    "export_safetensors": "diffcurr_fast.train.checkpoint",
+    "latest_checkpoint": "diffcurr_fast.train.checkpoint",
+    "list_checkpoints": "diffcurr_fast.train.checkpoint",
+    "load_checkpoint": "diffcurr_fast.train.checkpoint",
+    "save_checkpoint": "diffcurr_fast.train.checkpoint",
+    "TrainConfig": "diffcurr_fast.train.config",
+    "config_from_dict": "diffcurr_fast.train.config",
+    "config_to_yaml": "diffcurr_fast.train.config",
+    "demo_config": "diffcurr_fast.train.config",
+    "load_config": "diffcurr_fast.train.config",
+    "TrainBatches": "diffcurr_fast.train.data",
+    "build_train_batches": "diffcurr_fast.train.data",
+    "load_init_weights": "diffcurr_fast.train.data",
+    "EMA": "diffcurr_fast.train.ema",
+    "DDPEngine": "diffcurr_fast.train.engine",
+    "DeepSpeedEngine": "diffcurr_fast.train.engine",
+    "Engine": "diffcurr_fast.train.engine",
+    "create_engine": "diffcurr_fast.train.engine",
+    "resolve_deepspeed_config": "diffcurr_fast.train.engine",
+    "NonFiniteLossError": "diffcurr_fast.train.loop",
+    "Trainer": "diffcurr_fast.train.loop",
+    "lr_at": "diffcurr_fast.train.loop",
+    "train": "diffcurr_fast.train.loop",
+    "build_model": "diffcurr_fast.train.sampling",
+    "build_schedule": "diffcurr_fast.train.sampling",
+    "sample": "diffcurr_fast.train.sampling",
+    "save_grid": "diffcurr_fast.train.sampling",
+}
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = [
     "EMA",

@@ -38,6 +38,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _replace(src: Path, dst: Path) -> None:
     """The commit point of a save (a separate function so tests can fail it)."""
     os.replace(src, dst)
@@ -80,10 +86,32 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return ckpts[-1][1] if ckpts else None
 
 
+class NonFiniteWeightsError(ValueError):
+    """A model holds NaN or inf weights: it is not saved, exported or sampled."""
+
+
+def check_finite_weights(state_dict: dict[str, Any], what: str) -> None:
+    """NonFiniteWeightsError naming the first floating-point tensor of ``state_dict`` with a NaN or inf."""
+    for name, v in state_dict.items():
+        if isinstance(v, dict):
+            check_finite_weights(v, what)
+        elif isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            bad = int((~torch.isfinite(v)).sum())
+            raise NonFiniteWeightsError(
+                f"{what}: weight {name!r} has {bad} non-finite value(s) of {v.numel()}; the model diverged "
+                "(check optim.lr and the data), so it is not written or sampled"
+            )
+
+
 def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], keep_last: int = 3) -> Path:
-    """Write ``state`` as ``checkpoints/ckpt_<step>.pt`` atomically, then keep only the newest ``keep_last``."""
+    """Write ``state`` as ``checkpoints/ckpt_<step>.pt`` atomically, then keep only the newest ``keep_last``.
+    A state whose model or EMA weights are not finite is refused (``NonFiniteWeightsError``): the previous
+    checkpoints stay the newest."""
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    for key in ("model", "ema"):
+        if isinstance(state.get(key), dict):
+            check_finite_weights(state[key], f"refusing to save the checkpoint of step {step} ({key})")
     d = Path(run_dir) / CKPT_DIR
     path = atomic_save(state, d / ckpt_name(step))
     for _, old in list_checkpoints(run_dir)[:-keep_last]:
@@ -100,11 +128,37 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as exc:
-        raise ValueError(f"checkpoint {str(path)!r} cannot be read ({type(exc).__name__}: {exc})") from None
+    except Exception as exc:  # torch's message may advise an unsafe weights_only=False load: it is not repeated
+        raise CorruptCheckpointError(
+            f"checkpoint {str(path)!r} is corrupt or not a weights-only torch file ({type(exc).__name__})"
+        ) from None
     if not isinstance(state, dict) or "model" not in state or "config" not in state:
         raise ValueError(f"{str(path)!r} is not a diffcurr_fast training checkpoint (no model/config entries)")
     return state
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint file cannot be read with ``weights_only=True`` (truncated, corrupt, or not ours)."""
+
+
+def load_resume_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """``load_checkpoint`` of the newest checkpoint of a run; when it is corrupt, the error names the previous
+    checkpoint that loads, and how to continue from it."""
+    path = Path(path)
+    try:
+        return load_checkpoint(path, map_location)
+    except CorruptCheckpointError as exc:
+        older = [p for s, p in list_checkpoints(path.parent.parent) if p != path and p.name < path.name]
+        for prev in reversed(older):
+            try:
+                load_checkpoint(prev, "cpu")
+            except (CorruptCheckpointError, ValueError):
+                continue
+            raise CorruptCheckpointError(
+                f"{exc}; the previous checkpoint {prev.name} is intact: move {path.name} out of {path.parent} and "
+                "rerun with --resume to continue from it"
+            ) from None
+        raise CorruptCheckpointError(f"{exc}; no earlier intact checkpoint in {path.parent}") from None
 
 
 def resolve_checkpoint(path_or_run: str | Path) -> Path:
@@ -127,7 +181,9 @@ def export_safetensors(state_dict: dict[str, torch.Tensor], path: str | Path, me
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
+    check_finite_weights(tensors, f"refusing to export {str(path)!r}")
     save_file(tensors, str(tmp), metadata={k: json.dumps(v) for k, v in metadata.items()})
+    os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates its file 0600; outputs get the usual mode (0644)
     _replace(tmp, path)
     _fsync_dir(path.parent)
     return path

@@ -2,7 +2,7 @@
 
 Without a recipe it runs the embedded demo (a small DiT with the SNR curriculum on the built-in digits). Under
 ``torchrun --nproc_per_node N -m diffcurr_fast.cli train ...`` it trains with DDP; with ``engine.kind=deepspeed``
-under ``deepspeed --num_gpus N --no_local_rank --module diffcurr_fast.cli train ...`` (or torchrun) with ZeRO.
+under ``deepspeed --num_gpus N --module diffcurr_fast.cli train ...`` (or torchrun) with ZeRO.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from diffcurr_fast.train.config import config_to_yaml, describe_config, load_con
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``train``."""
-    parser.add_argument("recipe", nargs="?", default=None, help="YAML recipe (default: the embedded digits demo)")
+    parser.add_argument("recipe", nargs="?", default=None,
+                        help="YAML recipe, or the name of a shipped one (`diffcurr-fast recipes`; default: the "
+                             "embedded digits demo)")  # fmt: skip
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
         help="override one config value (repeatable), e.g. --set optim.lr=2e-4 --set engine.max_steps=500",
@@ -23,15 +25,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", default=None, help="shorthand for --set checkpoint.run_dir=PATH")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--resume", action="store_true", help="continue the newest checkpoint in the run directory")
-    group.add_argument("--overwrite", action="store_true", help="replace the run artifacts in a non-empty run dir")
-    parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    group.add_argument(
+        "--overwrite", action="store_true", help="remove the files a previous run wrote (only those) and start afresh"
+    )
+    parser.add_argument("--dry-run", action="store_true",
+                        help="run every check of a real start (files, backends, run dir), print the config, write "
+                             "nothing")  # fmt: skip
     parser.add_argument("--help-config", action="store_true", help="list every config key with its doc and exit")
     # launchers (deepspeed, torch.distributed.launch) pass the local rank; it is read from LOCAL_RANK instead
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 
 
+def resume_command(args: argparse.Namespace) -> str:
+    """The command line that continues the run of ``args``: its recipe and overrides, with ``--resume``."""
+    import shlex
+
+    parts = ["diffcurr-fast", "train", *([args.recipe] if args.recipe else [])]
+    for o in args.overrides:
+        parts += ["--set", o]
+    if args.run_dir:
+        parts += ["--run-dir", args.run_dir]
+    return " ".join(shlex.quote(p) for p in parts) + " --resume"
+
+
+def describe_model(cfg, num_params: int | None = None) -> str:
+    """``DiT-B/2`` or ``custom DiT depth 4, width 64, patch 2, 4 heads``, with the parameter count when known."""
+    m = cfg.model
+    name = m.preset if m.preset != "custom" else (
+        f"custom DiT depth {m.depth}, width {m.hidden_size}, patch {m.patch_size}, {m.num_heads} heads")  # fmt: skip
+    return name + (f", {num_params / 1e6:.2f}M parameters" if num_params is not None else "")
+
+
+def describe_data(cfg) -> str:
+    d, m = cfg.data, cfg.model
+    src = "built-in digits" if d.dataset == "digits" else f"{d.dataset} {d.path}"
+    return f"{src} ({m.in_channels}x{m.input_size}x{m.input_size}, {m.num_classes} classes)"
+
+
 def run(args: argparse.Namespace) -> int:
-    """Resolve the config and train (or print it with ``--dry-run``). Returns the exit status."""
+    """Resolve and validate the config, then train (or print it with ``--dry-run``). Returns the exit status."""
     if args.help_config:
         print(describe_config())
         return 0
@@ -39,21 +71,39 @@ def run(args: argparse.Namespace) -> int:
     if args.run_dir:
         overrides.append(f"checkpoint.run_dir={args.run_dir}")
     cfg = load_config(args.recipe, overrides)
+    from diffcurr_fast.train.preflight import check_run
+
+    start = check_run(cfg, resume=args.resume, overwrite=args.overwrite)  # everything, before anything is written
     if args.dry_run:
         sys.stdout.write(config_to_yaml(cfg))
+        print(f"dry run: the config, inputs, backends and run directory {cfg.checkpoint.run_dir!r} are valid "
+              f"({start.mode} start); nothing was written", file=sys.stderr)  # fmt: skip
+        return 0
+    if start.mode == "finished":
+        print(f"diffcurr-fast train: run {cfg.checkpoint.run_dir!r} already finished (checkpoint at step "
+              f"{start.step}, engine.max_steps {cfg.engine.max_steps}); nothing to do, nothing changed. Raise "
+              "engine.max_steps with --resume to train further")  # fmt: skip
         return 0
     from diffcurr_fast.train.engine import create_engine
-    from diffcurr_fast.train.loop import Trainer
+    from diffcurr_fast.train.loop import Trainer, TrainingInterrupted
 
     engine = create_engine(cfg.engine.kind, cfg.engine.device)
     try:
         trainer = Trainer(cfg, engine, resume=args.resume, overwrite=args.overwrite)
         if engine.is_main:
             where = f"resuming from {trainer.resumed_from}" if trainer.resumed_from else "starting"
+            n = sum(p.numel() for p in trainer.model.parameters())
             print(f"diffcurr-fast train: {where} at step {trainer.step} of {cfg.engine.max_steps}; "
+                  f"data {describe_data(cfg)}; model {describe_model(cfg, n)}; "
                   f"{engine.kind} engine, world size {engine.world_size}, device {engine.device}; "
                   f"run dir {trainer.run_dir}", file=sys.stderr)  # fmt: skip
-        summary = trainer.fit()
+        try:
+            summary = trainer.fit()
+        except TrainingInterrupted as stop:
+            if engine.is_main:
+                print(f"diffcurr-fast train: {stop}; resume with (under the same launcher): "
+                      f"{resume_command(args)}", file=sys.stderr)  # fmt: skip
+            return stop.exit_code
     finally:
         engine.close()
     if engine.is_main:

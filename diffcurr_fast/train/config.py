@@ -10,43 +10,57 @@ the resolved configuration (the run directory keeps it as ``config.yaml``).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
 import math
 import types
 import typing
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from diffcurr_fast.curriculum.clustering import CLUSTER_METHODS
-from diffcurr_fast.curriculum.pacing import ORDERS, PACINGS
-from diffcurr_fast.data.errors import ON_BAD
-from diffcurr_fast.data.pipeline import BACKENDS as DATA_BACKENDS
-from diffcurr_fast.diffusion import FORMULATIONS, TRAIN_PREDICTIONS
-from diffcurr_fast.diffusion.ddpm import BETA_SCHEDULES
-from diffcurr_fast.diffusion.weights import WEIGHTINGS
-from diffcurr_fast.models.attention import ATTENTION_BACKENDS
-from diffcurr_fast.models.dit import DIT_PRESETS
-from diffcurr_fast.objective import PRECISIONS
-from diffcurr_fast.ops import BACKENDS as _OPS_BACKENDS
-from diffcurr_fast.train.data import DATASETS
-from diffcurr_fast.train.engine import DEVICES, ENGINE_KINDS
-from diffcurr_fast.train.sampling import SAMPLERS
 
-# Every choice below is defined by the module that implements it; the config only collects them.
-MODEL_PRESETS = ("custom", *DIT_PRESETS)
-PREDICTIONS = tuple(dict.fromkeys(p for preds in TRAIN_PREDICTIONS.values() for p in preds))
-OPS_BACKENDS = ("auto", *_OPS_BACKENDS)
+def _owned(module: str, name: str, *, before: tuple = ()) -> Callable[[], tuple]:
+    """The valid values of a choice field as its owner defines them (``module.name``, after ``before``), imported
+    on first use so that importing the config (a command's ``--help``) stays light."""
+
+    @functools.cache
+    def values() -> tuple:
+        return (*before, *getattr(importlib.import_module(module), name))
+
+    return values
+
+
+# Every choice is defined by the module that implements it; the config only refers to it.
+MODEL_PRESETS = _owned("diffcurr_fast.models.dit", "DIT_PRESETS", before=("custom",))
+FORMULATIONS = _owned("diffcurr_fast.diffusion", "FORMULATIONS")
+PREDICTIONS = _owned("diffcurr_fast.diffusion", "ALL_PREDICTIONS")
+BETA_SCHEDULES = _owned("diffcurr_fast.diffusion.ddpm", "BETA_SCHEDULES")
+WEIGHTINGS = _owned("diffcurr_fast.diffusion.weights", "WEIGHTINGS")
+OPS_BACKENDS = _owned("diffcurr_fast.ops._backend", "BACKENDS", before=("auto",))
+PACINGS = _owned("diffcurr_fast.curriculum.pacing", "PACINGS")
+ORDERS = _owned("diffcurr_fast.curriculum.pacing", "ORDERS")
+CLUSTER_METHODS = _owned("diffcurr_fast.curriculum.clustering", "CLUSTER_METHODS")
+DATASETS = _owned("diffcurr_fast.train.data", "DATASETS")
+DATA_BACKENDS = _owned("diffcurr_fast.data.pipeline", "BACKENDS")
+ON_BAD = _owned("diffcurr_fast.data.errors", "ON_BAD")
+ATTN_BACKENDS = _owned("diffcurr_fast.models.attention", "ATTENTION_BACKENDS")
+ENGINE_KINDS = _owned("diffcurr_fast.train.engine", "ENGINE_KINDS")
+DEVICES = _owned("diffcurr_fast.train.engine", "DEVICES")
+PRECISIONS = _owned("diffcurr_fast.objective", "PRECISIONS")
+SAMPLERS = _owned("diffcurr_fast.train.sampling", "SAMPLERS")
 NAN_POLICIES = ("skip", "stop")  # the trainer's, read from this config only
 LR_SCHEDULES = ("constant", "cosine")  # ``train.loop.lr_at``
 
 INF = math.inf
 
 
-def _f(default: Any, doc: str, choices: tuple | None = None, *, lo: float | None = None, hi: float = INF,
-       lo_open: bool = False, hi_open: bool = False) -> Any:  # fmt: skip
+def _f(default: Any, doc: str, choices: tuple | Callable[[], tuple] | None = None, *, lo: float | None = None,
+       hi: float = INF, lo_open: bool = False, hi_open: bool = False) -> Any:  # fmt: skip
     """A config field: its default, one-line doc, and its valid values (``choices``, or the range [lo, hi] with
     open ends as flagged). ``_check_field`` is the one place these are checked."""
     meta: dict[str, Any] = {"doc": doc}
@@ -89,7 +103,7 @@ class ModelConfig:
     mlp_ratio: float = _f(4.0, "MLP width / hidden_size", lo=0.0, lo_open=True)
     class_dropout_prob: float = _unit(0.1, "label dropout probability (enables classifier-free guidance)",
                                       hi_open=True)  # fmt: skip
-    attn_backend: str = _f("auto", "attention backend", ATTENTION_BACKENDS)
+    attn_backend: str = _f("auto", "attention backend", ATTN_BACKENDS)
     fused_adaln: bool = _f(False, "use the fused adaLN modulate / gated residual ops in the blocks")
     dtr: bool = _f(False, "Denoising Task Routing (timestep-dependent channel masks)")
     init_from: str = _f(
@@ -100,6 +114,8 @@ class ModelConfig:
 
     def validate(self) -> None:
         """A preset fills the dimensions left unset; a set dimension that contradicts it is an error."""
+        from diffcurr_fast.models.dit import DIT_PRESETS
+
         dims = DIT_PRESETS.get(self.preset, CUSTOM_DIMS)
         filled = self.__dict__.setdefault("_filled", set())  # dimensions this method filled (not the user's)
         for name, value in dims.items():
@@ -156,6 +172,8 @@ class DiffusionConfig:
             self.fused_ops = None
         if not self.sigma_min < self.sigma_max:
             raise ValueError(f"diffusion.sigma_min {self.sigma_min} must be < diffusion.sigma_max {self.sigma_max}")
+        from diffcurr_fast.diffusion import TRAIN_PREDICTIONS
+
         preds = TRAIN_PREDICTIONS[self.formulation]
         if self.prediction not in preds:
             raise ValueError(f"diffusion.prediction {self.prediction!r} is not a {self.formulation} target; valid "
@@ -206,6 +224,9 @@ class DataConfig:
         if self.dataset in ("npz", "latents", "images") and not self.path:
             what = {"npz": "a .npz file or a directory", "latents": "a latent directory", "images": "an image folder"}
             raise ValueError(f"data.path is required when data.dataset is {self.dataset!r} ({what[self.dataset]})")
+        if self.dataset == "digits" and self.path:
+            raise ValueError(f"data.path {self.path!r} is set but data.dataset is 'digits' (built in, reads no file); "
+                             "set data.dataset to npz, latents or images to train on it")  # fmt: skip
 
 
 @dataclass
@@ -258,7 +279,7 @@ class LoggingConfig:
 
     log_every: int = _pos(10, "steps between metrics.jsonl records")
     progress: bool = _f(True, "show a tqdm progress bar")
-    tensorboard: bool = _f(False, "also write TensorBoard scalars (when tensorboard is importable)")
+    tensorboard: bool = _f(False, "also write TensorBoard scalars (needs the tensorboard package)")
     num_samples: int = _nonneg(64, "images in the end-of-run sample grid (0 = no grid)")
     sampler: str = _f("ddim", "sampler of the end-of-run grid", SAMPLERS)
     sample_steps: int = _pos(50, "sampling steps of the end-of-run grid")
@@ -285,7 +306,7 @@ class CheckpointConfig:
 
 # Choices of the tdc section. The config is the lowest layer that needs them, so it owns them; ``diffcurr_fast.tdc``
 # imports them from here.
-GROUP_METHODS = ("db", *CLUSTER_METHODS)
+GROUP_METHODS = _owned("diffcurr_fast.curriculum.clustering", "CLUSTER_METHODS", before=("db",))
 FULL_BUDGET_ENDS = ("hardest", "easiest")
 BASE_WEIGHTS = ("ema", "model")
 IMPORTANCE_METHODS = ("taylor", "magnitude")
@@ -439,10 +460,16 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     raise ValueError(f"{key} must be of type {_type_name(tp)}, got {value!r} ({type(value).__name__})")
 
 
+def _choices(f: dataclasses.Field) -> tuple | None:
+    """The valid values of a choice field (resolved from their owner), or None."""
+    choices = f.metadata.get("choices")
+    return choices() if callable(choices) else choices
+
+
 def _check_field(key: str, f: dataclasses.Field, value: Any, tp: Any) -> None:
     """The one check of a field's value: its type, then its choices or its range; every float must be finite."""
     value = _coerce(key, value, tp)
-    choices = f.metadata.get("choices")
+    choices = _choices(f)
     if choices is not None and value not in choices:
         raise ValueError(f"invalid value {value!r} for {key}; valid choices: {', '.join(map(str, choices))}")
     if isinstance(value, float) and not math.isfinite(value):
@@ -554,16 +581,68 @@ def demo_config() -> TrainConfig:
     return config_from_dict(DEMO)
 
 
+# Config fields that name input files: inside a recipe, a relative value is relative to the recipe's folder (so a
+# recipe and its DeepSpeed JSON travel together); on the command line (--set), relative to the current directory.
+RECIPE_PATH_KEYS = (("data", "path"), ("engine", "deepspeed_config"), ("model", "init_from"))
+
+
+def recipes_dir() -> Path:
+    """The folder of the shipped recipes (package data ``diffcurr_fast.recipes``; a source checkout's recipes/)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("diffcurr_fast.recipes")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(list(spec.submodule_search_locations)[0])
+    return Path(__file__).resolve().parents[2] / "recipes"
+
+
+def list_recipes() -> list[Path]:
+    """The shipped recipes, sorted by name."""
+    d = recipes_dir()
+    return sorted(d.glob("*.yaml")) if d.is_dir() else []
+
+
+def find_recipe(name: str | Path) -> Path:
+    """A recipe file: ``name`` as a path, else a shipped recipe of that name (``dit_b2_curriculum`` or with .yaml)."""
+    p = Path(name)
+    if p.is_file():
+        return p
+    shipped = recipes_dir() / (p.name if p.suffix in (".yaml", ".yml") else f"{p.name}.yaml")
+    if p.parent == Path(".") and shipped.is_file():
+        return shipped
+    names = ", ".join(r.stem for r in list_recipes())
+    raise FileNotFoundError(f"recipe {str(name)!r} does not exist (no such file, and no shipped recipe of that "
+                            f"name: {names})")  # fmt: skip
+
+
+def read_recipe(path: str | Path) -> dict[str, Any]:
+    """The mapping in a YAML recipe, with the input paths of ``RECIPE_PATH_KEYS`` made relative to its folder;
+    ValueError in one line (file, line, column) for malformed YAML."""
+    p = find_recipe(path)
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise ValueError(f"recipe {str(p)!r} is not valid YAML{where}: {problem}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"recipe {str(p)!r} must be a mapping of sections, got {type(data).__name__}")
+    data = _fix_floats(data)
+    for sec, key in RECIPE_PATH_KEYS:
+        section = data.get(sec)
+        if isinstance(section, dict) and isinstance(section.get(key), str) and section[key]:
+            v = Path(section[key]).expanduser()
+            if not v.is_absolute():
+                section[key] = str(p.parent / v)
+    return data
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
-    """The YAML recipe at ``path`` over the paper defaults (or the embedded demo when ``path`` is None), then
-    ``overrides`` (``a.b=value``); validated."""
-    data: dict[str, Any] = DEMO if path is None else {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise FileNotFoundError(f"recipe {str(p)!r} does not exist")
-        with open(p) as fh:
-            data = _fix_floats(yaml.safe_load(fh) or {})
+    """The YAML recipe at ``path`` (a file, or the name of a shipped recipe) over the paper defaults (or the
+    embedded demo when ``path`` is None), then ``overrides`` (``a.b=value``); validated. Relative input paths in
+    the recipe are relative to its folder (``read_recipe``)."""
+    data: dict[str, Any] = DEMO if path is None else read_recipe(path)
     return apply_overrides(config_from_dict(data), overrides)
 
 
@@ -587,7 +666,7 @@ def describe_config() -> str:
         lines.append(f"{sec_name}:  # {cls.__doc__}")
         inst = cls()
         for f in dataclasses.fields(inst):
-            choices = f.metadata.get("choices")
+            choices = _choices(f)
             extra = f" (one of {', '.join(map(str, choices))})" if choices else ""
             tp = _type_name(_hints(cls)[f.name])
             lines.append(f"  {f.name}: {getattr(inst, f.name)!r}  # {tp}; {f.metadata.get('doc', '')}{extra}")

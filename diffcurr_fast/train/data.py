@@ -77,6 +77,15 @@ class TrainBatches:
                 raise ValueError(f"data has label {bad} but model.num_classes is {self.num_classes} (valid 0.."
                                  f"{self.num_classes - 1})")  # fmt: skip
             x = x.float()
+            if not bool(torch.isfinite(x).all()):  # readers that bypass the dataset's own check (DALI's numpy reader)
+                from diffcurr_fast.data.errors import BadDataError
+
+                pos = self.loader.state_dict()
+                raise BadDataError(
+                    f"{getattr(self.source, 'root', 'the data')}: a batch of epoch {pos.get('epoch')} (ending at "
+                    f"position {pos.get('start')} of this rank's shard) holds NaN or inf values; data.backend=torch "
+                    "names the file"
+                )
             return (x * self.factor if self.factor != 1.0 else x), y
 
     def state_dict(self) -> dict[str, Any]:
@@ -156,9 +165,9 @@ def read_init_state(path: str | Path) -> dict[str, torch.Tensor]:
     else:
         try:
             state = torch.load(p, map_location="cpu", weights_only=True)
-        except Exception as exc:  # unpickling refused or not a torch file
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ValueError(f"model.init_from {str(p)!r} is not a weights-only torch file: {first}") from None
+        except Exception as exc:  # unpickling refused or not a torch file; torch's text may advise an unsafe load
+            raise ValueError(f"model.init_from {str(p)!r} is corrupt or not a weights-only torch file "
+                             f"({type(exc).__name__})") from None  # fmt: skip
     if isinstance(state, dict) and isinstance(state.get("ema"), dict):
         ema = state["ema"]
         state = ema["module"] if isinstance(ema.get("module"), dict) else ema

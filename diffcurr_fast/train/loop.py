@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import random
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -30,12 +29,11 @@ from diffcurr_fast.train.config import TrainConfig, config_from_dict, config_to_
 from diffcurr_fast.train.data import SHARDED_DATASETS, TrainBatches, build_train_batches, load_init_weights
 from diffcurr_fast.train.ema import EMA
 from diffcurr_fast.train.engine import Engine, create_engine, unwrap
+from diffcurr_fast.train.interrupt import StopRequest, TrainingInterrupted
+from diffcurr_fast.train.preflight import check_run
 from diffcurr_fast.train.report import MetricsWriter, gpu_stats, plot_cluster_losses, plot_curriculum_timeline
+from diffcurr_fast.train.rundir import open_run_dir
 from diffcurr_fast.train.sampling import build_model, sample_grid
-
-# Files a run writes into its directory (``--overwrite`` removes exactly these).
-RUN_ARTIFACTS = ("checkpoints", "metrics.jsonl", "config.yaml", "samples.png", "cluster_loss.png",
-                 "curriculum.png", "ema.safetensors", "tb")  # fmt: skip
 
 
 class NonFiniteLossError(RuntimeError):
@@ -62,7 +60,7 @@ def build_dataset(cfg: TrainConfig):
     d, m = cfg.data, cfg.model
     if d.dataset == "digits":
         x, y = load_builtin("digits")
-        ds = ArrayDataset(x, y, d.scale)
+        ds = ArrayDataset(x, y, d.scale, source="built-in digits")
     else:
         ds = load_npz(d.path, d.scale)
     c, h, w = (int(s) for s in ds.x.shape[1:])
@@ -75,25 +73,6 @@ def build_dataset(cfg: TrainConfig):
     if ymax >= m.num_classes:
         raise ValueError(f"data has label {ymax} but model.num_classes is {m.num_classes}")
     return ds
-
-
-def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse a non-empty run directory unless resuming or overwriting (which removes only run artifacts)."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise FileExistsError(f"run directory {str(run_dir)!r} exists and is not a directory")
-    if run_dir.is_dir() and any(run_dir.iterdir()) and not (resume or overwrite):
-        raise FileExistsError(
-            f"run directory {str(run_dir)!r} is not empty; pass --resume to continue it or --overwrite to replace it"
-        )
-
-
-def clear_artifacts(run_dir: Path, names: tuple[str, ...] = RUN_ARTIFACTS) -> None:
-    """Remove the artifacts ``names`` (file or directory names, or glob patterns) from ``run_dir``."""
-    for p in sorted({p for name in names for p in run_dir.glob(name)}):
-        if p.is_dir():
-            shutil.rmtree(p)
-        elif p.exists():
-            p.unlink()
 
 
 class Trainer:
@@ -118,12 +97,8 @@ class Trainer:
         self.engine = engine or create_engine(cfg.engine.kind, cfg.engine.device)
         self.device = self.engine.device
         self.run_dir = Path(cfg.checkpoint.run_dir)
-        prepare_run_dir(self.run_dir, resume, overwrite)
-        self.engine.barrier()  # every rank has checked before rank 0 writes
-        if self.engine.is_main:
-            if overwrite and not resume:
-                clear_artifacts(self.run_dir)
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+        # everything is checked before anything is written; the directory is opened at the end of __init__
+        self.start = check_run(cfg, resume=resume, overwrite=overwrite, world_size=self.engine.world_size)
         e, d, o = cfg.engine, cfg.diffusion, cfg.optim
         rank, world = self.engine.rank, self.engine.world_size
         if cfg.data.batch_size % (world * o.grad_accum_steps):
@@ -165,7 +140,7 @@ class Trainer:
             min_delta=c.min_delta, stage_iters=c.stage_iters or None, eval_every=c.eval_every,
             adaptive_floor=c.adaptive_floor,
         )  # fmt: skip
-        latest = ckpt_io.latest_checkpoint(self.run_dir) if resume else None
+        latest = self.start.checkpoint
         self.model = (build_model(cfg) if model is None else _check_given_model(model, cfg)).to(self.device)
         if cfg.model.init_from and latest is None:  # fine-tuning start; a resumed run takes its checkpoint's weights
             load_init_weights(self.model, cfg.model.init_from)
@@ -185,8 +160,10 @@ class Trainer:
         self._w_dev: torch.Tensor | None = None
         self.resumed_from: Path | None = latest
         if latest is not None:
-            self.load_state_dict(ckpt_io.load_checkpoint(latest, map_location="cpu"))
-        if self.engine.is_main:
+            self.load_state_dict(ckpt_io.load_resume_checkpoint(latest, map_location="cpu"))
+        self.engine.barrier()  # every rank has checked the run directory before rank 0 writes into it
+        if self.engine.is_main and self.start.mode != "finished":
+            open_run_dir(self.start)  # overwrite: clear the old run's files; resume: metrics cut to the checkpoint
             (self.run_dir / "config.yaml").write_text(config_to_yaml(cfg))
 
     def _timestep_weights(self) -> torch.Tensor:
@@ -245,13 +222,18 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train to ``engine.max_steps``, checkpointing and logging; then the end-of-run report (rank 0)."""
         cfg, main = self.cfg, self.engine.is_main
+        if self.start.mode == "finished":  # resumed at or past max_steps: nothing to train, nothing rewritten
+            return {"step": self.step, "loss": math.nan, "nan_skips": self.nan_skips, "finished": True,
+                    "stage": self.curriculum.stage, "run_dir": str(self.run_dir)}  # fmt: skip
         writer = MetricsWriter(self.run_dir, cfg.logging.tensorboard) if main else None
         bar = tqdm(total=cfg.engine.max_steps, initial=self.step, disable=not (main and cfg.logging.progress),
                    dynamic_ncols=True)  # fmt: skip
         self.model.train()
         win_loss, win_n, t0, seen = torch.zeros((), device=self.device), 0, time.perf_counter(), 0
         last_loss = math.nan
+        stop = StopRequest()
         try:
+            stop.__enter__()
             while self.step < cfg.engine.max_steps:
                 x0, y = next(self.loader)
                 x0 = x0.to(self.device, non_blocking=True)
@@ -272,10 +254,13 @@ class Trainer:
                         writer.write(rec)
                     win_loss.zero_()
                     win_n, seen, t0 = 0, 0, time.perf_counter()
+                if stop.should_stop(self.engine):  # SIGINT / SIGTERM on any rank: checkpoint this step, then stop
+                    raise TrainingInterrupted(stop.vote_signal(), self.step, self.save())
                 if self.step % cfg.checkpoint.every == 0 and self.step < cfg.engine.max_steps:
                     self.save()
             self.save()
         finally:
+            stop.__exit__()
             bar.close()
             if writer is not None:
                 writer.close()
@@ -459,4 +444,4 @@ def train(
             engine.close()
 
 
-__all__ = ["NonFiniteLossError", "Trainer", "lr_at", "train", "unwrap"]
+__all__ = ["NonFiniteLossError", "Trainer", "TrainingInterrupted", "lr_at", "train", "unwrap"]

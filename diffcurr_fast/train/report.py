@@ -9,19 +9,20 @@ from typing import Any
 
 
 class MetricsWriter:
-    """Appends one JSON object per line to ``metrics.jsonl``; mirrors scalars to TensorBoard when asked and able."""
+    """Appends one JSON object per line to ``metrics.jsonl``; mirrors scalars to TensorBoard when asked."""
 
     def __init__(self, run_dir: str | Path, tensorboard: bool = False):
         self.path = Path(run_dir) / "metrics.jsonl"
         self._fh = open(self.path, "a")
         self._tb = None
-        if tensorboard:
+        if tensorboard:  # asked for by name: a missing package is an error, not a silent no-op
             try:
                 from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
             except ImportError:
-                self._tb = None
+                self._fh.close()
+                raise ImportError("logging.tensorboard is true but tensorboard is not installed: pip install "
+                                  "tensorboard, or set logging.tensorboard=false") from None  # fmt: skip
+            self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
 
     def write(self, record: dict[str, Any]) -> None:
         self._fh.write(json.dumps(record, allow_nan=True) + "\n")

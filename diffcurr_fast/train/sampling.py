@@ -257,3 +257,33 @@ def save_grid(x: torch.Tensor, path: str | Path, nrow: int | None = None, upscal
     else:
         plt.imsave(path, arr)
     return path
+
+
+# Seed of batch b of a batched draw: batch 0 uses the seed itself, so one batch equals ``sample(seed=seed)``; the
+# stride keeps the batches of nearby seeds apart. The result depends on (seed, batch size), not on the world size.
+BATCH_SEED_STRIDE = 1_000_003
+
+
+def batch_slices(num: int, batch_size: int, rank: int = 0, world: int = 1) -> list[tuple[int, slice]]:
+    """(batch index, sample slice) of the batches of ``num`` samples that rank ``rank`` of ``world`` draws
+    (batches dealt round-robin, as ADM's ``sample_ddp`` shards its draws)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"--batch-size must be a positive int, got {batch_size!r}")
+    n_batches = -(-num // batch_size)
+    return [(b, slice(b * batch_size, min((b + 1) * batch_size, num))) for b in range(rank, n_batches, world)]
+
+
+def sample_batch(
+    model: nn.Module, schedule: Any, *, labels: torch.Tensor, batch: int, seed: int, **kw: Any
+) -> torch.Tensor:
+    """``sample`` of one batch of a batched draw (seed ``seed + batch * BATCH_SEED_STRIDE``); ValueError when the
+    model produced NaN or inf."""
+    x = sample(model, schedule, labels=labels, seed=seed + batch * BATCH_SEED_STRIDE, **kw)
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(f"sampling produced NaN or inf values (batch {batch}); the model is not usable")
+    return x
+
+
+def to_uint8_nhwc(x: torch.Tensor) -> torch.Tensor:
+    """Images (N, C, H, W) in [-1, 1] as ADM writes them: ((x + 1) * 127.5).clamp(0, 255) to uint8, (N, H, W, C)."""
+    return ((x.float() + 1) * 127.5).clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()

@@ -1,0 +1,49 @@
+"""What a TDC run can check before stage 1 trains: the training config, its inputs and backends (as ``train``
+checks them), the timestep groups the options ask for, and the run directory (``TDC_LAYOUT``).
+
+``check_tdc_run(cfg, opts, run_dir, overwrite=...)`` raises in one line, naming the option, and returns the
+``RunStart`` that ``open_run_dir`` then prepares; ``check_groups(cfg, num_groups, method)`` is its grouping part.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from diffcurr_fast.train.rundir import TDC_LAYOUT, RunStart, check_run_dir
+
+__all__ = ["check_groups", "check_tdc_run"]
+
+
+def check_groups(cfg: Any, num_groups: int, method: str = "db") -> list[tuple[int, int]]:
+    """The [lo, hi) timestep ranges of ``num_groups`` groups on the schedule of ``cfg.diffusion``; ValueError
+    naming ``tdc.num_groups`` when they cannot be formed (more groups than timesteps, an empty group)."""
+    from diffcurr_fast.tdc.grouping import group_timesteps
+    from diffcurr_fast.train.sampling import build_schedule
+
+    if cfg.diffusion.formulation != "ddpm":
+        raise ValueError(f"TDC runs on the ddpm formulation, got diffusion.formulation {cfg.diffusion.formulation!r}")
+    t = cfg.diffusion.num_timesteps
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or not 1 <= num_groups <= t:
+        raise ValueError(f"tdc.num_groups must be an int in [1, {t}] (diffusion.num_timesteps), got {num_groups!r}")
+    try:
+        ranges = [(int(lo), int(hi)) for lo, hi in group_timesteps(build_schedule(cfg), num_groups, method)]
+    except ValueError as exc:
+        raise ValueError(f"tdc.num_groups {num_groups} with tdc.group_method {method!r}: {exc}") from None
+    empty = [i for i, (lo, hi) in enumerate(ranges) if hi <= lo]
+    if len(ranges) != num_groups or empty:
+        raise ValueError(f"tdc.num_groups {num_groups} with tdc.group_method {method!r} leaves group(s) {empty} "
+                         f"without timesteps out of T = {t}; use fewer groups")  # fmt: skip
+    return ranges
+
+
+def check_tdc_run(cfg: Any, opts: Any, run_dir: str | Path, *, overwrite: bool = False) -> RunStart:
+    """Validate a whole TDC run before anything is written or trained (module doc); returns how it starts."""
+    from diffcurr_fast.train.preflight import check_backends, check_inputs
+
+    cfg.validate()
+    opts.validate()
+    check_backends(cfg)
+    check_inputs(cfg)
+    check_groups(cfg, opts.num_groups, opts.group_method)
+    return check_run_dir(run_dir, TDC_LAYOUT, overwrite=overwrite)

@@ -1,0 +1,104 @@
+"""Everything about a training run that can be checked before its directory is touched (``train --dry-run`` runs
+exactly this): the config, the device and backends asked for, the input files, the DeepSpeed JSON, optional
+packages that were asked for, the batch split, and the run directory (``rundir.check_run_dir``).
+
+``check_run(cfg, resume=..., overwrite=...)`` raises ValueError / FileNotFoundError / FileExistsError /
+ImportError with one line naming the key and what to do, and returns the ``RunStart``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from diffcurr_fast.train.config import TrainConfig
+from diffcurr_fast.train.rundir import TRAIN_LAYOUT, RunLayout, RunStart, check_run_dir
+
+__all__ = ["check_backends", "check_inputs", "check_run"]
+
+
+def _device_type(cfg: TrainConfig):
+    import torch
+
+    if cfg.engine.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("engine.device is 'cuda' but no CUDA device is available; use 'cpu' or 'auto'")
+    return "cuda" if cfg.engine.device != "cpu" and torch.cuda.is_available() else "cpu"
+
+
+def check_backends(cfg: TrainConfig) -> None:
+    """The engine, attention and fused-op backends asked for by name can run here."""
+    import torch
+
+    dev = torch.device(_device_type(cfg))
+    e, m, d = cfg.engine, cfg.model, cfg.diffusion
+    if e.kind == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        raise ImportError("engine.kind 'deepspeed' needs the deepspeed package: pip install deepspeed")
+    if m.attn_backend == "flash_attn":
+        from diffcurr_fast.models.attention import flash_attn_reason
+
+        reason = flash_attn_reason()
+        if reason is not None:
+            raise ValueError(f"model.attn_backend 'flash_attn' cannot run here: {reason}; use auto, sdpa or math")
+    if d.ops_backend not in ("auto", "reference"):
+        from diffcurr_fast.ops._backend import unavailable_reason
+
+        for op in ("q_sample", "diffusion_loss_fwd", "sample_timesteps"):  # the names the fused ops resolve
+            reason = unavailable_reason(d.ops_backend, op, dev)
+            if reason is not None:
+                raise ValueError(
+                    f"diffusion.ops_backend {d.ops_backend!r} cannot run on {dev.type}: {reason}; use auto or reference"
+                )
+    if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ImportError("logging.tensorboard is true but tensorboard is not installed: pip install tensorboard, "
+                          "or set logging.tensorboard=false")  # fmt: skip
+
+
+def check_inputs(cfg: TrainConfig) -> None:
+    """The data, initial weights and DeepSpeed JSON named by ``cfg`` exist and are readable."""
+    d = cfg.data
+    p = Path(d.path) if d.path else None
+    if d.dataset == "npz" and p is not None:
+        if p.is_dir():
+            missing = [n for n in ("x.npy", "y.npy") if not (p / n).is_file()]
+            if missing:
+                raise FileNotFoundError(f"data.path {d.path!r} is a directory without {' and '.join(missing)}")
+        elif not p.is_file():
+            raise FileNotFoundError(f"data.path {d.path!r} does not exist (a .npz file or a directory of x.npy, y.npy)")
+    elif d.dataset in ("latents", "images") and p is not None and not p.is_dir():
+        raise FileNotFoundError(f"data.path {d.path!r} is not a directory (data.dataset {d.dataset!r})")
+    if d.dataset == "images" and p is not None:
+        classes = [c for c in p.iterdir() if c.is_dir()]
+        if not classes:
+            raise ValueError(f"data.path {d.path!r} has no class subdirectories (expected {d.path}/<class>/<image>)")
+        if not any(f.is_file() for c in classes for f in c.iterdir()):
+            raise ValueError(f"data.path {d.path!r} holds no image files (its class folders are empty)")
+    if cfg.model.init_from and not Path(cfg.model.init_from).is_file():
+        raise FileNotFoundError(f"model.init_from {cfg.model.init_from!r} does not exist")
+    if cfg.engine.kind == "deepspeed":
+        from diffcurr_fast.train.engine import load_deepspeed_config
+
+        ds = load_deepspeed_config(cfg.engine.deepspeed_config)
+        if not isinstance(ds, dict):
+            raise ValueError(f"DeepSpeed config {cfg.engine.deepspeed_config!r} must be a JSON object")
+
+
+def check_run(
+    cfg: TrainConfig,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    layout: RunLayout = TRAIN_LAYOUT,
+    world_size: int | None = None,
+) -> RunStart:
+    """Validate the whole run before anything is written (module doc); returns how it starts."""
+    cfg.validate()
+    check_backends(cfg)
+    check_inputs(cfg)
+    world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    acc = cfg.optim.grad_accum_steps
+    if cfg.data.batch_size % (world * acc):
+        raise ValueError(f"data.batch_size {cfg.data.batch_size} is not divisible by the world size {world} x "
+                         f"optim.grad_accum_steps {acc}")  # fmt: skip
+    return check_run_dir(cfg.checkpoint.run_dir, layout, resume=resume, overwrite=overwrite,
+                         max_steps=cfg.engine.max_steps)  # fmt: skip

@@ -1,0 +1,249 @@
+"""The run directory: what a run writes there, and the one place that checks, opens, resumes and clears it.
+
+A ``RunLayout`` lists what a kind of run writes, as name patterns relative to its directory: ``files`` (written
+by the run), ``owned_dirs`` (directories whose whole content the run writes, e.g. a DeepSpeed checkpoint tag)
+and ``subruns`` (subdirectories holding a nested run of another layout, e.g. TDC's ``stage1``). Nothing outside
+the layout is ever removed: ``--overwrite`` deletes exactly the run's own files, then the directories of the
+layout that are left empty, so a user's ``checkpoints/my_best_model.pt`` survives.
+
+Two steps, so that nothing is written before a run is known to start:
+
+- ``check_run_dir(run_dir, layout, resume=..., overwrite=..., max_steps=...)`` reads only; it refuses a
+  non-empty directory without ``--resume`` / ``--overwrite`` (except the ``config.yaml`` and empty
+  ``metrics.jsonl`` of a start that failed on its first batch, which the next start replaces), a ``--resume``
+  of a missing directory or of one without a checkpoint, and says when the run has already finished. It
+  returns a ``RunStart``.
+- ``open_run_dir(start)`` (rank 0) clears the previous run's artifacts on ``--overwrite``, creates the
+  directory, and on a resume truncates ``metrics.jsonl`` to the checkpoint's step (the records after it are
+  written again by the resumed run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "TDC_LAYOUT",
+    "TRAIN_LAYOUT",
+    "RunLayout",
+    "RunStart",
+    "check_run_dir",
+    "clear_run",
+    "open_run_dir",
+    "run_artifacts",
+    "truncate_metrics",
+]
+
+METRICS = "metrics.jsonl"
+_CKPT = re.compile(r"^ckpt_(\d{8,})\.pt$")
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """What one kind of run writes under its directory: paths relative to it, ``/``-separated, each component a
+    regular expression matched against a whole name (``checkpoints/ckpt_\\d{8,}\\.pt`` does not match a user's
+    ``checkpoints/ckpt_best.pt``)."""
+
+    files: tuple[str, ...]
+    owned_dirs: tuple[str, ...] = ()
+    subruns: tuple[tuple[str, RunLayout], ...] = ()
+    checkpoints: str = ""  # directory of the ``ckpt_<step>.pt`` files a resume continues ("" = not resumable)
+
+
+TRAIN_LAYOUT = RunLayout(
+    files=(
+        r"config\.yaml", r"metrics\.jsonl", r"samples\.png", r"cluster_loss\.png", r"curriculum\.png",
+        r"ema\.safetensors", r"(ema\.safetensors|metrics\.jsonl)\.tmp", r"checkpoints/ckpt_\d{8,}\.pt(\.tmp)?",
+        r"tb/events\.out\.tfevents\..+",
+    ),
+    owned_dirs=(r"checkpoints/deepspeed/step_\d{8,}",),
+    checkpoints="checkpoints",
+)  # fmt: skip
+
+TDC_LAYOUT = RunLayout(
+    files=(
+        r"tdc\.json", r"accounting\.json", r"samples\.png", r"group_\d+/search\.(json|png)",
+        r"bundle/(bundle\.json|weights\.safetensors|train_config\.json)",
+    ),
+    subruns=((r"stage1", TRAIN_LAYOUT), (r"group_\d+/finetune", TRAIN_LAYOUT)),
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RunStart:
+    """How a run starts in ``run_dir``: ``mode`` is ``fresh``, ``overwrite``, ``resume`` or ``finished``
+    (resumed at or past ``max_steps``: nothing to train); ``checkpoint`` / ``step`` are the resume point."""
+
+    run_dir: Path
+    layout: RunLayout
+    mode: str
+    checkpoint: Path | None = None
+    step: int = 0
+
+
+def _checkpoints(run_dir: Path, layout: RunLayout) -> list[tuple[int, Path]]:
+    d = run_dir / layout.checkpoints
+    if not layout.checkpoints or not d.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in d.iterdir() if (m := _CKPT.match(p.name)) and p.is_file())
+
+
+def check_run_dir(
+    run_dir: str | Path,
+    layout: RunLayout = TRAIN_LAYOUT,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    max_steps: int | None = None,
+) -> RunStart:
+    """How a run would start in ``run_dir`` (reads only). FileExistsError / FileNotFoundError / ValueError in one
+    line for a start that is refused; see the module doc."""
+    run_dir = Path(run_dir)
+    if resume and overwrite:
+        raise ValueError("--resume and --overwrite exclude each other")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise FileExistsError(f"run directory {str(run_dir)!r} exists and is not a directory")
+    if resume:
+        if not layout.checkpoints:
+            raise ValueError(f"this kind of run cannot be resumed ({str(run_dir)!r})")
+        if not run_dir.is_dir():
+            raise FileNotFoundError(
+                f"cannot resume: run directory {str(run_dir)!r} does not exist (drop --resume to start a new run)"
+            )
+        ckpts = _checkpoints(run_dir, layout)
+        if not ckpts:
+            raise FileNotFoundError(
+                f"cannot resume: run directory {str(run_dir)!r} has no checkpoint under {layout.checkpoints}/ "
+                "(use --overwrite to start it afresh)"
+            )
+        step, path = ckpts[-1]
+        mode = "finished" if max_steps is not None and step >= max_steps else "resume"
+        return RunStart(run_dir, layout, mode, path, step)
+    if run_dir.is_dir() and any(run_dir.iterdir()):
+        if _failed_start(run_dir, layout):  # a start that stopped before its first step: nothing to lose
+            return RunStart(run_dir, layout, "overwrite")
+        if not overwrite:
+            raise FileExistsError(
+                f"run directory {str(run_dir)!r} is not empty; pass --resume to continue it or --overwrite to "
+                "replace its run artifacts"
+            )
+        return RunStart(run_dir, layout, "overwrite")
+    return RunStart(run_dir, layout, "fresh")
+
+
+def _failed_start(run_dir: Path, layout: RunLayout) -> bool:
+    """Whether ``run_dir`` holds only what a training start writes before its first step: ``config.yaml`` and an
+    empty ``metrics.jsonl`` (a start that failed on its first batch)."""
+    if layout is not TRAIN_LAYOUT:
+        return False
+    names = {p.name for p in run_dir.iterdir()}
+    metrics = run_dir / METRICS
+    return names <= {"config.yaml", METRICS} and (not metrics.is_file() or metrics.stat().st_size == 0)
+
+
+def _glob(run_dir: Path, pattern: str) -> list[Path]:
+    """Paths matching ``pattern`` (one regular expression per component), without following links out."""
+    out = [run_dir]
+    for part in pattern.split("/"):
+        rx = re.compile(part)
+        nxt = []
+        for base in out:
+            if not base.is_dir() or base.is_symlink() and base != run_dir:
+                continue
+            nxt.extend(sorted(p for p in base.iterdir() if rx.fullmatch(p.name)))
+        out = nxt
+    return out
+
+
+def run_artifacts(run_dir: str | Path, layout: RunLayout = TRAIN_LAYOUT) -> list[Path]:
+    """Every file and owned directory of ``layout`` present under ``run_dir`` (nested runs included)."""
+    run_dir = Path(run_dir)
+    found: list[Path] = []
+    for pattern in layout.files:
+        found += [p for p in _glob(run_dir, pattern) if p.is_file() or p.is_symlink()]
+    for pattern in layout.owned_dirs:
+        found += [p for p in _glob(run_dir, pattern) if p.is_dir() and not p.is_symlink()]
+    for pattern, sub in layout.subruns:
+        for d in _glob(run_dir, pattern):
+            if d.is_dir() and not d.is_symlink():
+                found += run_artifacts(d, sub)
+    return found
+
+
+def _layout_dirs(run_dir: Path, layout: RunLayout) -> list[Path]:
+    """Directories the layout creates (parents of its patterns, subrun roots), deepest first."""
+    dirs: set[Path] = set()
+    for pattern in (*layout.files, *layout.owned_dirs):
+        parts = pattern.split("/")[:-1]
+        for i in range(1, len(parts) + 1):
+            dirs.update(p for p in _glob(run_dir, "/".join(parts[:i])) if p.is_dir())
+    for pattern, sub in layout.subruns:
+        for d in _glob(run_dir, pattern):
+            if d.is_dir() and not d.is_symlink():
+                dirs.update(_layout_dirs(d, sub))
+                dirs.add(d)
+                parts = pattern.split("/")[:-1]
+                for i in range(1, len(parts) + 1):
+                    dirs.update(p for p in _glob(run_dir, "/".join(parts[:i])) if p.is_dir())
+    return sorted(dirs, key=lambda p: len(p.parts), reverse=True)
+
+
+def clear_run(run_dir: str | Path, layout: RunLayout = TRAIN_LAYOUT) -> list[Path]:
+    """Remove the artifacts of ``layout`` under ``run_dir``, then its directories left empty; returns what was
+    removed. Files the layout does not name (a user's) are kept, and so are the directories holding them."""
+    run_dir = Path(run_dir)
+    removed = run_artifacts(run_dir, layout)
+    dirs = _layout_dirs(run_dir, layout)
+    for p in removed:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink(missing_ok=True)
+    for d in dirs:
+        if d.is_dir() and not any(d.iterdir()):
+            d.rmdir()
+            removed.append(d)
+    return removed
+
+
+def truncate_metrics(path: str | Path, step: int) -> int:
+    """Keep the records of ``path`` (``metrics.jsonl``) with ``step <= step`` and drop the rest (and a torn last
+    line); atomic. Returns the number of records dropped."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by a crash
+            dropped += 1
+            continue
+        if isinstance(rec, dict) and int(rec.get("step", 0)) > step:
+            dropped += 1
+            continue
+        kept.append(line)
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+    return dropped
+
+
+def open_run_dir(start: RunStart) -> None:
+    """Prepare ``start.run_dir`` for writing (rank 0 only): clear the old artifacts on overwrite, create it, and on
+    a resume truncate ``metrics.jsonl`` to the checkpoint's step. A finished run is left untouched."""
+    if start.mode == "finished":
+        return
+    if start.mode == "overwrite":
+        clear_run(start.run_dir, start.layout)
+    start.run_dir.mkdir(parents=True, exist_ok=True)
+    if start.mode == "resume":
+        truncate_metrics(start.run_dir / METRICS, start.step)

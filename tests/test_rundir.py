@@ -1,0 +1,258 @@
+"""The run directory: --overwrite removes only what a run writes (training and TDC layouts), --resume of a missing
+or finished run, metrics.jsonl cut to the resumed checkpoint, nothing written by a failed start, SIGINT/SIGTERM."""
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from diffcurr_fast.train import cli_train
+from diffcurr_fast.train.config import load_config
+from diffcurr_fast.train.loop import Trainer
+from diffcurr_fast.train.report import read_metrics
+from diffcurr_fast.train.rundir import (
+    TDC_LAYOUT,
+    TRAIN_LAYOUT,
+    check_run_dir,
+    clear_run,
+    open_run_dir,
+    run_artifacts,
+    truncate_metrics,
+)
+
+SETS = ["model.hidden_size=32", "model.depth=1", "model.num_heads=2", "diffusion.num_timesteps=40",
+        "curriculum.num_clusters=4", "data.batch_size=17", "logging.progress=false", "logging.num_samples=0",
+        "logging.plots=false", "logging.log_every=1", "checkpoint.keep_last=5"]  # fmt: skip
+
+
+def tiny(run_dir, *extra):
+    return load_config(None, [f"checkpoint.run_dir={run_dir}", *SETS, *extra])
+
+
+def _cli(*argv):
+    p = argparse.ArgumentParser()
+    cli_train.add_arguments(p)
+    return cli_train.run(p.parse_args([a for s in SETS for a in ("--set", s)] + list(argv)))
+
+
+def _touch(root: Path, *names: str) -> None:
+    for n in names:
+        (root / n).parent.mkdir(parents=True, exist_ok=True)
+        (root / n).write_text(n)
+
+
+# ---- item 7: --overwrite removes only what a run writes ------------------------------------------------------
+def test_overwrite_keeps_user_files(tmp_path):
+    run = tmp_path / "run"
+    Trainer(tiny(run, "engine.max_steps=2", "checkpoint.every=1")).fit()
+    _touch(run, "checkpoints/my_best_model.pt", "notes.txt", "tb/mine.txt")
+    assert (run / "checkpoints" / "ckpt_00000002.pt").is_file()
+    Trainer(tiny(run, "engine.max_steps=1"), overwrite=True).fit()
+    assert (run / "checkpoints" / "my_best_model.pt").read_text() == "checkpoints/my_best_model.pt"
+    assert (run / "notes.txt").is_file() and (run / "tb" / "mine.txt").is_file()
+    ckpts = sorted(p.name for p in (run / "checkpoints").glob("ckpt_*.pt"))
+    assert ckpts == ["ckpt_00000001.pt"]  # the old run's checkpoints are gone, the new one is there
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1]
+
+
+def test_clear_train_layout_only_run_files(tmp_path):
+    run = tmp_path / "r"
+    _touch(run, "config.yaml", "metrics.jsonl", "samples.png", "ema.safetensors", "checkpoints/ckpt_00000005.pt",
+           "checkpoints/ckpt_00000005.pt.tmp", "checkpoints/deepspeed/step_00000005/mp_rank_00_model_states.pt",
+           "tb/events.out.tfevents.1.host")  # fmt: skip
+    _touch(run, "checkpoints/deepspeed/my.json", "checkpoints/ckpt_best.pt", "README")
+    assert len(run_artifacts(run, TRAIN_LAYOUT)) == 8
+    clear_run(run, TRAIN_LAYOUT)
+    left = sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.is_file())
+    assert left == ["README", "checkpoints/ckpt_best.pt", "checkpoints/deepspeed/my.json"]
+    assert not (run / "tb").exists()  # emptied layout directories go, directories holding user files stay
+
+
+def test_clear_tdc_layout_only_run_files(tmp_path):
+    run = tmp_path / "tdc"
+    written = ["tdc.json", "accounting.json", "samples.png", "stage1/config.yaml", "stage1/metrics.jsonl",
+               "stage1/ema.safetensors", "stage1/checkpoints/ckpt_00000010.pt", "group_0/search.json",
+               "group_0/search.png", "group_0/finetune/checkpoints/ckpt_00000004.pt", "group_0/finetune/config.yaml",
+               "group_1/search.json", "bundle/bundle.json", "bundle/weights.safetensors",
+               "bundle/train_config.json"]  # fmt: skip
+    mine = ["stage1/checkpoints/my_best_model.pt", "group_0/notes.md", "bundle/my_export.onnx", "plots/loss.png",
+            "group_1/finetune/checkpoints/keep.pt"]  # fmt: skip
+    _touch(run, *written, *mine)
+    assert sorted(str(p.relative_to(run)) for p in run_artifacts(run, TDC_LAYOUT)) == sorted(written)
+    assert check_run_dir(run, TDC_LAYOUT, overwrite=True).mode == "overwrite"
+    with pytest.raises(FileExistsError, match="not empty; pass --resume to continue it or --overwrite"):
+        check_run_dir(run, TDC_LAYOUT)
+    with pytest.raises(ValueError, match="cannot be resumed"):
+        check_run_dir(run, TDC_LAYOUT, resume=True)
+    open_run_dir(check_run_dir(run, TDC_LAYOUT, overwrite=True))
+    left = sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.is_file())
+    assert left == sorted(mine)
+    assert not (run / "group_1" / "search.json").exists() and not (run / "stage1" / "config.yaml").exists()
+
+
+def test_clear_does_not_follow_symlinks(tmp_path):
+    outside = tmp_path / "outside"
+    _touch(outside, "checkpoints/ckpt_00000001.pt")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoints").symlink_to(outside / "checkpoints")
+    clear_run(run, TRAIN_LAYOUT)
+    assert (outside / "checkpoints" / "ckpt_00000001.pt").is_file()
+
+
+# ---- item 8 / 13: nothing is written before the run is known to start; --dry-run validates everything ---------
+def test_failed_start_writes_nothing_and_rerun_works(tmp_path):
+    run = tmp_path / "run"
+    bad = tmp_path / "w.pt"
+    bad.write_bytes(b"not a torch file")
+    with pytest.raises(ValueError, match="model.init_from"):
+        Trainer(tiny(run, "engine.max_steps=1", f"model.init_from={bad}"))
+    assert not run.exists()
+    with pytest.raises(FileNotFoundError, match="data.path .* does not exist"):
+        Trainer(tiny(run, "data.dataset=npz", f"data.path={tmp_path / 'missing.npz'}"))
+    assert not run.exists()
+    Trainer(tiny(run, "engine.max_steps=1")).fit()  # the corrected rerun is not refused as "not empty"
+    assert (run / "checkpoints" / "ckpt_00000001.pt").is_file()
+
+
+def test_start_failing_on_its_first_batch_does_not_block_the_rerun(tmp_path):
+    x = np.full((20, 1, 8, 8), np.nan, np.float32)
+    d = tmp_path / "d"  # memory-mapped data fails only when the batch is read, after the start wrote config.yaml
+    d.mkdir()
+    np.save(d / "x.npy", x)
+    np.save(d / "y.npy", np.arange(20) % 10)
+    run = tmp_path / "run"
+    with pytest.raises(ValueError, match="NaN or inf"):
+        Trainer(tiny(run, "data.dataset=npz", f"data.path={d}", "engine.max_steps=2")).fit()
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "metrics.jsonl"]
+    np.save(d / "x.npy", np.zeros_like(x))
+    Trainer(tiny(run, "data.dataset=npz", f"data.path={d}", "engine.max_steps=2")).fit()  # no --overwrite needed
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2]
+    _touch(run, "mine.txt")  # anything more than a failed start's two files is still protected
+    with pytest.raises(FileExistsError, match="not empty"):
+        check_run_dir(run)
+
+
+@pytest.mark.parametrize(
+    "sets, match",
+    [
+        (["data.dataset=npz", "data.path=/nonexistent/d.npz"], "data.path '/nonexistent/d.npz' does not exist"),
+        (["engine.kind=deepspeed", "engine.deepspeed_config=/nonexistent/ds.json"], "DeepSpeed config .* does not"),
+        (["model.init_from=/nonexistent/w.pt"], "model.init_from '/nonexistent/w.pt' does not exist"),
+    ],
+)
+def test_dry_run_is_full_validation(tmp_path, sets, match, capsys):
+    with pytest.raises((FileNotFoundError, ValueError, ImportError), match=match):
+        _cli("--dry-run", "--run-dir", str(tmp_path / "run"), *[a for s in sets for a in ("--set", s)])
+    assert not (tmp_path / "run").exists()
+
+
+def test_dry_run_reads_the_deepspeed_json(tmp_path):
+    pytest.importorskip("deepspeed")
+    ds = tmp_path / "ds.json"
+    ds.write_text("{not json")
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        _cli("--dry-run", "--set", "engine.kind=deepspeed", "--set", f"engine.deepspeed_config={ds}")
+
+
+def test_dry_run_checks_the_run_dir(tmp_path):
+    run = tmp_path / "run"
+    _touch(run, "x.txt")
+    with pytest.raises(FileExistsError, match="not empty"):
+        _cli("--dry-run", "--run-dir", str(run))
+    with pytest.raises(FileNotFoundError, match="cannot resume"):
+        _cli("--dry-run", "--resume", "--run-dir", str(tmp_path / "nope"))
+
+
+# ---- items 10 and 11: resume ------------------------------------------------------------------------------
+def test_resume_truncates_metrics_to_the_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    Trainer(tiny(run, "engine.max_steps=6", "checkpoint.every=3")).fit()
+    (run / "checkpoints" / "ckpt_00000006.pt").unlink()  # killed after logging steps 4-6, before their checkpoint
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "lo')  # and a torn last line
+    tr = Trainer(tiny(run, "engine.max_steps=6", "checkpoint.every=3"), resume=True)
+    assert tr.step == 3
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3]
+    tr.fit()
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_truncate_metrics_unit(tmp_path):
+    p = tmp_path / "metrics.jsonl"
+    p.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (10, 20, 30, 40)))
+    assert truncate_metrics(p, 20) == 2
+    assert [r["step"] for r in read_metrics(p)] == [10, 20]
+    assert truncate_metrics(p, 20) == 0 and truncate_metrics(tmp_path / "none.jsonl", 5) == 0
+
+
+def test_resume_of_missing_dir_is_one_line_and_nonzero(tmp_path, capsys):
+    from diffcurr_fast.cli import main
+
+    rc = main(["train", "--resume", "--run-dir", str(tmp_path / "nope"), "--set", "engine.max_steps=1"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "cannot resume: run directory" in err
+    assert not (tmp_path / "nope").exists()
+
+
+def test_resume_of_finished_run_changes_nothing(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert _cli("--run-dir", str(run), "--set", "engine.max_steps=2", "--set", "checkpoint.export_ema=true") == 0
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert _cli("--run-dir", str(run), "--set", "engine.max_steps=2", "--resume") == 0
+    out = capsys.readouterr().out
+    assert "already finished (checkpoint at step 2, engine.max_steps 2); nothing to do" in out and "nan" not in out
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run.rglob("*") if p.is_file()} == before
+    tr = Trainer(tiny(run, "engine.max_steps=2"), resume=True)  # the library path: fit() writes nothing either
+    assert tr.fit()["finished"] is True
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_ema_export_mode_is_0644(tmp_path):
+    run = tmp_path / "run"
+    old = os.umask(0o022)
+    try:
+        Trainer(tiny(run, "engine.max_steps=1", "checkpoint.export_ema=true")).fit()
+    finally:
+        os.umask(old)
+    assert (run / "ema.safetensors").stat().st_mode & 0o777 == 0o644
+    assert (run / "metrics.jsonl").stat().st_mode & 0o777 == 0o644
+
+
+# ---- item 9: SIGINT / SIGTERM ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "sig, repeat", [(signal.SIGINT, None), (signal.SIGTERM, None), (signal.SIGINT, signal.SIGTERM)]
+)
+def test_signal_checkpoints_and_prints_resume_command(tmp_path, sig, repeat):
+    run = tmp_path / "run"
+    argv = [sys.executable, "-m", "diffcurr_fast.cli", "train", "--run-dir", str(run),
+            *[a for s in SETS for a in ("--set", s)], "--set", "engine.max_steps=100000",
+            "--set", "checkpoint.every=100000", "--set", "engine.cpu_threads=1"]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").stat().st_size):
+        time.sleep(0.2)
+    proc.send_signal(sig)
+    if repeat is not None:  # a launcher forwarding the signal (deepspeed: SIGTERM right after the terminal's SIGINT)
+        proc.send_signal(repeat)
+    out, err = proc.communicate(timeout=120)
+    # a repeat that lands after the run has stopped (handlers restored) ends the process by its default action
+    assert proc.returncode == 128 + int(sig) or (repeat is not None and proc.returncode == -int(repeat)), err
+    assert "Traceback" not in err
+    ckpts = sorted((run / "checkpoints").glob("ckpt_*.pt"))
+    assert len(ckpts) == 1
+    step = int(ckpts[0].stem.split("_")[1])
+    assert f"{signal.Signals(sig).name} received: stopped at step {step}" in err
+    assert "resume with (under the same launcher): diffcurr-fast train --set" in err and err.rstrip().endswith(
+        "--resume"
+    )
+    tr = Trainer(tiny(run, "engine.max_steps=100000"), resume=True)
+    assert tr.step == step
