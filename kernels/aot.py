@@ -1,0 +1,229 @@
+"""Ahead-of-time compilation of every Triton kernel for NVIDIA GPUs, on any machine (no GPU needed).
+
+Each kernel module lists the launches its launcher can make in ``aot_launches()``, next to the launcher and
+built from the same block-size tables. This module compiles them with the real Triton pipeline (TTIR, TTGIR,
+LLVM IR, PTX and a cubin through the ``ptxas`` the wheel ships) and reads the resources from ptxas' report.
+It must run without ``TRITON_INTERPRET=1`` (the interpreter replaces ``@triton.jit``):
+
+    python -m diffcurr_fast.kernels.aot [--arch 80 90] [--json out.json] [--fast]
+
+Results are cached per compiled source (``~/.cache/diffcurr_fast/aot``), so a second run is quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import io
+import json
+import os
+import re
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+
+ARCHS = (80, 90)
+DTYPES = ("fp32", "bf16", "fp16")  # the kernel dtypes the ops accept (diffcurr_fast.ops._common.KERNEL_DTYPES)
+CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "diffcurr_fast", "aot")
+MODULES = ("philox", "q_sample", "diffusion_loss", "sample_timesteps", "adaln")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One specialisation a launcher can make: argument types, constexprs and launch options.
+
+    ``args`` maps each runtime argument to its Triton type (``*fp32``, ``i32``, ``i64``, ``fp32``); pointers
+    are 16-byte aligned (torch allocations are) and the ints named in ``multiple_of_16`` are, as the runtime
+    specialises them for the sizes of a typical launch. ``streaming`` marks a memory-bound kernel whose global
+    loads must be vectorised.
+    """
+
+    kernel: object
+    args: dict[str, str]
+    constexprs: dict[str, object]
+    num_warps: int = 4
+    num_stages: int = 3
+    multiple_of_16: tuple[str, ...] = ()
+    streaming: bool = False
+    label: str = field(default="")
+
+    @property
+    def name(self) -> str:
+        return _jit_fn(self.kernel).__name__
+
+    def describe(self) -> str:
+        types = sorted({t.lstrip("*") for n, t in self.args.items() if t.startswith("*") and not _aux(n)})
+        cx = ",".join(f"{k}={v}" for k, v in self.constexprs.items())
+        return f"{self.name}[{'/'.join(types)}; {cx}; warps={self.num_warps}{'; ' + self.label if self.label else ''}]"
+
+
+def _aux(name: str) -> bool:  # per-sample / statistics pointers, float32 whatever the data dtype
+    return name in ("a_ptr", "c_ptr", "p_ptr", "q_ptr", "w_ptr", "partial_ptr", "mean_ptr", "rstd_ptr")
+
+
+def _jit_fn(kernel):
+    from triton.runtime.jit import JITFunction
+
+    while not isinstance(kernel, JITFunction):  # Autotuner / Heuristics -> JITFunction
+        kernel = kernel.fn
+    return kernel
+
+
+def autotune_configs(kernel) -> list:
+    """The configs of an ``@triton.autotune`` kernel (one plain config for a bare ``@triton.jit``)."""
+    return list(getattr(kernel, "configs", None) or [None])
+
+
+def launches(fast: bool = False) -> list[Launch]:
+    """Every launch of every kernel module (``fast``: fp32 and bf16, one config per kernel and flags)."""
+    import importlib
+
+    out = []
+    for name in MODULES:
+        mod = importlib.import_module(f"diffcurr_fast.kernels.{name}")
+        out.extend(mod.aot_launches(("fp32", "bf16") if fast else DTYPES, fast=fast))
+    return out
+
+
+def _source(launch: Launch):
+    import triton
+
+    fn = _jit_fn(launch.kernel)
+    sig = dict(launch.args)
+    for k in launch.constexprs:
+        sig[k] = "constexpr"
+    missing = [a for a in fn.arg_names if a not in sig]
+    if missing:
+        raise ValueError(f"{launch.name}: launch table lacks arguments {missing}")
+    sig = {a: sig[a] for a in fn.arg_names}
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, a in enumerate(fn.arg_names)
+        if sig[a].startswith("*") or a in launch.multiple_of_16
+    }
+    return triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=dict(launch.constexprs), attrs=attrs)
+
+
+_RESULTS_VERSION = 2  # bump when what is measured changes (invalidates the cache)
+_PTXAS = {
+    "regs": re.compile(r"Used (\d+) registers"),
+    "stack": re.compile(r"(\d+) bytes stack frame"),
+    "spill_stores": re.compile(r"(\d+) bytes spill stores"),
+    "spill_loads": re.compile(r"(\d+) bytes spill loads"),
+}
+# Data loads; ``ld.global.nc`` are libdevice's constant tables (the trig argument reduction), not data.
+_VEC_LD = re.compile(r"^\s*(?:@%p\d+\s+)?ld\.global(?!\.nc)(?:\.[A-Za-z0-9_:]+)*\.v[248]\.", re.M)
+_ANY_LD = re.compile(r"^\s*(?:@%p\d+\s+)?ld\.global(?!\.nc)[.\s]", re.M)
+
+
+def compile_launch(launch: Launch, arch: int) -> dict:
+    """Compile ``launch`` for sm_``arch``; returns its resources (registers, spills, shared memory, loads)."""
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+
+    src = _source(launch)
+    key = hashlib.sha256(
+        f"{src.hash()}-{arch}-{launch.num_warps}-{launch.num_stages}-{triton.__version__}-{_RESULTS_VERSION}".encode()
+    ).hexdigest()[:32]
+    path = os.path.join(CACHE_DIR, f"{key}.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            res = json.load(f)
+        res["kernel"], res["launch"] = launch.name, launch.describe()
+        return res
+    log = io.StringIO()
+    with tempfile.TemporaryDirectory() as tmp:
+        old_dir, old_dump = knobs.cache.dir, knobs.nvidia.dump_ptxas_log
+        knobs.cache.dir, knobs.nvidia.dump_ptxas_log = tmp, True  # fresh compile, so ptxas reports
+        try:
+            with contextlib.redirect_stdout(log):
+                ck = triton.compile(
+                    src,
+                    target=GPUTarget("cuda", arch, 32),
+                    options={"num_warps": launch.num_warps, "num_stages": launch.num_stages},
+                )
+        finally:
+            knobs.cache.dir, knobs.nvidia.dump_ptxas_log = old_dir, old_dump
+    text = log.getvalue()
+    res = {}
+    for k, rx in _PTXAS.items():
+        m = rx.search(text)
+        if m is None:
+            raise RuntimeError(f"{launch.describe()} sm_{arch}: no '{k}' in the ptxas report:\n{text}")
+        res[k] = int(m.group(1))
+    ptx = ck.asm["ptx"]
+    res["shared"] = int(ck.metadata.shared)
+    res["ld_vec"] = len(_VEC_LD.findall(ptx))
+    res["ld_scalar"] = len(_ANY_LD.findall(ptx)) - res["ld_vec"]
+    res["cubin_bytes"] = len(ck.asm["cubin"])
+    res["arch"], res["streaming"] = arch, launch.streaming
+    os.makedirs(CACHE_DIR, exist_ok=True)
+    tmp_path = f"{path}.{os.getpid()}.tmp"
+    with open(tmp_path, "w") as f:
+        json.dump(res, f)
+    os.replace(tmp_path, path)
+    res["kernel"], res["launch"] = launch.name, launch.describe()
+    return res
+
+
+def _work(item: tuple[int, int, bool]) -> dict:
+    index, arch, fast = item
+    launch = launches(fast)[index]
+    try:
+        return compile_launch(launch, arch)
+    except Exception as exc:  # reported per launch; the caller fails on any
+        return {"kernel": launch.name, "launch": launch.describe(), "arch": arch, "error": f"{type(exc).__name__}: {exc}"}
+
+
+def compile_all(archs=ARCHS, fast: bool = False, jobs: int | None = None) -> list[dict]:
+    """Compile every launch for every arch (in ``jobs`` processes); one result dict per (launch, arch)."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise RuntimeError("AOT compilation needs the real Triton compiler: unset TRITON_INTERPRET")
+    items = [(i, arch, fast) for i in range(len(launches(fast))) for arch in archs]
+    jobs = jobs or min(len(items), os.cpu_count() or 1)
+    if jobs <= 1:
+        return [_work(it) for it in items]
+    import multiprocessing as mp
+
+    with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
+        return list(pool.map(_work, items, chunksize=4))
+
+
+def problems(results: list[dict]) -> list[str]:
+    """Failures: a compile error, spilled registers or a stack frame, a streaming kernel without vector loads."""
+    out = []
+    for r in results:
+        where = f"{r['launch']} sm_{r['arch']}"
+        if "error" in r:
+            out.append(f"{where}: {r['error']}")
+            continue
+        if r["spill_stores"] or r["spill_loads"] or r["stack"]:
+            out.append(f"{where}: spills ({r['spill_stores']} B stores, {r['spill_loads']} B loads, {r['stack']} B stack)")
+        if r["streaming"] and r["ld_vec"] < r["ld_scalar"]:
+            out.append(f"{where}: {r['ld_scalar']} scalar against {r['ld_vec']} vector global loads")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", type=int, nargs="+", default=list(ARCHS))
+    ap.add_argument("--fast", action="store_true", help="fp32/bf16 and one config per kernel")
+    ap.add_argument("--jobs", type=int, default=None)
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+    results = compile_all(tuple(args.arch), args.fast, args.jobs)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    bad = problems(results)
+    print(f"{len(results)} compiles, {len(bad)} problems")
+    for p in bad:
+        print("  " + p)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
