@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 
 ARCHS = (80, 90)
 DTYPES = ("fp32", "bf16", "fp16")  # the kernel dtypes the ops accept (diffcurr_fast.ops._common.KERNEL_DTYPES)
-CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "diffcurr_fast", "aot")
+CACHE_DIR = os.environ.get("DIFFCURR_AOT_CACHE") or os.path.join(
+    os.path.expanduser("~"), ".cache", "diffcurr_fast", "aot"
+)
 MODULES = ("philox", "q_sample", "diffusion_loss", "sample_timesteps", "adaln")
 
 
@@ -87,6 +89,19 @@ def launches(fast: bool = False) -> list[Launch]:
     return out
 
 
+def untested_configs(table: list[Launch]) -> list[str]:
+    """Autotune configs of the kernels in ``table`` that no launch compiles (the table must cover them all)."""
+    out = []
+    for kernel in {id(la.kernel): la.kernel for la in table}.values():
+        mine = [la for la in table if la.kernel is kernel]
+        for cfg in autotune_configs(kernel):
+            if cfg is None:
+                continue
+            if not any(la.num_warps == cfg.num_warps and cfg.kwargs.items() <= la.constexprs.items() for la in mine):
+                out.append(f"{mine[0].name}: autotune config {cfg.kwargs} num_warps={cfg.num_warps} is not compiled")
+    return out
+
+
 def _source(launch: Launch):
     import triton
 
@@ -106,7 +121,7 @@ def _source(launch: Launch):
     return triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=dict(launch.constexprs), attrs=attrs)
 
 
-_RESULTS_VERSION = 2  # bump when what is measured changes (invalidates the cache)
+_RESULTS_VERSION = 3  # bump when what is measured changes (invalidates the cache)
 _PTXAS = {
     "regs": re.compile(r"Used (\d+) registers"),
     "stack": re.compile(r"(\d+) bytes stack frame"),
@@ -114,8 +129,21 @@ _PTXAS = {
     "spill_loads": re.compile(r"(\d+) bytes spill loads"),
 }
 # Data loads; ``ld.global.nc`` are libdevice's constant tables (the trig argument reduction), not data.
-_VEC_LD = re.compile(r"^\s*(?:@%p\d+\s+)?ld\.global(?!\.nc)(?:\.[A-Za-z0-9_:]+)*\.v[248]\.", re.M)
-_ANY_LD = re.compile(r"^\s*(?:@%p\d+\s+)?ld\.global(?!\.nc)[.\s]", re.M)
+_LD = re.compile(r"^\s*(?:@%p\d+\s+)?ld\.global(?!\.nc)((?:\.[A-Za-z0-9_:]+)*)\s", re.M)
+
+
+def _load_stats(ptx: str) -> tuple[int, int, int, int]:
+    """(vector loads, scalar loads, vector bytes, scalar bytes) of the global data loads in ``ptx``."""
+    nv = ns = bv = bs = 0
+    for (mods,) in (m.groups() for m in _LD.finditer(ptx)):
+        parts = mods.split(".")
+        lanes = next((int(p[1:]) for p in parts if re.fullmatch(r"v\d", p)), 1)
+        bits = next((int(p[1:]) for p in parts if re.fullmatch(r"[bfsu]\d+", p)), 32)
+        if lanes > 1:
+            nv, bv = nv + 1, bv + lanes * bits // 8
+        else:
+            ns, bs = ns + 1, bs + bits // 8
+    return nv, ns, bv, bs
 
 
 def compile_launch(launch: Launch, arch: int) -> dict:
@@ -156,8 +184,7 @@ def compile_launch(launch: Launch, arch: int) -> dict:
         res[k] = int(m.group(1))
     ptx = ck.asm["ptx"]
     res["shared"] = int(ck.metadata.shared)
-    res["ld_vec"] = len(_VEC_LD.findall(ptx))
-    res["ld_scalar"] = len(_ANY_LD.findall(ptx)) - res["ld_vec"]
+    res["ld_vec"], res["ld_scalar"], res["ld_vec_bytes"], res["ld_scalar_bytes"] = _load_stats(ptx)
     res["cubin_bytes"] = len(ck.asm["cubin"])
     res["arch"], res["streaming"] = arch, launch.streaming
     os.makedirs(CACHE_DIR, exist_ok=True)
@@ -175,7 +202,12 @@ def _work(item: tuple[int, int, bool]) -> dict:
     try:
         return compile_launch(launch, arch)
     except Exception as exc:  # reported per launch; the caller fails on any
-        return {"kernel": launch.name, "launch": launch.describe(), "arch": arch, "error": f"{type(exc).__name__}: {exc}"}
+        return {
+            "kernel": launch.name,
+            "launch": launch.describe(),
+            "arch": arch,
+            "error": f"{type(exc).__name__}: {exc}",
+        }
 
 
 def compile_all(archs=ARCHS, fast: bool = False, jobs: int | None = None) -> list[dict]:
@@ -193,7 +225,8 @@ def compile_all(archs=ARCHS, fast: bool = False, jobs: int | None = None) -> lis
 
 
 def problems(results: list[dict]) -> list[str]:
-    """Failures: a compile error, spilled registers or a stack frame, a streaming kernel without vector loads."""
+    """Failures: a compile error, spilled registers or a stack frame, a streaming kernel whose global loads (per
+    thread, in the PTX) are under two thirds vector loads by bytes (the rest: per-sample and per-row values)."""
     out = []
     for r in results:
         where = f"{r['launch']} sm_{r['arch']}"
@@ -201,9 +234,14 @@ def problems(results: list[dict]) -> list[str]:
             out.append(f"{where}: {r['error']}")
             continue
         if r["spill_stores"] or r["spill_loads"] or r["stack"]:
-            out.append(f"{where}: spills ({r['spill_stores']} B stores, {r['spill_loads']} B loads, {r['stack']} B stack)")
-        if r["streaming"] and r["ld_vec"] < r["ld_scalar"]:
-            out.append(f"{where}: {r['ld_scalar']} scalar against {r['ld_vec']} vector global loads")
+            out.append(
+                f"{where}: spills ({r['spill_stores']} B stores, {r['spill_loads']} B loads, {r['stack']} B stack)"
+            )
+        if r["streaming"] and r["ld_vec_bytes"] < 2 * r["ld_scalar_bytes"]:
+            out.append(
+                f"{where}: {r['ld_scalar']} scalar loads ({r['ld_scalar_bytes']} B) against {r['ld_vec']} vector "
+                f"loads ({r['ld_vec_bytes']} B): under two thirds of the loaded bytes are vectorised"
+            )
     return out
 
 
@@ -218,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
-    bad = problems(results)
+    bad = problems(results) + ([] if args.fast else untested_configs(launches()))
     print(f"{len(results)} compiles, {len(bad)} problems")
     for p in bad:
         print("  " + p)

@@ -42,7 +42,9 @@ def q_sample_fwd(
     M = n // B
     grid = lambda meta: (B * row_blocks(M, meta["BLOCK"]),)
     with device_guard(x0):
-        _q_sample_fwd_kernel[grid](x0, noise if noise is not None else x0, a, c, out, seed, M, HAS_NOISE=noise is not None)
+        _q_sample_fwd_kernel[grid](
+            x0, noise if noise is not None else x0, a, c, out, seed, M, HAS_NOISE=noise is not None
+        )
     return out
 
 
@@ -55,8 +57,23 @@ def aot_launches(dtypes, fast: bool = False) -> list:
     for dt in dtypes:
         for has_noise in (False, True):
             for cfg in cfgs[:1] if fast else cfgs:
-                args = {"x0_ptr": f"*{dt}", "noise_ptr": f"*{dt}", "a_ptr": "*fp32", "c_ptr": "*fp32",
-                        "out_ptr": f"*{dt}", "seed": "i64", "M": "i32"}
-                out.append(Launch(_q_sample_fwd_kernel, args, {"HAS_NOISE": has_noise, **cfg.kwargs}, cfg.num_warps,
-                                  multiple_of_16=("M",), streaming=True))
+                args = {
+                    "x0_ptr": f"*{dt}",
+                    "noise_ptr": f"*{dt}",
+                    "a_ptr": "*fp32",
+                    "c_ptr": "*fp32",
+                    "out_ptr": f"*{dt}",
+                    "seed": "i64",
+                    "M": "i32",
+                }
+                out.append(
+                    Launch(
+                        _q_sample_fwd_kernel,
+                        args,
+                        {"HAS_NOISE": has_noise, **cfg.kwargs},
+                        cfg.num_warps,
+                        multiple_of_16=("M",),
+                        streaming=True,
+                    )
+                )
     return out
