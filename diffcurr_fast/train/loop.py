@@ -162,7 +162,7 @@ class Trainer:
 
         self.loader: Any
         if dataset is None and cfg.data.dataset in SHARDED_DATASETS:  # through diffcurr_fast.data's ShardedLoader
-            self.loader = build_train_batches(cfg, rank, world)
+            self.loader = build_train_batches(cfg, rank, world, self.device)
             self.dataset = self.loader.source
         else:
             self.dataset = dataset if dataset is not None else build_dataset(cfg)
