@@ -178,6 +178,8 @@ class OptimConfig:
     beta1: float = _f(0.9, "AdamW beta1")
     beta2: float = _f(0.999, "AdamW beta2")
     eps: float = _f(1e-8, "AdamW epsilon")
+    impl: str = _f("auto", "AdamW kernels: auto / torch (torch's, fused on CUDA) or apex (NVIDIA apex FusedAdam)",
+                   ("auto", "torch", "apex"))  # fmt: skip
     warmup_steps: int = _f(0, "linear warmup steps from 0 to lr")
     schedule: str = _f("constant", "learning-rate schedule after warmup", LR_SCHEDULES)
     min_lr: float = _f(0.0, "final learning rate of the cosine schedule")
