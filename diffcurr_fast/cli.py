@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "analyze": ("diffcurr_fast.curriculum.cli", "difficulty analysis: kl | convergence | clusters"),
     "extract-latents": ("diffcurr_fast.data.cli_extract", "encode an image dataset to latents with a local VAE"),
     "eval": ("diffcurr_fast.eval.cli_eval", "FD / IS / precision-recall of samples against reference statistics"),
+    "info": ("diffcurr_fast.info", "versions, devices, fused-op backends (and why not); --check: op self-check"),
 }
 
 
