@@ -223,3 +223,22 @@ def test_gated_residual_mixed_dtypes(backend):
     torch.testing.assert_close(gate.grad.double(), (g.double() * y.double()).sum(1), rtol=1e-2, atol=2e-2)
     with pytest.raises(ValueError, match="must match x"):
         gated_residual(x, gate, y.double(), backend=backend)
+
+
+def test_auto_runs_mixed_dtype_gated_residual_on_triton_instead_of_a_cuda_cast(monkeypatch):
+    import sys
+
+    mod = sys.modules[gated_residual.__module__]
+    seen = []
+    monkeypatch.setattr(mod._common, "backend_for", lambda op, x, backend: backend or "cuda")
+    monkeypatch.setattr(mod._backend, "unavailable_reason", lambda b, op, dev: None)
+    monkeypatch.setattr(mod, "_gated_fwd_op", lambda x, g, y, name: seen.append(name))
+    monkeypatch.delenv(_backend.ENV_VAR, raising=False)
+    x, gate = torch.randn(2, 3, 8), torch.randn(2, 8, dtype=torch.bfloat16)
+    y = torch.randn(2, 3, 8, dtype=torch.bfloat16)
+    gated_residual(x, gate, y)
+    gated_residual(x, gate.float(), y.float())
+    gated_residual(x, gate, y, backend="cuda")
+    monkeypatch.setenv(_backend.ENV_VAR, "cuda")
+    gated_residual(x, gate, y)
+    assert seen == ["triton", "cuda", "cuda", "cuda"]

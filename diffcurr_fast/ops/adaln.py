@@ -7,6 +7,8 @@ forward and one backward kernel (definitions and backward formulas in docs/ops.m
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from diffcurr_fast.ops import _backend, _common
@@ -224,4 +226,12 @@ def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, *, back
         raise ValueError(f"y shape {tuple(y.shape)} does not match x shape {tuple(x.shape)}")
     if y.device != x.device or (torch.float64 in (x.dtype, y.dtype) and y.dtype != x.dtype):
         raise ValueError(f"y ({y.dtype}, {y.device}) must match x ({x.dtype}, {x.device})")
-    return _gated_fwd_op(x, gate, y, _common.backend_for("gated_residual_fwd", x, backend))
+    name = _common.backend_for("gated_residual_fwd", x, backend)
+    if (
+        name == "cuda"
+        and (backend if backend is not None else os.environ.get(_backend.ENV_VAR, "auto")) == "auto"
+        and (y.dtype != x.dtype or gate.dtype != x.dtype)
+        and _backend.unavailable_reason("triton", "gated_residual_fwd", x.device) is None
+    ):
+        name = "triton"  # auto: the CUDA kernel takes one dtype (it would need a cast copy of y); Triton reads both
+    return _gated_fwd_op(x, gate, y, name)
