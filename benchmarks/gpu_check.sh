@@ -83,9 +83,9 @@ EOF
 step info_check 120 "$py" -m diffcurr_fast.cli info --check --device "$dev"
 
 if [ "$dry" -eq 1 ]; then
-  step tests 120 "$py" -m pytest -q -x -n 0 -p no:cacheprovider tests/test_ops_adaln.py -k "dit_block_path"
+  step tests 120 "$py" -m pytest -q -x -p no:cacheprovider tests/test_ops_adaln.py -k "dit_block_path"
 else
-  step tests 240 "$py" -m pytest -q -x -n 0 -m gpu -p no:cacheprovider tests/test_ops_gpu.py tests/test_dit.py \
+  step tests 240 "$py" -m pytest -q -x -m gpu -p no:cacheprovider tests/test_ops_gpu.py tests/test_dit.py \
     tests/test_attention.py tests/test_train.py
 fi
 tested_something "$out/tests.log" || { echo "=== tests: nothing passed (all skipped?)" | tee -a "$out/summary.txt"; status=1; }

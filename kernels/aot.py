@@ -187,11 +187,14 @@ def compile_launch(launch: Launch, arch: int) -> dict:
     res["ld_vec"], res["ld_scalar"], res["ld_vec_bytes"], res["ld_scalar_bytes"] = _load_stats(ptx)
     res["cubin_bytes"] = len(ck.asm["cubin"])
     res["arch"], res["streaming"] = arch, launch.streaming
-    os.makedirs(CACHE_DIR, exist_ok=True)
-    tmp_path = f"{path}.{os.getpid()}.tmp"
-    with open(tmp_path, "w") as f:
-        json.dump(res, f)
-    os.replace(tmp_path, path)
+    try:  # the cache is an optimisation: an unwritable home only costs the recompile
+        os.makedirs(CACHE_DIR, exist_ok=True)
+        tmp_path = f"{path}.{os.getpid()}.tmp"
+        with open(tmp_path, "w") as f:
+            json.dump(res, f)
+        os.replace(tmp_path, path)
+    except OSError:
+        pass
     res["kernel"], res["launch"] = launch.name, launch.describe()
     return res
 
