@@ -22,7 +22,7 @@ import re
 import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 ARCHS = (80, 90)
 DTYPES = ("fp32", "bf16", "fp16")  # the kernel dtypes the ops accept (diffcurr_fast.ops._common.KERNEL_DTYPES)
@@ -85,8 +85,26 @@ def launches(fast: bool = False) -> list[Launch]:
     out = []
     for name in MODULES:
         mod = importlib.import_module(f"diffcurr_fast.kernels.{name}")
-        out.extend(mod.aot_launches(("fp32", "bf16") if fast else DTYPES, fast=fast))
+        table = mod.aot_launches(("fp32", "bf16") if fast else DTYPES, fast=fast)
+        out.extend(table)
+        if not fast:  # the runtime turns an int argument equal to 1 into a constant (e.g. M = 1, N = 1)
+            out.extend(_ones(la) for la in {la.name: la for la in reversed(table)}.values())
     return out
+
+
+def _ones(launch: Launch) -> Launch:
+    """``launch`` with every specialisable int argument equal to 1, as the runtime compiles it then."""
+    fn = _jit_fn(launch.kernel)
+    keep = {fn.arg_names[i] if isinstance(i, int) else i for i in getattr(fn, "do_not_specialize", ())}
+    ones = [a for a, t in launch.args.items() if t in ("i32", "i64") and a not in keep]
+    return replace(
+        launch,
+        args={a: t for a, t in launch.args.items() if a not in ones},
+        constexprs={**launch.constexprs, **dict.fromkeys(ones, 1)},
+        multiple_of_16=tuple(a for a in launch.multiple_of_16 if a not in ones),
+        streaming=False,  # rows of one element cannot vectorise
+        label="int args = 1",
+    )
 
 
 def untested_configs(table: list[Launch]) -> list[str]:
@@ -116,7 +134,7 @@ def _source(launch: Launch):
     attrs = {
         (i,): [["tt.divisibility", 16]]
         for i, a in enumerate(fn.arg_names)
-        if sig[a].startswith("*") or a in launch.multiple_of_16
+        if sig[a] != "constexpr" and (sig[a].startswith("*") or a in launch.multiple_of_16)
     }
     return triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=dict(launch.constexprs), attrs=attrs)
 
@@ -160,7 +178,7 @@ def compile_launch(launch: Launch, arch: int) -> dict:
     if os.path.exists(path):
         with open(path) as f:
             res = json.load(f)
-        res["kernel"], res["launch"] = launch.name, launch.describe()
+        res.update(kernel=launch.name, launch=launch.describe(), streaming=launch.streaming)
         return res
     log = io.StringIO()
     with tempfile.TemporaryDirectory() as tmp:
@@ -195,7 +213,7 @@ def compile_launch(launch: Launch, arch: int) -> dict:
         os.replace(tmp_path, path)
     except OSError:
         pass
-    res["kernel"], res["launch"] = launch.name, launch.describe()
+    res.update(kernel=launch.name, launch=launch.describe())
     return res
 
 
