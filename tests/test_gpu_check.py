@@ -36,3 +36,19 @@ def test_require_cuda_fails_loudly_without_cuda():
                           text=True, timeout=120)  # fmt: skip
     assert proc.returncode != 0
     assert "DIFFCURR_REQUIRE_CUDA=1 but the CUDA kernels cannot be built: torch has no CUDA" in proc.stderr
+
+
+def test_gpu_check_stops_when_a_backend_is_missing(tmp_path):
+    # a Triton that cannot be imported: the script must stop at the backend assertion, before any test runs
+    shadow = tmp_path / "shadow" / "triton"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('triton deliberately broken')\n")
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(shadow.parent), "PYTEST_ADDOPTS": ""}
+    proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry-run", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    summary = (out / "summary.txt").read_text()
+    assert proc.returncode != 0
+    assert "backends missing, stopping" in summary
+    assert "triton deliberately broken" in (out / "backends.log").read_text()
+    assert not (out / "tests.log").exists()
