@@ -235,6 +235,10 @@ def compile_all(archs=ARCHS, fast: bool = False, jobs: int | None = None) -> lis
     """Compile every launch for every arch (in ``jobs`` processes); one result dict per (launch, arch)."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise RuntimeError("AOT compilation needs the real Triton compiler: unset TRITON_INTERPRET")
+    import triton
+
+    if not hasattr(triton, "knobs"):  # the kernels themselves run on Triton >= 3.0; this tool reads ptxas via knobs
+        raise RuntimeError(f"AOT compilation needs Triton >= 3.4 (triton.knobs), found {triton.__version__}")
     items = [(i, arch, fast) for i in range(len(launches(fast))) for arch in archs]
     jobs = jobs or min(len(items), os.cpu_count() or 1)
     if jobs <= 1:
