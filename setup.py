@@ -4,7 +4,9 @@ The extension is compiled against the torch that is already installed (use ``--n
 - the CPU sources in ``csrc/cpu`` are always built;
 - the CUDA sources in ``csrc/cuda`` are added when torch has CUDA and ``nvcc`` is found
   (architectures from ``TORCH_CUDA_ARCH_LIST``, default "8.0;9.0");
-- ``DIFFCURR_SKIP_EXT=1`` skips the extension (the ops then fall back to Triton / the reference, with a warning).
+- ``DIFFCURR_SKIP_EXT=1`` skips the extension (the ops then fall back to Triton / the reference, with a warning);
+- ``DIFFCURR_REQUIRE_CUDA=1`` makes a build without the CUDA kernels an error (no CUDA torch, no nvcc) instead of
+  a quiet CPU-only extension (the GPU check sets it).
 The Triton kernels in ``kernels/`` are installed as the ``diffcurr_fast.kernels`` package, the recipes in ``recipes/``
 (YAML and their DeepSpeed JSON) as ``diffcurr_fast.recipes`` (``diffcurr-fast recipes`` lists them).
 """
@@ -18,12 +20,17 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
 def _extensions():
+    require_cuda = os.environ.get("DIFFCURR_REQUIRE_CUDA", "0") == "1"
     if os.environ.get("DIFFCURR_SKIP_EXT", "0") == "1":
+        if require_cuda:
+            raise SystemExit("setup.py: DIFFCURR_REQUIRE_CUDA=1 contradicts DIFFCURR_SKIP_EXT=1")
         return [], {}
     try:
         import torch
         from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
     except ImportError:
+        if require_cuda:
+            raise SystemExit("setup.py: DIFFCURR_REQUIRE_CUDA=1 but torch is not importable") from None
         print("setup.py: torch is not importable; building without the C++ extension")
         return [], {}
     cpu_sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
@@ -32,6 +39,9 @@ def _extensions():
     cxx = ["-O3", "-std=c++20", "-fno-math-errno", "-fopenmp"]
     cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
     use_cuda = bool(cuda_sources) and torch.version.cuda is not None and CUDA_HOME is not None
+    if require_cuda and not use_cuda:
+        missing = "torch has no CUDA" if torch.version.cuda is None else "nvcc / CUDA_HOME not found"
+        raise SystemExit(f"setup.py: DIFFCURR_REQUIRE_CUDA=1 but the CUDA kernels cannot be built: {missing}")
     if use_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
         ext = CUDAExtension(
@@ -39,7 +49,7 @@ def _extensions():
             cpu_sources + cuda_sources,
             include_dirs=[os.path.join(ROOT, "csrc")],
             define_macros=[("DIFFCURR_WITH_CUDA", "1")],
-            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++20", "--use_fast_math"]},
+            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++20"]},
             extra_link_args=["-fopenmp"],
         )
     else:

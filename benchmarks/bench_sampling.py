@@ -80,6 +80,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", type=Path, default=common.RESULTS_DIR, help="folder of tdc_sampling.csv / .md")
     args = ap.parse_args()
     if args.quick:
         args.hidden, args.depth, args.heads, args.steps, args.batch, args.reps = 192, 4, 6, 10, 4, 3
@@ -140,9 +141,10 @@ def main() -> None:
         "flops_ratio": f"{acct['flops_ratio']:.3f}",
         "efficiency": f"{speedup / acct['flops_ratio']:.3f}",
     }
-    common.append_csv(CSV, [row])
-    table = common.markdown_table(common.read_csv(CSV), COLUMNS)
-    MD.write_text(
+    csv_path, md_path = args.out / CSV.name, args.out / MD.name
+    common.append_csv(csv_path, [row])
+    table = common.markdown_table(common.read_csv(csv_path), COLUMNS)
+    md_path.write_text(
         "# TDC multi-expert sampling vs the base DiT (equal DDIM steps)\n\n"
         "images/s median (p20-p80); speedup = base time / TDC time; flops_ratio = base FLOPs / TDC FLOPs per image;"
         " efficiency = speedup / flops_ratio (target >= 0.9).\n\n" + table + "\n"

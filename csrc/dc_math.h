@@ -3,8 +3,11 @@
 // Counter-based Gaussian noise as defined in docs/ops.md:
 //   Philox4x32-10 (Salmon et al. 2011, "Parallel random numbers: as easy as 1, 2, 3"), the int32 -> [0, 1)
 //   uniform mapping of triton.language.uint_to_uniform_float, and the Box-Muller transform in float32.
-// log / sin / cos are polynomial (Cephes single precision) so that every backend and every CPU instruction
-// set computes the same float32 arithmetic, and so that gcc can vectorise loops calling them.
+// log / sin / cos are polynomial (Cephes single precision), the same code on every backend and CPU instruction
+// set, and gcc can vectorise loops calling them. Results agree to a few ulp, not bit for bit: the compilers may
+// contract a * b + c into an FMA (nvcc by default, gcc where the AVX2 / AVX-512 kernels enable FMA). The CUDA
+// sources are built without --use_fast_math (no approximate division or square root, no flushed denormals);
+// the square roots here are explicitly correctly rounded.
 //
 // All functions have internal linkage (static inline) so that translation units compiled for different
 // instruction sets never share a copy.

@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "extract-latents": ("diffcurr_fast.data.cli_extract", "encode an image dataset to latents with a local VAE"),
     "eval": ("diffcurr_fast.eval.cli_eval", "FD / IS / precision-recall of samples against reference statistics"),
     "recipes": ("diffcurr_fast.train.cli_recipes", "list the shipped recipes (train NAME runs one by name)"),
+    "info": ("diffcurr_fast.info", "versions, devices, fused-op backends (and why not); --check: op self-check"),
 }
 
 

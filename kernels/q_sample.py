@@ -1,4 +1,8 @@
-"""Triton kernel for the forward diffusion process x_t = a[b] x0 + c[b] noise (noise given or Philox)."""
+"""Triton kernel for the forward diffusion process x_t = a[b] x0 + c[b] noise (noise given or Philox).
+
+A program handles one block of one sample (a 1-D grid over (sample, block)): the per-sample coefficients are
+two scalar loads per program, and the data moves as (BLOCK/4, 4) tiles (16-byte vectors for aligned fp32).
+"""
 
 from __future__ import annotations
 
@@ -6,25 +10,22 @@ import torch
 import triton
 import triton.language as tl
 
-from .philox import _philox_normal, elementwise_configs
+from .philox import _philox_normal4, _row_tile, device_guard, elementwise_configs, row_blocks
 
 
 @triton.autotune(configs=elementwise_configs(), key=["M"])
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])
 def _q_sample_fwd_kernel(
-    x0_ptr, noise_ptr, a_ptr, c_ptr, out_ptr, seed, n, M, HAS_NOISE: tl.constexpr, BLOCK: tl.constexpr
+    x0_ptr, noise_ptr, a_ptr, c_ptr, out_ptr, seed, M, HAS_NOISE: tl.constexpr, BLOCK: tl.constexpr
 ):
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    b = offs // M
-    x0 = tl.load(x0_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    offs, mask, ctr, b, _ = _row_tile(M, tl.program_id(0), BLOCK)
+    x0 = tl.load(x0_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # (BLOCK/4, 4)
     if HAS_NOISE:
         eps = tl.load(noise_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     else:
-        eps = _philox_normal(seed, offs)
-    a = tl.load(a_ptr + b, mask=mask, other=0.0)
-    c = tl.load(c_ptr + b, mask=mask, other=0.0)
+        eps = _philox_normal4(seed, ctr)
+    a = tl.load(a_ptr + b)
+    c = tl.load(c_ptr + b)
     xt = a * x0 + c * eps  # Ho et al. Eq. 4 with per-sample coefficients
     tl.store(out_ptr + offs, xt.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -37,9 +38,42 @@ def q_sample_fwd(
     n = x0.numel()
     if n == 0:
         return out
-    M = n // x0.shape[0]
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK"]),)
-    _q_sample_fwd_kernel[grid](
-        x0, noise if noise is not None else x0, a, c, out, seed, n, M, HAS_NOISE=noise is not None
-    )
+    B = x0.shape[0]
+    M = n // B
+    grid = lambda meta: (B * row_blocks(M, meta["BLOCK"]),)
+    with device_guard(x0):
+        _q_sample_fwd_kernel[grid](
+            x0, noise if noise is not None else x0, a, c, out, seed, M, HAS_NOISE=noise is not None
+        )
+    return out
+
+
+def aot_launches(dtypes, fast: bool = False) -> list:
+    """The launches ``q_sample_fwd`` can make (for kernels/aot.py): dtype x noise given or not x autotune config."""
+    from .aot import Launch
+
+    cfgs = elementwise_configs(interpret=False)
+    out = []
+    for dt in dtypes:
+        for has_noise in (False, True):
+            for cfg in cfgs[:1] if fast else cfgs:
+                args = {
+                    "x0_ptr": f"*{dt}",
+                    "noise_ptr": f"*{dt}",
+                    "a_ptr": "*fp32",
+                    "c_ptr": "*fp32",
+                    "out_ptr": f"*{dt}",
+                    "seed": "i64",
+                    "M": "i32",
+                }
+                out.append(
+                    Launch(
+                        _q_sample_fwd_kernel,
+                        args,
+                        {"HAS_NOISE": has_noise, **cfg.kwargs},
+                        cfg.num_warps,
+                        multiple_of_16=("M",),
+                        streaming=True,
+                    )
+                )
     return out

@@ -6,16 +6,24 @@ import torch
 import triton
 import triton.language as tl
 
+from .philox import _philox4x32_10, _uniform, device_guard
 
-@triton.jit
+BLOCK = 256
+
+
+@triton.jit(do_not_specialize=["seed"])
 def _sample_timesteps_fwd_kernel(
     cdf_ptr, w_ptr, last_ptr, t_ptr, imp_ptr, seed, B, T, N_ITER: tl.constexpr, BLOCK: tl.constexpr
 ):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < B
-    r0, _, _, _ = tl.randint4x(seed, offs.to(tl.int64))
-    u = tl.uint_to_uniform_float(r0)
+    s = seed.to(tl.int64)
+    zero = tl.zeros([BLOCK], tl.uint32)
+    k0 = (s & 0xFFFFFFFF).to(tl.uint32) + zero
+    k1 = ((s >> 32) & 0xFFFFFFFF).to(tl.uint32) + zero
+    r0, _, _, _ = _philox4x32_10(offs.to(tl.uint32), zero, zero, zero, k0, k1)  # counter (b, 0, 0, 0)
+    u = _uniform(r0)
     total = tl.load(cdf_ptr + T - 1)
     thr = u.to(tl.float64) * total
     # smallest k with cdf[k] > thr: binary search over [0, T)
@@ -46,9 +54,30 @@ def sample_timesteps_fwd(weights: torch.Tensor, batch_size: int, seed: int) -> t
     imp = torch.empty(batch_size, dtype=torch.float32, device=device)
     if batch_size == 0:
         return t, imp
-    BLOCK = 256
     n_iter = max(1, int(T).bit_length())
-    _sample_timesteps_fwd_kernel[(triton.cdiv(batch_size, BLOCK),)](
-        cdf, w64, last, t, imp, seed, batch_size, T, N_ITER=n_iter, BLOCK=BLOCK
-    )
+    with device_guard(w64):
+        _sample_timesteps_fwd_kernel[(triton.cdiv(batch_size, BLOCK),)](
+            cdf, w64, last, t, imp, seed, batch_size, T, N_ITER=n_iter, BLOCK=BLOCK
+        )
     return t, imp
+
+
+def aot_launches(dtypes, fast: bool = False) -> list:
+    """The launches ``sample_timesteps_fwd`` makes: weights are float64 whatever their dtype; N_ITER for
+    T = 1000 (DDPM) and T up to 2**16 (every N_ITER compiles the same loop, unrolled)."""
+    from .aot import Launch
+
+    args = {
+        "cdf_ptr": "*fp64",
+        "w_ptr": "*fp64",
+        "last_ptr": "*i64",
+        "t_ptr": "*i64",
+        "imp_ptr": "*fp32",
+        "seed": "i64",
+        "B": "i32",
+        "T": "i32",
+    }
+    return [
+        Launch(_sample_timesteps_fwd_kernel, args, {"N_ITER": n, "BLOCK": BLOCK}, 4)
+        for n in ((10,) if fast else (10, 17))
+    ]

@@ -1,6 +1,7 @@
 """Attention backends against a float64 softmax(q k^T / sqrt(d)) v reference: outputs and gradients."""
 
 import math
+import sys
 
 import pytest
 import torch
@@ -139,3 +140,22 @@ def test_cuda_backends_match_reference(backend, shape, dtype):
     ref.backward(g)
     for a, r in ((q, qr), (k, kr), (v, vr)):
         torch.testing.assert_close(a.grad.double(), r.grad, atol=tol * 4, rtol=tol * 4)
+
+
+def test_flash_attn_reason_checks_k_and_v(monkeypatch):
+    # fake CUDA tensors (no device needed) and a stand-in flash-attn: only the tensor checks are exercised
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    att = sys.modules[flash_attn_reason.__module__]
+    monkeypatch.setattr(att, "_flash_attn_func", lambda: (object(), None))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    with FakeTensorMode():
+        e = lambda dh=64, dtype=torch.bfloat16, device="cuda": torch.empty(1, 2, 5, dh, device=device, dtype=dtype)
+        q = e()
+        assert flash_attn_reason(q, e(), e()) is None
+        assert "k of dtype torch.float32" in flash_attn_reason(q, e(dtype=torch.float32), e())
+        assert "v on device cpu" in flash_attn_reason(q, e(), e(device="cpu"))
+        assert "one dtype" in flash_attn_reason(q, e(dtype=torch.float16), e())
+        assert "head_dim" in flash_attn_reason(q, e(), e(dh=512))
+        assert "head dim of v" in flash_attn_reason(q, e(), e(dh=32))

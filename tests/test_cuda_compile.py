@@ -31,7 +31,7 @@ def _commands(out_dir):
     cmds = []
     for src in sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu"))):
         obj = os.path.join(out_dir, os.path.basename(src) + ".o")
-        cmds.append([NVCC, "-c", "-std=c++20", "-arch=sm_90", "-O3", "--use_fast_math", *includes, src, "-o", obj])
+        cmds.append([NVCC, "-c", "-std=c++20", "-arch=sm_90", "-O3", *includes, src, "-o", obj])
     cxx = shutil.which("c++") or shutil.which("g++")
     if cxx is not None and _cuda_include() is not None:
         # The CPU wheel lacks the generated c10/cuda/impl/cuda_cmake_macros.h; its macros are not needed here.

@@ -177,3 +177,68 @@ def test_bad_inputs():
         gated_residual(x, torch.randn(2, 4), torch.randn(2, 3, 5))
     with pytest.raises(ValueError, match="dtype"):
         gated_residual(x.int(), torch.randn(2, 4), x)
+
+
+@pytest.mark.parametrize("target", [1, 3])
+def test_triton_backward_loops_over_rows_with_bounded_partials(monkeypatch, target):
+    # few programs: each loops over many row tiles and the partial buffers have `target`-bounded splits
+    _need("triton", "adaln_modulate_fwd")
+    kern = _backend.kernels("adaln")
+    monkeypatch.setattr(kern, "TARGET_PROGRAMS", target)
+    B, N, D = 2, 150, 40
+    _, rows, _ = kern.row_tile(D)
+    splits, per = kern._splits(B, N, rows)
+    assert splits <= max(1, -(-target // B)) and per >= rows
+    x = torch.randn(B, N, D, requires_grad=True)
+    shift, scale, gate = (torch.randn(B, D, requires_grad=True) for _ in range(3))
+    y = torch.randn(B, N, D, requires_grad=True)
+    out = gated_residual(x, gate, adaln_modulate(x, shift, scale, backend="triton") * y, backend="triton")
+    out.square().sum().backward()
+    leaves = [x, shift, scale, gate, y]
+    grads = [t.grad for t in leaves]
+    l6 = [t.detach().double().requires_grad_() for t in leaves]
+    ref = l6[0] + l6[3][:, None, :] * (_ref_modulate(l6[0], l6[1], l6[2]) * l6[4])
+    ref.square().sum().backward()
+    for g, t6 in zip(grads, l6):
+        torch.testing.assert_close(g.double(), t6.grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+def test_gated_residual_mixed_dtypes(backend):
+    # autocast: fp32 residual stream, bf16 gate and attention output; result and grad_x fp32, grad_y bf16
+    _need(backend, "gated_residual_fwd")
+    B, N, D = 3, 5, 24
+    x = torch.randn(B, N, D, requires_grad=True)
+    gate = torch.randn(B, D, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randn(B, N, D, dtype=torch.bfloat16, requires_grad=True)
+    out = gated_residual(x, gate, y, backend=backend)
+    assert out.dtype == torch.float32
+    ref = x.double() + gate.double()[:, None, :] * y.double()
+    torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-6)
+    g = torch.randn_like(out)
+    out.backward(g)
+    assert gate.grad.dtype == torch.bfloat16 and y.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(x.grad, g)
+    torch.testing.assert_close(y.grad.double(), g.double() * gate.double()[:, None, :], rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(gate.grad.double(), (g.double() * y.double()).sum(1), rtol=1e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="must match x"):
+        gated_residual(x, gate, y.double(), backend=backend)
+
+
+def test_auto_runs_mixed_dtype_gated_residual_on_triton_instead_of_a_cuda_cast(monkeypatch):
+    import sys
+
+    mod = sys.modules[gated_residual.__module__]
+    seen = []
+    monkeypatch.setattr(mod._common, "backend_for", lambda op, x, backend: backend or "cuda")
+    monkeypatch.setattr(mod._backend, "unavailable_reason", lambda b, op, dev: None)
+    monkeypatch.setattr(mod, "_gated_fwd_op", lambda x, g, y, name: seen.append(name))
+    monkeypatch.delenv(_backend.ENV_VAR, raising=False)
+    x, gate = torch.randn(2, 3, 8), torch.randn(2, 8, dtype=torch.bfloat16)
+    y = torch.randn(2, 3, 8, dtype=torch.bfloat16)
+    gated_residual(x, gate, y)
+    gated_residual(x, gate.float(), y.float())
+    gated_residual(x, gate, y, backend="cuda")
+    monkeypatch.setenv(_backend.ENV_VAR, "cuda")
+    gated_residual(x, gate, y)
+    assert seen == ["triton", "cuda", "cuda", "cuda"]

@@ -296,3 +296,35 @@ def test_engine_selection(monkeypatch):
             create_engine("single", "cuda")
     lin = torch.nn.Linear(2, 2)
     assert unwrap(lin) is lin
+
+
+def test_optim_impl_apex_is_a_clear_error_without_nvidia_apex_and_uses_adamw_mode(monkeypatch):
+    import sys
+    import types
+
+    from diffcurr_fast.train.config import OptimConfig
+    from diffcurr_fast.train.engine import build_optimizer
+
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    assert isinstance(build_optimizer(params, OptimConfig(impl="auto"), torch.device("cpu")), torch.optim.AdamW)
+    monkeypatch.setitem(sys.modules, "apex", None)  # not importable
+    monkeypatch.setitem(sys.modules, "apex.optimizers", None)
+    with pytest.raises(ValueError, match="NVIDIA apex"):
+        build_optimizer(params, OptimConfig(impl="apex"), torch.device("cpu"))
+    seen = {}
+
+    class FusedAdam(torch.optim.AdamW):  # stands in for apex.optimizers.FusedAdam
+        def __init__(self, params, adam_w_mode, **kw):
+            seen["adam_w_mode"] = adam_w_mode
+            super().__init__(params, **kw)
+
+    fake = types.ModuleType("apex.optimizers")
+    fake.FusedAdam = FusedAdam
+    monkeypatch.setitem(sys.modules, "apex", types.ModuleType("apex"))
+    monkeypatch.setitem(sys.modules, "apex.optimizers", fake)
+    with pytest.raises(ValueError, match="CUDA only"):
+        build_optimizer(params, OptimConfig(impl="apex"), torch.device("cpu"))
+    opt = build_optimizer(params, OptimConfig(impl="apex", lr=3e-4), torch.device("cuda"))
+    assert isinstance(opt, FusedAdam) and seen["adam_w_mode"] is True and opt.defaults["lr"] == 3e-4
+    with pytest.raises(ValueError, match="impl"):
+        load_config(None, ["optim.impl=fast"])

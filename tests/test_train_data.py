@@ -121,3 +121,21 @@ def test_recipe_runs_on_user_data(tmp_path):
         torch.set_num_threads(threads)
     assert summary["step"] == 2 and np.isfinite(summary["loss"])
     assert (tmp_path / "run" / "checkpoints" / "ckpt_00000002.pt").is_file()
+
+
+def test_dali_on_a_gpu_decodes_there_and_spawns_its_workers(monkeypatch):
+    from diffcurr_fast.data import dali, pipeline
+    from diffcurr_fast.train.data import dali_placement
+
+    monkeypatch.setattr(pipeline, "resolve_backend", lambda b: "dali" if b in ("auto", "dali") else b)
+    assert dali_placement("dali", torch.device("cuda", 1), "images") == (1, "mixed")
+    assert dali_placement("auto", torch.device("cuda", 0), "latents") == (0, "cpu")
+    assert dali_placement("dali", torch.device("cpu"), "images") == (None, "cpu")
+    assert dali_placement("torch", torch.device("cuda", 0), "images") == (None, "cpu")
+    assert dali_placement("dali", None, "images") == (None, "cpu")
+    # fork is refused once CUDA is initialised: GPU pipelines (and CUDA processes) spawn their workers
+    assert dali.py_start_method(0) == "spawn"
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert dali.py_start_method(None) == "fork"
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert dali.py_start_method(None) == "spawn"

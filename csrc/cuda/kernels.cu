@@ -55,7 +55,62 @@ __device__ __forceinline__ void store4(typename T::S* p, const float v[4]) {
   }
 }
 
-__device__ __forceinline__ bool aligned(const void* p, int bytes) {
+// V consecutive elements in one 16-byte access: V = 4 for float, 8 for 16-bit types (V = 1: scalar).
+template <class T>
+constexpr int kVec = 16 / static_cast<int>(sizeof(typename T::S));
+
+template <class T, int V>
+__device__ __forceinline__ void loadv(const typename T::S* p, float v[V]) {
+  if constexpr (V == 1) {
+    v[0] = T::load(*p);
+  } else if constexpr (sizeof(typename T::S) == 4) {
+    static_assert(V == 4, "float vectors hold 4");
+    const float4 q = *reinterpret_cast<const float4*>(p);
+    v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
+  } else {
+    static_assert(V == 8, "16-bit vectors hold 8");
+    union {
+      uint4 u;
+      typename T::S h[8];
+    } q;
+    q.u = *reinterpret_cast<const uint4*>(p);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = T::load(q.h[k]);
+  }
+}
+
+template <class T, int V>
+__device__ __forceinline__ void storev(typename T::S* p, const float v[V]) {
+  if constexpr (V == 1) {
+    *p = T::store(v[0]);
+  } else if constexpr (sizeof(typename T::S) == 4) {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+  } else {
+    union {
+      uint4 u;
+      typename T::S h[8];
+    } q;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) q.h[k] = T::store(v[k]);
+    *reinterpret_cast<uint4*>(p) = q.u;
+  }
+}
+
+// V float32 values (the per-sample shift / scale / gate rows), as float4 loads when V >= 4.
+template <int V>
+__device__ __forceinline__ void loadf(const float* p, float v[V]) {
+  if constexpr (V == 1) {
+    v[0] = *p;
+  } else {
+#pragma unroll
+    for (int k = 0; k < V; k += 4) {
+      const float4 q = *reinterpret_cast<const float4*>(p + k);
+      v[k] = q.x, v[k + 1] = q.y, v[k + 2] = q.z, v[k + 3] = q.w;
+    }
+  }
+}
+
+__host__ __device__ __forceinline__ bool aligned(const void* p, int bytes) {
   return (reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(bytes)) == 0;
 }
 
@@ -268,7 +323,112 @@ __global__ void sample_kernel(const W* __restrict__ w, int64_t T, const double* 
 }
 
 // ---------------------------------------------------------------- adaLN modulate
-// One warp per row of D elements (rows = B * N); 8 rows per block.
+// Fast path: one warp per row, the row held in registers (read once), 16-byte vector loads. Lane l holds the
+// vectors l, l + 32, ..., l + 32 (K - 1) of the row (V elements each); needs D % V == 0, 16-byte aligned data
+// and D <= 32 K V. Rows are a grid-stride loop over B * N (no grid-dimension limit); b = r / N once per row.
+template <class T, int V, int K>
+__global__ void adaln_fwd_reg_kernel(const typename T::S* __restrict__ x, const float* __restrict__ shift,
+                                     const float* __restrict__ scale, typename T::S* __restrict__ y,
+                                     float* __restrict__ mean, float* __restrict__ rstd, int64_t rows, int64_t N,
+                                     int D, float eps) {
+  const int lane = threadIdx.x % kWarp;
+  const int nv = D / V;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / kWarp);
+  const float inv_d = 1.0f / static_cast<float>(D);
+  for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x / kWarp) + threadIdx.x / kWarp; r < rows;
+       r += warps) {
+    const int64_t b = r / N;
+    const typename T::S* xr = x + r * D;
+    float v[K][V];
+    float s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int j = lane + k * kWarp;
+      if (j < nv) {
+        loadv<T, V>(xr + j * V, v[k]);
+#pragma unroll
+        for (int e = 0; e < V; ++e) s += v[k][e];
+      }
+    }
+    const float mu = warp_sum(s) * inv_d;
+    float q = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      if (lane + k * kWarp < nv) {
+#pragma unroll
+        for (int e = 0; e < V; ++e) q += (v[k][e] - mu) * (v[k][e] - mu);
+      }
+    }
+    const float rs = rsqrtf(warp_sum(q) * inv_d + eps);
+    typename T::S* yr = y + r * D;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int j = lane + k * kWarp;
+      if (j < nv) {
+        float sh[V], sc[V], o[V];
+        loadf<V>(shift + b * D + j * V, sh);
+        loadf<V>(scale + b * D + j * V, sc);
+#pragma unroll
+        for (int e = 0; e < V; ++e) o[e] = (v[k][e] - mu) * rs * (1.0f + sc[e]) + sh[e];  // adaLN-Zero modulate
+        storev<T, V>(yr + j * V, o);
+      }
+    }
+    if (lane == 0) {
+      mean[r] = mu;
+      rstd[r] = rs;
+    }
+  }
+}
+
+// grad_x of the fast path: grad_y and x rows in registers, read once.
+template <class T, int V, int K>
+__global__ void adaln_bwd_dx_reg_kernel(const typename T::S* __restrict__ gyp, const typename T::S* __restrict__ x,
+                                        const float* __restrict__ scale, const float* __restrict__ mean,
+                                        const float* __restrict__ rstd, typename T::S* __restrict__ gx, int64_t rows,
+                                        int64_t N, int D) {
+  const int lane = threadIdx.x % kWarp;
+  const int nv = D / V;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / kWarp);
+  const float inv_d = 1.0f / static_cast<float>(D);
+  for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x / kWarp) + threadIdx.x / kWarp; r < rows;
+       r += warps) {
+    const int64_t b = r / N;
+    const float mu = mean[r], rs = rstd[r];
+    float g[K][V], xh[K][V];
+    float s1 = 0.0f, s2 = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int j = lane + k * kWarp;
+      if (j < nv) {
+        float sc[V];
+        loadv<T, V>(gyp + r * D + j * V, g[k]);
+        loadv<T, V>(x + r * D + j * V, xh[k]);
+        loadf<V>(scale + b * D + j * V, sc);
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          g[k][e] *= 1.0f + sc[e];  // gy = grad_y * (1 + scale)
+          xh[k][e] = (xh[k][e] - mu) * rs;
+          s1 += g[k][e];
+          s2 += g[k][e] * xh[k][e];
+        }
+      }
+    }
+    const float m1 = warp_sum(s1) * inv_d, m2 = warp_sum(s2) * inv_d;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int j = lane + k * kWarp;
+      if (j < nv) {
+        float o[V];
+#pragma unroll
+        for (int e = 0; e < V; ++e) o[e] = rs * (g[k][e] - m1 - xh[k][e] * m2);
+        storev<T, V>(gx + r * D + j * V, o);
+      }
+    }
+  }
+}
+
+// Fallback (D % V != 0, unaligned data, or rows longer than the register path holds): one warp per row of D
+// elements, scalar loads, three passes over the row; 8 rows per block.
 template <class T>
 __global__ void adaln_fwd_kernel(const typename T::S* __restrict__ x, const float* __restrict__ shift,
                                  const float* __restrict__ scale, typename T::S* __restrict__ y,
@@ -373,20 +533,62 @@ __global__ void column_sums_kernel(const typename T::S* __restrict__ g, const ty
 
 // ---------------------------------------------------------------- gated residual
 // Forward: out = x + gate * y. Backward (a = grad_out, y unused): out = grad_y = gate * grad_out.
-template <class T, bool kBackward>
+// One warp per row (grid-stride over B * N rows), V elements per access along the row: b = r / N once per
+// row, no division per element. V = kVec<T> (16-byte accesses) when D % V == 0 and the data is aligned.
+template <class T, int V, bool kBackward>
 __global__ void gated_kernel(const typename T::S* __restrict__ a, const float* __restrict__ gate,
-                             const typename T::S* __restrict__ y, typename T::S* __restrict__ out, int64_t total,
+                             const typename T::S* __restrict__ y, typename T::S* __restrict__ out, int64_t rows,
                              int64_t N, int64_t D) {
-  const int64_t ND = N * D;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float gt = gate[(i / ND) * D + i % D];
-    if constexpr (kBackward) {
-      out[i] = T::store(gt * T::load(a[i]));  // grad_y = gate * grad_out
-    } else {
-      out[i] = T::store(T::load(a[i]) + gt * T::load(y[i]));  // out = x + gate * y
+  const int lane = threadIdx.x % kWarp;
+  const int64_t nv = D / V;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / kWarp);
+  for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x / kWarp) + threadIdx.x / kWarp; r < rows;
+       r += warps) {
+    const float* gr = gate + (r / N) * D;
+    for (int64_t j = lane; j < nv; j += kWarp) {
+      const int64_t i = r * D + j * V;
+      float av[V], gv[V], o[V];
+      loadv<T, V>(a + i, av);
+      loadf<V>(gr + j * V, gv);
+      if constexpr (kBackward) {
+#pragma unroll
+        for (int e = 0; e < V; ++e) o[e] = gv[e] * av[e];  // grad_y = gate * grad_out
+      } else {
+        float yv[V];
+        loadv<T, V>(y + i, yv);
+#pragma unroll
+        for (int e = 0; e < V; ++e) o[e] = av[e] + gv[e] * yv[e];  // out = x + gate * y
+      }
+      storev<T, V>(out + i, o);
     }
   }
+}
+
+template <class T, bool kBackward>
+void launch_gated(const typename T::S* a, const float* gate, const typename T::S* y, typename T::S* out, int64_t B,
+                  int64_t N, int64_t D, cudaStream_t s) {
+  constexpr int V = kVec<T>;
+  const int64_t rows = B * N;
+  const int64_t blocks = blocks_for(rows, kThreads / kWarp);
+  const bool vec = D % V == 0 && aligned(a, 16) && aligned(gate, 16) && aligned(out, 16) &&
+                   (kBackward || aligned(y, 16));
+  if (vec) {
+    gated_kernel<T, V, kBackward><<<blocks, kThreads, 0, s>>>(a, gate, y, out, rows, N, D);
+  } else {
+    gated_kernel<T, 1, kBackward><<<blocks, kThreads, 0, s>>>(a, gate, y, out, rows, N, D);
+  }
+}
+
+// Register-path dispatch of the adaLN kernels: K = vectors per lane, the smallest power of two with K V <= 64
+// (at most 64 values of a row per lane: D <= 2048) that holds the row; 0: use the fallback.
+template <class T>
+int reg_vectors(int64_t D, const void* p0, const void* p1, const void* p2, const void* p3) {
+  constexpr int V = kVec<T>;
+  if (D % V != 0 || !aligned(p0, 16) || !aligned(p1, 16) || !aligned(p2, 16) || !aligned(p3, 16)) return 0;
+  for (int k = 1; k * V <= 64; k *= 2) {
+    if (D <= static_cast<int64_t>(kWarp) * k * V) return k;
+  }
+  return 0;
 }
 
 // ---------------------------------------------------------------- dispatch helpers
@@ -503,8 +705,19 @@ int adaln_fwd(int dt, const void* x, const float* shift, const float* scale, voi
   const int64_t blocks = blocks_for(rows, kThreads / kWarp);
   return with_type(dt, [&](auto t) {
     using T = decltype(t);
-    adaln_fwd_kernel<T><<<blocks, kThreads, 0, s>>>(static_cast<const typename T::S*>(x), shift, scale,
-                                                    static_cast<typename T::S*>(y), mean, rstd, rows, N, D, eps);
+    constexpr int V = kVec<T>;
+    const auto* xp = static_cast<const typename T::S*>(x);
+    auto* yp = static_cast<typename T::S*>(y);
+    const int k = reg_vectors<T>(D, x, y, shift, scale);
+    const int d = static_cast<int>(D);
+    if (k == 1) adaln_fwd_reg_kernel<T, V, 1><<<blocks, kThreads, 0, s>>>(xp, shift, scale, yp, mean, rstd, rows, N, d, eps);
+    if (k == 2) adaln_fwd_reg_kernel<T, V, 2><<<blocks, kThreads, 0, s>>>(xp, shift, scale, yp, mean, rstd, rows, N, d, eps);
+    if (k == 4) adaln_fwd_reg_kernel<T, V, 4><<<blocks, kThreads, 0, s>>>(xp, shift, scale, yp, mean, rstd, rows, N, d, eps);
+    if (k == 8) adaln_fwd_reg_kernel<T, V, 8><<<blocks, kThreads, 0, s>>>(xp, shift, scale, yp, mean, rstd, rows, N, d, eps);
+    if constexpr (V * 16 <= 64) {
+      if (k == 16) adaln_fwd_reg_kernel<T, V, 16><<<blocks, kThreads, 0, s>>>(xp, shift, scale, yp, mean, rstd, rows, N, d, eps);
+    }
+    if (k == 0) adaln_fwd_kernel<T><<<blocks, kThreads, 0, s>>>(xp, shift, scale, yp, mean, rstd, rows, N, D, eps);
     return finish();
   });
 }
@@ -520,8 +733,19 @@ int adaln_bwd(int dt, const void* grad_y, const void* x, const float* scale, con
     const auto* gp = static_cast<const typename T::S*>(grad_y);
     const auto* xp = static_cast<const typename T::S*>(x);
     if (rows > 0) {
-      adaln_bwd_dx_kernel<T><<<blocks_for(rows, kThreads / kWarp), kThreads, 0, s>>>(
-          gp, xp, scale, mean, rstd, static_cast<typename T::S*>(gx), rows, N, D);
+      constexpr int V = kVec<T>;
+      auto* gxp = static_cast<typename T::S*>(gx);
+      const int64_t blocks = blocks_for(rows, kThreads / kWarp);
+      const int k = reg_vectors<T>(D, gp, xp, gx, scale);
+      const int d = static_cast<int>(D);
+      if (k == 1) adaln_bwd_dx_reg_kernel<T, V, 1><<<blocks, kThreads, 0, s>>>(gp, xp, scale, mean, rstd, gxp, rows, N, d);
+      if (k == 2) adaln_bwd_dx_reg_kernel<T, V, 2><<<blocks, kThreads, 0, s>>>(gp, xp, scale, mean, rstd, gxp, rows, N, d);
+      if (k == 4) adaln_bwd_dx_reg_kernel<T, V, 4><<<blocks, kThreads, 0, s>>>(gp, xp, scale, mean, rstd, gxp, rows, N, d);
+      if (k == 8) adaln_bwd_dx_reg_kernel<T, V, 8><<<blocks, kThreads, 0, s>>>(gp, xp, scale, mean, rstd, gxp, rows, N, d);
+      if constexpr (V * 16 <= 64) {
+        if (k == 16) adaln_bwd_dx_reg_kernel<T, V, 16><<<blocks, kThreads, 0, s>>>(gp, xp, scale, mean, rstd, gxp, rows, N, d);
+      }
+      if (k == 0) adaln_bwd_dx_kernel<T><<<blocks, kThreads, 0, s>>>(gp, xp, scale, mean, rstd, gxp, rows, N, D);
     }
     if (gshift != nullptr) {
       column_sums_kernel<T, true><<<static_cast<unsigned>(B * col_blocks), dim3(kWarp, 8), 0, s>>>(
@@ -538,9 +762,8 @@ int gated_fwd(int dt, const void* x, const float* gate, const void* y, void* out
   const auto s = static_cast<cudaStream_t>(stream);
   return with_type(dt, [&](auto t) {
     using T = decltype(t);
-    gated_kernel<T, false><<<blocks_for(total, kThreads), kThreads, 0, s>>>(
-        static_cast<const typename T::S*>(x), gate, static_cast<const typename T::S*>(y),
-        static_cast<typename T::S*>(out), total, N, D);
+    launch_gated<T, false>(static_cast<const typename T::S*>(x), gate, static_cast<const typename T::S*>(y),
+                           static_cast<typename T::S*>(out), B, N, D, s);
     return finish();
   });
 }
@@ -556,8 +779,7 @@ int gated_bwd(int dt, const void* grad_out, const float* gate, const void* y, vo
     const auto* gp = static_cast<const typename T::S*>(grad_out);
     const auto* yp = static_cast<const typename T::S*>(y);
     if (total > 0) {
-      gated_kernel<T, true><<<blocks_for(total, kThreads), kThreads, 0, s>>>(
-          gp, gate, nullptr, static_cast<typename T::S*>(gy), total, N, D);
+      launch_gated<T, true>(gp, gate, nullptr, static_cast<typename T::S*>(gy), B, N, D, s);
     }
     // grad_gate = sum_n grad_out * y
     column_sums_kernel<T, false><<<static_cast<unsigned>(B * col_blocks), dim3(kWarp, 8), 0, s>>>(

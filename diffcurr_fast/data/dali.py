@@ -125,6 +125,12 @@ class _ImageSource:
         )
 
 
+def py_start_method(device_id: int | None) -> str:
+    """How DALI starts its Python workers: ``fork`` is refused once CUDA is initialised (a GPU pipeline, or the
+    trainer's model on the GPU), so those use ``spawn``; CPU-only processes keep the quicker ``fork``."""
+    return "spawn" if device_id is not None or torch.cuda.is_initialized() else "fork"
+
+
 def image_pipeline(
     folder: ImageFolder,
     indices: Sequence[int],
@@ -139,8 +145,9 @@ def image_pipeline(
 ):
     """A built DALI pipeline yielding ``(images (B, 3, S, S) float32 in [-1, 1], labels (B,) int64)``.
 
-    ``py_workers > 0`` reads files and headers in that many forked Python workers (DALI's parallel
-    external source); 0 reads them in the pipeline's own thread.
+    ``py_workers > 0`` reads files and headers in that many Python workers (DALI's parallel external source,
+    started as ``py_start_method`` says; the pipeline is built per epoch, so are its workers); 0 reads them in
+    the pipeline's own thread.
     """
     dali = require_dali()
     fn, types = dali.fn, dali.types
@@ -161,7 +168,7 @@ def image_pipeline(
         device_id=device_id,
         prefetch_queue_depth=prefetch_queue_depth,
         py_num_workers=max(1, workers),
-        py_start_method="fork",
+        py_start_method=py_start_method(device_id),
     )
     def pipe():
         enc, y, flip, size, anchor = fn.external_source(

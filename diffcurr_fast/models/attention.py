@@ -51,8 +51,10 @@ def _flash_attn_func():
     return _FLASH_IMPORT
 
 
-def flash_attn_reason(q: torch.Tensor | None = None) -> str | None:
-    """Why the ``flash_attn`` backend cannot run (for ``q`` when given), or None when it can."""
+def flash_attn_reason(
+    q: torch.Tensor | None = None, k: torch.Tensor | None = None, v: torch.Tensor | None = None
+) -> str | None:
+    """Why the ``flash_attn`` backend cannot run (for the given q, k, v), or None when it can."""
     func, reason = _flash_attn_func()
     if func is None:
         return reason
@@ -60,12 +62,21 @@ def flash_attn_reason(q: torch.Tensor | None = None) -> str | None:
         return "no CUDA device is available"
     if q is None:
         return None
-    if q.device.type != "cuda":
-        return f"flash-attn needs CUDA tensors, got device {q.device}"
-    if q.dtype not in _FLASH_DTYPES:
-        return f"flash-attn needs float16 or bfloat16 tensors, got {q.dtype}"
-    if q.shape[-1] > _FLASH_MAX_HEAD_DIM:
-        return f"flash-attn supports head_dim <= {_FLASH_MAX_HEAD_DIM}, got {q.shape[-1]}"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t is None:
+            continue
+        if t.device.type != "cuda":
+            return f"flash-attn needs CUDA tensors, got {name} on device {t.device}"
+        if t.device != q.device:
+            return f"flash-attn needs q, k, v on one device, got {name} on {t.device} and q on {q.device}"
+        if t.dtype not in _FLASH_DTYPES:
+            return f"flash-attn needs float16 or bfloat16 tensors, got {name} of dtype {t.dtype}"
+        if t.dtype != q.dtype:
+            return f"flash-attn needs q, k, v of one dtype, got {name} {t.dtype} and q {q.dtype}"
+        if t.shape[-1] > _FLASH_MAX_HEAD_DIM:
+            return f"flash-attn supports head_dim <= {_FLASH_MAX_HEAD_DIM}, got {t.shape[-1]} for {name}"
+    if v is not None and v.shape[-1] != q.shape[-1]:
+        return f"flash-attn needs the head dim of v to equal that of q, got {v.shape[-1]} and {q.shape[-1]}"
     major, _ = torch.cuda.get_device_capability(q.device)
     if major < 8:
         return f"flash-attn 2 needs compute capability >= 8.0, device {q.device} has {major}.x"
@@ -132,7 +143,7 @@ def attention(
         raise ValueError(f"unknown attention backend {backend!r}; valid choices: {', '.join(ATTENTION_BACKENDS)}")
     _check_qkv(q, k, v)
     if backend == "auto":
-        reason = flash_attn_reason(q)
+        reason = flash_attn_reason(q, k, v)
         if reason is None:
             backend = "flash_attn"
         else:
@@ -145,7 +156,7 @@ def attention(
         return attention_math(q, k, v, scale)
     if backend == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, scale=scale)
-    reason = flash_attn_reason(q)
+    reason = flash_attn_reason(q, k, v)
     if reason is not None:
         raise BackendUnavailableError(f"attention backend 'flash_attn' is unavailable: {reason}")
     return _attention_flash(q, k, v, scale)

@@ -258,9 +258,9 @@ class DiTBlock(nn.Module):
         dt = torch.promote_types(x.dtype, shift_msa.dtype)
         x = x.to(dt)
         h = self.attn(adaln_modulate(x, shift_msa.to(dt), scale_msa.to(dt), eps=_LN_EPS))  # (N, T, D)
-        x = gated_residual(x, gate_msa.to(dt), h.to(dt))  # (N, T, D)
+        x = gated_residual(x, gate_msa, h)  # (N, T, D): h, gate keep their (autocast) dtype; the result has x's
         h = self.mlp(adaln_modulate(x, shift_mlp.to(dt), scale_mlp.to(dt), eps=_LN_EPS))  # (N, T, D)
-        return gated_residual(x, gate_mlp.to(dt), h.to(dt))  # (N, T, D)
+        return gated_residual(x, gate_mlp, h)  # (N, T, D)
 
 
 class FinalLayer(nn.Module):

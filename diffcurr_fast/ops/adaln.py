@@ -7,6 +7,8 @@ forward and one backward kernel (definitions and backward formulas in docs/ops.m
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from diffcurr_fast.ops import _backend, _common
@@ -80,7 +82,7 @@ def _adaln_bwd_op(
         args = (grad_y.contiguous(), x.contiguous(), scale.contiguous(), mean.contiguous(), rstd.contiguous())
         if backend != "triton":  # C++: fresh, separate outputs; no column sums without affine_grads
             return _backend.ext_ops().adaln_modulate_bwd(*args, affine_grads)
-        gx, gshift, gscale = _backend.kernels("adaln").adaln_modulate_bwd(*args)
+        return _backend.kernels("adaln").adaln_modulate_bwd(*args, affine_grads)
     if not affine_grads:
         return gx, scale.new_empty(0), scale.new_empty(0)
     return gx, gshift, gscale
@@ -120,10 +122,12 @@ _adaln_fwd_op.register_autograd(_adaln_backward, setup_context=_adaln_setup)
 def _gated_fwd_op(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, backend: str) -> torch.Tensor:
     if backend == "reference":
         return gated_residual_ref(x, gate, y)
-    args = (x.contiguous(), gate.contiguous(), y.contiguous())
-    if backend == "triton":
-        return _backend.kernels("adaln").gated_residual_fwd(*args)
-    return _backend.ext_ops().gated_residual_fwd(*args)
+    if backend == "triton":  # reads each input in its own dtype
+        return _backend.kernels("adaln").gated_residual_fwd(x.contiguous(), gate.contiguous(), y.contiguous())
+    # the C++ kernels take one dtype: gate and y are cast to x's (a copy only under mixed precision)
+    return _backend.ext_ops().gated_residual_fwd(
+        x.contiguous(), gate.to(x.dtype).contiguous(), y.to(x.dtype).contiguous()
+    )
 
 
 @_gated_fwd_op.register_fake
@@ -139,11 +143,12 @@ def _gated_bwd_op(
         dt = _common.compute_dtype(y.dtype)
         g = grad_out.to(dt)  # (B, N, D)
         return (g * y.to(dt)).sum(1).to(gate.dtype), (g * gate.to(dt)[:, None, :]).to(y.dtype)
-    args = (grad_out.contiguous(), gate.contiguous(), y.contiguous())
     if backend == "triton":
-        return _backend.kernels("adaln").gated_residual_bwd(*args)
+        return _backend.kernels("adaln").gated_residual_bwd(grad_out.contiguous(), gate.contiguous(), y.contiguous())
+    dt = grad_out.dtype  # grad_out has x's dtype; the C++ kernels take one dtype
+    args = (grad_out.contiguous(), gate.to(dt).contiguous(), y.to(dt).contiguous())
     ggate, gy = _backend.ext_ops().gated_residual_bwd(*args)  # grad_x is grad_out: no copy is made
-    return ggate, gy
+    return ggate.to(gate.dtype), gy.to(y.dtype)
 
 
 @_gated_bwd_op.register_fake
@@ -169,7 +174,7 @@ def _gated_backward(ctx, grad_out):
     elif ctx.needs_input_grad[2]:
         # grad_y alone is one broadcast multiply (nothing to fuse); it reads grad_out with its own strides, so a
         # broadcast grad_out is never materialised. The product is rounded once, as in the fused kernel.
-        gy = grad_out * gate[:, None, :]  # (B, N, D)
+        gy = (grad_out * gate[:, None, :]).to(y.dtype)  # (B, N, D)
     return grad_out, ggate, gy, None  # d out / d x is the identity
 
 
@@ -177,7 +182,9 @@ _gated_fwd_op.register_autograd(_gated_backward, setup_context=_gated_setup)
 
 
 # ---- public API -------------------------------------------------------------------------------------------
-def _check_block(x: torch.Tensor, vecs: dict[str, torch.Tensor]) -> None:
+def _check_block(x: torch.Tensor, vecs: dict[str, torch.Tensor], mixed: bool = False) -> None:
+    """Shapes (B, N, D) and (B, D); dtypes equal to x's, or with ``mixed`` any kernel dtype (float64 only with
+    float64: it runs on the reference)."""
     _common.check_float(x, "x")
     if x.ndim != 3:
         raise ValueError(f"x must have shape (B, N, D), got {tuple(x.shape)}")
@@ -186,7 +193,8 @@ def _check_block(x: torch.Tensor, vecs: dict[str, torch.Tensor]) -> None:
         _common.check_float(v, name)
         if v.shape != (B, D):
             raise ValueError(f"{name} must have shape ({B}, {D}), got {tuple(v.shape)}")
-        if v.dtype != x.dtype or v.device != x.device:
+        same = v.dtype == x.dtype or (mixed and torch.float64 not in (v.dtype, x.dtype))
+        if not same or v.device != x.device:
             raise ValueError(f"{name} ({v.dtype}, {v.device}) must match x ({x.dtype}, {x.device})")
 
 
@@ -208,8 +216,22 @@ def adaln_modulate(
 def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
     """out = x + gate[:, None, :] * y (DiT adaLN-Zero gated residual), fused forward and backward.
 
-    x, y (B, N, D) of the same dtype and device; gate (B, D).
+    x, y (B, N, D) on one device; gate (B, D). gate and y may have another float16/bfloat16/float32 dtype than
+    x (under autocast: a bf16 attention output on an fp32 residual stream); the result has x's dtype and is
+    computed in float32.
     """
-    _check_block(x, {"gate": gate})
-    _common.check_like(y, x, "y", "x")
-    return _gated_fwd_op(x, gate, y, _common.backend_for("gated_residual_fwd", x, backend))
+    _check_block(x, {"gate": gate}, mixed=True)
+    _common.check_float(y, "y")
+    if y.shape != x.shape:
+        raise ValueError(f"y shape {tuple(y.shape)} does not match x shape {tuple(x.shape)}")
+    if y.device != x.device or (torch.float64 in (x.dtype, y.dtype) and y.dtype != x.dtype):
+        raise ValueError(f"y ({y.dtype}, {y.device}) must match x ({x.dtype}, {x.device})")
+    name = _common.backend_for("gated_residual_fwd", x, backend)
+    if (
+        name == "cuda"
+        and (backend if backend is not None else os.environ.get(_backend.ENV_VAR, "auto")) == "auto"
+        and (y.dtype != x.dtype or gate.dtype != x.dtype)
+        and _backend.unavailable_reason("triton", "gated_residual_fwd", x.device) is None
+    ):
+        name = "triton"  # auto: the CUDA kernel takes one dtype (it would need a cast copy of y); Triton reads both
+    return _gated_fwd_op(x, gate, y, name)

@@ -183,10 +183,7 @@ def diffusion_loss(
     table = _common.schedule_table(
         schedule, "loss", pred.device, _common.compute_dtype(pred.dtype), prediction, weighting, gamma
     )
-    coef = table[t]  # (B, 3): p, q, w
-    w = coef[:, 2]
+    p, q, w = table[:, 0][t], table[:, 1][t], table[:, 2][t]  # (B,) each, contiguous: one gather each
     if weights is not None:
         w = w * _common.per_sample(weights, pred, "weights")
-    return _run(
-        pred, x0, noise, coef[:, 0].contiguous(), coef[:, 1].contiguous(), w.contiguous(), reduction, seed, backend
-    )
+    return _run(pred, x0, noise, p, q, w, reduction, seed, backend)

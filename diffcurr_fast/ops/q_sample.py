@@ -133,5 +133,5 @@ def q_sample(
     T = _common.alphas_cumprod(schedule).shape[0]
     t = _common.check_timesteps(t, x0, T, validate)
     table = _common.schedule_table(schedule, "q_sample", x0.device, _common.compute_dtype(x0.dtype))
-    coef = table[t]  # (B, 2)
-    return _finish(x0, coef[:, 0].contiguous(), coef[:, 1].contiguous(), noise, seed, backend, return_noise)
+    a, c = table[:, 0][t], table[:, 1][t]  # (B,) each, contiguous: one gather per coefficient, no copies
+    return _finish(x0, a, c, noise, seed, backend, return_noise)

@@ -53,6 +53,7 @@ ENGINE_KINDS = _owned("diffcurr_fast.train.engine", "ENGINE_KINDS")
 DEVICES = _owned("diffcurr_fast.train.engine", "DEVICES")
 PRECISIONS = _owned("diffcurr_fast.objective", "PRECISIONS")
 SAMPLERS = _owned("diffcurr_fast.train.sampling", "SAMPLERS")
+OPTIM_IMPLS = _owned("diffcurr_fast.train.engine", "OPTIM_IMPLS")
 NAN_POLICIES = ("skip", "stop")  # the trainer's, read from this config only
 LR_SCHEDULES = ("constant", "cosine")  # ``train.loop.lr_at``
 
@@ -238,6 +239,8 @@ class OptimConfig:
     beta1: float = _unit(0.9, "AdamW beta1", hi_open=True)
     beta2: float = _unit(0.999, "AdamW beta2", hi_open=True)
     eps: float = _f(1e-8, "AdamW epsilon", lo=0.0, lo_open=True)
+    impl: str = _f("auto", "AdamW kernels: auto / torch (torch's, fused on CUDA) or apex (NVIDIA apex FusedAdam)",
+                   OPTIM_IMPLS)  # fmt: skip
     warmup_steps: int = _nonneg(0, "linear warmup steps from 0 to lr")
     schedule: str = _f("constant", "learning-rate schedule after warmup", LR_SCHEDULES)
     min_lr: float = _nonneg(0.0, "final learning rate of the cosine schedule (<= lr)")

@@ -104,7 +104,20 @@ class TrainBatches:
         self._it = None
 
 
-def build_train_batches(cfg: TrainConfig, rank: int = 0, world: int = 1) -> TrainBatches:
+def dali_placement(backend: str, device: torch.device | None, kind: str) -> tuple[int | None, str]:
+    """(device_id, decoder_device) of the loader: with DALI on a GPU run the pipeline on that GPU and decode
+    JPEGs there (``mixed``); otherwise CPU-only pipelines."""
+    from diffcurr_fast.data.pipeline import resolve_backend
+
+    if device is None or torch.device(device).type != "cuda" or resolve_backend(backend) != "dali":
+        return None, "cpu"
+    index = torch.device(device).index
+    return (torch.cuda.current_device() if index is None else index), ("mixed" if kind == "images" else "cpu")
+
+
+def build_train_batches(
+    cfg: TrainConfig, rank: int = 0, world: int = 1, device: torch.device | None = None
+) -> TrainBatches:
     """The ``TrainBatches`` of ``cfg.data`` (``latents`` or ``images``) for ``rank`` of ``world``.
 
     The model trains on ``data.scale * z``: latents in the sharded layout record the scale they were written
@@ -142,10 +155,11 @@ def build_train_batches(cfg: TrainConfig, rank: int = 0, world: int = 1) -> Trai
             f"data.path {d.path!r} has {len(source)} usable samples, {n_shard} per rank: fewer than one per-rank "
             f"batch of {local} (data.batch_size {d.batch_size} over {world} rank(s))"
         )
+    device_id, decoder = dali_placement(d.backend, device, d.dataset)
     loader = ShardedLoader(
         source, local, image_size=image_size, seed=cfg.engine.seed, shard_id=rank, num_shards=world,
         shuffle=True, drop_last=True, hflip=d.hflip, backend=d.backend, num_workers=d.num_workers,
-        on_bad=d.on_bad,
+        on_bad=d.on_bad, device_id=device_id, decoder_device=decoder,
     )  # fmt: skip
     return TrainBatches(loader, factor, m.num_classes)
 

@@ -28,6 +28,31 @@ from torch import nn
 
 ENGINE_KINDS = ("auto", "single", "ddp", "deepspeed")
 DEVICES = ("auto", "cpu", "cuda")
+OPTIM_IMPLS = ("auto", "torch", "apex")  # AdamW kernels (``build_optimizer``)
+
+
+def apex_fused_adam():
+    """NVIDIA apex's ``FusedAdam`` class, or None (apex absent, or the unrelated PyPI package of that name)."""
+    try:
+        from apex.optimizers import FusedAdam
+    except Exception:  # ImportError, or a broken apex build
+        return None
+    return FusedAdam
+
+
+def build_optimizer(params, optim, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW from ``optim.*``: torch's (``fused=True`` on CUDA) for ``impl`` auto / torch; NVIDIA apex's
+    FusedAdam in AdamW mode for ``impl=apex`` (CUDA only; ValueError when apex or CUDA is missing)."""
+    kw = dict(lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, weight_decay=optim.weight_decay)
+    if optim.impl == "apex":
+        fused_adam = apex_fused_adam()
+        if fused_adam is None:
+            raise ValueError("optim.impl=apex needs NVIDIA apex (apex.optimizers.FusedAdam, built from NVIDIA's "
+                             "sources; the PyPI package 'apex' is unrelated); use optim.impl=auto")  # fmt: skip
+        if device.type != "cuda":
+            raise ValueError(f"optim.impl=apex runs on CUDA only, the trainer's device is {device}")
+        return fused_adam(params, adam_w_mode=True, **kw)
+    return torch.optim.AdamW(params, fused=device.type == "cuda", **kw)
 
 
 def _resolve_device(device: str, local_rank: int) -> torch.device:

@@ -28,7 +28,7 @@ from diffcurr_fast.train import checkpoint as ckpt_io
 from diffcurr_fast.train.config import TrainConfig, config_from_dict, config_to_yaml, resume_mismatches
 from diffcurr_fast.train.data import SHARDED_DATASETS, TrainBatches, build_train_batches, load_init_weights
 from diffcurr_fast.train.ema import EMA
-from diffcurr_fast.train.engine import Engine, create_engine, unwrap
+from diffcurr_fast.train.engine import Engine, build_optimizer, create_engine, unwrap
 from diffcurr_fast.train.interrupt import StopRequest, TrainingInterrupted
 from diffcurr_fast.train.preflight import check_run
 from diffcurr_fast.train.report import MetricsWriter, gpu_stats, plot_cluster_losses, plot_curriculum_timeline
@@ -117,7 +117,7 @@ class Trainer:
 
         self.loader: Any
         if dataset is None and cfg.data.dataset in SHARDED_DATASETS:  # through diffcurr_fast.data's ShardedLoader
-            self.loader = build_train_batches(cfg, rank, world)
+            self.loader = build_train_batches(cfg, rank, world, self.device)
             self.dataset = self.loader.source
         else:
             self.dataset = dataset if dataset is not None else build_dataset(cfg)
@@ -146,10 +146,7 @@ class Trainer:
             load_init_weights(self.model, cfg.model.init_from)
         self.ema = EMA(self.model, o.ema_decay, o.ema_warmup)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        fused = self.device.type == "cuda"
-        self.opt = torch.optim.AdamW(
-            params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=fused
-        )
+        self.opt = build_optimizer(params, o, self.device)  # torch AdamW (fused on CUDA) or apex FusedAdam
         self.net, self.opt = self.engine.setup(self.model, self.opt, cfg)  # DeepSpeed: its engine, ZeRO optimizer
         if e.compile:
             self.net = torch.compile(self.net)
