@@ -342,7 +342,8 @@ def test_sample_under_torchrun_matches_one_process(trained, tmp_path):
 
 # ---- lazy imports: --help and argument errors do not import torch ------------------------------------------------
 ARGVS = [["--help"], ["train", "--help"], ["sample", "--help"], ["eval", "--help"], ["analyze", "--help"],
-         ["extract-latents", "--help"], ["train", "--bogus"], ["sample", "--ckpt", "x"], ["recipes"]]  # fmt: skip
+         ["extract-latents", "--help"], ["train", "--bogus"], ["sample", "--ckpt", "x"], ["recipes"],
+         ["tdc", "--help"]]  # fmt: skip
 
 
 @pytest.mark.parametrize("argv", ARGVS)

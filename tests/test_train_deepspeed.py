@@ -224,15 +224,15 @@ def test_recipes_resolve():
 
 
 def test_train_cli_accepts_launcher_local_rank():
-    import argparse
+    """The deepspeed launcher puts --local_rank=N right after the module, before the subcommand (one declaration,
+    in the top-level parser; the rank itself is read from LOCAL_RANK)."""
+    from diffcurr_fast.cli import build_parser
 
-    from diffcurr_fast.train.cli_train import add_arguments
-
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args(["--local_rank=3", "recipes/dit_l2_zero2.yaml"])
+    argv = ["--local_rank=3", "train", "recipes/dit_l2_zero2.yaml"]
+    args = build_parser(argv).parse_args(argv)
     assert args.local_rank == 3 and args.recipe == "recipes/dit_l2_zero2.yaml"
-    assert parser.parse_args(["--local-rank", "1"]).local_rank == 1
+    argv = ["--local-rank", "1", "train"]
+    assert build_parser(argv).parse_args(argv).local_rank == 1
 
 
 def test_engine_needs_launcher_environment(monkeypatch):

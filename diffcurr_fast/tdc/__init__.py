@@ -1,44 +1,60 @@
 """TDC training (arXiv 2312.13307): timestep grouping, FLOPs budgets, pruning, proxy search, multi-expert denoiser,
 and the end-to-end pipeline (``run_tdc``)."""
 
-from diffcurr_fast.tdc.accounting import sampling_flops, training_flops, write_json
-from diffcurr_fast.tdc.experts import COMPILE_MODES, MultiExpertDenoiser, load_bundle, save_bundle
-from diffcurr_fast.tdc.flops import block_flops, dit_flops, dit_flops_breakdown, widths_flops
-from diffcurr_fast.tdc.grouping import (
-    FULL_BUDGET_ENDS,
-    GROUP_METHODS,
-    TimestepGroup,
-    budget_ratio,
-    group_timesteps,
-    make_groups,
-    snr_db,
-)
-from diffcurr_fast.tdc.llm import LLMProposer, parse_reply
-from diffcurr_fast.tdc.pipeline import TDCOptions, load_bundle_with_config, options_from_dict, run_tdc
-from diffcurr_fast.tdc.proposers import PROPOSERS, LocalProposer, UniformProposer, make_proposer
-from diffcurr_fast.tdc.proxy import proxy_loss, recover
-from diffcurr_fast.tdc.prune import (
-    IMPORTANCE_METHODS,
-    Importance,
-    importance_scores,
-    keep_indices,
-    prune_dit,
-    prune_to_budget,
-    prune_to_widths,
-    select_widths,
-    unit_costs,
-)
-from diffcurr_fast.tdc.search import (
-    Candidate,
-    MemoryBank,
-    Proposer,
-    SearchResult,
-    SearchState,
-    plot_history,
-    proxy_search,
-    validate_widths,
-)
-from diffcurr_fast.train.config import TDCConfig
+from diffcurr_fast._lazy import lazy_exports
+
+# name -> module, imported on first use: `diffcurr-fast tdc --help` does not import torch and the pipeline
+_EXPORTS: dict[str, str] = {
+    "sampling_flops": "diffcurr_fast.tdc.accounting",
+    "training_flops": "diffcurr_fast.tdc.accounting",
+    "write_json": "diffcurr_fast.tdc.accounting",
+    "COMPILE_MODES": "diffcurr_fast.tdc.experts",
+    "MultiExpertDenoiser": "diffcurr_fast.tdc.experts",
+    "load_bundle": "diffcurr_fast.tdc.experts",
+    "save_bundle": "diffcurr_fast.tdc.experts",
+    "block_flops": "diffcurr_fast.tdc.flops",
+    "dit_flops": "diffcurr_fast.tdc.flops",
+    "dit_flops_breakdown": "diffcurr_fast.tdc.flops",
+    "widths_flops": "diffcurr_fast.tdc.flops",
+    "FULL_BUDGET_ENDS": "diffcurr_fast.tdc.grouping",
+    "GROUP_METHODS": "diffcurr_fast.tdc.grouping",
+    "TimestepGroup": "diffcurr_fast.tdc.grouping",
+    "budget_ratio": "diffcurr_fast.tdc.grouping",
+    "group_timesteps": "diffcurr_fast.tdc.grouping",
+    "make_groups": "diffcurr_fast.tdc.grouping",
+    "snr_db": "diffcurr_fast.tdc.grouping",
+    "LLMProposer": "diffcurr_fast.tdc.llm",
+    "parse_reply": "diffcurr_fast.tdc.llm",
+    "TDCOptions": "diffcurr_fast.tdc.pipeline",
+    "load_bundle_with_config": "diffcurr_fast.tdc.pipeline",
+    "options_from_dict": "diffcurr_fast.tdc.pipeline",
+    "run_tdc": "diffcurr_fast.tdc.pipeline",
+    "PROPOSERS": "diffcurr_fast.tdc.proposers",
+    "LocalProposer": "diffcurr_fast.tdc.proposers",
+    "UniformProposer": "diffcurr_fast.tdc.proposers",
+    "make_proposer": "diffcurr_fast.tdc.proposers",
+    "proxy_loss": "diffcurr_fast.tdc.proxy",
+    "recover": "diffcurr_fast.tdc.proxy",
+    "IMPORTANCE_METHODS": "diffcurr_fast.tdc.prune",
+    "Importance": "diffcurr_fast.tdc.prune",
+    "importance_scores": "diffcurr_fast.tdc.prune",
+    "keep_indices": "diffcurr_fast.tdc.prune",
+    "prune_dit": "diffcurr_fast.tdc.prune",
+    "prune_to_budget": "diffcurr_fast.tdc.prune",
+    "prune_to_widths": "diffcurr_fast.tdc.prune",
+    "select_widths": "diffcurr_fast.tdc.prune",
+    "unit_costs": "diffcurr_fast.tdc.prune",
+    "Candidate": "diffcurr_fast.tdc.search",
+    "MemoryBank": "diffcurr_fast.tdc.search",
+    "Proposer": "diffcurr_fast.tdc.search",
+    "SearchResult": "diffcurr_fast.tdc.search",
+    "SearchState": "diffcurr_fast.tdc.search",
+    "plot_history": "diffcurr_fast.tdc.search",
+    "proxy_search": "diffcurr_fast.tdc.search",
+    "validate_widths": "diffcurr_fast.tdc.search",
+    "TDCConfig": "diffcurr_fast.train.config",
+}
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = [
     "COMPILE_MODES",

@@ -32,8 +32,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run every check of a real start (files, backends, run dir), print the config, write "
                              "nothing")  # fmt: skip
     parser.add_argument("--help-config", action="store_true", help="list every config key with its doc and exit")
-    # launchers (deepspeed, torch.distributed.launch) pass the local rank; it is read from LOCAL_RANK instead
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def resume_command(args: argparse.Namespace) -> str:
