@@ -5,9 +5,10 @@ The loop never branches on the engine: it asks it for the device, builds the wra
 ``setup``, runs each micro-batch inside ``accumulate`` and back-propagates with ``backward``, clips with
 ``clip_grad_norm`` (None when the engine clips inside its step), steps with ``step`` (which drops the gradients of
 a non-finite step instead), reads or writes full parameters inside ``full_params``, keeps optimizer state with
-``optimizer_state`` / ``load_optimizer_state``, reduces flags with ``all_true`` and gathers per-rank state with
-``gather_objects``. DDP and DeepSpeed read the launcher environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-``MASTER_ADDR``, ``MASTER_PORT``) and use NCCL on CUDA, gloo on CPU.
+``optimizer_state`` / ``load_optimizer_state``, reduces flags with ``all_true`` and sums with ``all_reduce_sum``,
+gathers per-rank state with ``gather_objects`` and shares one rank's with ``broadcast_object``. DDP and DeepSpeed
+read the launcher environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) and use
+NCCL on CUDA, gloo on CPU.
 """
 
 from __future__ import annotations
@@ -116,6 +117,13 @@ class Engine:
         """``[obj of rank 0, obj of rank 1, ...]``."""
         return [obj]
 
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank (picklable; tensors come back on the CPU)."""
+        return obj
+
+    def all_reduce_sum(self, tensors: list[torch.Tensor]) -> None:
+        """Sum each tensor over the ranks, in place."""
+
     def barrier(self) -> None:
         pass
 
@@ -165,6 +173,19 @@ class DDPEngine(Engine):
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj)
         return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        box = [obj if self.rank == src else None]
+        dist.broadcast_object_list(box, src=src, device=self._collective_device())
+        return box[0]
+
+    def all_reduce_sum(self, tensors: list[torch.Tensor]) -> None:
+        dev = self._collective_device()
+        for t in tensors:
+            buf = t.to(dev)
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+            if buf is not t:
+                t.copy_(buf)
 
     def barrier(self) -> None:
         dist.barrier()

@@ -166,7 +166,9 @@ class Trainer:
             adaptive_floor=c.adaptive_floor,
         )  # fmt: skip
         latest = ckpt_io.latest_checkpoint(self.run_dir) if resume else None
-        self.model = (build_model(cfg) if model is None else _check_given_model(model, cfg)).to(self.device)
+        with torch.random.fork_rng(devices=[]):  # one initialisation on every rank: the EMA copies it before DDP
+            torch.manual_seed(e.seed)  # or DeepSpeed would broadcast rank 0's weights to the model (not the EMA)
+            self.model = (build_model(cfg) if model is None else _check_given_model(model, cfg)).to(self.device)
         if cfg.model.init_from and latest is None:  # fine-tuning start; a resumed run takes its checkpoint's weights
             load_init_weights(self.model, cfg.model.init_from)
         self.ema = EMA(self.model, o.ema_decay, o.ema_warmup)
