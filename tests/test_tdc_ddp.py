@@ -4,7 +4,6 @@ equal the single-process ones for the same base, and every rank ends with the sa
 import json
 import textwrap
 
-import pytest
 import torch
 
 SCRIPT = textwrap.dedent(
