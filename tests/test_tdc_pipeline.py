@@ -379,3 +379,69 @@ def test_search_scores_on_the_training_objective(tmp_path, monkeypatch):
     assert seen and all(s[:3] == ("v", "min_snr", 1.0) for s in seen)
     for *_, value, again in seen:
         assert value == pytest.approx(again, rel=1e-6)
+
+
+# ---- resume ----------------------------------------------------------------------------------------------------
+
+
+def _bundle_weights(run):
+    return load_file(str(run / "bundle" / "weights.safetensors"))
+
+
+def _banks(run):
+    return [json.loads((run / f"group_{g}" / "search.json").read_text())["bank"] for g in range(2)]
+
+
+class _Crash(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("where", ["after_group_0", "in_search_round_1"])
+def test_killed_run_resumes_to_the_same_result(tdc_run, tmp_path, monkeypatch, where):
+    """A run killed after group 0 (or during round 1 of group 1's search, after round 0's state was saved) and
+    resumed with ``resume=True`` ends with the bundle and memory banks of the uninterrupted run; stage 1, group 0
+    and the saved rounds are not redone."""
+    from diffcurr_fast.tdc import pipeline, search
+
+    ref_run, _ = tdc_run
+    torch.set_num_threads(1)
+    run = tmp_path / "run"
+    calls = {"fit": 0, "search_group": [], "rounds": []}
+    real_fit, real_group, real_stats = Trainer.fit, pipeline.search_group, search._round_stats
+
+    def fit(self):
+        calls["fit"] += 1
+        return real_fit(self)
+
+    def group(cfg, base, g, *a, **kw):
+        calls["search_group"].append(g.index)
+        if where == "after_group_0" and g.index == 1 and crash["on"]:
+            raise _Crash
+        return real_group(cfg, base, g, *a, **kw)
+
+    def stats(r, *a):
+        calls["rounds"].append(r)
+        if where == "in_search_round_1" and r == 1 and len(calls["search_group"]) == 2 and crash["on"]:
+            raise _Crash  # group 1, round 1: its round-0 state is on disk
+        return real_stats(r, *a)
+
+    crash = {"on": True}
+    monkeypatch.setattr(Trainer, "fit", fit)
+    monkeypatch.setattr(pipeline, "search_group", group)
+    monkeypatch.setattr(search, "_round_stats", stats)
+    with pytest.raises(_Crash):
+        run_tdc(tiny_cfg(run), TINY_TDC, run, verbose=False)
+    assert (run / "group_0" / "expert.safetensors").is_file() and not (run / "bundle").exists()
+    with pytest.raises(FileExistsError, match="--resume"):
+        run_tdc(tiny_cfg(run), TINY_TDC, run, verbose=False)
+    with pytest.raises(ValueError, match="cannot resume the TDC run: its config differs: tdc.rounds"):
+        run_tdc(tiny_cfg(run), {**TINY_TDC, "rounds": 3}, run, resume=True, verbose=False)
+    crash["on"], fits = False, calls["fit"]
+    calls.update(search_group=[], rounds=[])
+    run_tdc(tiny_cfg(run), TINY_TDC, run, resume=True, verbose=False)
+    assert calls["fit"] - fits == 1  # only group 1's fine-tune: stage 1 is loaded, not refit
+    assert calls["search_group"] == [1]  # group 0 kept
+    assert calls["rounds"] == ([0, 1] if where == "after_group_0" else [1])  # the saved round is not redone
+    ref, got = _bundle_weights(ref_run), _bundle_weights(run)
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+    assert _banks(run) == _banks(ref_run)

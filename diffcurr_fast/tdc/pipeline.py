@@ -14,14 +14,21 @@
 4. ``accounting``: training FLOPs of both stages and of the search vs one base model trained as long, and sampling
    FLOPs per image for the grid's sampler and steps, printed and written as JSON.
 
+Under ``torchrun`` / ``deepspeed`` every rank runs the same stages: stage 1 and each fine-tune are data-parallel
+through the training engine, the importance gradients are all-reduced, the search's candidates are spread over the
+ranks (``proxy_search``); rank 0 writes the files. ``resume=True`` continues a killed run from the files above.
+
 The options are the ``tdc`` section of the training config (``TDCConfig``): a recipe's ``tdc:`` section,
 ``--set tdc.num_groups=4``, or the ``options`` argument. Run directory::
 
     tdc.json                 the resolved config (tdc section included)
     stage1/                  the base model's run (checkpoints/, ema.safetensors, metrics.jsonl, samples.png)
+    stage1/tdc_stage1.json   written when stage 1 finished (its summary and wall time)
+    group_<i>/search_state.pt  the search after its last finished round (bank, history, proposer RNG, best weights)
     group_<i>/search.json    proxy search: memory bank, per-round history, rejections
     group_<i>/search.png     proxy mean +- std per round (TDC Fig. 5)
     group_<i>/finetune/      the expert's run (checkpoints/ record the expert's config() as model_config)
+    group_<i>/expert.safetensors  the finished expert (EMA weights, config() and the group's record)
     bundle/                  bundle.json, weights.safetensors, train_config.json
     accounting.json          training and sampling FLOPs
     samples.png              grid sampled from the bundle

@@ -312,9 +312,17 @@ def _save_state(path: Path, next_round: int, bank: MemoryBank, rng: random.Rando
     """The search after a round, written atomically (one file: a crash leaves the previous round's)."""
     from diffcurr_fast.train.checkpoint import atomic_save
 
-    state = {"next_round": next_round, "bank": bank.to_list(), "history": history, "rejected": rejected,
-             "rng": rng.getstate(), "best_config": None if best is None else best.config(),
-             "best_weights": None if best is None else {k: v.detach().cpu() for k, v in best.state_dict().items()}}  # fmt: skip
+    weights = None if best is None else {k: v.detach().cpu() for k, v in best.state_dict().items()}
+    state = {
+        "next_round": next_round,
+        "bank": bank.to_list(),
+        "history": history,
+        "rejected": rejected,
+        "rng": rng.getstate(),
+        "best_config": None if best is None else best.config(),
+        "best_weights": weights,
+    }
+    # fmt: skip
     atomic_save(state, path)
 
 
