@@ -122,11 +122,13 @@ def test_grid_and_accounting_use_one_sampler(tdc_run):
     """The sampling accounting counts the network evaluations the grid's sampler made, group by group."""
     run, out = tdc_run
     multi, cfg = load_bundle_with_config(run / "bundle")
-    calls = out["grid_timesteps"]
-    assert all(t.unique().numel() == 1 for t in calls)  # each evaluation is at one timestep
-    visited = torch.cat([t.unique() for t in calls])
+    grid = [t for t in out["grid_timesteps"] if t.numel() > 1]  # 3 guided samples: batches of 6
+    probe = [t for t in out["grid_timesteps"] if t.numel() == 1]  # the accounting's one-image run of that sampler
+    assert all(t.unique().numel() == 1 for t in grid)  # each evaluation is at one timestep
+    visited = torch.cat([t.unique() for t in grid])
+    assert torch.equal(torch.cat(probe), visited)
     acc = out["accounting_data"]["sampling"][f"{cfg.logging.sampler}{cfg.logging.sample_steps}"]
-    assert acc["steps"] == len(calls) == 4
+    assert acc["steps"] == len(grid) == 4
     assert torch.bincount(multi.group_index(visited), minlength=2).tolist() == acc["steps_per_group"]
 
 
@@ -245,19 +247,7 @@ def test_options_and_stage2_config(tmp_path):
 @pytest.mark.parametrize(
     "extra, match",
     [
-        (
-            [
-                "diffusion.formulation=flow",
-                "diffusion.prediction=velocity",
-                "diffusion.learn_sigma=false",
-                "diffusion.weighting=none",
-                "logging.sampler=euler",
-            ],
-            "TDC runs on the ddpm formulation",
-        ),  # fmt: skip
-        (["model.dtr=true"], "model.dtr=True is not supported"),
-        (["logging.sampler=heun"], "ddpm or ddim sampler, got logging.sampler 'heun'"),
-        (["logging.sampler=euler"], "ddpm or ddim sampler, got logging.sampler 'euler'"),
+        (["model.dtr=true"], "model.dtr=True is not supported by TDC: an expert serves one group"),
         (["tdc.num_groups=41"], r"tdc.num_groups \(41\) must be <= diffusion.num_timesteps \(40\)"),
         (["tdc.search_batches=200"], r"\(200 \+ 2\) batches of 17 need 3434 samples, the dataset has 1797"),
     ],
@@ -445,3 +435,55 @@ def test_killed_run_resumes_to_the_same_result(tdc_run, tmp_path, monkeypatch, w
     ref, got = _bundle_weights(ref_run), _bundle_weights(run)
     assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
     assert _banks(run) == _banks(ref_run)
+
+
+# ---- formulations ----------------------------------------------------------------------------------------------
+
+CONTINUOUS = ["diffusion.learn_sigma=false", "diffusion.weighting=none"]
+FORMULATIONS = {
+    "ddpm_v_ddim": ["diffusion.prediction=v"],
+    "ddpm_x0_heun": ["diffusion.prediction=x0", "logging.sampler=heun"],  # the ODE sampler: fractional t
+    "flow_euler": [*CONTINUOUS, "diffusion.formulation=flow", "diffusion.prediction=velocity", "logging.sampler=euler"],
+    "flow_heun": [*CONTINUOUS, "diffusion.formulation=flow", "diffusion.prediction=velocity", "logging.sampler=heun"],
+    "edm_heun": [*CONTINUOUS, "diffusion.formulation=edm", "diffusion.prediction=x0", "logging.sampler=heun"],
+}
+
+
+@pytest.mark.parametrize("name", list(FORMULATIONS))
+def test_tdc_end_to_end_per_formulation(tmp_path, name):
+    """TDC on the digits with each formulation's objective and samplers: groups are cell ranges of its difficulty
+    axis, the bundle routes the network input time of every cell of a group (flow t, EDM c_noise, DDPM t) to that
+    group's expert, the grid is sampled through the routing and the accounting counts the sampler's evaluations."""
+    from diffcurr_fast.objective import Objective
+    from diffcurr_fast.train.sampling import build_schedule
+
+    torch.set_num_threads(1)
+    run = tmp_path / "run"
+    cfg = tiny_cfg(run, *FORMULATIONS[name])
+    out = run_tdc(cfg, {**TINY_TDC, "finetune_steps": 2}, run, verbose=False)
+    multi, saved = load_bundle_with_config(run / "bundle")
+    assert saved.diffusion.formulation == cfg.diffusion.formulation and (run / "samples.png").is_file()
+    groups = [g["group"] for g in out["groups"]]
+    assert groups[0]["lo"] == 0 and groups[-1]["hi"] == 40 and len(groups) == 2
+    assert groups[0]["snr_db_range"][0] > groups[1]["snr_db_range"][1]  # ascending noise: the first is the hardest
+    objective = Objective.from_config(cfg, build_schedule(cfg))
+    for g in groups:
+        k = torch.arange(g["lo"], g["hi"]).repeat(4)  # every cell of the group, drawn 4 times
+        t_in = objective.terms(k, torch.Generator().manual_seed(0)).t_in
+        assert multi.group_index(t_in).tolist() == [g["index"]] * k.numel()
+    acc = out["accounting_data"]["sampling"]
+    key = f"{cfg.logging.sampler}{cfg.logging.sample_steps}"
+    # 4 steps; EDM's Heun makes 2 evaluations per step but 1 on the last (to sigma = 0), the flow Heun 2 on each
+    evals = {"ddpm_x0_heun": 7, "flow_heun": 8, "edm_heun": 7}.get(name, 4)
+    assert acc[key]["steps"] == sum(acc[key]["steps_per_group"]) == evals
+    assert (f"ddpm{cfg.diffusion.num_timesteps}" in acc) == (cfg.diffusion.formulation == "ddpm")
+
+
+def test_input_edges_route_continuous_time_and_are_checked():
+    experts = [DiT(input_size=8, in_channels=1, hidden_size=16, depth=1, num_heads=2, num_classes=3) for _ in range(2)]
+    edges = torch.arange(5, dtype=torch.float64) / 4  # flow t, G = 4 cells; groups [0, 3), [3, 4)
+    multi = MultiExpertDenoiser(experts, [(0, 3), (3, 4)], input_edges=edges)
+    t = torch.tensor([0.0, 0.5, 0.7499, 0.75, 1.0])
+    assert multi.group_index(t).tolist() == [0, 0, 0, 1, 1]
+    with pytest.raises(ValueError, match="input_edges must be 5 ascending values"):
+        MultiExpertDenoiser(experts, [(0, 3), (3, 4)], input_edges=edges.flip(0))

@@ -39,14 +39,16 @@ def sampling_flops(
     Args:
         multi: the multi-expert model (its ``expert_flops()`` and routing are used).
         base_flops: the base model's per-sample forward FLOPs.
-        timesteps: the ORIGINAL timesteps the sampler visits (``arange(T)`` or a respaced ``timestep_map``).
+        timesteps: the network input times the sampler visits: DDPM's ORIGINAL timesteps (``arange(T)``, a
+            respaced ``timestep_map``, the fractional t of the ODE samplers) or a continuous formulation's t_in.
         cfg: classifier-free guidance doubles every forward.
         path: optional JSON output.
     """
-    t = torch.as_tensor(timesteps, dtype=torch.long).flatten()
+    t = torch.as_tensor(timesteps).flatten()
+    t = t if t.is_floating_point() else t.long()
     if t.numel() == 0:
         raise ValueError("timesteps must be non-empty")
-    if int(t.min()) < 0 or int(t.max()) >= multi.num_timesteps:
+    if multi.input_edges is None and (float(t.min()) < 0 or float(t.max()) >= multi.num_timesteps):
         raise ValueError(f"timesteps must lie in [0, {multi.num_timesteps}), got [{int(t.min())}, {int(t.max())}]")
     if not (math.isfinite(float(base_flops)) and base_flops > 0):
         raise ValueError(f"base_flops must be a finite number > 0, got {base_flops!r}")

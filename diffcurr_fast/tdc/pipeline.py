@@ -59,7 +59,7 @@ from diffcurr_fast.train.config import TDCConfig, TrainConfig, config_from_dict,
 from diffcurr_fast.train.data import SHARDED_DATASETS
 from diffcurr_fast.train.engine import create_engine
 from diffcurr_fast.train.loop import Trainer, build_dataset, clear_artifacts, prepare_run_dir
-from diffcurr_fast.train.sampling import build_model, grid_sampler, respaced, sample_grid
+from diffcurr_fast.train.sampling import build_model, grid_sampler, sample, sample_grid
 
 __all__ = [
     "TDC_ARTIFACTS",
@@ -96,14 +96,9 @@ def resolve_config(cfg: TrainConfig | dict[str, Any] | str | Path, options: TDCC
     elif options:
         cfg = config_from_dict({"tdc": options}, cfg)
     cfg.validate()
-    d = cfg.diffusion
-    if d.formulation != "ddpm":
-        raise ValueError(f"TDC runs on the ddpm formulation, got diffusion.formulation {d.formulation!r}")
     if cfg.model.dtr:
-        raise ValueError("model.dtr=True is not supported by TDC pruning (DTR masks span the full width); use false")
-    if cfg.logging.sampler not in ("ddpm", "ddim"):
-        raise ValueError(f"TDC's grid and sampling accounting use a ddpm or ddim sampler, got logging.sampler "
-                         f"{cfg.logging.sampler!r}")  # fmt: skip
+        raise ValueError("model.dtr=True is not supported by TDC: an expert serves one group, so DTR's per-timestep "
+                         "channel routing has nothing left to route (see docs/tdc.md); use false")  # fmt: skip
     return cfg
 
 
@@ -222,7 +217,7 @@ def run_tdc(
         _prepare(cfg, run_dir, engine, resume, overwrite)
         base = stage1(cfg, engine, dataset, verbose, resume)
         groups = make_groups(base.schedule, cfg.tdc.num_groups, cfg.tdc.k, base.flops, method=cfg.tdc.group_method,
-                             full_budget=cfg.tdc.full_budget)  # fmt: skip
+                             full_budget=cfg.tdc.full_budget, num_cells=cfg.diffusion.num_timesteps)  # fmt: skip
         data = _split_batches(base.dataset, cfg.tdc, _search_batch_size(cfg), base.device)
         experts, per_group = [], []
         for g in groups:
@@ -366,7 +361,8 @@ def bundle(
 ) -> tuple[MultiExpertDenoiser, dict[str, Any]]:
     """Save the experts as a ``MultiExpertDenoiser`` bundle (with the training config) and draw the end-of-run
     grid from it (when ``write``: rank 0); the model and the paths."""
-    multi = MultiExpertDenoiser(experts, [(g.lo, g.hi) for g in groups], groups=[g.to_dict() for g in groups])
+    multi = MultiExpertDenoiser(experts, [(g.lo, g.hi) for g in groups], groups=[g.to_dict() for g in groups],
+                                input_edges=base.schedule.cell_input_edges(cfg.diffusion.num_timesteps))  # fmt: skip
     bundle_dir = run_dir / "bundle"
     out: dict[str, Any] = {"run_dir": str(run_dir), "bundle": str(bundle_dir), "stage1": base.summary}
     if not write:
@@ -406,26 +402,42 @@ def accounting(
     cfg: TrainConfig, base: Stage1, multi: MultiExpertDenoiser, per_group: list[dict], wall_s: float
 ) -> dict[str, Any]:
     """Training FLOPs (both stages, and with the search) vs one base model trained as long; sampling FLOPs per
-    image with the grid's sampler and steps and with full T-step ancestral sampling; wall times."""
+    image with the grid's sampler and steps (the network input times it visits, recorded from one sample) and,
+    for DDPM, with full T-step ancestral sampling; wall times."""
     train = training_flops(base.flops, multi.expert_flops(), int(base.summary["step"]), cfg.tdc.finetune_steps,
                            cfg.data.batch_size)  # fmt: skip
     train["search_flops"] = sum(p["search_flops"] for p in per_group)
     train["tdc_flops_with_search"] = train["tdc_flops"] + train["search_flops"]
     train["ratio_with_search"] = train["tdc_flops_with_search"] / train["single_model_flops"]
     sampler, steps = grid_sampler(cfg)
-    guided, T = cfg.logging.cfg_scale != 1.0, base.schedule.num_timesteps
+    guided, T = cfg.logging.cfg_scale != 1.0, cfg.diffusion.num_timesteps
+    sampling = {f"{sampler}{steps}": sampling_flops(multi, base.flops, visited_times(multi, base, cfg), cfg=guided)}
+    if cfg.diffusion.formulation == "ddpm":
+        sampling[f"ddpm{T}"] = sampling_flops(multi, base.flops, torch.arange(T), cfg=guided)
     return {
         "base_flops_per_forward": base.flops,
         "expert_flops_ratio": [f / base.flops for f in multi.expert_flops()],
         "training": train,
-        "sampling": {
-            f"{sampler}{steps}": sampling_flops(multi, base.flops, respaced(base.schedule, sampler, steps)[1],
-                                                cfg=guided),  # fmt: skip
-            f"ddpm{T}": sampling_flops(multi, base.flops, torch.arange(T), cfg=guided),
-        },
+        "sampling": sampling,
         "wall_time_s": {"stage1_s": base.seconds, "total": wall_s,
                         "groups": [{"search": p["search_s"], "finetune": p["finetune_s"]} for p in per_group]},
     }  # fmt: skip
+
+
+def visited_times(multi: MultiExpertDenoiser, base: Stage1, cfg: TrainConfig) -> torch.Tensor:
+    """The network input time of every evaluation the grid's sampler makes for one image (without guidance, which
+    doubles the batch, not the evaluations)."""
+    seen: list[torch.Tensor] = []
+
+    def record(x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        seen.append(t.detach().reshape(-1)[:1].cpu())
+        return multi(x, t, y)
+
+    m, (sampler, steps) = cfg.model, grid_sampler(cfg)
+    sample(record, base.schedule, sampler=sampler, steps=steps, labels=torch.zeros(1, dtype=torch.long),
+           channels=m.in_channels, size=m.input_size, num_classes=m.num_classes, learn_sigma=cfg.diffusion.learn_sigma,
+           prediction=cfg.diffusion.prediction, seed=cfg.engine.seed, device=base.device)  # fmt: skip
+    return torch.cat(seen)
 
 
 def format_accounting(acc: dict[str, Any]) -> str:
