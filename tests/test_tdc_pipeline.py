@@ -247,7 +247,6 @@ def test_options_and_stage2_config(tmp_path):
 @pytest.mark.parametrize(
     "extra, match",
     [
-        (["model.dtr=true"], "model.dtr=True is not supported by TDC: an expert serves one group"),
         (["tdc.num_groups=41"], r"tdc.num_groups \(41\) must be <= diffusion.num_timesteps \(40\)"),
         (["tdc.search_batches=200"], r"\(200 \+ 2\) batches of 17 need 3434 samples, the dataset has 1797"),
     ],
@@ -442,6 +441,7 @@ def test_killed_run_resumes_to_the_same_result(tdc_run, tmp_path, monkeypatch, w
 CONTINUOUS = ["diffusion.learn_sigma=false", "diffusion.weighting=none"]
 FORMULATIONS = {
     "ddpm_v_ddim": ["diffusion.prediction=v"],
+    "ddpm_dtr": ["model.dtr=true"],  # DTR routes the residual width D, which pruning keeps whole
     "ddpm_x0_heun": ["diffusion.prediction=x0", "logging.sampler=heun"],  # the ODE sampler: fractional t
     "flow_euler": [*CONTINUOUS, "diffusion.formulation=flow", "diffusion.prediction=velocity", "logging.sampler=euler"],
     "flow_heun": [*CONTINUOUS, "diffusion.formulation=flow", "diffusion.prediction=velocity", "logging.sampler=heun"],
@@ -463,6 +463,7 @@ def test_tdc_end_to_end_per_formulation(tmp_path, name):
     out = run_tdc(cfg, {**TINY_TDC, "finetune_steps": 2}, run, verbose=False)
     multi, saved = load_bundle_with_config(run / "bundle")
     assert saved.diffusion.formulation == cfg.diffusion.formulation and (run / "samples.png").is_file()
+    assert all((e.dtr is not None) == cfg.model.dtr and e.hidden_size == 32 for e in multi.experts)  # DTR kept
     groups = [g["group"] for g in out["groups"]]
     assert groups[0]["lo"] == 0 and groups[-1]["hi"] == 40 and len(groups) == 2
     assert groups[0]["snr_db_range"][0] > groups[1]["snr_db_range"][1]  # ascending noise: the first is the hardest

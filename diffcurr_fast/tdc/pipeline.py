@@ -95,11 +95,7 @@ def resolve_config(cfg: TrainConfig | dict[str, Any] | str | Path, options: TDCC
         cfg.tdc = copy.deepcopy(options)
     elif options:
         cfg = config_from_dict({"tdc": options}, cfg)
-    cfg.validate()
-    if cfg.model.dtr:
-        raise ValueError("model.dtr=True is not supported by TDC: an expert serves one group, so DTR's per-timestep "
-                         "channel routing has nothing left to route (see docs/tdc.md); use false")  # fmt: skip
-    return cfg
+    return cfg.validate()
 
 
 def stage2_config(cfg: TrainConfig, run_dir: Path) -> TrainConfig:
