@@ -24,8 +24,8 @@ step tests_gpu 300 $py -m pytest -q -x -m gpu tests -p no:cacheprovider
 step tests_ops 300 $py -m pytest -q -n 8 tests/test_ops_q_sample.py tests/test_ops_diffusion_loss.py \
   tests/test_ops_sample_timesteps.py tests/test_ops_adaln.py tests/test_ops_philox.py tests/test_csrc.py -p no:cacheprovider
 step bench_ops 300 $py benchmarks/bench_ops.py --device cuda --out "$out"
-step bench_sampling 240 $py benchmarks/bench_sampling.py --device cuda --preset DiT-B/2 --input-size 32 --batch 64 \
-  --steps 50 --num-classes 1000 --attn-backend auto
+step bench_sampling 420 $py benchmarks/bench_sampling.py --device cuda --preset DiT-B/2 --input-size 32 --batch 64 \
+  --steps 50 --num-classes 1000 --attn-backend auto --formulations ddpm,flow,edm --csv "$out/tdc_sampling.csv"
 step bench_train 240 $py benchmarks/bench_train.py --device cuda --precision bf16 --batch 256 \
   --set model.preset=DiT-B/2 --out "$out/train.csv"
 echo "gpu_check: $([ $status -eq 0 ] && echo all steps passed || echo some steps FAILED) (logs in $out)"

@@ -1,7 +1,7 @@
 """TDC training (arXiv 2312.13307): timestep grouping, FLOPs budgets, pruning, proxy search, multi-expert denoiser,
 and the end-to-end pipeline (``run_tdc``)."""
 
-from diffcurr_fast.tdc.accounting import sampling_flops, training_flops, write_json
+from diffcurr_fast.tdc.accounting import sampling_flops, training_flops, visited_input_times, write_json
 from diffcurr_fast.tdc.experts import COMPILE_MODES, MultiExpertDenoiser, load_bundle, save_bundle
 from diffcurr_fast.tdc.flops import block_flops, dit_flops, dit_flops_breakdown, widths_flops
 from diffcurr_fast.tdc.grouping import (
@@ -81,6 +81,7 @@ __all__ = [
     "recover",
     "run_tdc",
     "sampling_flops",
+    "visited_input_times",
     "save_bundle",
     "select_widths",
     "snr_db",

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["sampling_flops", "training_flops", "write_json"]
+__all__ = ["sampling_flops", "training_flops", "visited_input_times", "write_json"]
 
 
 def write_json(data: dict[str, Any], path: str | Path) -> Path:
@@ -72,6 +72,21 @@ def sampling_flops(
     if path is not None:
         write_json(out, path)
     return out
+
+
+def visited_input_times(multi, run_sampler: Callable[[Callable[..., torch.Tensor]], Any]) -> torch.Tensor:
+    """The network input time of every evaluation a sampler makes: ``run_sampler(model)`` samples with ``model``
+    (a recorder that forwards to ``multi``); one time per call (a call evaluates one time for the whole batch)."""
+    seen: list[torch.Tensor] = []
+
+    def record(x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        seen.append(t.detach().reshape(-1)[:1].cpu())
+        return multi(x, t, y)
+
+    run_sampler(record)
+    if not seen:
+        raise ValueError("the sampler made no network evaluation")
+    return torch.cat(seen)
 
 
 def training_flops(

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from diffcurr_fast.objective import Objective
-from diffcurr_fast.tdc.accounting import sampling_flops, training_flops, write_json
+from diffcurr_fast.tdc.accounting import sampling_flops, training_flops, visited_input_times, write_json
 from diffcurr_fast.tdc.experts import MultiExpertDenoiser, load_bundle, save_bundle
 from diffcurr_fast.tdc.flops import dit_flops
 from diffcurr_fast.tdc.grouping import TimestepGroup, make_groups
@@ -423,17 +423,11 @@ def accounting(
 def visited_times(multi: MultiExpertDenoiser, base: Stage1, cfg: TrainConfig) -> torch.Tensor:
     """The network input time of every evaluation the grid's sampler makes for one image (without guidance, which
     doubles the batch, not the evaluations)."""
-    seen: list[torch.Tensor] = []
-
-    def record(x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
-        seen.append(t.detach().reshape(-1)[:1].cpu())
-        return multi(x, t, y)
-
     m, (sampler, steps) = cfg.model, grid_sampler(cfg)
-    sample(record, base.schedule, sampler=sampler, steps=steps, labels=torch.zeros(1, dtype=torch.long),
-           channels=m.in_channels, size=m.input_size, num_classes=m.num_classes, learn_sigma=cfg.diffusion.learn_sigma,
-           prediction=cfg.diffusion.prediction, seed=cfg.engine.seed, device=base.device)  # fmt: skip
-    return torch.cat(seen)
+    return visited_input_times(multi, lambda model: sample(
+        model, base.schedule, sampler=sampler, steps=steps, labels=torch.zeros(1, dtype=torch.long),
+        channels=m.in_channels, size=m.input_size, num_classes=m.num_classes, learn_sigma=cfg.diffusion.learn_sigma,
+        prediction=cfg.diffusion.prediction, seed=cfg.engine.seed, device=base.device))  # fmt: skip
 
 
 def format_accounting(acc: dict[str, Any]) -> str:
