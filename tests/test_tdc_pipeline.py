@@ -488,3 +488,27 @@ def test_input_edges_route_continuous_time_and_are_checked():
     assert multi.group_index(t).tolist() == [0, 0, 0, 1, 1]
     with pytest.raises(ValueError, match="input_edges must be 5 ascending values"):
         MultiExpertDenoiser(experts, [(0, 3), (3, 4)], input_edges=edges.flip(0))
+
+
+def test_cli_resume_of_a_finished_run_redoes_only_the_bundle(tdc_run, tmp_path, monkeypatch, capsys):
+    """``tdc --resume`` on a finished run (here a copy): stage 1 and every group are loaded, nothing trains or
+    searches, and the bundle is rebuilt bit for bit; --resume and --overwrite exclude each other."""
+    import shutil
+
+    from diffcurr_fast.tdc import pipeline
+
+    ref_run, _ = tdc_run
+    run = tmp_path / "run"
+    shutil.copytree(ref_run, run)
+    shutil.rmtree(run / "bundle")
+    monkeypatch.setattr(Trainer, "fit", lambda self: pytest.fail("nothing should train"))
+    monkeypatch.setattr(pipeline, "search_group", lambda *a, **k: pytest.fail("nothing should be searched"))
+    recipe = tmp_path / "recipe.yaml"  # the fixture's run as a recipe
+    recipe.write_text(yaml.safe_dump({**tiny_cfg(ref_run).to_dict(), "tdc": TINY_TDC}))
+    torch.set_num_threads(1)
+    assert tdc_cli.run(_tdc_args(str(recipe), "--run-dir", str(run), "--resume")) == 0
+    assert "done: TDC run in" in capsys.readouterr().out
+    ref, got = _bundle_weights(ref_run), _bundle_weights(run)
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+    with pytest.raises(SystemExit):
+        _tdc_args("--resume", "--overwrite")
