@@ -34,23 +34,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture
-def torchrun2(tmp_path):
-    """``run(script_text, *args)``: the script under ``torchrun --nproc_per_node 2`` (CPU, gloo), asserting a zero
-    exit; the script gets ``*args`` and an output prefix last, and each rank writes ``<prefix>.<rank>.json``, which
-    come back as a list in rank order."""
+def run_torchrun2(tmp_path, script_text: str, *args, timeout: int = 300) -> list:
+    """``script_text`` under ``torchrun --nproc_per_node 2`` (CPU, gloo), asserting a zero exit; the script gets
+    ``*args`` and an output prefix last, and each rank writes ``<prefix>.<rank>.json``, returned in rank order."""
     import json
     import subprocess
     import sys
 
-    def run(script_text: str, *args: str, timeout: int = 300) -> list:
-        script, prefix = tmp_path / "torchrun_script.py", tmp_path / "torchrun_out"
-        script.write_text(script_text)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
-               *map(str, args), str(prefix)]  # fmt: skip
-        proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                              timeout=timeout)  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return [json.loads((tmp_path / f"torchrun_out.{r}.json").read_text()) for r in (0, 1)]
-
-    return run
+    script, prefix = tmp_path / "torchrun_script.py", tmp_path / "torchrun_out"
+    script.write_text(script_text)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+           *map(str, args), str(prefix)]  # fmt: skip
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads((tmp_path / f"torchrun_out.{r}.json").read_text()) for r in (0, 1)]

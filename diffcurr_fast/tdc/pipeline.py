@@ -215,18 +215,29 @@ def run_tdc(
         groups = make_groups(base.schedule, cfg.tdc.num_groups, cfg.tdc.k, base.flops, method=cfg.tdc.group_method,
                              full_budget=cfg.tdc.full_budget, num_cells=cfg.diffusion.num_timesteps)  # fmt: skip
         data = _split_batches(base.dataset, cfg.tdc, _search_batch_size(cfg), base.device)
-        experts, per_group = [], []
+        parts = min(len(groups), engine.world_size) if cfg.tdc.expert_parallel else 1
+        part = engine.split(parts)  # expert parallel: group i is searched and fine-tuned by part i mod parts
+        finished = {}
         for g in groups:
+            if g.index % parts != part.part:
+                continue
             gdir = run_dir / f"group_{g.index}"
             done = _load_expert(gdir, base.device) if resume else None
             if done is None:
-                res, record = search_group(cfg, base, g, data, gdir, verbose, engine)
-                done = finetune_group(cfg, engine, base, g, res, record, verbose, resume)
-                if engine.is_main:
+                res, record = search_group(cfg, base, g, data, gdir, verbose, part)
+                done = finetune_group(cfg, part, base, g, res, record, verbose, resume)
+                if part.is_main:
                     _save_expert(gdir, *done)
-                engine.barrier()
-            experts.append(done[0])
-            per_group.append(done[1])
+                part.barrier()
+            finished[g.index] = done
+        if parts > 1:  # every rank receives each expert from the first rank of the part that made it
+            leaders = engine.part_leaders(parts)
+            for g in groups:
+                mine = finished.get(g.index) if engine.rank == leaders[g.index % parts] else None
+                got = engine.broadcast_object(None if mine is None else _expert_payload(*mine),
+                                              src=leaders[g.index % parts])  # fmt: skip
+                finished[g.index] = _expert_from_payload(*got, base.device)
+        experts, per_group = [finished[g.index][0] for g in groups], [finished[g.index][1] for g in groups]
         multi, out = bundle(cfg, base, experts, groups, run_dir, engine.is_main)
         acc = accounting(cfg, base, multi, per_group, time.perf_counter() - t_start)
         out.update(groups=per_group, accounting=str(run_dir / "accounting.json"), accounting_data=acc)
@@ -377,6 +388,20 @@ def _save_expert(gdir: Path, expert: torch.nn.Module, record: dict[str, Any]) ->
                               {"config": expert.config(), "record": record})  # fmt: skip
 
 
+def _expert_payload(expert: torch.nn.Module, record: dict[str, Any]) -> tuple[dict, dict, dict]:
+    """(config, CPU weights, record) of a finished expert, to send to other ranks."""
+    return expert.config(), {k: v.detach().cpu() for k, v in expert.state_dict().items()}, record
+
+
+def _expert_from_payload(config: dict, weights: dict, record: dict, device: torch.device):
+    """Inverse of ``_expert_payload``: (expert on ``device``, record)."""
+    from diffcurr_fast.models import DiT
+
+    expert = DiT.from_config(config)
+    expert.load_state_dict(weights, strict=True)
+    return expert.to(device).eval(), record
+
+
 def _load_expert(gdir: Path, device: torch.device) -> tuple[torch.nn.Module, dict[str, Any]] | None:
     """What ``_save_expert`` wrote (None when the group has not finished)."""
     path = gdir / "expert.safetensors"
@@ -385,13 +410,9 @@ def _load_expert(gdir: Path, device: torch.device) -> tuple[torch.nn.Module, dic
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from diffcurr_fast.models import DiT
-
     with safe_open(str(path), "pt") as fh:
         meta = {k: json.loads(v) for k, v in fh.metadata().items()}
-    expert = DiT.from_config(meta["config"])
-    expert.load_state_dict(load_file(str(path)), strict=True)
-    return expert.to(device).eval(), meta["record"]
+    return _expert_from_payload(meta["config"], load_file(str(path)), meta["record"], device)
 
 
 def accounting(

@@ -165,6 +165,7 @@ class Trainer:
             min_delta=c.min_delta, stage_iters=c.stage_iters or None, eval_every=c.eval_every,
             adaptive_floor=c.adaptive_floor,
         )  # fmt: skip
+        self.curriculum.process_group = getattr(self.engine, "group", None)  # the ranks of this run
         latest = ckpt_io.latest_checkpoint(self.run_dir) if resume else None
         with torch.random.fork_rng(devices=[]):  # one initialisation on every rank: the EMA copies it before DDP
             torch.manual_seed(e.seed)  # or DeepSpeed would broadcast rank 0's weights to the model (not the EMA)
