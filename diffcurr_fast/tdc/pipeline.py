@@ -198,7 +198,8 @@ def run_tdc(
             a fine-tune from its newest checkpoint.
         engine: the training engine (default: one created from ``cfg.engine``, closed at the end). Under
             ``torchrun`` / ``deepspeed`` every rank calls ``run_tdc``: stage 1 and each fine-tune are data-parallel,
-            importance is all-reduced, the search's candidates are spread over the ranks; rank 0 writes the files.
+            importance is all-reduced, the search's candidates are spread over the ranks (``tdc.expert_parallel``:
+            the ranks split into parts that take the groups in turn); rank 0 writes the files.
         verbose: print progress and the accounting (rank 0).
     """
     cfg, run_dir, t_start = resolve_config(cfg, options), Path(run_dir), time.perf_counter()

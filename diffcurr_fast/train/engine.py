@@ -6,7 +6,8 @@ The loop never branches on the engine: it asks it for the device, builds the wra
 ``clip_grad_norm`` (None when the engine clips inside its step), steps with ``step`` (which drops the gradients of
 a non-finite step instead), reads or writes full parameters inside ``full_params``, keeps optimizer state with
 ``optimizer_state`` / ``load_optimizer_state``, reduces flags with ``all_true`` and sums with ``all_reduce_sum``,
-gathers per-rank state with ``gather_objects`` and shares one rank's with ``broadcast_object``. DDP and DeepSpeed
+gathers per-rank state with ``gather_objects`` and shares one rank's with ``broadcast_object``; ``split`` gives the
+engine of a part of the ranks (DDP over its own process group; TDC's expert parallelism). DDP and DeepSpeed
 read the launcher environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) and use
 NCCL on CUDA, gloo on CPU.
 """
