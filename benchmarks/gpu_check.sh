@@ -94,13 +94,15 @@ if [ "$dry" -eq 1 ]; then
   step bench_ops 120 "$py" benchmarks/bench_ops.py --device cpu --quick --no-compile --ops gated_residual --out "$out"
   step bench_train 120 "$py" benchmarks/bench_train.py --device cpu --quick --out "$out/train.csv"
   step bench_sampling 120 "$py" benchmarks/bench_sampling.py --device cpu --no-compile --hidden 64 --depth 2 \
-    --heads 2 --input-size 8 --steps 4 --batch 2 --reps 1 --groups 2 --threads 1 --out "$out"
+    --heads 2 --input-size 8 --steps 4 --batch 2 --reps 1 --groups 2 --threads 1 --formulations ddpm,flow,edm \
+    --csv "$out/tdc_sampling.csv"
 else
   step bench_ops 150 "$py" benchmarks/bench_ops.py --device cuda --no-compile --out "$out"
   step bench_train 120 "$py" benchmarks/bench_train.py --device cuda --precision bf16 --batch 256 --warmup 3 \
     --reps 10 --set model.preset=DiT-B/2 --out "$out/train.csv"
-  step bench_sampling 90 "$py" benchmarks/bench_sampling.py --device cuda --preset DiT-B/2 --input-size 32 \
-    --batch 64 --steps 50 --num-classes 1000 --attn-backend auto --no-compile --reps 3 --out "$out"
+  step bench_sampling 120 "$py" benchmarks/bench_sampling.py --device cuda --preset DiT-B/2 --input-size 32 \
+    --batch 64 --steps 50 --num-classes 1000 --attn-backend auto --no-compile --reps 3 --formulations ddpm,flow,edm \
+    --csv "$out/tdc_sampling.csv"
 fi
 echo "gpu_check: $([ $status -eq 0 ] && echo all steps passed || echo some steps FAILED)" \
   "in $(($(date +%s) - start)) s (logs in $out)" | tee -a "$out/summary.txt"

@@ -32,3 +32,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def run_torchrun2(tmp_path, script_text: str, *args, timeout: int = 300) -> list:
+    """``script_text`` under ``torchrun --nproc_per_node 2`` (CPU, gloo), asserting a zero exit; the script gets
+    ``*args`` and an output prefix last, and each rank writes ``<prefix>.<rank>.json``, returned in rank order."""
+    import json
+    import subprocess
+    import sys
+
+    script, prefix = tmp_path / "torchrun_script.py", tmp_path / "torchrun_out"
+    script.write_text(script_text)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+           *map(str, args), str(prefix)]  # fmt: skip
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads((tmp_path / f"torchrun_out.{r}.json").read_text()) for r in (0, 1)]

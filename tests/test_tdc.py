@@ -242,8 +242,8 @@ def test_taylor_scores_are_w_times_grad_per_unit():
     s = DDPMSchedule(100)
     batches = [inputs(3, torch.float64)[::2], inputs(5, torch.float64)[::2]]
     imp = importance_scores(base, "taylor", objective=s, group=(10, 40), batches=batches, seed=7)
-    gen = torch.Generator().manual_seed(7)
-    loss = sum(group_loss(base, s, (10, 40), x, y, gen) for x, y in batches)
+    loss = sum(group_loss(base, s, (10, 40), x, y, torch.Generator().manual_seed(7 + i))
+               for i, (x, y) in enumerate(batches))  # fmt: skip
     loss.backward()
     blk = base.blocks[1]
     wg = lambda p: (p.detach() * p.grad).abs()  # noqa: E731

@@ -121,11 +121,13 @@ def test_grid_and_accounting_use_one_sampler(tdc_run):
     """The sampling accounting counts the network evaluations the grid's sampler made, group by group."""
     run, out = tdc_run
     multi, cfg = load_bundle_with_config(run / "bundle")
-    calls = out["grid_timesteps"]
-    assert all(t.unique().numel() == 1 for t in calls)  # each evaluation is at one timestep
-    visited = torch.cat([t.unique() for t in calls])
+    grid = [t for t in out["grid_timesteps"] if t.numel() > 1]  # 3 guided samples: batches of 6
+    probe = [t for t in out["grid_timesteps"] if t.numel() == 1]  # the accounting's one-image run of that sampler
+    assert all(t.unique().numel() == 1 for t in grid)  # each evaluation is at one timestep
+    visited = torch.cat([t.unique() for t in grid])
+    assert torch.equal(torch.cat(probe), visited)
     acc = out["accounting_data"]["sampling"][f"{cfg.logging.sampler}{cfg.logging.sample_steps}"]
-    assert acc["steps"] == len(calls) == 4
+    assert acc["steps"] == len(grid) == 4
     assert torch.bincount(multi.group_index(visited), minlength=2).tolist() == acc["steps_per_group"]
 
 
@@ -244,19 +246,6 @@ def test_options_and_stage2_config(tmp_path):
 @pytest.mark.parametrize(
     "extra, match",
     [
-        (
-            [
-                "diffusion.formulation=flow",
-                "diffusion.prediction=velocity",
-                "diffusion.learn_sigma=false",
-                "diffusion.weighting=none",
-                "logging.sampler=euler",
-            ],
-            "TDC runs on the ddpm formulation",
-        ),  # fmt: skip
-        (["model.dtr=true"], "model.dtr=True is not supported"),
-        (["logging.sampler=heun"], "ddpm or ddim sampler, got logging.sampler 'heun'"),
-        (["logging.sampler=euler"], "ddpm or ddim sampler, got logging.sampler 'euler'"),
         (["tdc.num_groups=41"], r"tdc.num_groups \(41\) must be <= diffusion.num_timesteps \(40\)"),
         (["tdc.search_batches=200"], r"\(200 \+ 2\) batches of 17 need 3434 samples, the dataset has 1797"),
     ],
@@ -379,3 +368,147 @@ def test_search_scores_on_the_training_objective(tmp_path, monkeypatch):
     assert seen and all(s[:3] == ("v", "min_snr", 1.0) for s in seen)
     for *_, value, again in seen:
         assert value == pytest.approx(again, rel=1e-6)
+
+
+# ---- resume ----------------------------------------------------------------------------------------------------
+
+
+def _bundle_weights(run):
+    return load_file(str(run / "bundle" / "weights.safetensors"))
+
+
+def _banks(run):
+    return [json.loads((run / f"group_{g}" / "search.json").read_text())["bank"] for g in range(2)]
+
+
+class _Crash(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("where", ["after_group_0", "in_search_round_1"])
+def test_killed_run_resumes_to_the_same_result(tdc_run, tmp_path, monkeypatch, where):
+    """A run killed after group 0 (or during round 1 of group 1's search, after round 0's state was saved) and
+    resumed with ``resume=True`` ends with the bundle and memory banks of the uninterrupted run; stage 1, group 0
+    and the saved rounds are not redone."""
+    from diffcurr_fast.tdc import pipeline, search
+
+    ref_run, _ = tdc_run
+    torch.set_num_threads(1)
+    run = tmp_path / "run"
+    calls = {"fit": 0, "search_group": [], "rounds": []}
+    real_fit, real_group, real_stats = Trainer.fit, pipeline.search_group, search._round_stats
+
+    def fit(self):
+        calls["fit"] += 1
+        return real_fit(self)
+
+    def group(cfg, base, g, *a, **kw):
+        calls["search_group"].append(g.index)
+        if where == "after_group_0" and g.index == 1 and crash["on"]:
+            raise _Crash
+        return real_group(cfg, base, g, *a, **kw)
+
+    def stats(r, *a):
+        calls["rounds"].append(r)
+        if where == "in_search_round_1" and r == 1 and len(calls["search_group"]) == 2 and crash["on"]:
+            raise _Crash  # group 1, round 1: its round-0 state is on disk
+        return real_stats(r, *a)
+
+    crash = {"on": True}
+    monkeypatch.setattr(Trainer, "fit", fit)
+    monkeypatch.setattr(pipeline, "search_group", group)
+    monkeypatch.setattr(search, "_round_stats", stats)
+    with pytest.raises(_Crash):
+        run_tdc(tiny_cfg(run), TINY_TDC, run, verbose=False)
+    assert (run / "group_0" / "expert.safetensors").is_file() and not (run / "bundle").exists()
+    with pytest.raises(FileExistsError, match="--resume"):
+        run_tdc(tiny_cfg(run), TINY_TDC, run, verbose=False)
+    with pytest.raises(ValueError, match="cannot resume the TDC run: its config differs: tdc.rounds"):
+        run_tdc(tiny_cfg(run), {**TINY_TDC, "rounds": 3}, run, resume=True, verbose=False)
+    crash["on"], fits = False, calls["fit"]
+    calls.update(search_group=[], rounds=[])
+    run_tdc(tiny_cfg(run), TINY_TDC, run, resume=True, verbose=False)
+    assert calls["fit"] - fits == 1  # only group 1's fine-tune: stage 1 is loaded, not refit
+    assert calls["search_group"] == [1]  # group 0 kept
+    assert calls["rounds"] == ([0, 1] if where == "after_group_0" else [1])  # the saved round is not redone
+    ref, got = _bundle_weights(ref_run), _bundle_weights(run)
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+    assert _banks(run) == _banks(ref_run)
+
+
+# ---- formulations ----------------------------------------------------------------------------------------------
+
+CONTINUOUS = ["diffusion.learn_sigma=false", "diffusion.weighting=none"]
+FORMULATIONS = {
+    "ddpm_v_ddim": ["diffusion.prediction=v"],
+    "ddpm_dtr": ["model.dtr=true"],  # DTR routes the residual width D, which pruning keeps whole
+    "ddpm_x0_heun": ["diffusion.prediction=x0", "logging.sampler=heun"],  # the ODE sampler: fractional t
+    "flow_euler": [*CONTINUOUS, "diffusion.formulation=flow", "diffusion.prediction=velocity", "logging.sampler=euler"],
+    "flow_heun": [*CONTINUOUS, "diffusion.formulation=flow", "diffusion.prediction=velocity", "logging.sampler=heun"],
+    "edm_heun": [*CONTINUOUS, "diffusion.formulation=edm", "diffusion.prediction=x0", "logging.sampler=heun"],
+}
+
+
+@pytest.mark.parametrize("name", list(FORMULATIONS))
+def test_tdc_end_to_end_per_formulation(tmp_path, name):
+    """TDC on the digits with each formulation's objective and samplers: groups are cell ranges of its difficulty
+    axis, the bundle routes the network input time of every cell of a group (flow t, EDM c_noise, DDPM t) to that
+    group's expert, the grid is sampled through the routing and the accounting counts the sampler's evaluations."""
+    from diffcurr_fast.objective import Objective
+    from diffcurr_fast.train.sampling import build_schedule
+
+    torch.set_num_threads(1)
+    run = tmp_path / "run"
+    cfg = tiny_cfg(run, *FORMULATIONS[name])
+    out = run_tdc(cfg, {**TINY_TDC, "finetune_steps": 2}, run, verbose=False)
+    multi, saved = load_bundle_with_config(run / "bundle")
+    assert saved.diffusion.formulation == cfg.diffusion.formulation and (run / "samples.png").is_file()
+    assert all((e.dtr is not None) == cfg.model.dtr and e.hidden_size == 32 for e in multi.experts)  # DTR kept
+    groups = [g["group"] for g in out["groups"]]
+    assert groups[0]["lo"] == 0 and groups[-1]["hi"] == 40 and len(groups) == 2
+    assert groups[0]["snr_db_range"][0] > groups[1]["snr_db_range"][1]  # ascending noise: the first is the hardest
+    objective = Objective.from_config(cfg, build_schedule(cfg))
+    for g in groups:
+        k = torch.arange(g["lo"], g["hi"]).repeat(4)  # every cell of the group, drawn 4 times
+        t_in = objective.terms(k, torch.Generator().manual_seed(0)).t_in
+        assert multi.group_index(t_in).tolist() == [g["index"]] * k.numel()
+    acc = out["accounting_data"]["sampling"]
+    key = f"{cfg.logging.sampler}{cfg.logging.sample_steps}"
+    # 4 steps; EDM's Heun makes 2 evaluations per step but 1 on the last (to sigma = 0), the flow Heun 2 on each
+    evals = {"ddpm_x0_heun": 7, "flow_heun": 8, "edm_heun": 7}.get(name, 4)
+    assert acc[key]["steps"] == sum(acc[key]["steps_per_group"]) == evals
+    assert (f"ddpm{cfg.diffusion.num_timesteps}" in acc) == (cfg.diffusion.formulation == "ddpm")
+
+
+def test_input_edges_route_continuous_time_and_are_checked():
+    experts = [DiT(input_size=8, in_channels=1, hidden_size=16, depth=1, num_heads=2, num_classes=3) for _ in range(2)]
+    edges = torch.arange(5, dtype=torch.float64) / 4  # flow t, G = 4 cells; groups [0, 3), [3, 4)
+    multi = MultiExpertDenoiser(experts, [(0, 3), (3, 4)], input_edges=edges)
+    t = torch.tensor([0.0, 0.5, 0.7499, 0.75, 1.0])
+    assert multi.group_index(t).tolist() == [0, 0, 0, 1, 1]
+    with pytest.raises(ValueError, match="input_edges must be 5 ascending values"):
+        MultiExpertDenoiser(experts, [(0, 3), (3, 4)], input_edges=edges.flip(0))
+
+
+def test_cli_resume_of_a_finished_run_redoes_only_the_bundle(tdc_run, tmp_path, monkeypatch, capsys):
+    """``tdc --resume`` on a finished run (here a copy): stage 1 and every group are loaded, nothing trains or
+    searches, and the bundle is rebuilt bit for bit; --resume and --overwrite exclude each other."""
+    import shutil
+
+    from diffcurr_fast.tdc import pipeline
+
+    ref_run, _ = tdc_run
+    run = tmp_path / "run"
+    shutil.copytree(ref_run, run)
+    shutil.rmtree(run / "bundle")
+    monkeypatch.setattr(Trainer, "fit", lambda self: pytest.fail("nothing should train"))
+    monkeypatch.setattr(pipeline, "search_group", lambda *a, **k: pytest.fail("nothing should be searched"))
+    recipe = tmp_path / "recipe.yaml"  # the fixture's run as a recipe
+    recipe.write_text(yaml.safe_dump({**tiny_cfg(ref_run).to_dict(), "tdc": TINY_TDC}))
+    torch.set_num_threads(1)
+    assert tdc_cli.run(_tdc_args(str(recipe), "--run-dir", str(run), "--resume")) == 0
+    assert "done: TDC run in" in capsys.readouterr().out
+    ref, got = _bundle_weights(ref_run), _bundle_weights(run)
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+    with pytest.raises(SystemExit):
+        _tdc_args("--resume", "--overwrite")

@@ -76,7 +76,12 @@ class Curriculum:
         stage_iters: observed steps per stage for ``fixed`` pacing (required there, >= 1).
         eval_every: steps per evaluation window (>= 1); the only steps that synchronise with the host.
         adaptive_floor: share of uniform sampling kept by ``adaptive`` pacing, in [0, 1].
+
+    Under ``torch.distributed`` the window statistics are all-reduced over ``process_group`` (attribute; None:
+    every rank), so all ranks of one run decide together.
     """
+
+    process_group = None
 
     def __init__(
         self,
@@ -332,10 +337,10 @@ class Curriculum:
         packed = torch.cat([self._win_sum.reshape(1), self._cl_sum.to(dev), self._cl_count.to(dev)])  # (1 + 2N,)
         world = 1
         if _dist_active():
-            world = dist.get_world_size()
+            world = dist.get_world_size(self.process_group)
             dev = _collective_device()
             buf = packed.to(dev)
-            dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.process_group)
             packed = buf
         host = packed.to("cpu", torch.float64)
         n = self.num_clusters
@@ -346,7 +351,7 @@ class Curriculum:
         bad = self._bad_step
         if _dist_active():
             buf = bad.to(_collective_device()).clone()
-            dist.all_reduce(buf, op=dist.ReduceOp.MIN)
+            dist.all_reduce(buf, op=dist.ReduceOp.MIN, group=self.process_group)
             bad = buf
         value = int(bad)
         return value if value != _NO_BAD_STEP else -1

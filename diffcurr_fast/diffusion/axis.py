@@ -100,6 +100,11 @@ class Formulation(ABC):
         """(G,) float64 mass of each cell under the training distribution; None: uniform over cells."""
         return None
 
+    def cell_input_edges(self, num_cells: int) -> torch.Tensor | None:
+        """(G + 1,) float64 network input time (``TrainingTerms.t_in``) at the cell edges, ascending, so a model
+        called at input time s can be routed to its cell; None: the input time is the cell index itself."""
+        return None
+
     @abstractmethod
     def training_terms(
         self,

@@ -198,6 +198,10 @@ class EDMFormulation(Formulation):
         e = self.log_sigma_edges(num_cells)
         return torch.exp(0.5 * (e[:-1] + e[1:]))
 
+    def cell_input_edges(self, num_cells: int) -> torch.Tensor:
+        """(G + 1,) c_noise = ln(sigma) / 4 at the ln-sigma cell edges (the network's time input, EDM Table 1)."""
+        return self.precond.c_noise(torch.exp(self.log_sigma_edges(num_cells)))
+
     def cell_prior(self, num_cells: int) -> torch.Tensor:
         """(G,) mass of each ln-sigma cell under ln sigma ~ N(P_mean, P_std^2) (EDM Table 1), floored at 1e-30."""
         z = (self.log_sigma_edges(num_cells) - self.P_mean) / self.P_std

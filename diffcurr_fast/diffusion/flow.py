@@ -95,6 +95,10 @@ class FlowFormulation(Formulation):
         """(G,) cell centres (k + 0.5) / G of t in [0, 1] (SNR finite on all of them)."""
         return (torch.arange(num_cells, dtype=torch.float64) + 0.5) / num_cells
 
+    def cell_input_edges(self, num_cells: int) -> torch.Tensor:
+        """(G + 1,) edges k / G: the network sees t itself."""
+        return torch.arange(num_cells + 1, dtype=torch.float64) / num_cells
+
     def training_terms(
         self,
         k: torch.Tensor,

@@ -6,6 +6,7 @@ from diffcurr_fast._lazy import lazy_exports
 # name -> module, imported on first use: `diffcurr-fast tdc --help` does not import torch and the pipeline
 _EXPORTS: dict[str, str] = {
     "sampling_flops": "diffcurr_fast.tdc.accounting",
+    "visited_input_times": "diffcurr_fast.tdc.accounting",
     "training_flops": "diffcurr_fast.tdc.accounting",
     "write_json": "diffcurr_fast.tdc.accounting",
     "COMPILE_MODES": "diffcurr_fast.tdc.experts",
@@ -97,6 +98,7 @@ __all__ = [
     "recover",
     "run_tdc",
     "sampling_flops",
+    "visited_input_times",
     "save_bundle",
     "select_widths",
     "snr_db",

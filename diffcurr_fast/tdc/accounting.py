@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["sampling_flops", "training_flops", "write_json"]
+__all__ = ["sampling_flops", "training_flops", "visited_input_times", "write_json"]
 
 
 def write_json(data: dict[str, Any], path: str | Path) -> Path:
@@ -39,14 +39,16 @@ def sampling_flops(
     Args:
         multi: the multi-expert model (its ``expert_flops()`` and routing are used).
         base_flops: the base model's per-sample forward FLOPs.
-        timesteps: the ORIGINAL timesteps the sampler visits (``arange(T)`` or a respaced ``timestep_map``).
+        timesteps: the network input times the sampler visits: DDPM's ORIGINAL timesteps (``arange(T)``, a
+            respaced ``timestep_map``, the fractional t of the ODE samplers) or a continuous formulation's t_in.
         cfg: classifier-free guidance doubles every forward.
         path: optional JSON output.
     """
-    t = torch.as_tensor(timesteps, dtype=torch.long).flatten()
+    t = torch.as_tensor(timesteps).flatten()
+    t = t if t.is_floating_point() else t.long()
     if t.numel() == 0:
         raise ValueError("timesteps must be non-empty")
-    if int(t.min()) < 0 or int(t.max()) >= multi.num_timesteps:
+    if multi.input_edges is None and (float(t.min()) < 0 or float(t.max()) >= multi.num_timesteps):
         raise ValueError(f"timesteps must lie in [0, {multi.num_timesteps}), got [{int(t.min())}, {int(t.max())}]")
     if not (math.isfinite(float(base_flops)) and base_flops > 0):
         raise ValueError(f"base_flops must be a finite number > 0, got {base_flops!r}")
@@ -70,6 +72,21 @@ def sampling_flops(
     if path is not None:
         write_json(out, path)
     return out
+
+
+def visited_input_times(multi, run_sampler: Callable[[Callable[..., torch.Tensor]], Any]) -> torch.Tensor:
+    """The network input time of every evaluation a sampler makes: ``run_sampler(model)`` samples with ``model``
+    (a recorder that forwards to ``multi``); one time per call (a call evaluates one time for the whole batch)."""
+    seen: list[torch.Tensor] = []
+
+    def record(x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        seen.append(t.detach().reshape(-1)[:1].cpu())
+        return multi(x, t, y)
+
+    run_sampler(record)
+    if not seen:
+        raise ValueError("the sampler made no network evaluation")
+    return torch.cat(seen)
 
 
 def training_flops(

@@ -1,5 +1,6 @@
-"""``diffcurr-fast tdc [RECIPE] [--set a.b=value ...] [--set tdc.key=value ...] [--overwrite] [--dry-run]
-[--help-config]``.
+"""``diffcurr-fast tdc [RECIPE] [--set a.b=value ...] [--set tdc.key=value ...] [--resume] [--overwrite] [--dry-run]
+[--help-config]``; under ``torchrun --nproc_per_node N -m diffcurr_fast.cli tdc ...`` or ``deepspeed`` every rank runs
+it (stage 1 and the fine-tunes data-parallel, the proxy search spread over the ranks).
 
 Without a recipe it runs a small TDC run on the built-in digits (``TDC_DEMO``): stage 1 trains the demo DiT for a
 few hundred steps, then N = 3 groups with k = 0.5 are pruned by a 2-round x 3-candidate proxy search and fine-tuned.
@@ -51,7 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", default=None, help="output directory (default: checkpoint.run_dir)")
     parser.add_argument("--curriculum", action="store_true",
                         help="stage 1 with the difficulty curriculum (sets curriculum.pacing=patience)")  # fmt: skip
-    parser.add_argument("--overwrite", action="store_true", help="replace the TDC artefacts of a non-empty run dir")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue a killed TDC run in its run dir (the stage, group and search round it was in)",
+    )
+    group.add_argument("--overwrite", action="store_true", help="replace the TDC artefacts of a non-empty run dir")
     parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--help-config", action="store_true", help="list every config key (tdc.* too) and exit")
 
@@ -77,7 +84,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from diffcurr_fast.tdc.pipeline import run_tdc
 
-    out = run_tdc(cfg, None, run_dir, overwrite=args.overwrite)
+    out = run_tdc(cfg, None, run_dir, overwrite=args.overwrite, resume=args.resume)
+    if not _is_main():  # one summary per run, not per rank
+        return 0
     print(f"done: TDC run in {out['run_dir']}")
     print(f"  bundle: {out['bundle']} (diffcurr-fast sample --bundle {out['bundle']} --out samples.png)")
     print(f"  accounting: {out['accounting']}")
@@ -89,3 +98,10 @@ def run(args: argparse.Namespace) -> int:
     wall = out["accounting_data"]["wall_time_s"]["total"]
     print(f"  wall time: {wall:.1f} s")
     return 0
+
+
+def _is_main() -> bool:
+    """Whether this process prints the summary (rank 0 of a launcher, or a single process)."""
+    import os
+
+    return int(os.environ.get("RANK", "0")) == 0

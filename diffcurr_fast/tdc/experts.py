@@ -1,7 +1,10 @@
 """Multi-expert denoiser of TDC training (arXiv 2312.13307, Sec. 3): timestep t goes to its group's expert.
 
 ``MultiExpertDenoiser`` is a plain model callable ``(x, t, y) -> out`` so every sampler and ``forward_with_cfg``
-work unchanged. Routing: when the whole batch falls in one group (the usual sampling case, where all samples share
+work unchanged. Groups are ranges of cells of the formulation's difficulty axis (DDPM: its timesteps, routed by
+t itself, fractional t of the ODE samplers included); for a continuous formulation ``input_edges`` holds the
+network input time at the cell edges (flow: t; EDM: c_noise = ln(sigma) / 4), which the routing compares the input
+time with. Routing: when the whole batch falls in one group (the usual sampling case, where all samples share
 t) the batch goes to that expert in one call; a mixed batch is split by group with index masks and reassembled in
 order. Experts can be ``torch.compile``d (``compile_experts``). A bundle is one directory: ``weights.safetensors``
 (keys ``experts.<i>.<param>``) and ``bundle.json`` (each expert's ``config()``, the group ranges and optional group
@@ -37,6 +40,8 @@ class MultiExpertDenoiser(nn.Module):
         experts: one model per group, in ascending t (same input / output geometry and classes).
         ranges: ``[(lo, hi), ...]`` half-open ranges partitioning [0, T) in ascending t, one per expert.
         groups: optional per-group metadata dicts (e.g. ``TimestepGroup.to_dict()``), saved in bundles.
+        input_edges: the (G + 1,) ascending network input times at the cell edges of a continuous formulation
+            (``Formulation.cell_input_edges``); None: the input time is the cell index (DDPM).
     """
 
     def __init__(
@@ -44,6 +49,7 @@ class MultiExpertDenoiser(nn.Module):
         experts: Sequence[nn.Module],
         ranges: Sequence[tuple[int, int]],
         groups: Sequence[dict[str, Any]] | None = None,
+        input_edges: Sequence[float] | torch.Tensor | None = None,
     ):
         super().__init__()
         experts = list(experts)
@@ -68,6 +74,13 @@ class MultiExpertDenoiser(nn.Module):
         if self.groups is not None and len(self.groups) != len(experts):
             raise ValueError(f"need one group dict per expert: {len(experts)} experts, {len(self.groups)} groups")
         upper = torch.tensor([hi for _, hi in self.ranges[:-1]], dtype=torch.long)
+        self.input_edges: torch.Tensor | None = None  # float64 on the CPU (not a buffer: no dtype casts)
+        if input_edges is not None:
+            edges = torch.as_tensor(input_edges, dtype=torch.float64).flatten()
+            if edges.numel() != self.num_timesteps + 1 or not bool((edges[1:] > edges[:-1]).all()):
+                raise ValueError(f"input_edges must be {self.num_timesteps + 1} ascending values (one per cell "
+                                 f"edge), got {edges.numel()}")  # fmt: skip
+            self.input_edges, self._input_upper = edges, edges[upper]  # (N - 1,) input times of the groups' ends
         self.register_buffer("boundaries", upper, persistent=False)  # (N - 1,) upper ends of groups 0..N-2
         self._callables: list[Any] = list(experts)
         self.compile_mode: str | None = None
@@ -81,6 +94,8 @@ class MultiExpertDenoiser(nn.Module):
         """(N,) int64 group of each timestep (float t is routed by the same boundaries)."""
         b = self.boundaries.to(t.device)
         t = t.contiguous()
+        if self.input_edges is not None:  # continuous input time, compared in float64 with the groups' upper edges
+            return torch.bucketize(t.to(torch.float64), self._input_upper.to(t.device), right=True)
         return torch.bucketize(t, b.to(t.dtype) if t.is_floating_point() else b, right=True)
 
     def compile_experts(self, mode: str = "default", **kwargs: Any) -> MultiExpertDenoiser:
@@ -157,6 +172,7 @@ def save_bundle(model: MultiExpertDenoiser, path: str | Path) -> Path:
         "ranges": [list(r) for r in model.ranges],
         "experts": configs,
         "groups": model.groups,
+        "input_edges": None if model.input_edges is None else model.input_edges.tolist(),
     }
     (path / "bundle.json").write_text(json.dumps(meta, indent=2))
     return path
@@ -184,4 +200,5 @@ def load_bundle(path: str | Path, device: str | torch.device = "cpu", **override
         state = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
         expert.load_state_dict(state, strict=True)
         experts.append(expert.to(device).eval())
-    return MultiExpertDenoiser(experts, [tuple(r) for r in meta["ranges"]], groups=meta.get("groups"))
+    return MultiExpertDenoiser(experts, [tuple(r) for r in meta["ranges"]], groups=meta.get("groups"),
+                               input_edges=meta.get("input_edges"))  # fmt: skip

@@ -32,6 +32,7 @@ __all__ = [
     "GROUP_METHODS",
     "TimestepGroup",
     "budget_ratio",
+    "cell_snr_db",
     "group_timesteps",
     "make_groups",
     "snr_db",
@@ -105,20 +106,31 @@ def budget_ratio(rank: int, num_groups: int, k: float) -> float:
     return rank / num_groups + (num_groups - rank) / num_groups * float(k)
 
 
-def group_timesteps(schedule: Any, num_groups: int, method: str = "db") -> list[tuple[int, int]]:
-    """Split [0, T) into ``num_groups`` contiguous ranges on the SNR axis (ascending t).
+def cell_snr_db(schedule: Any, num_cells: int | None = None) -> torch.Tensor:
+    """(G,) SNR_dB of the cells of the formulation's difficulty axis: DDPM's T timesteps, or the G cells of a
+    continuous formulation (flow t, EDM ln sigma) at their ``cell_grid`` points."""
+    grid = schedule.cell_grid(num_cells) if num_cells is not None and hasattr(schedule, "cell_grid") else None
+    return snr_db(schedule) if grid is None else snr_to_db(schedule.snr(grid))
+
+
+def group_timesteps(
+    schedule: Any, num_groups: int, method: str = "db", num_cells: int | None = None
+) -> list[tuple[int, int]]:
+    """Split the G cells (DDPM: [0, T)) into ``num_groups`` contiguous ranges on the SNR axis (ascending t).
 
     ``method``: ``db`` (default; interval clustering of SNR_dB), or a ``cluster_timesteps`` method (``uniform``,
-    ``snr``, ``log_snr``).
+    ``snr``, ``log_snr``). ``num_cells``: G of a continuous formulation (default: the schedule's T).
     """
     if method not in GROUP_METHODS:
         raise ValueError(f"unknown grouping method {method!r}; valid choices: {', '.join(GROUP_METHODS)}")
+    db = cell_snr_db(schedule, num_cells)
     if method == "db":
-        t = int(schedule.num_timesteps)
+        t = int(db.numel())
         if isinstance(num_groups, bool) or not isinstance(num_groups, int) or not 1 <= num_groups <= t:
             raise ValueError(f"num_groups must be an int in [1, {t}], got {num_groups!r}")
-        return snr_interval_clusters(snr_db(schedule), num_groups)[0]
-    return cluster_timesteps(schedule, num_groups, method)
+        return snr_interval_clusters(db, num_groups)[0]
+    grid = schedule.cell_grid(num_cells) if num_cells is not None and hasattr(schedule, "cell_grid") else None
+    return cluster_timesteps(schedule, num_groups, method, grid=grid)
 
 
 def make_groups(
@@ -130,17 +142,20 @@ def make_groups(
     method: str = "db",
     full_budget: str = "hardest",
     ranges: list[tuple[int, int]] | None = None,
+    num_cells: int | None = None,
 ) -> list[TimestepGroup]:
     """Group the schedule's timesteps and give each group its FLOPs budget (TDC Eq. 1-2).
 
     Args:
-        schedule: a ``DDPMSchedule`` (anything with ``alphas_cumprod``, ``num_timesteps`` and ``snr``).
+        schedule: a ``DDPMSchedule``, or a flow / EDM formulation with ``num_cells``.
         num_groups: N.
         k: the smallest budget ratio's anchor, in (0, 1]; k = 1 gives every group the full F.
         base_flops: F, the base model's FLOPs per forward of one sample (``dit_flops``); 0 leaves budgets at 0.
         method: grouping rule passed to ``cluster_timesteps``.
         full_budget: ``"hardest"`` (low-t group gets F) or ``"easiest"`` (high-t group gets F).
         ranges: explicit ascending ``[(lo, hi), ...]`` ranges instead of clustering.
+        num_cells: G, the cells of a continuous formulation (flow, EDM; ``diffusion.num_timesteps``); groups are
+            ranges of cells, as the trainer draws them. Default: DDPM's T timesteps.
 
     Returns:
         N groups in ascending t.
@@ -149,13 +164,13 @@ def make_groups(
         raise ValueError(f"unknown full_budget {full_budget!r}; valid choices: {', '.join(FULL_BUDGET_ENDS)}")
     if not (isinstance(base_flops, (int, float)) and base_flops >= 0 and math.isfinite(float(base_flops))):
         raise ValueError(f"base_flops must be a finite number >= 0, got {base_flops!r}")
+    db = cell_snr_db(schedule, num_cells)
     if ranges is None:
-        ranges = group_timesteps(schedule, num_groups, method)
+        ranges = group_timesteps(schedule, num_groups, method, num_cells)
     else:
-        ranges = check_clusters(ranges, int(schedule.num_timesteps))
+        ranges = check_clusters(ranges, int(db.numel()))
         if len(ranges) != num_groups:
             raise ValueError(f"got {len(ranges)} ranges for num_groups={num_groups}")
-    db = snr_db(schedule)
     n = len(ranges)
     groups = []
     for g, (lo, hi) in enumerate(ranges):

@@ -14,14 +14,21 @@
 4. ``accounting``: training FLOPs of both stages and of the search vs one base model trained as long, and sampling
    FLOPs per image for the grid's sampler and steps, printed and written as JSON.
 
+Under ``torchrun`` / ``deepspeed`` every rank runs the same stages: stage 1 and each fine-tune are data-parallel
+through the training engine, the importance gradients are all-reduced, the search's candidates are spread over the
+ranks (``proxy_search``); rank 0 writes the files. ``resume=True`` continues a killed run from the files above.
+
 The options are the ``tdc`` section of the training config (``TDCConfig``): a recipe's ``tdc:`` section,
 ``--set tdc.num_groups=4``, or the ``options`` argument. Run directory::
 
     tdc.json                 the resolved config (tdc section included)
     stage1/                  the base model's run (checkpoints/, ema.safetensors, metrics.jsonl, samples.png)
+    stage1/tdc_stage1.json   written when stage 1 finished (its summary and wall time)
+    group_<i>/search_state.pt  the search after its last finished round (bank, history, proposer RNG, best weights)
     group_<i>/search.json    proxy search: memory bank, per-round history, rejections
     group_<i>/search.png     proxy mean +- std per round (TDC Fig. 5)
     group_<i>/finetune/      the expert's run (checkpoints/ record the expert's config() as model_config)
+    group_<i>/expert.safetensors  the finished expert (EMA weights, config() and the group's record)
     bundle/                  bundle.json, weights.safetensors, train_config.json
     accounting.json          training and sampling FLOPs
     samples.png              grid sampled from the bundle
@@ -40,7 +47,7 @@ from typing import Any
 import torch
 
 from diffcurr_fast.objective import Objective
-from diffcurr_fast.tdc.accounting import sampling_flops, training_flops, write_json
+from diffcurr_fast.tdc.accounting import sampling_flops, training_flops, visited_input_times, write_json
 from diffcurr_fast.tdc.experts import MultiExpertDenoiser, load_bundle, save_bundle
 from diffcurr_fast.tdc.flops import dit_flops
 from diffcurr_fast.tdc.grouping import TimestepGroup, make_groups
@@ -48,12 +55,13 @@ from diffcurr_fast.tdc.preflight import check_tdc_run
 from diffcurr_fast.tdc.proposers import make_proposer
 from diffcurr_fast.tdc.prune import importance_scores
 from diffcurr_fast.tdc.search import SearchResult, plot_history, proxy_search
-from diffcurr_fast.train.config import TDCConfig, TrainConfig, config_from_dict, load_config
+from diffcurr_fast.train.checkpoint import export_safetensors, latest_checkpoint
+from diffcurr_fast.train.config import TDCConfig, TrainConfig, config_from_dict, load_config, resume_mismatches
 from diffcurr_fast.train.data import SHARDED_DATASETS
 from diffcurr_fast.train.engine import create_engine
 from diffcurr_fast.train.loop import Trainer, build_dataset
-from diffcurr_fast.train.rundir import open_run_dir
-from diffcurr_fast.train.sampling import grid_sampler, respaced, sample_grid
+from diffcurr_fast.train.rundir import RunStart, open_run_dir
+from diffcurr_fast.train.sampling import build_model, grid_sampler, sample, sample_grid
 
 __all__ = [
     "TDCOptions",
@@ -86,16 +94,7 @@ def resolve_config(cfg: TrainConfig | dict[str, Any] | str | Path, options: TDCC
         cfg.tdc = copy.deepcopy(options)
     elif options:
         cfg = config_from_dict({"tdc": options}, cfg)
-    cfg.validate()
-    d = cfg.diffusion
-    if d.formulation != "ddpm":
-        raise ValueError(f"TDC runs on the ddpm formulation, got diffusion.formulation {d.formulation!r}")
-    if cfg.model.dtr:
-        raise ValueError("model.dtr=True is not supported by TDC pruning (DTR masks span the full width); use false")
-    if cfg.logging.sampler not in ("ddpm", "ddim"):
-        raise ValueError(f"TDC's grid and sampling accounting use a ddpm or ddim sampler, got logging.sampler "
-                         f"{cfg.logging.sampler!r}")  # fmt: skip
-    return cfg
+    return cfg.validate()
 
 
 def stage2_config(cfg: TrainConfig, run_dir: Path) -> TrainConfig:
@@ -181,6 +180,7 @@ def run_tdc(
     run_dir: str | Path,
     *,
     overwrite: bool = False,
+    resume: bool = False,
     engine: Any = None,
     verbose: bool = True,
 ) -> dict[str, Any]:
@@ -190,12 +190,19 @@ def run_tdc(
         cfg: the training config of stage 1 (its ``checkpoint.run_dir`` is replaced by ``run_dir/stage1``): a
             ``TrainConfig``, its dict, or a YAML recipe path; its ``tdc`` section holds the TDC options.
         options: a ``TDCConfig`` replacing ``cfg.tdc``, or a dict of tdc keys over it (None: ``cfg.tdc`` as is).
-        run_dir: output directory; a non-empty one is refused unless ``overwrite`` (which removes TDC artefacts).
-        engine: a single-process training engine (default: one created from ``cfg.engine``, closed at the end).
-        verbose: print progress and the accounting.
+        run_dir: output directory; a non-empty one is refused unless ``overwrite`` (which removes TDC artefacts) or
+            ``resume``.
+        resume: continue a killed run in ``run_dir`` (same config): stage 1 from its newest checkpoint, finished
+            groups kept (``group_<i>/expert.safetensors``), a search from its state after the last finished round,
+            a fine-tune from its newest checkpoint.
+        engine: the training engine (default: one created from ``cfg.engine``, closed at the end). Under
+            ``torchrun`` / ``deepspeed`` every rank calls ``run_tdc``: stage 1 and each fine-tune are data-parallel,
+            importance is all-reduced, the search's candidates are spread over the ranks (``tdc.expert_parallel``:
+            the ranks split into parts that take the groups in turn); rank 0 writes the files.
+        verbose: print progress and the accounting (rank 0).
     """
     cfg, run_dir, t_start = resolve_config(cfg, options), Path(run_dir), time.perf_counter()
-    start = check_tdc_run(cfg, cfg.tdc, run_dir, overwrite=overwrite)  # everything checked before anything is written
+    start = check_tdc_run(cfg, cfg.tdc, run_dir, overwrite=overwrite, resume=resume)  # before anything is written
     cfg.checkpoint.run_dir = str(run_dir / "stage1")
     dataset = None if cfg.data.dataset in SHARDED_DATASETS else build_dataset(cfg)
     if dataset is not None:  # the search data must fit before stage 1 trains
@@ -203,63 +210,134 @@ def run_tdc(
     own = engine is None
     engine = engine or create_engine(cfg.engine.kind, cfg.engine.device)
     try:
-        if engine.world_size != 1:
-            raise ValueError(f"run_tdc runs in one process, got world size {engine.world_size}; use engine.kind single")
-        open_run_dir(start)  # overwrite: only the files a TDC run writes are removed (TDC_LAYOUT)
-        write_json({"config": cfg.to_dict()}, run_dir / "tdc.json")
-        base = stage1(cfg, engine, dataset, verbose)
+        verbose = verbose and engine.is_main
+        _prepare(cfg, start, engine)
+        base = stage1(cfg, engine, dataset, verbose, resume)
         groups = make_groups(base.schedule, cfg.tdc.num_groups, cfg.tdc.k, base.flops, method=cfg.tdc.group_method,
-                             full_budget=cfg.tdc.full_budget)  # fmt: skip
+                             full_budget=cfg.tdc.full_budget, num_cells=cfg.diffusion.num_timesteps)  # fmt: skip
         data = _split_batches(base.dataset, cfg.tdc, _search_batch_size(cfg), base.device)
-        experts, per_group = [], []
+        parts = min(len(groups), engine.world_size) if cfg.tdc.expert_parallel else 1
+        part = engine.split(parts)  # expert parallel: group i is searched and fine-tuned by part i mod parts
+        finished = {}
         for g in groups:
-            res, record = search_group(cfg, base, g, data, run_dir / f"group_{g.index}", verbose)
-            expert, record = finetune_group(cfg, engine, base, g, res, record, verbose)
-            experts.append(expert)
-            per_group.append(record)
-        multi, out = bundle(cfg, base, experts, groups, run_dir)
+            if g.index % parts != part.part:
+                continue
+            gdir = run_dir / f"group_{g.index}"
+            done = _load_expert(gdir, base.device) if resume else None
+            if done is None:
+                res, record = search_group(cfg, base, g, data, gdir, verbose, part)
+                done = finetune_group(cfg, part, base, g, res, record, verbose, resume)
+                if part.is_main:
+                    _save_expert(gdir, *done)
+                part.barrier()
+            finished[g.index] = done
+        if parts > 1:  # every rank receives each expert from the first rank of the part that made it
+            leaders = engine.part_leaders(parts)
+            for g in groups:
+                mine = finished.get(g.index) if engine.rank == leaders[g.index % parts] else None
+                got = engine.broadcast_object(None if mine is None else _expert_payload(*mine),
+                                              src=leaders[g.index % parts])  # fmt: skip
+                finished[g.index] = _expert_from_payload(*got, base.device)
+        experts, per_group = [finished[g.index][0] for g in groups], [finished[g.index][1] for g in groups]
+        multi, out = bundle(cfg, base, experts, groups, run_dir, engine.is_main)
         acc = accounting(cfg, base, multi, per_group, time.perf_counter() - t_start)
-        out.update(groups=per_group, accounting=str(write_json(acc, run_dir / "accounting.json")), accounting_data=acc)
+        out.update(groups=per_group, accounting=str(run_dir / "accounting.json"), accounting_data=acc)
+        if engine.is_main:
+            write_json(acc, run_dir / "accounting.json")
         _log(verbose, format_accounting(acc))
+        engine.barrier()
         return out
     finally:
         if own:
             engine.close()
 
 
-def stage1(cfg: TrainConfig, engine: Any, dataset: Any, verbose: bool) -> Stage1:
-    """Train the base model on all timesteps (``cfg`` as given) and take its ``tdc.base_weights``."""
-    _log(verbose, f"tdc: stage 1, {cfg.engine.max_steps} steps (curriculum pacing {cfg.curriculum.pacing!r})")
+def _prepare(cfg: TrainConfig, start: RunStart, engine: Any) -> None:
+    """Set up the run directory (rank 0; ``start`` from ``check_tdc_run``); a resumed run must have the same
+    config."""
+    saved = start.run_dir / "tdc.json"
+    if start.mode == "resume":
+        old = json.loads(saved.read_text())["config"]
+        diffs = resume_mismatches(old, cfg) + [
+            f"tdc.{k}: run {old.get('tdc', {}).get(k)!r} vs now {v!r}"
+            for k, v in cfg.to_dict()["tdc"].items() if old.get("tdc", {}).get(k) != v
+        ]  # fmt: skip
+        if diffs:
+            raise ValueError("cannot resume the TDC run: its config differs: " + "; ".join(diffs))
+    engine.barrier()  # every rank has checked before rank 0 writes
+    if engine.is_main:
+        if start.mode != "resume":
+            open_run_dir(start)  # overwrite: only the files a TDC run writes are removed (TDC_LAYOUT)
+        write_json({"config": cfg.to_dict()}, saved)
+    engine.barrier()
+
+
+def _sub_run(run_dir: Path, resume: bool) -> dict[str, bool]:
+    """How a stage's trainer opens its folder: resumed from its newest checkpoint when the TDC run resumes and
+    there is one, else started afresh over whatever the cleared folder still holds (a user's files)."""
+    if resume and latest_checkpoint(run_dir) is not None:
+        return {"resume": True}
+    return {"overwrite": True}
+
+
+def stage1(cfg: TrainConfig, engine: Any, dataset: Any, verbose: bool, resume: bool = False) -> Stage1:
+    """Train the base model on all timesteps (``cfg`` as given) and take its ``tdc.base_weights``. ``resume``:
+    continue from the newest checkpoint; a finished stage 1 (``stage1/tdc_stage1.json``) is loaded, not rerun."""
+    marker = Path(cfg.checkpoint.run_dir) / "tdc_stage1.json"
+    finished = resume and marker.is_file()
+    _log(verbose, f"tdc: stage 1, {cfg.engine.max_steps} steps (curriculum pacing {cfg.curriculum.pacing!r})"
+                  + (" (finished: loaded)" if finished else ""))  # fmt: skip
     t0 = time.perf_counter()
-    trainer = Trainer(cfg, engine, dataset=dataset, overwrite=True)  # stage1/ was cleared; user files may remain
-    summary = trainer.fit()
-    base = copy.deepcopy(trainer.ema.module if cfg.tdc.base_weights == "ema" else trainer.model).float()
-    base = base.to(trainer.device).eval().requires_grad_(True)  # Taylor importance needs its gradients
-    return Stage1(base, trainer.schedule, trainer.objective, trainer.dataset, trainer.device, summary,
-                  time.perf_counter() - t0)  # fmt: skip
+    trainer = Trainer(cfg, engine, dataset=dataset, **_sub_run(Path(cfg.checkpoint.run_dir), resume))
+    if finished:
+        done = json.loads(marker.read_text())
+        summary, seconds = done["summary"], float(done["seconds"])
+    else:
+        summary = trainer.fit()
+        seconds = time.perf_counter() - t0
+        if engine.is_main:
+            write_json({"summary": summary, "seconds": seconds}, marker)
+    if cfg.tdc.base_weights == "ema":
+        base = copy.deepcopy(trainer.ema.module)
+    else:  # ZeRO-3 partitions the trained parameters: gathered, then copied into a plain model
+        with engine.full_params(trainer.model):
+            weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        base = build_model(cfg)
+        base.load_state_dict(weights)
+    base = base.float().to(trainer.device).eval().requires_grad_(True)  # Taylor importance needs its gradients
+    return Stage1(base, trainer.schedule, trainer.objective, trainer.dataset, trainer.device, summary, seconds)
 
 
 def search_group(
-    cfg: TrainConfig, base: Stage1, g: TimestepGroup, data: tuple[list, list], gdir: Path, verbose: bool
+    cfg: TrainConfig,
+    base: Stage1,
+    g: TimestepGroup,
+    data: tuple[list, list],
+    gdir: Path,
+    verbose: bool,
+    engine: Any = None,
 ) -> tuple[SearchResult, dict[str, Any]]:
-    """Importance and proxy search of group ``g`` into ``gdir``; the result and the group's record (with the
-    search's FLOPs: Taylor importance, forward + backward of the base; each candidate's recovery, 3 x its FLOPs per
-    sample; held-out scoring, forward only)."""
+    """Importance and proxy search of group ``g`` into ``gdir`` (spread over the ranks of ``engine``; the search
+    state is kept in ``gdir/search_state.pt`` after each round, and continued from it); the result and the group's
+    record (with the search's FLOPs: Taylor importance, forward + backward of the base; each candidate's recovery,
+    3 x its FLOPs per sample; held-out scoring, forward only)."""
     t, (search_data, heldout) = cfg.tdc, data
     _log(verbose, f"tdc: group {g.index} t in [{g.lo}, {g.hi}), budget {g.ratio:.3f} F: proxy search "
                   f"({t.rounds} x {t.candidates} candidates, proposer {t.proposer!r})")  # fmt: skip
     t0 = time.perf_counter()
     imp_batches = [search_data[i % len(search_data)] for i in range(t.importance_batches)]
     imp = importance_scores(base.model, t.importance, objective=base.objective, group=g, batches=imp_batches,
-                            seed=t.seed)  # fmt: skip
+                            seed=t.seed, engine=engine)  # fmt: skip
     llm = {"url": t.llm_url, "model": t.llm_model, "api_key_env": t.llm_api_key_env or None}
     res = proxy_search(
         base.model, g, g.flops, search_data, heldout, objective=base.objective, importance=imp,
         proposer=make_proposer(t.proposer, **(llm if t.proposer == "llm" else {})), fallback=make_proposer("local"),
         rounds=t.rounds, candidates_per_round=t.candidates, recover_steps=t.recover_steps, lr=t.recover_lr,
         seed=t.seed + g.index, drop_empty_blocks=t.drop_empty_blocks, log_path=gdir / "search.json",
+        engine=engine, state_path=gdir / "search_state.pt",
     )  # fmt: skip
-    plot_history(res.history, gdir / "search.png", title=f"proxy-based pruning, group {g.index}")
+    if engine is None or engine.is_main:
+        plot_history(res.history, gdir / "search.png", title=f"proxy-based pruning, group {g.index}")
     bsz, n_held = _search_batch_size(cfg), sum(int(x.shape[0]) for x, _ in heldout)
     imp_flops = 3.0 * base.flops * bsz * t.importance_batches if t.importance == "taylor" else 0.0
     cand_flops = sum(3.0 * c.flops * bsz * t.recover_steps + c.flops * n_held for c in res.bank.entries)
@@ -270,12 +348,21 @@ def search_group(
 
 
 def finetune_group(
-    cfg: TrainConfig, engine: Any, base: Stage1, g: TimestepGroup, res: SearchResult, record: dict, verbose: bool
+    cfg: TrainConfig,
+    engine: Any,
+    base: Stage1,
+    g: TimestepGroup,
+    res: SearchResult,
+    record: dict,
+    verbose: bool,
+    resume: bool = False,
 ) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """Fine-tune the best candidate of ``res`` on the group's timesteps; its EMA weights and the updated record."""
+    """Fine-tune the best candidate of ``res`` on the group's timesteps, data-parallel over the engine's ranks
+    (``resume``: from its newest checkpoint); its EMA weights and the updated record."""
     t0 = time.perf_counter()
     ft = Trainer(stage2_config(cfg, Path(record["finetune_dir"])), engine, model=copy.deepcopy(res.model).train(),
-                 timestep_range=(g.lo, g.hi), dataset=base.dataset, overwrite=True)  # fmt: skip
+                 timestep_range=(g.lo, g.hi), dataset=base.dataset,
+                 **_sub_run(Path(record["finetune_dir"]), resume))  # fmt: skip
     summary = ft.fit()
     expert = copy.deepcopy(ft.ema.module).eval()
     record = {**record, "expert_flops": dit_flops(expert), "finetune_loss": summary["loss"],
@@ -286,44 +373,91 @@ def finetune_group(
 
 
 def bundle(
-    cfg: TrainConfig, base: Stage1, experts: list, groups: list[TimestepGroup], run_dir: Path
+    cfg: TrainConfig, base: Stage1, experts: list, groups: list[TimestepGroup], run_dir: Path, write: bool = True
 ) -> tuple[MultiExpertDenoiser, dict[str, Any]]:
     """Save the experts as a ``MultiExpertDenoiser`` bundle (with the training config) and draw the end-of-run
-    grid from it; the model and the paths written."""
-    multi = MultiExpertDenoiser(experts, [(g.lo, g.hi) for g in groups], groups=[g.to_dict() for g in groups])
-    bundle_dir = save_bundle(multi, run_dir / "bundle")
-    write_json(cfg.to_dict(), bundle_dir / "train_config.json")
+    grid from it (when ``write``: rank 0); the model and the paths."""
+    multi = MultiExpertDenoiser(experts, [(g.lo, g.hi) for g in groups], groups=[g.to_dict() for g in groups],
+                                input_edges=base.schedule.cell_input_edges(cfg.diffusion.num_timesteps))  # fmt: skip
+    bundle_dir = run_dir / "bundle"
     out: dict[str, Any] = {"run_dir": str(run_dir), "bundle": str(bundle_dir), "stage1": base.summary}
+    if not write:
+        return multi, out
+    save_bundle(multi, bundle_dir)
+    write_json(cfg.to_dict(), bundle_dir / "train_config.json")
     grid = sample_grid(multi.to(base.device).eval(), base.schedule, cfg, run_dir / "samples.png", base.device)
     if grid is not None:
         out["samples"] = str(grid)
     return multi, out
 
 
+def _save_expert(gdir: Path, expert: torch.nn.Module, record: dict[str, Any]) -> Path:
+    """A finished group: the expert's weights with its ``config()`` and record, one atomic file."""
+    return export_safetensors(expert.state_dict(), gdir / "expert.safetensors",
+                              {"config": expert.config(), "record": record})  # fmt: skip
+
+
+def _expert_payload(expert: torch.nn.Module, record: dict[str, Any]) -> tuple[dict, dict, dict]:
+    """(config, CPU weights, record) of a finished expert, to send to other ranks."""
+    return expert.config(), {k: v.detach().cpu() for k, v in expert.state_dict().items()}, record
+
+
+def _expert_from_payload(config: dict, weights: dict, record: dict, device: torch.device):
+    """Inverse of ``_expert_payload``: (expert on ``device``, record)."""
+    from diffcurr_fast.models import DiT
+
+    expert = DiT.from_config(config)
+    expert.load_state_dict(weights, strict=True)
+    return expert.to(device).eval(), record
+
+
+def _load_expert(gdir: Path, device: torch.device) -> tuple[torch.nn.Module, dict[str, Any]] | None:
+    """What ``_save_expert`` wrote (None when the group has not finished)."""
+    path = gdir / "expert.safetensors"
+    if not path.is_file():
+        return None
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(path), "pt") as fh:
+        meta = {k: json.loads(v) for k, v in fh.metadata().items()}
+    return _expert_from_payload(meta["config"], load_file(str(path)), meta["record"], device)
+
+
 def accounting(
     cfg: TrainConfig, base: Stage1, multi: MultiExpertDenoiser, per_group: list[dict], wall_s: float
 ) -> dict[str, Any]:
     """Training FLOPs (both stages, and with the search) vs one base model trained as long; sampling FLOPs per
-    image with the grid's sampler and steps and with full T-step ancestral sampling; wall times."""
+    image with the grid's sampler and steps (the network input times it visits, recorded from one sample) and,
+    for DDPM, with full T-step ancestral sampling; wall times."""
     train = training_flops(base.flops, multi.expert_flops(), int(base.summary["step"]), cfg.tdc.finetune_steps,
                            cfg.data.batch_size)  # fmt: skip
     train["search_flops"] = sum(p["search_flops"] for p in per_group)
     train["tdc_flops_with_search"] = train["tdc_flops"] + train["search_flops"]
     train["ratio_with_search"] = train["tdc_flops_with_search"] / train["single_model_flops"]
     sampler, steps = grid_sampler(cfg)
-    guided, T = cfg.logging.cfg_scale != 1.0, base.schedule.num_timesteps
+    guided, T = cfg.logging.cfg_scale != 1.0, cfg.diffusion.num_timesteps
+    sampling = {f"{sampler}{steps}": sampling_flops(multi, base.flops, visited_times(multi, base, cfg), cfg=guided)}
+    if cfg.diffusion.formulation == "ddpm":
+        sampling[f"ddpm{T}"] = sampling_flops(multi, base.flops, torch.arange(T), cfg=guided)
     return {
         "base_flops_per_forward": base.flops,
         "expert_flops_ratio": [f / base.flops for f in multi.expert_flops()],
         "training": train,
-        "sampling": {
-            f"{sampler}{steps}": sampling_flops(multi, base.flops, respaced(base.schedule, sampler, steps)[1],
-                                                cfg=guided),  # fmt: skip
-            f"ddpm{T}": sampling_flops(multi, base.flops, torch.arange(T), cfg=guided),
-        },
+        "sampling": sampling,
         "wall_time_s": {"stage1_s": base.seconds, "total": wall_s,
                         "groups": [{"search": p["search_s"], "finetune": p["finetune_s"]} for p in per_group]},
     }  # fmt: skip
+
+
+def visited_times(multi: MultiExpertDenoiser, base: Stage1, cfg: TrainConfig) -> torch.Tensor:
+    """The network input time of every evaluation the grid's sampler makes for one image (without guidance, which
+    doubles the batch, not the evaluations)."""
+    m, (sampler, steps) = cfg.model, grid_sampler(cfg)
+    return visited_input_times(multi, lambda model: sample(
+        model, base.schedule, sampler=sampler, steps=steps, labels=torch.zeros(1, dtype=torch.long),
+        channels=m.in_channels, size=m.input_size, num_classes=m.num_classes, learn_sigma=cfg.diffusion.learn_sigma,
+        prediction=cfg.diffusion.prediction, seed=cfg.engine.seed, device=base.device))  # fmt: skip
 
 
 def format_accounting(acc: dict[str, Any]) -> str:

@@ -21,13 +21,11 @@ def check_groups(cfg: Any, num_groups: int, method: str = "db") -> list[tuple[in
     from diffcurr_fast.tdc.grouping import group_timesteps
     from diffcurr_fast.train.sampling import build_schedule
 
-    if cfg.diffusion.formulation != "ddpm":
-        raise ValueError(f"TDC runs on the ddpm formulation, got diffusion.formulation {cfg.diffusion.formulation!r}")
-    t = cfg.diffusion.num_timesteps
+    t = cfg.diffusion.num_timesteps  # the cells of the difficulty axis (DDPM: its timesteps)
     if isinstance(num_groups, bool) or not isinstance(num_groups, int) or not 1 <= num_groups <= t:
         raise ValueError(f"tdc.num_groups must be an int in [1, {t}] (diffusion.num_timesteps), got {num_groups!r}")
     try:
-        ranges = [(int(lo), int(hi)) for lo, hi in group_timesteps(build_schedule(cfg), num_groups, method)]
+        ranges = [(int(lo), int(hi)) for lo, hi in group_timesteps(build_schedule(cfg), num_groups, method, t)]
     except ValueError as exc:
         raise ValueError(f"tdc.num_groups {num_groups} with tdc.group_method {method!r}: {exc}") from None
     empty = [i for i, (lo, hi) in enumerate(ranges) if hi <= lo]
@@ -37,8 +35,11 @@ def check_groups(cfg: Any, num_groups: int, method: str = "db") -> list[tuple[in
     return ranges
 
 
-def check_tdc_run(cfg: Any, opts: Any, run_dir: str | Path, *, overwrite: bool = False) -> RunStart:
-    """Validate a whole TDC run before anything is written or trained (module doc); returns how it starts."""
+def check_tdc_run(
+    cfg: Any, opts: Any, run_dir: str | Path, *, overwrite: bool = False, resume: bool = False
+) -> RunStart:
+    """Validate a whole TDC run before anything is written or trained (module doc); returns how it starts
+    (``resume``: a TDC run directory with its ``tdc.json``, continued where it stopped)."""
     from diffcurr_fast.train.preflight import check_backends, check_inputs
 
     cfg.validate()
@@ -46,4 +47,11 @@ def check_tdc_run(cfg: Any, opts: Any, run_dir: str | Path, *, overwrite: bool =
     check_backends(cfg)
     check_inputs(cfg)
     check_groups(cfg, opts.num_groups, opts.group_method)
+    if resume:
+        if overwrite:
+            raise ValueError("--resume and --overwrite exclude each other")
+        if not (Path(run_dir) / "tdc.json").is_file():
+            raise FileNotFoundError(f"cannot resume: {str(run_dir)!r} holds no TDC run (no tdc.json); drop --resume "
+                                    "to start one")  # fmt: skip
+        return RunStart(Path(run_dir), TDC_LAYOUT, "resume")
     return check_run_dir(run_dir, TDC_LAYOUT, overwrite=overwrite)

@@ -111,12 +111,15 @@ def importance_scores(
     group=None,
     batches: Batches | None = None,
     seed: int = 0,
+    engine=None,
 ) -> Importance:
     """Score every head and MLP channel of ``model`` (see the module docstring).
 
     ``taylor`` needs the training ``objective`` (or a formulation, for its plain eps objective), ``group`` (a
-    ``TimestepGroup`` or an ``(lo, hi)`` range) and ``batches`` of ``(x0, y)``; the model's gradients are left
-    untouched (scores use their own backward passes).
+    ``TimestepGroup`` or an ``(lo, hi)`` range) and ``batches`` of ``(x0, y)``; batch i draws its t and noise from
+    seed ``seed + i``. The model's gradients are left untouched (scores use their own backward passes). With a
+    multi-rank ``engine`` (``train.engine``) rank r takes the batches i = r mod world size and the float64
+    gradient sums are all-reduced, so every rank ends with the same scores.
     """
     if method not in IMPORTANCE_METHODS:
         raise ValueError(f"unknown importance method {method!r}; valid choices: {', '.join(IMPORTANCE_METHODS)}")
@@ -134,15 +137,18 @@ def importance_scores(
         grads = [torch.zeros_like(p, dtype=torch.float64) for p in params]
         was_training = model.training
         model.eval()  # no label dropout: the scores see the true conditioning
-        gen = torch.Generator().manual_seed(seed)
+        rank, world = (engine.rank, engine.world_size) if engine is not None else (0, 1)
         try:
-            for x0, y in batches:
-                loss = group_loss(model, objective, group, x0, y, gen)
+            for i in range(rank, len(batches), world):
+                x0, y = batches[i]
+                loss = group_loss(model, objective, group, x0, y, torch.Generator().manual_seed(seed + i))
                 for acc, g in zip(grads, torch.autograd.grad(loss, params, allow_unused=True), strict=True):
                     if g is not None:
                         acc += g.double()
         finally:
             model.train(was_training)
+        if world > 1:
+            engine.all_reduce_sum(grads)
         it = iter(zip(params, grads, strict=True))
         per_block = []
         for block in blocks:

@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
+
 from diffcurr_fast.tdc.flops import default_widths, dit_flops, widths_flops
 from diffcurr_fast.tdc.proxy import proxy_loss, recover
 from diffcurr_fast.tdc.prune import Batches, Importance, prune_to_widths, unit_costs
@@ -201,6 +203,8 @@ def proxy_search(
     seed: int = 0,
     drop_empty_blocks: bool = False,
     log_path: str | Path | None = None,
+    engine=None,
+    state_path: str | Path | None = None,
 ) -> SearchResult:
     """Multi-round proxy-based pruning of ``model`` for one group under ``budget`` per-sample FLOPs.
 
@@ -209,40 +213,130 @@ def proxy_search(
     the local proposer) when the proposer fell short, then prunes, recovers (``recover_steps``) and scores each
     candidate and stores it in the memory bank. ``history`` holds per-round proxy mean / std / min. ``log_path``
     (JSON) receives ``SearchResult.to_dict()``.
+
+    With a multi-rank ``engine`` (``train.engine``) rank 0 proposes and broadcasts the round, candidate j is
+    recovered and scored on rank j mod world size, and the scores are gathered into the same bank on every rank
+    (the best candidate's weights are broadcast from its rank). Candidate j of round r draws everything from seeds
+    of (``seed``, r, j), so the result does not depend on the number of ranks. ``state_path``: the search state
+    (bank, history, proposer RNG, best weights) is written there after every round and, when the file exists,
+    the search continues from it.
     """
     _check_search(model, budget, proposer, fallback, rounds, candidates_per_round)
+    rank, world = (engine.rank, engine.world_size) if engine is not None else (0, 1)
     bank, rng, n = MemoryBank(), random.Random(seed), candidates_per_round
     history: list[dict[str, Any]] = []
     rejected: dict[str, int] = {}
-    best_model = None
-    for r in range(rounds):
+    best_model, start = None, 0
+    if state_path is not None and Path(state_path).is_file():
+        start, best_model = _load_state(Path(state_path), model, bank, rng, history, rejected)
+    for r in range(start, rounds):
         state = SearchState.for_model(model, budget, importance, bank, r)
-        batch = _admit(state, proposer.propose(state, n, rng), proposer.name, n, rejected)
-        if fallback is not None and len(batch) < n and fallback.name != proposer.name:
-            extra = fallback.propose(state, n + len(batch), rng)
-            batch += _admit(state, extra, fallback.name, n - len(batch), {}, taken=batch)
-        scores = []
-        for cand in batch:
-            cand_model = prune_to_widths(model, importance, cand.heads, cand.mlp, drop_empty_blocks=drop_empty_blocks)
-            recover(cand_model, group, train_batches, recover_steps, objective=objective, lr=lr, seed=seed + r)
-            cand.score = proxy_loss(cand_model, group, heldout_batches, objective=objective)
+        batch = _propose_round(state, proposer, fallback, n, rng, rejected) if rank == 0 else None
+        if world > 1:
+            batch, rejected = engine.broadcast_object((batch, rejected))
+        mine = {}  # candidate index -> (score, recovered model), this rank's share
+        for j in range(rank, len(batch), world):
+            mine[j] = _score_candidate(model, batch[j], group, train_batches, heldout_batches, objective, importance,
+                                       recover_steps, lr, seed, r, j, drop_empty_blocks)  # fmt: skip
+        scores_of = {j: s for j, (s, _) in mine.items()}
+        if world > 1:
+            scores_of = {j: s for part in engine.gather_objects(scores_of) for j, s in part.items()}
+        scores, new_best = [], None
+        for j, cand in enumerate(batch):
+            cand.score = scores_of[j]
             if not math.isfinite(cand.score):
                 rejected["nonfinite"] = rejected.get("nonfinite", 0) + 1
                 continue
             if not bank.entries or cand.score < bank.best()[0].score:
-                best_model = cand_model
+                new_best = j
             bank.add(cand)
             scores.append(cand.score)
+        if new_best is not None:
+            best_model = _share_model(engine, mine, new_best, world, model)
         history.append(_round_stats(r, scores, bank))
+        if state_path is not None and rank == 0:
+            _save_state(Path(state_path), r + 1, bank, rng, history, rejected, best_model)
     if not bank.entries:
         raise ValueError(f"proxy search produced no valid candidate in {rounds} rounds (rejected: {rejected})")
     if hasattr(proposer, "stats"):
-        rejected = {**rejected, **{f"{proposer.name}_{k}": v for k, v in proposer.stats.items()}}
+        stats = {**rejected, **{f"{proposer.name}_{k}": v for k, v in proposer.stats.items()}}
+        rejected = engine.broadcast_object(stats) if world > 1 else stats
     result = SearchResult(best=bank.best()[0], model=best_model, bank=bank, history=history, rejected=rejected)
-    if log_path is not None:
+    if log_path is not None and rank == 0:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         Path(log_path).write_text(json.dumps(result.to_dict(), indent=2))
     return result
+
+
+def _propose_round(state: SearchState, proposer, fallback, n: int, rng: random.Random, rejected: dict[str, int]):
+    """The round's admitted candidates: the proposer's, filled from ``fallback`` when it fell short."""
+    batch = _admit(state, proposer.propose(state, n, rng), proposer.name, n, rejected)
+    if fallback is not None and len(batch) < n and fallback.name != proposer.name:
+        extra = fallback.propose(state, n + len(batch), rng)
+        batch += _admit(state, extra, fallback.name, n - len(batch), {}, taken=batch)
+    return batch
+
+
+def _score_candidate(model, cand, group, train_batches, heldout_batches, objective, importance, recover_steps, lr,
+                     seed, r, j, drop_empty_blocks):  # fmt: skip
+    """(proxy score, recovered model) of candidate ``j`` of round ``r``; torch's global RNG (label dropout) is
+    seeded from (seed, r, j) for the recovery and restored after."""
+    cand_model = prune_to_widths(model, importance, cand.heads, cand.mlp, drop_empty_blocks=drop_empty_blocks)
+    dev = next(model.parameters()).device
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+        torch.manual_seed(((seed * 1_000_003 + r) * 1009 + j) % 2**63)
+        recover(cand_model, group, train_batches, recover_steps, objective=objective, lr=lr, seed=seed + r)
+    return proxy_loss(cand_model, group, heldout_batches, objective=objective), cand_model
+
+
+def _share_model(engine, mine: dict, j: int, world: int, like):
+    """Candidate ``j``'s recovered model on every rank (broadcast from the rank that scored it)."""
+    if world == 1:
+        return mine[j][1]
+    owner = j % world
+    m = mine[j][1] if j in mine else None
+    payload = (m.config(), {k: v.detach().cpu() for k, v in m.state_dict().items()}) if m is not None else None
+    cfg, sd = engine.broadcast_object(payload, src=owner)
+    return m if m is not None else _rebuild(like, cfg, sd)
+
+
+def _rebuild(like, config: dict, state_dict: dict):
+    """A model of ``like``'s class and device from a pruned ``config`` and its weights."""
+    ref = next(like.parameters())
+    new = type(like).from_config(config).to(device=ref.device, dtype=ref.dtype)
+    new.load_state_dict(state_dict, strict=True)
+    return new.eval()
+
+
+def _save_state(path: Path, next_round: int, bank: MemoryBank, rng: random.Random, history, rejected, best) -> None:
+    """The search after a round, written atomically (one file: a crash leaves the previous round's)."""
+    from diffcurr_fast.train.checkpoint import atomic_save
+
+    weights = None if best is None else {k: v.detach().cpu() for k, v in best.state_dict().items()}
+    state = {
+        "next_round": next_round,
+        "bank": bank.to_list(),
+        "history": history,
+        "rejected": rejected,
+        "rng": rng.getstate(),
+        "best_config": None if best is None else best.config(),
+        "best_weights": weights,
+    }
+    # fmt: skip
+    atomic_save(state, path)
+
+
+def _load_state(path: Path, model, bank: MemoryBank, rng: random.Random, history: list, rejected: dict):
+    """Fill ``bank``, ``rng``, ``history`` and ``rejected`` from a saved search; (next round, best model)."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    for c in state["bank"]:
+        bank.add(Candidate(**c))
+    v, internal, gauss = state["rng"]
+    rng.setstate((v, tuple(internal), gauss))
+    history.extend(state["history"])
+    rejected.update(state["rejected"])
+    best = None if state["best_config"] is None else _rebuild(model, state["best_config"], state["best_weights"])
+    return int(state["next_round"]), best
 
 
 def _check_search(model, budget, proposer, fallback, rounds, candidates_per_round) -> None:

@@ -339,6 +339,8 @@ class TDCConfig:
     drop_empty_blocks: bool = _f(False, "remove blocks left with no head and no channel")
     finetune_steps: int = _pos(200, "stage-2 fine-tuning steps of every expert")
     finetune_lr: float = _nonneg(0.0, "stage-2 peak learning rate (0 = optim.lr)")
+    expert_parallel: bool = _f(False, "stage 2 with the ranks split into min(N, world) parts, each searching and "
+                               "fine-tuning its own groups (DDP; false: every expert over all ranks)")  # fmt: skip
     llm_url: str = _f("", "llm proposer: OpenAI-compatible endpoint (https://host/v1)")
     llm_model: str = _f("", "llm proposer: model name")
     llm_api_key_env: str = _f("", "llm proposer: NAME of the environment variable holding the API key")

@@ -5,9 +5,11 @@ The loop never branches on the engine: it asks it for the device, builds the wra
 ``setup``, runs each micro-batch inside ``accumulate`` and back-propagates with ``backward``, clips with
 ``clip_grad_norm`` (None when the engine clips inside its step), steps with ``step`` (which drops the gradients of
 a non-finite step instead), reads or writes full parameters inside ``full_params``, keeps optimizer state with
-``optimizer_state`` / ``load_optimizer_state``, reduces flags with ``all_true`` and gathers per-rank state with
-``gather_objects``. DDP and DeepSpeed read the launcher environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-``MASTER_ADDR``, ``MASTER_PORT``) and use NCCL on CUDA, gloo on CPU.
+``optimizer_state`` / ``load_optimizer_state``, reduces flags with ``all_true`` and sums with ``all_reduce_sum``,
+gathers per-rank state with ``gather_objects`` and shares one rank's with ``broadcast_object``; ``split`` gives the
+engine of a part of the ranks (DDP over its own process group; TDC's expert parallelism). DDP and DeepSpeed
+read the launcher environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) and use
+NCCL on CUDA, gloo on CPU.
 """
 
 from __future__ import annotations
@@ -72,10 +74,22 @@ class Engine:
     """Single-process engine: no communication."""
 
     kind = "single"
+    part = 0  # index of this rank's part after ``split`` (0: not split)
 
     def __init__(self, device: str = "auto"):
         self.rank, self.world_size, self.local_rank = 0, 1, 0
         self.device = _resolve_device(device, 0)
+
+    def split(self, parts: int) -> Engine:
+        """The engine of this rank's part when the ranks are split into ``parts`` contiguous parts of (nearly) equal
+        size (``part_leaders(parts)`` are their first ranks); every rank calls it. One part: this engine."""
+        if isinstance(parts, bool) or not isinstance(parts, int) or not 1 <= parts <= self.world_size:
+            raise ValueError(f"parts must be an int in [1, {self.world_size}] (the world size), got {parts!r}")
+        return self
+
+    def part_leaders(self, parts: int) -> list[int]:
+        """The global rank of the first rank of each of ``parts`` parts (``split``)."""
+        return [self.world_size * i // parts for i in range(parts)]
 
     @property
     def is_main(self) -> bool:
@@ -141,6 +155,13 @@ class Engine:
         """``[obj of rank 0, obj of rank 1, ...]``."""
         return [obj]
 
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank (picklable; tensors come back on the CPU)."""
+        return obj
+
+    def all_reduce_sum(self, tensors: list[torch.Tensor]) -> None:
+        """Sum each tensor over the ranks, in place."""
+
     def barrier(self) -> None:
         pass
 
@@ -161,15 +182,30 @@ class DDPEngine(Engine):
         self.world_size = int(os.environ["WORLD_SIZE"])
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
         self.device = _resolve_device(device, self.local_rank)
+        self.group: Any = None  # the process group of the collectives (None: every rank)
         self._owns_group = not dist.is_initialized()
         if self._owns_group:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             kw = {"device_id": self.device} if self.device.type == "cuda" else {}
             dist.init_process_group(backend=backend, rank=self.rank, world_size=self.world_size, **kw)
 
+    def split(self, parts: int) -> Engine:
+        super().split(parts)
+        if parts == 1:
+            return self
+        bounds = [*self.part_leaders(parts), self.world_size]
+        sub = copy.copy(self)
+        for i in range(parts):  # every rank creates every group, in the same order
+            ranks = list(range(bounds[i], bounds[i + 1]))
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                sub.group, sub.rank, sub.world_size, sub.part = group, ranks.index(self.rank), len(ranks), i
+        sub._owns_group = False
+        return sub
+
     def wrap(self, model: nn.Module) -> nn.Module:
         ids = [self.device.index] if self.device.type == "cuda" else None
-        return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids, process_group=self.group)
 
     @contextlib.contextmanager
     def accumulate(self, net: nn.Module, boundary: bool) -> Iterator[None]:
@@ -179,20 +215,33 @@ class DDPEngine(Engine):
             yield
 
     def _collective_device(self) -> torch.device:
-        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        return self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
 
     def all_true(self, flag: bool | torch.Tensor) -> bool:
         t = torch.as_tensor(flag).to(self._collective_device(), torch.int32).reshape(1).clone()
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return bool(t.item())
 
     def gather_objects(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        box = [obj if self.rank == src else None]
+        dist.broadcast_object_list(box, group=self.group, device=self._collective_device(), group_src=src)
+        return box[0]
+
+    def all_reduce_sum(self, tensors: list[torch.Tensor]) -> None:
+        dev = self._collective_device()
+        for t in tensors:
+            buf = t.to(dev)
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
+            if buf is not t:
+                t.copy_(buf)
+
     def barrier(self) -> None:
-        dist.barrier()
+        dist.barrier(group=self.group)
 
     def close(self) -> None:
         if self._owns_group and dist.is_initialized():
@@ -309,11 +358,18 @@ class DeepSpeedEngine(DDPEngine):
         self.world_size = int(os.environ["WORLD_SIZE"])
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
         self.device = _resolve_device(device, self.local_rank)
+        self.group: Any = None
         self._owns_group = not dist.is_initialized()
         # joins an existing process group (e.g. one a DDP engine of the same process created) or creates one
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
         self.ds: Any = None
         self.stage = 0
+
+    def split(self, parts: int) -> Engine:
+        if parts != 1:
+            raise ValueError("splitting the ranks into parts (tdc.expert_parallel) needs engine.kind ddp; DeepSpeed "
+                             "trains over every rank")  # fmt: skip
+        return self
 
     def setup(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Any = None

@@ -140,8 +140,14 @@ class Trainer:
             min_delta=c.min_delta, stage_iters=c.stage_iters or None, eval_every=c.eval_every,
             adaptive_floor=c.adaptive_floor,
         )  # fmt: skip
+        self.curriculum.process_group = getattr(self.engine, "group", None)  # the ranks of this run
         latest = self.start.checkpoint
-        self.model = (build_model(cfg) if model is None else _check_given_model(model, cfg)).to(self.device)
+        # One initialisation on every rank, rank 0's (the EMA copies it before DDP or DeepSpeed broadcast rank 0's
+        # weights to the model only); rank 0's own random stream is left as a single-process run has it.
+        with torch.random.fork_rng(devices=[], enabled=rank > 0):
+            if rank > 0:
+                torch.manual_seed(e.seed)
+            self.model = (build_model(cfg) if model is None else _check_given_model(model, cfg)).to(self.device)
         if cfg.model.init_from and latest is None:  # fine-tuning start; a resumed run takes its checkpoint's weights
             load_init_weights(self.model, cfg.model.init_from)
         self.ema = EMA(self.model, o.ema_decay, o.ema_warmup)

@@ -68,6 +68,7 @@ TRAIN_LAYOUT = RunLayout(
 TDC_LAYOUT = RunLayout(
     files=(
         r"tdc\.json", r"accounting\.json", r"samples\.png", r"group_\d+/search\.(json|png)",
+        r"group_\d+/(search_state\.pt|expert\.safetensors)", r"stage1/tdc_stage1\.json",
         r"bundle/(bundle\.json|weights\.safetensors|train_config\.json)",
     ),
     subruns=((r"stage1", TRAIN_LAYOUT), (r"group_\d+/finetune", TRAIN_LAYOUT)),
