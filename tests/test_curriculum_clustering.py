@@ -190,7 +190,8 @@ def test_default_snr_clusters_of_ddpm1000_match_independent_dp(beta_schedule):
     assert np.all(np.diff(v) < 0)  # monotone: the one-sign-per-side cost above holds
     want, total, cost = _np_interval_dp(v, 20)
     rng = np.random.default_rng(0)  # the cost against a brute-force median deviation on random intervals
-    for lo, hi in [(0, 1), (0, 2), (3, 10), (0, 1000), *(sorted(rng.choice(1001, 2, replace=False)) for _ in range(20))]:
+    spans = [(0, 1), (0, 2), (3, 10), (0, 1000), *(sorted(rng.choice(1001, 2, replace=False)) for _ in range(20))]
+    for lo, hi in spans:
         assert cost[lo, hi] == pytest.approx(np.abs(v[lo:hi] - np.median(v[lo:hi])).sum(), rel=1e-9, abs=1e-9)
     got = cluster_timesteps(sched, 20)  # the default method
     assert got == cluster_timesteps(sched, 20, "snr")

@@ -19,7 +19,7 @@ def net():
     torch.manual_seed(0)
     m = FIDInceptionV3()
     with torch.no_grad():  # random weights and BN statistics that keep activations O(1) through 16 blocks
-        for name, mod in m.named_modules():
+        for mod in m.modules():
             if isinstance(mod, torch.nn.Conv2d):
                 fan_in = mod.weight[0].numel()
                 mod.weight.normal_(0, (2.0 / fan_in) ** 0.5)

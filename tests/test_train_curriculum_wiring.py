@@ -128,9 +128,10 @@ def test_min_snr_gamma_reaches_the_training_loss(tmp_path, gamma, fused):
                "engine.max_steps=1")  # fmt: skip
     tr = Trainer(cfg, dataset=_constant_dataset(x0))
     calls = []
-    tr.model.register_forward_hook(lambda m, args, out: calls.append((args[0].double(), args[1], out.detach().double())))
+    keep = lambda m, args, out: calls.append((args[0].double(), args[1], out.detach().double()))  # noqa: E731
+    tr.model.register_forward_hook(keep)
     tr.fit()
-    (x_t, t, out), = calls
+    ((x_t, t, out),) = calls
     logged = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["loss"]
     ab = tr.schedule.alphas_cumprod[t.cpu()].double().view(-1, 1, 1, 1)
     eps = (x_t - ab.sqrt() * x0.double()) / (1 - ab).sqrt()
