@@ -175,6 +175,11 @@ def test_ema_math():
         torch.testing.assert_close(e, 0.5 * s + 0.5 * p.detach())
     with pytest.raises(ValueError, match="EMA decay must lie in \\[0, 1\\], got 1.5"):
         EMA(model, decay=1.5)
+    default = EMA(model)  # DiT's decay with the warm-up: 0.1 at the first update
+    assert default.current_decay() == pytest.approx(0.1) and default.decay == 0.9999
+    assert not any(p.requires_grad for p in default.module.parameters())  # the averages are no-grad copies
+    for edge in (0.0, 1.0):  # both ends of [0, 1] are valid: a plain copy, frozen weights
+        assert EMA(model, decay=edge, warmup=False).current_decay() == edge
 
 
 def test_lr_schedule(tmp_path):
