@@ -208,3 +208,17 @@ def test_cfg_and_seed_change_the_samples(distinct_run, tmp_path):
     assert np.abs(outs["cfg1"] - outs["cfg3"]).max() > 1e-3
     assert np.abs(outs["cfg1"] - outs["seed1"]).max() > 1e-3
     np.testing.assert_allclose(outs["cfg1"], _direct(run_dir, "ema", seed=0, cfg_scale=1.0)[0], rtol=0, atol=1e-6)
+
+
+def test_png_grid_layout(run_dir, tmp_path):
+    """One row per class without --labels (10 classes: 10 columns), a square grid with them; 8 px images shown x4."""
+    from PIL import Image
+
+    rows = {}
+    for key, extra in {"classes": (), "labels": ("--labels", "2,7")}.items():
+        out = tmp_path / f"{key}.png"
+        assert cli_sample.run(_args("--ckpt", str(run_dir), "--steps", "2", "--num", "7", "--out", str(out),
+                                    *extra)) == 0  # fmt: skip
+        rows[key] = Image.open(out).size  # (width, height)
+    assert rows["classes"] == ((10 * 9 + 1) * 4, (1 * 9 + 1) * 4)  # nrow = num_classes, 1 pixel padding
+    assert rows["labels"] == ((3 * 9 + 1) * 4, (3 * 9 + 1) * 4)  # ceil(sqrt(7)) = 3 per row
