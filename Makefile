@@ -18,7 +18,7 @@ endif
 
 SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.h)
 
-.PHONY: setup test demo bench lint format clean cpp-test cuda-compile
+.PHONY: setup test demo bench lint format clean cpp-test cuda-compile mutation
 
 setup: $(STAMP)
 
@@ -57,5 +57,16 @@ cpp-test: setup
 cuda-compile: setup
 	$(PY) -m pytest -q tests/test_cuda_compile.py
 
+# Mutation testing of the integration modules with mutmut (docs/mutation.md); not part of `make test`. Config in
+# pyproject.toml [tool.mutmut]; MUTANTS narrows the run to fnmatch patterns of mutant names, e.g.
+# MUTANTS='diffcurr_fast.train.ema.*'. Results stay in mutants/ (a rerun checks only what changed).
+MUTANTS ?=
+MUTATION_JOBS ?= 2
+
+mutation: setup
+	@$(PY) -c "import mutmut" 2>/dev/null || $(PY) -m pip install "mutmut>=3.3"  # the `mutation` extra
+	nice -n 10 $(PY) -m mutmut run --max-children $(MUTATION_JOBS) $(MUTANTS)
+	$(PY) tests/mutation_report.py
+
 clean:
-	rm -rf build *.egg-info diffcurr_fast/_C*.so csrc/build .installed $(VENV)/.installed
+	rm -rf build *.egg-info diffcurr_fast/_C*.so csrc/build .installed $(VENV)/.installed mutants

@@ -93,7 +93,10 @@ setup(
         "dali": ["nvidia-dali-cuda130"],
         "diffusers": ["diffusers"],
         "flash": ["flash-attn"],
-        "dev": ["pytest>=8", "pytest-xdist", "ruff", "scikit-learn", "scipy", "ninja"],
+        # diffusers pulls neither torch nor torchvision (checked with pip install --dry-run); the tests run a
+        # tiny real AutoencoderKL through extract-latents and sample --vae.
+        "dev": ["pytest>=8", "pytest-xdist", "ruff", "scikit-learn", "scipy", "ninja", "diffusers"],
+        "mutation": ["mutmut>=3.3"],
     },
     entry_points={"console_scripts": ["diffcurr-fast=diffcurr_fast.cli:main"]},
     ext_modules=ext_modules,

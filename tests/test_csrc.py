@@ -505,6 +505,21 @@ def test_bad_inputs_raise_clear_errors():
 # ----------------------------------------------------------------------------- instruction sets
 
 
+def _cpu_supported_isas() -> list[str]:
+    """The variants this CPU can run, from /proc/cpuinfo (as the extension checks them)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return ["generic"]
+    isas = ["generic"]
+    if {"avx2", "fma", "f16c", "bmi2"} <= flags:
+        isas.append("avx2")
+        if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+            isas.append("avx512")
+    return isas
+
+
 def test_isa_variants_agree(tmp_path):
     """Each compiled instruction-set variant gives the same results to a few ulp."""
     script = (
@@ -527,6 +542,8 @@ def test_isa_variants_agree(tmp_path):
         results[isa] = torch.load(path)
     base = results["generic"]
     assert base[0] == "generic"
+    for isa in _cpu_supported_isas():  # a forced ISA the CPU has is the one that ran (else it falls back)
+        assert results[isa][0] == isa, (isa, results[isa][0])
     for isa, res in results.items():
         for got, ref in zip(res[1:], base[1:]):
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, msg=f"{isa} differs from generic")

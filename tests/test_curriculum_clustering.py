@@ -135,3 +135,67 @@ def test_bad_inputs():
         check_clusters([(0, 5), (6, 10)], 10)
     with pytest.raises(ValueError, match="cover"):
         check_clusters([(0, 5), (5, 9)], 10)
+
+
+# ---- the default clustering of the paper's schedules, against an independent interval DP ----------------------
+
+
+def _np_log_snr(beta_schedule, T=1000):
+    """log SNR_t = log(abar_t / (1 - abar_t)) in float64 numpy, betas written out from DDPM / IDDPM."""
+    import numpy as np
+
+    if beta_schedule == "linear":  # Ho et al. (DiT / IDDPM scaled to T): linspace(1e-4, 0.02) at T = 1000
+        betas = np.linspace(1000 / T * 1e-4, 1000 / T * 0.02, T, dtype=np.float64)
+    else:  # Nichol & Dhariwal Eq. 17, s = 0.008, betas clipped at 0.999
+        f = lambda x: np.cos((x / T + 0.008) / 1.008 * np.pi / 2) ** 2  # noqa: E731
+        i = np.arange(T, dtype=np.float64)
+        betas = np.minimum(1 - f(i + 1) / f(i), 0.999)
+    abar = np.cumprod(1 - betas)
+    return np.log(abar) - np.log1p(-abar)
+
+
+def _np_interval_dp(v, n_clusters):
+    """Contiguous clustering of monotone v minimising sum_k sum_{i in I_k} |v_i - median(I_k)|: O(N T^2) DP."""
+    import numpy as np
+
+    T = len(v)
+    cost = np.full((T + 1, T + 1), np.inf)
+    for lo in range(T):
+        s = v[lo:]
+        P = np.concatenate([[0.0], np.cumsum(s)])
+        n = np.arange(1, T - lo + 1)  # interval lengths
+        m = n // 2  # a middle element: every point between the two middles has the same L1 cost
+        sm = s[m]
+        cost[lo, lo + 1 :] = np.abs(P[n] - P[m] - (n - m) * sm) + np.abs(m * sm - P[m])  # monotone: one sign per side
+    best = cost[0].copy()  # one cluster ending at r
+    back = []
+    for _ in range(1, n_clusters):
+        total = best[:, None] + cost  # split l x end r
+        back.append(total.argmin(axis=0))
+        best = total.min(axis=0)
+    bounds = [T]
+    for arg in reversed(back):
+        bounds.append(int(arg[bounds[-1]]))
+    bounds = [0] + bounds[::-1] if bounds[-1] != 0 else bounds[::-1]
+    return [(bounds[k], bounds[k + 1]) for k in range(len(bounds) - 1)], float(best[T]), cost
+
+
+@pytest.mark.parametrize("beta_schedule", ["linear", "cosine"])
+def test_default_snr_clusters_of_ddpm1000_match_independent_dp(beta_schedule):
+    import numpy as np
+
+    v = _np_log_snr(beta_schedule)
+    sched = DDPMSchedule(1000, beta_schedule)
+    np.testing.assert_allclose(sched.log_snr(torch.arange(1000)).numpy(), v, rtol=1e-9, atol=1e-9)
+    assert np.all(np.diff(v) < 0)  # monotone: the one-sign-per-side cost above holds
+    want, total, cost = _np_interval_dp(v, 20)
+    rng = np.random.default_rng(0)  # the cost against a brute-force median deviation on random intervals
+    spans = [(0, 1), (0, 2), (3, 10), (0, 1000), *(sorted(rng.choice(1001, 2, replace=False)) for _ in range(20))]
+    for lo, hi in spans:
+        assert cost[lo, hi] == pytest.approx(np.abs(v[lo:hi] - np.median(v[lo:hi])).sum(), rel=1e-9, abs=1e-9)
+    got = cluster_timesteps(sched, 20)  # the default method
+    assert got == cluster_timesteps(sched, 20, "snr")
+    assert got == want, (got, want)
+    assert sum(cost[lo, hi] for lo, hi in got) == pytest.approx(total, rel=1e-12)
+    sizes = [hi - lo for lo, hi in got]
+    assert max(sizes) < 150, sizes  # plain SNR would give [1, 1, ..., 123, 737]

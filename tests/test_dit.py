@@ -143,10 +143,29 @@ def test_dit_xl2_parameter_count_matches_release():
 
 @pytest.mark.parametrize("name", ["DiT-S/2", "DiT-S/4", "DiT-S/8"])
 def test_small_presets_run(name):
-    model = create_dit(name, input_size=16, num_classes=10, learn_sigma=False)
+    p = int(name.split("/")[1])
+    model = create_dit(name, input_size=16, num_classes=10, learn_sigma=False).eval()  # eval: no label dropout
+    assert (len(model.blocks), model.hidden_size, model.num_heads, model.patch_size) == (12, 384, 6, p)  # DiT-S
+    assert model.x_embedder.num_patches == (16 // p) ** 2
+    n_params = sum(q.numel() for q in model.parameters())
+    # the closed form counts 2 * in_channels outputs (learned sigma): remove the second half of the last linear
+    assert n_params == analytic_param_count(12, 384, p, input_size=16, num_classes=10) - (p * p * 4) * (384 + 1)
+    final = model.final_layer
+    assert all(torch.equal(q, torch.zeros_like(q)) for q in final.parameters())  # adaLN-Zero: output 0 at init
+    with torch.no_grad():
+        for q in final.parameters():
+            q.normal_(0, 0.05)
     x = torch.randn(3, 4, 16, 16)
-    out = model(x, torch.tensor([0, 10, 999]), torch.tensor([0, 9, 10]))
-    assert out.shape == (3, 4, 16, 16)
+    t, y = torch.tensor([0, 10, 999]), torch.tensor([0, 9, 10])
+    out = model(x, t, y)
+    assert out.shape == (3, 4, 16, 16) and out.abs().max() > 0
+    # the same batch plus sample 0 at another timestep and with another label: every sample depends on its own
+    # input, timestep and label only
+    more = model(
+        torch.cat([x, x[:1], x[:1]]), torch.cat([t, torch.tensor([500, 0])]), torch.cat([y, torch.tensor([0, 3])])
+    )
+    torch.testing.assert_close(more[:3], out, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(more[3], out[0], atol=1e-3) and not torch.allclose(more[4], out[0], atol=1e-3)
 
 
 def test_unknown_preset_lists_valid_names():

@@ -58,5 +58,10 @@ def test_seeded_fused_step_equals_stored_noise_step():
 def test_example_main_runs_on_digits(capsys):
     pytest.importorskip("sklearn")
     example.main(["--steps", "3", "--batch", "8"])
-    out = capsys.readouterr().out
-    assert "step    0" in out and "fused" in out
+    lines = capsys.readouterr().out.strip().splitlines()
+    rows = [line.split() for line in lines]
+    assert [int(r[1]) for r in rows] == [0, 2]  # steps 0 and the last
+    for r in rows:  # "step N  diffusers-style A  fused B": both models train in lockstep on the same loss
+        assert r[2] == "diffusers-style" and r[4] == "fused"
+        a, b = float(r[3]), float(r[5])
+        assert a > 0 and b == pytest.approx(a, rel=1e-4)

@@ -170,10 +170,26 @@ def test_eval_cli_from_checkpoint(digits_cache, tmp_path, capsys):
     parser = argparse.ArgumentParser()
     cli_eval.add_arguments(parser)
     argv = ["--ckpt", str(run), "--num", "12", "--steps", "3", "--splits", "2", "--ref", "digits"]
-    args = parser.parse_args(argv + ["--extractor", "digits", "--digits-cache", str(path)])
+    args = parser.parse_args(argv + ["--extractor", "digits", "--digits-cache", str(path), "--json",
+                                     str(tmp_path / "m.json")])  # fmt: skip
     with single_thread():
         assert cli_eval.run(args) == 0
     out = capsys.readouterr().out
     assert "sampled 12 images" in out and "extractor: digits (digits-classifier features: not Inception FID)" in out
+    import json
+
+    got = json.loads((tmp_path / "m.json").read_text())
+    from diffcurr_fast.eval.evaluate import evaluate, load_reference, samples_from_checkpoint
+    from diffcurr_fast.eval.features import get_extractor
+
+    with single_thread():  # the same evaluation, step by step
+        images = samples_from_checkpoint(str(run), 12, sampler=args.sampler, steps=3, cfg_scale=args.cfg,
+                                                  seed=args.seed, weights=args.weights, device=args.device)  # fmt: skip
+        extractor = get_extractor("digits", digits_cache=str(path), device=args.device)
+        want = evaluate(images, load_reference("digits", extractor), extractor, splits=2, k=args.k)
+    assert images.shape[0] == 12 and got["num_samples"] == 12
+    assert got["fd"] == pytest.approx(want.fd, rel=1e-6) and got["fd"] > 0
+    assert got["inception_score"] == pytest.approx(want.inception_score, rel=1e-6) and got["inception_score"] >= 1
+    assert f"FD: {want.fd:.4f}" in out
     with pytest.raises(SystemExit):
         parser.parse_args(["--ckpt", str(run), "--samples", "x.npz"])

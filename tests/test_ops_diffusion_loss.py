@@ -184,3 +184,37 @@ def test_float16_kernels_match_reference(backend):
     torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-4, atol=1e-6)
     assert grads[0][1].dtype == torch.float16
     torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-3, atol=1e-5)
+
+
+def _min_snr_weight(snr, prediction, gamma):
+    # Hang et al. Eq. 5 in the space of each target: x0 min(SNR, g); eps min(SNR, g) / SNR; v min(SNR, g) / (SNR + 1)
+    w = torch.minimum(snr, torch.full_like(snr, gamma))
+    return {"x0": w, "eps": w / snr, "v": w / (snr + 1)}[prediction]
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("prediction", ["eps", "x0", "v"])
+def test_min_snr_gamma_reaches_every_backend(backend, prediction):
+    """gamma in {1, 5, 20}, one after another on the same schedule (a weight table cached per gamma must not be
+    reused for another), against min(SNR, gamma) written out here."""
+    _need(backend)
+    B, shape = 17, (17, 2, 3, 5)
+    x0, noise = torch.randn(shape, dtype=torch.float64), torch.randn(shape, dtype=torch.float64)
+    t = torch.arange(B) * 58 + 5  # SNR from ~1e4 down to ~1e-3: every gamma clips some of them
+    pred = torch.randn(shape, dtype=torch.float64)
+    snr = SCHED.alphas_cumprod[t] / (1 - SCHED.alphas_cumprod[t])
+    tgt = {"eps": noise, "x0": x0, "v": SCHED.alphas_cumprod[t].sqrt().view(-1, 1, 1, 1) * noise
+           - (1 - SCHED.alphas_cumprod[t]).sqrt().view(-1, 1, 1, 1) * x0}[prediction]  # fmt: skip
+    mse = (pred - tgt).square().flatten(1).mean(1)
+    got = {}
+    for gamma in (1.0, 5.0, 20.0, 1.0):
+        p = pred.float().requires_grad_()
+        loss = diffusion_loss(p, x0.float(), noise.float(), t, SCHED, prediction=prediction, weighting="min_snr",
+                              gamma=gamma, reduction="none", backend=backend)  # fmt: skip
+        loss.sum().backward()
+        w = _min_snr_weight(snr, prediction, gamma)
+        torch.testing.assert_close(loss.double(), w * mse, rtol=2e-5, atol=1e-6)
+        grad = w.view(-1, 1, 1, 1) * 2 * (pred - tgt) / (2 * 3 * 5)
+        torch.testing.assert_close(p.grad.double(), grad, rtol=2e-5, atol=1e-7)
+        got[gamma] = loss.detach()
+    assert not torch.allclose(got[1.0], got[20.0])  # gamma is not ignored on these timesteps

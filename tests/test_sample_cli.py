@@ -142,3 +142,94 @@ def test_continuous_checkpoints_sample_with_ode_samplers(tmp_path, form, pred, s
             cli_sample.run(_args("--ckpt", str(run), "--sampler", "ddim", "--out", str(tmp_path / "g.png")))
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def distinct_run(run_dir, tmp_path_factory):
+    """The run's newest checkpoint with its raw and EMA weights moved apart (3 training steps barely move a DiT
+    from its zero-initialised output layer, so every sample would clip to the same +-1 image)."""
+    from diffcurr_fast.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+
+    state = load_checkpoint(latest_checkpoint(run_dir))
+    gen = torch.Generator().manual_seed(0)
+    for key, scale in (("model", 0.05), ("ema", 0.03)):
+        sd = state["ema"]["module"] if key == "ema" else state["model"]
+        for name, v in sd.items():
+            if v.is_floating_point():
+                sd[name] = v + scale * torch.randn(v.shape, generator=gen, dtype=v.dtype)
+    # without model_config, as a checkpoint of a plain DiT may be: the model is rebuilt from the training config
+    # (the pruned-expert path, which reads model_config, is covered by the TDC pipeline tests)
+    state.pop("model_config", None)
+    out = tmp_path_factory.mktemp("distinct") / "run"
+    save_checkpoint(out, int(state["step"]), state, 1)
+    return out
+
+
+def _direct(ckpt_dir, weights, *, seed, cfg_scale, steps=3, num=6, sampler="ddim"):
+    """What the CLI should write: ``sample()`` on the named weights of the newest checkpoint."""
+    from diffcurr_fast.train.checkpoint import latest_checkpoint, load_checkpoint
+    from diffcurr_fast.train.config import config_from_dict
+    from diffcurr_fast.train.sampling import build_model, build_schedule, sample
+
+    state = load_checkpoint(latest_checkpoint(ckpt_dir))
+    cfg = config_from_dict(state["config"])
+    model = build_model(cfg)
+    model.load_state_dict(state["ema"]["module"] if weights == "ema" else state["model"])
+    labels = torch.arange(num) % cfg.model.num_classes
+    x = sample(model.eval(), build_schedule(cfg), sampler=sampler, steps=steps, labels=labels, channels=1, size=8,
+               num_classes=10, learn_sigma=cfg.diffusion.learn_sigma, prediction=cfg.diffusion.prediction,
+               cfg_scale=cfg_scale, clip_denoised=False, seed=seed)  # fmt: skip
+    return (x / cfg.data.scale).numpy(), labels.numpy()
+
+
+@pytest.fixture
+def float_npz(monkeypatch):
+    """The sample command's float layout (``x``, ``y``, unclipped) for the digits model: its ADM uint8 layout
+    would hide the small differences these tests look for."""
+    from diffcurr_fast.train import sampling
+
+    monkeypatch.setattr(sampling, "pixel_range", lambda cfg: False)
+
+
+@pytest.mark.parametrize("weights", ["ema", "model"])
+@pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
+@pytest.mark.parametrize("sampler", ["ddim", "heun"])
+def test_npz_equals_direct_sample_of_the_named_weights(float_npz, distinct_run, tmp_path, weights, cfg_scale, sampler):
+    run_dir = distinct_run
+    out = tmp_path / "s.npz"
+    assert cli_sample.run(_args("--ckpt", str(run_dir), "--sampler", sampler, "--steps", "3", "--num", "6",
+                                "--cfg", str(cfg_scale), "--seed", "11", "--weights", weights,
+                                "--out", str(out))) == 0  # fmt: skip
+    z = np.load(out)
+    x, y = _direct(run_dir, weights, seed=11, cfg_scale=cfg_scale, sampler=sampler)
+    assert z["y"].tolist() == y.tolist()
+    np.testing.assert_allclose(z["x"], x, rtol=0, atol=1e-6)
+    other = _direct(run_dir, "model" if weights == "ema" else "ema", seed=11, cfg_scale=cfg_scale, sampler=sampler)[0]
+    assert np.abs(other - x).max() > 1e-3  # the EMA and the raw weights give different samples
+
+
+def test_cfg_and_seed_change_the_samples(float_npz, distinct_run, tmp_path):
+    run_dir = distinct_run
+    outs = {}
+    for key, argv in {"cfg1": ("--cfg", "1"), "cfg3": ("--cfg", "3"), "seed1": ("--cfg", "1", "--seed", "1")}.items():
+        out = tmp_path / f"{key}.npz"
+        assert cli_sample.run(_args("--ckpt", str(run_dir), "--steps", "3", "--num", "6", *argv,
+                                    "--out", str(out))) == 0  # fmt: skip
+        outs[key] = np.load(out)["x"]
+    assert np.abs(outs["cfg1"] - outs["cfg3"]).max() > 1e-3
+    assert np.abs(outs["cfg1"] - outs["seed1"]).max() > 1e-3
+    np.testing.assert_allclose(outs["cfg1"], _direct(run_dir, "ema", seed=0, cfg_scale=1.0)[0], rtol=0, atol=1e-6)
+
+
+def test_png_grid_layout(run_dir, tmp_path):
+    """One row per class without --labels (10 classes: 10 columns), a square grid with them; 8 px images shown x4."""
+    from PIL import Image
+
+    rows = {}
+    for key, extra in {"classes": (), "labels": ("--labels", "2,7")}.items():
+        out = tmp_path / f"{key}.png"
+        assert cli_sample.run(_args("--ckpt", str(run_dir), "--steps", "2", "--num", "7", "--out", str(out),
+                                    *extra)) == 0  # fmt: skip
+        rows[key] = Image.open(out).size  # (width, height)
+    assert rows["classes"] == ((10 * 9 + 1) * 4, (1 * 9 + 1) * 4)  # nrow = num_classes, 1 pixel padding
+    assert rows["labels"] == ((3 * 9 + 1) * 4, (3 * 9 + 1) * 4)  # ceil(sqrt(7)) = 3 per row

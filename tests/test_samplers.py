@@ -312,3 +312,66 @@ def test_sampler_bad_input():
         edm_heun_sample(edm_denoiser, (2, 2), sigma_min=5.0, sigma_max=1.0)
     with pytest.raises(ValueError, match="t_end < t_start"):
         flow_sample(flow_velocity, (2, 2), t_start=0.2, t_end=0.5)
+
+
+# ---- the checkpoint samplers of train.sampling: heun and euler on DDPM and EDM models -------------------------
+
+
+class _DDPMGaussianEps(torch.nn.Module):
+    """Exact eps-predictor for x0 ~ N(MU, S^2) at the fractional timesteps the ODE samplers query: sigma(t) by
+    linear interpolation of the log-sigma table, the inverse of the sampler's t(sigma)."""
+
+    def __init__(self, base: DDPMSchedule):
+        super().__init__()
+        abar = base.alphas_cumprod
+        self.log_sigmas = 0.5 * (torch.log1p(-abar) - torch.log(abar))
+        self.times = []
+
+    def forward(self, x, t, y):
+        self.times.append(t.detach().double().clone())
+        i = t.double().clamp(0, len(self.log_sigmas) - 1)
+        lo = i.floor().long().clamp(max=len(self.log_sigmas) - 2)
+        ls = self.log_sigmas[lo] + (i - lo) * (self.log_sigmas[lo + 1] - self.log_sigmas[lo])
+        abar = (1.0 / (1.0 + torch.exp(2 * ls))).reshape(-1, 1, 1, 1)
+        a, c = abar.sqrt(), (1 - abar).sqrt()
+        xd = x.double()
+        return ((xd - a * _posterior_x0(xd, a, c, MU)) / c).to(x.dtype)
+
+
+class _EDMGaussianF(torch.nn.Module):
+    """Raw EDM network F = (D - c_skip x) / c_out of the exact denoiser, from its inputs (c_in x, c_noise)."""
+
+    def __init__(self, sigma_data=0.5):
+        super().__init__()
+        self.sd = sigma_data
+
+    def forward(self, x_in, c_noise, y):
+        sigma = torch.exp(4.0 * c_noise.double()).reshape(-1, 1, 1, 1)  # c_noise = ln(sigma) / 4
+        sd2 = self.sd**2
+        x = x_in.double() * (sigma**2 + sd2).sqrt()  # c_in = 1 / sqrt(sigma^2 + sd^2)
+        den = _posterior_x0(x, 1.0, sigma, MU)
+        c_skip, c_out = sd2 / (sigma**2 + sd2), sigma * self.sd / (sigma**2 + sd2).sqrt()
+        return ((den - c_skip * x) / c_out).to(x_in.dtype)
+
+
+@pytest.mark.parametrize("sampler,steps", [("euler", 120), ("heun", 40)])
+@pytest.mark.parametrize("kind", ["ddpm", "edm"])
+def test_checkpoint_ode_samplers_gaussian(kind, sampler, steps):
+    from diffcurr_fast.diffusion import EDMFormulation
+    from diffcurr_fast.train.sampling import sample
+
+    if kind == "ddpm":
+        schedule = DDPMSchedule(1000)
+        model = _DDPMGaussianEps(schedule)
+        sigma_max = float(model.log_sigmas[-1].exp())
+    else:
+        schedule = EDMFormulation()
+        model, sigma_max = _EDMGaussianF(), schedule.sigma_max
+    x = sample(model, schedule, sampler=sampler, steps=steps, labels=torch.zeros(N // 2, dtype=torch.long),
+               channels=1, size=2, num_classes=4, learn_sigma=False, prediction="eps", seed=6)  # fmt: skip
+    assert x.shape == (N // 2, 1, 2, 2)
+    _check_gaussian(x.double(), mu=_edm_mean(MU, sigma_max), std_rel=0.03)
+    if kind == "ddpm":  # the ODE runs from the largest sigma (t = T - 1) down to the smallest (t = 0)
+        ts = torch.stack([t[0] for t in model.times])
+        assert ts[0].item() == pytest.approx(999, abs=1e-6) and ts.min().item() == pytest.approx(0, abs=1e-6)
+        assert bool((ts[1:] <= ts[:-1] + 1e-9).all())

@@ -124,6 +124,11 @@ def test_ema_math():
         torch.testing.assert_close(e, 0.5 * s + 0.5 * p.detach())
     with pytest.raises(ValueError, match="EMA decay must lie in \\[0, 1\\], got 1.5"):
         EMA(model, decay=1.5)
+    default = EMA(model)  # DiT's decay with the warm-up: 0.1 at the first update
+    assert default.current_decay() == pytest.approx(0.1) and default.decay == 0.9999
+    assert not any(p.requires_grad for p in default.module.parameters())  # the averages are no-grad copies
+    for edge in (0.0, 1.0):  # both ends of [0, 1] are valid: a plain copy, frozen weights
+        assert EMA(model, decay=edge, warmup=False).current_decay() == edge
 
 
 def test_lr_schedule(tmp_path):
@@ -160,9 +165,26 @@ def test_dataset_shape_mismatch_is_explained(tmp_path):
 
 def test_bf16_autocast_step_runs(tmp_path):
     tr = Trainer(tiny(tmp_path / "r", "engine.precision=bf16"))
+    dtypes = []
+    lin = next(m for m in tr.model.modules() if isinstance(m, torch.nn.Linear))
+    lin.register_forward_hook(lambda m, a, out: dtypes.append(out.dtype))
+    before = _params(tr.model)
     x, y = next(tr.loader)
     stats = tr.train_step(x, y)
-    assert math.isfinite(float(stats["loss"]))
+    assert dtypes == [torch.bfloat16]  # the network ran under bf16 autocast
+    assert stats["loss"].dtype == torch.float32 and math.isfinite(float(stats["loss"]))  # reduced in float32
+    after = _params(tr.model)
+    assert all(p.dtype == torch.float32 for p in after)  # master weights stay float32
+    assert not all(torch.equal(a, b) for a, b in zip(before, after))  # and the step updated them
+    fp32 = Trainer(tiny(tmp_path / "r32"))
+    fp32.model.load_state_dict(tr.model.state_dict())
+    with torch.no_grad(), tr.objective.autocast(tr.device):
+        xb = torch.randn(4, 1, 8, 8)
+        tb, yb = torch.tensor([1, 20, 40, 59]), torch.tensor([0, 1, 2, 3])
+        out16 = tr.model(xb, tb, yb)
+    out32 = fp32.model(xb, tb, yb)
+    assert out16.dtype == torch.bfloat16 and out32.dtype == torch.float32
+    torch.testing.assert_close(out16.float(), out32, rtol=0.05, atol=0.05)  # bf16 rounding, same function
 
 
 def test_cli_train_prints_where_outputs_are(tmp_path, capsys):
@@ -199,16 +221,25 @@ def test_cuda_bf16_step(tmp_path):
 
 
 def test_metrics_writer_and_telemetry(tmp_path):
+    import importlib.util
+
     from diffcurr_fast.train.report import MetricsWriter, gpu_stats, read_metrics
 
-    pytest.importorskip("tensorboard")
-    w = MetricsWriter(tmp_path, tensorboard=True)
+    has_tb = importlib.util.find_spec("tensorboard") is not None
+    if not has_tb:  # asked for and missing: a clear error, never a silent no-op
+        with pytest.raises(ImportError, match="tensorboard is not installed"):
+            MetricsWriter(tmp_path, tensorboard=True)
+    w = MetricsWriter(tmp_path, tensorboard=has_tb)
     w.write({"step": 1, "loss": 0.5, "cluster_loss": [None, 1.0]})
     w.write({"step": 2, "loss": float("nan")})
     w.close()
+    w = MetricsWriter(tmp_path)  # a resumed run appends
+    w.write({"step": 3, "loss": 0.25, "lr": 1e-4})
+    w.close()
     recs = read_metrics(tmp_path / "metrics.jsonl")
-    assert recs[0] == {"step": 1, "loss": 0.5, "cluster_loss": [None, 1.0]} and math.isnan(recs[1]["loss"])
-    assert any((tmp_path / "tb").iterdir())
+    assert len(recs) == 3 and recs[0] == {"step": 1, "loss": 0.5, "cluster_loss": [None, 1.0]}
+    assert math.isnan(recs[1]["loss"]) and recs[2] == {"step": 3, "loss": 0.25, "lr": 1e-4}
+    assert (tmp_path / "tb").is_dir() == has_tb and (not has_tb or any((tmp_path / "tb").iterdir()))
     stats = gpu_stats()
     assert stats == {"gpu": "no GPU"} if not torch.cuda.is_available() else "gpu_util" in stats
 

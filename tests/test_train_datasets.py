@@ -83,9 +83,18 @@ def test_latents_train(tmp_path, latents, layout, backend):
     cfg = _latent_cfg(tmp_path / "run", latents[layout], f"data.backend={backend}")
     tr = Trainer(cfg)
     assert tr.loader.loader.backend == backend
+    init = {k: v.clone() for k, v in tr.model.state_dict().items()}
+    shapes = []
+    tr.model.register_forward_pre_hook(lambda m, a: shapes.append(tuple(a[0].shape)))
     summary = tr.fit()
     assert summary["step"] == 3 and np.isfinite(summary["loss"])
+    assert shapes == [(4, 4, 4, 4)] * 3  # one batch of 4 latents (4 x 4 x 4) per step
     state = torch.load(tmp_path / "run" / "checkpoints" / "ckpt_00000003.pt", weights_only=True)
+    moved = [k for k, v in state["model"].items() if v.is_floating_point() and not torch.equal(v, init[k])]
+    assert "final_layer.linear.weight" in moved and "x_embedder.proj.weight" in moved  # trained end to end
+    assert not torch.equal(
+        state["ema"]["module"]["final_layer.linear.weight"], state["model"]["final_layer.linear.weight"]
+    )
     # 3 batches of 4 from 2 per epoch: epoch 1, 4 samples consumed in it
     pos = state["data"]["ranks"][0]
     assert state["data"]["kind"] == "sharded" and (pos["epoch"], pos["start"], pos["shard_id"]) == (1, 4, 0)
@@ -167,8 +176,15 @@ def test_images_train(tmp_path, images, backend):
     x, y = next(tr.loader)
     assert x.shape == (4, 3, 8, 8) and float(x.abs().max()) <= 1.0 and set(y.tolist()) <= {0, 1}
     tr.loader.load_state_dict({**tr.loader.state_dict(), "epoch": 0, "start": 0})
+    init = tr.model.final_layer.linear.weight.detach().clone()
+    shapes = []
+    tr.model.register_forward_pre_hook(lambda m, a: shapes.append(tuple(a[0].shape)))
     summary = tr.fit()
-    assert summary["step"] == 3 and np.isfinite(summary["loss"]) and (tmp_path / "run" / "samples.png").is_file()
+    assert summary["step"] == 3 and np.isfinite(summary["loss"])
+    assert shapes[:3] == [(4, 3, 8, 8)] * 3  # three training batches of RGB 8 x 8 images, then sampling
+    assert not torch.equal(tr.model.final_layer.linear.weight, init)
+    grid = Image.open(tmp_path / "run" / "samples.png")
+    assert grid.size == ((3 * 9 + 1) * 4, (2 * 9 + 1) * 4)  # 4 samples, 3 per row (3 classes), 8 px + 1 pad, x4
 
 
 def test_images_flip_and_bad_files(tmp_path, images):
