@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from diffcurr_fast import sample_cli
+from diffcurr_fast import cli_sample as sample_cli
 from diffcurr_fast.data.errors import BadDataError
 from diffcurr_fast.data.latents import FastDiTLatents, FastDiTLatentWriter, ShardedLatents, ShardedLatentWriter
 from diffcurr_fast.data.loader import ArrayDataset, load_npz
@@ -355,12 +355,12 @@ def test_cli_parsing_does_not_import_torch(argv):
 
 
 def test_light_parsers_name_the_real_choices():
-    from diffcurr_fast.curriculum import cli as analyze_cli
+    from diffcurr_fast.curriculum import cli_analyze as analyze_cli
     from diffcurr_fast.curriculum.clustering import CLUSTER_METHODS
     from diffcurr_fast.data import cli_extract, extract, latents
 
     assert analyze_cli.CLUSTER_METHODS == CLUSTER_METHODS
-    from diffcurr_fast import sample_cli
+    from diffcurr_fast import cli_sample as sample_cli
     from diffcurr_fast.train import sampling
 
     assert sample_cli.SAMPLERS == sampling.SAMPLERS

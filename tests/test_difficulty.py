@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from diffcurr_fast.curriculum import cli
+from diffcurr_fast.curriculum import cli_analyze as cli
 from diffcurr_fast.curriculum.difficulty import (
     consecutive_kl,
     convergence_by_interval,

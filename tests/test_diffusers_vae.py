@@ -11,7 +11,7 @@ from PIL import Image
 
 diffusers = pytest.importorskip("diffusers", reason="diffusers is not installed (pip install diffusers)")
 
-from diffcurr_fast import sample_cli  # noqa: E402
+from diffcurr_fast import cli_sample as sample_cli  # noqa: E402
 from diffcurr_fast.data import cli_extract  # noqa: E402
 from diffcurr_fast.data.images import ImageDataset, ImageFolder  # noqa: E402
 from diffcurr_fast.train.config import load_config  # noqa: E402

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from diffcurr_fast import sample_cli as cli_sample
+from diffcurr_fast import cli_sample
 from diffcurr_fast.diffusion import DDPMSchedule
 from diffcurr_fast.train.config import load_config
 from diffcurr_fast.train.loop import train

@@ -8,9 +8,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from diffcurr_fast import sample_cli as cli_sample
+from diffcurr_fast import cli_sample
 from diffcurr_fast.models import DiT
-from diffcurr_fast.tdc import cli as tdc_cli
+from diffcurr_fast.tdc import cli_tdc as tdc_cli
 from diffcurr_fast.tdc.accounting import training_flops
 from diffcurr_fast.tdc.experts import MultiExpertDenoiser
 from diffcurr_fast.tdc.flops import dit_flops

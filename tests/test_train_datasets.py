@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from diffcurr_fast import sample_cli as cli_sample
+from diffcurr_fast import cli_sample
 from diffcurr_fast.data import FastDiTLatentWriter, ShardedLatentWriter
 from diffcurr_fast.train.config import load_config
 from diffcurr_fast.train.data import build_train_batches, load_init_weights, read_init_state
