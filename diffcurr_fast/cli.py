@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "analyze": ("diffcurr_fast.curriculum.cli", "difficulty analysis: kl | convergence | clusters"),
     "extract-latents": ("diffcurr_fast.data.cli_extract", "encode an image dataset to latents with a local VAE"),
     "eval": ("diffcurr_fast.eval.cli_eval", "FD / IS / precision-recall of samples against reference statistics"),
+    "study": ("diffcurr_fast.study.cli", "ablation arms over seeds with evaluation: results.csv, report.md, plots"),
 }
 
 

@@ -30,12 +30,13 @@ from diffcurr_fast.train.config import TrainConfig, config_from_dict, config_to_
 from diffcurr_fast.train.data import SHARDED_DATASETS, TrainBatches, build_train_batches, load_init_weights
 from diffcurr_fast.train.ema import EMA
 from diffcurr_fast.train.engine import Engine, create_engine, unwrap
+from diffcurr_fast.train.evaluation import Evaluator, eval_due
 from diffcurr_fast.train.report import MetricsWriter, gpu_stats, plot_cluster_losses, plot_curriculum_timeline
 from diffcurr_fast.train.sampling import build_model, sample_grid
 
 # Files a run writes into its directory (``--overwrite`` removes exactly these).
 RUN_ARTIFACTS = ("checkpoints", "metrics.jsonl", "config.yaml", "samples.png", "cluster_loss.png",
-                 "curriculum.png", "ema.safetensors", "tb")  # fmt: skip
+                 "curriculum.png", "ema.safetensors", "tb", "eval_reference.npz")  # fmt: skip
 
 
 class NonFiniteLossError(RuntimeError):
@@ -250,7 +251,7 @@ class Trainer:
                    dynamic_ncols=True)  # fmt: skip
         self.model.train()
         win_loss, win_n, t0, seen = torch.zeros((), device=self.device), 0, time.perf_counter(), 0
-        last_loss = math.nan
+        last_loss, evaluator = math.nan, None
         try:
             while self.step < cfg.engine.max_steps:
                 x0, y = next(self.loader)
@@ -272,6 +273,9 @@ class Trainer:
                         writer.write(rec)
                     win_loss.zero_()
                     win_n, seen, t0 = 0, 0, time.perf_counter()
+                if main and eval_due(self.step, cfg):  # own RNG: the training stream is unchanged
+                    evaluator = evaluator or Evaluator(cfg, self.run_dir, self.dataset, self.device)
+                    writer.write(evaluator(self.step, self.ema.module, self.schedule))
                 if self.step % cfg.checkpoint.every == 0 and self.step < cfg.engine.max_steps:
                     self.save()
             self.save()
