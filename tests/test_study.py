@@ -227,3 +227,13 @@ def test_presets_resolve(name):
         assert spec.reference_of(spec.arm("dtr_cl")) == "dtr"
     else:
         assert [a.kind for a in spec.arms] == ["train", "tdc"]
+
+
+def test_eval_records_skip_a_cut_line_and_keep_the_last_per_step(tmp_path):
+    from diffcurr_fast.study.runner import eval_records
+
+    path = tmp_path / "metrics.jsonl"
+    lines = [{"step": 5, "eval": True, "fd": 3.0}, {"step": 5, "loss": 1.0}, {"step": 10, "eval": True, "fd": 2.0}]
+    text = "\n".join(json.dumps(r) for r in lines) + '\n{"step": 15, "ev'  # killed mid-write
+    path.write_text(text + "\n" + json.dumps({"step": 10, "eval": True, "fd": 1.5}) + "\n")  # the resumed run
+    assert [(r["step"], r["fd"]) for r in eval_records(path)] == [(5, 3.0), (10, 1.5)]

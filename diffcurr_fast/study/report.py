@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from diffcurr_fast.study.runner import eval_records, load_study, read_status, run_dir_of
+from diffcurr_fast.study.runner import eval_records, load_study, read_records, read_status, run_dir_of
 from diffcurr_fast.study.spec import METRICS, StudySpec
 
 METRIC_COLUMNS = ("fd", "is", "is_std", "precision", "recall")
@@ -220,11 +220,9 @@ def _train_records(study_dir: Path, arm: Any, seed: int) -> list[dict[str, Any]]
     if not p.is_file():
         return []
     by_step = {}
-    for line in p.read_text().splitlines():
-        if line.strip():
-            r = json.loads(line)
-            if "loss" in r:
-                by_step[r["step"]] = r
+    for r in read_records(p):
+        if "loss" in r:
+            by_step[r["step"]] = r
     return [by_step[s] for s in sorted(by_step)]
 
 

@@ -12,7 +12,8 @@ Study folder::
 A run with a status file is finished and kept. Any other run is started again by a worker process
 (``python -m diffcurr_fast.study.runner STUDY_DIR ARM SEED``): a train run with checkpoints resumes from the newest
 (the trainer's ``--resume``, which repeats the uninterrupted run exactly), one without starts over; a tdc run
-starts over (its pipeline has no resume). ``workers`` runs go at once, each with ``cpu_threads`` = cores // workers.
+starts over (its pipeline has no resume). ``workers`` runs go at once, each with ``cpu_threads`` = cores // workers
+and, on a machine with GPUs, one GPU per worker slot (``CUDA_VISIBLE_DEVICES``).
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ def run_study(spec: StudySpec, study_dir: str | Path, workers: int = 1, *, verbo
     kept = len(jobs(spec)) - len(todo)
     _prepare_features(spec)
     threads = max(1, (os.cpu_count() or 1) // workers)
-    running: list[tuple[tuple[str, int], subprocess.Popen, Any]] = []
+    gpus = _gpu_count()
+    running: list[tuple[tuple[str, int], subprocess.Popen, Any, int]] = []
     ran, failed = [], []
     if verbose:
         print(f"study {spec.name}: {len(todo)} runs to do, {kept} finished kept, {workers} workers x {threads} "
@@ -110,12 +112,16 @@ def run_study(spec: StudySpec, study_dir: str | Path, workers: int = 1, *, verbo
                 fh = open(log, "a")
                 cmd = [sys.executable, "-m", "diffcurr_fast.study.runner", str(study_dir), arm, str(seed), str(threads)]
                 env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-                running.append(((arm, seed), subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env), fh))
+                slot = min(set(range(workers)) - {r[3] for r in running})
+                if gpus:  # one run per GPU: worker slot i sees GPU i mod #GPUs only
+                    env["CUDA_VISIBLE_DEVICES"] = str(slot % gpus)
+                proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+                running.append(((arm, seed), proc, fh, slot))
                 if verbose:
                     print(f"  start {arm} seed {seed}", flush=True)
             time.sleep(0.2)
             for item in list(running):
-                (arm, seed), proc, fh = item
+                (arm, seed), proc, fh, _ = item
                 if proc.poll() is None:
                     continue
                 fh.close()
@@ -129,11 +135,18 @@ def run_study(spec: StudySpec, study_dir: str | Path, workers: int = 1, *, verbo
                         msg = f"FAILED (rc {proc.returncode}; see logs/{arm}-seed{seed}.log)"
                     print(f"  done  {arm} seed {seed}: {msg}", flush=True)
     finally:
-        for _, proc, fh in running:  # interrupted: stop the workers (their runs resume next time)
+        for _, proc, fh, _ in running:  # interrupted: stop the workers (their runs resume next time)
             proc.terminate()
             proc.wait()
             fh.close()
     return {"ran": ran, "failed": failed, "kept": kept}
+
+
+def _gpu_count() -> int:
+    """Visible CUDA devices (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _prepare_features(spec: StudySpec) -> None:
@@ -206,12 +219,21 @@ def eval_records(path: Path) -> list[dict[str, Any]]:
     if not Path(path).is_file():
         return []
     by_step: dict[int, dict[str, Any]] = {}
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
-            rec = json.loads(line)
-            if rec.get("eval"):
-                by_step[int(rec["step"])] = rec
+    for rec in read_records(path):
+        if rec.get("eval"):
+            by_step[int(rec["step"])] = rec
     return [by_step[s] for s in sorted(by_step)]
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl; a line cut short by a killed process is skipped."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
