@@ -185,6 +185,11 @@ def _plt():
     return plt
 
 
+def _color(plt, i: int):
+    """Distinct colours for up to 20 arms: the dark tab20 shades first, then the light ones."""
+    return plt.get_cmap("tab20")((2 * i) % 20 + (2 * i // 20) % 2)
+
+
 def plot_metric(spec: StudySpec, rows: list[dict[str, Any]], path: Path) -> Path:
     """Mean over seeds of the spec's metric against step, with a +- std band, one line per arm."""
     plt = _plt()
@@ -199,7 +204,7 @@ def plot_metric(spec: StudySpec, rows: list[dict[str, Any]], path: Path) -> Path
         steps = sorted(by_step)
         mu = np.array([np.mean(by_step[s]) for s in steps])
         sd = np.array([np.std(by_step[s], ddof=1) if len(by_step[s]) > 1 else 0.0 for s in steps])
-        color = plt.get_cmap("tab20")(i % 20)
+        color = _color(plt, i)
         ax.plot(steps, mu, color=color, lw=1.2, marker=".", label=arm.name)
         ax.fill_between(steps, mu - sd, mu + sd, color=color, alpha=0.15)
     ax.set_xlabel("training step")
@@ -234,13 +239,16 @@ def plot_timelines(spec: StudySpec, study_dir: Path, path: Path) -> Path:
     rows_ = math.ceil(n / cols)
     fig, axes = plt.subplots(rows_, cols, figsize=(3.2 * cols, 2.4 * rows_), squeeze=False)
     for ax, arm in zip(axes.flat, spec.arms):
+        top = 1
         for seed in spec.seeds:
             recs = _train_records(study_dir, arm, seed)
-            if recs:
-                ax.step([0] + [r["step"] for r in recs], [recs[0]["unlocked"]] + [r["unlocked"] for r in recs],
-                        where="post", lw=0.9, alpha=0.8)  # fmt: skip
+            if recs:  # the number unlocked at each logged step
+                ax.step([r["step"] for r in recs], [r["unlocked"] for r in recs], where="post", lw=0.9, alpha=0.8)
+                top = max(top, max(r["unlocked"] for r in recs))
         ax.set_title(arm.name, fontsize=8)
         ax.set_xscale("symlog", linthresh=100)
+        ax.set_xlim(left=0)
+        ax.set_ylim(0, top + 0.5)
         ax.tick_params(labelsize=6)
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
@@ -264,7 +272,7 @@ def plot_cluster_loss(spec: StudySpec, study_dir: Path, path: Path) -> Path:
                 finals.append([math.nan if v is None else v for v in recs[-1]["cluster_loss"]])
         if finals and len({len(f) for f in finals}) == 1:
             mu = np.nanmean(np.asarray(finals, dtype=np.float64), axis=0)
-            ax.plot(range(len(mu)), mu, marker=".", lw=1, color=plt.get_cmap("tab20")(i % 20), label=arm.name)
+            ax.plot(range(len(mu)), mu, marker=".", lw=1, color=_color(plt, i), label=arm.name)
     ax.set_yscale("log")
     ax.set_xlabel("timestep cluster (0 = lowest t, hardest)")
     ax.set_ylabel("final training loss (EMA per cluster)")
