@@ -131,7 +131,6 @@ def _write_spec(tmp_path, data=SPEC):
     return path
 
 
-@pytest.mark.slow  # worker processes: about 40 s on two busy cores
 def test_study_runs_reports_and_matches_a_hand_computation(tmp_path):
     spec = load_spec(_write_spec(tmp_path))
     out = tmp_path / "study"
@@ -164,7 +163,6 @@ def test_study_runs_reports_and_matches_a_hand_computation(tmp_path):
     assert f"| vanilla | 2 | 24 | {np.mean(v):.4g} +- {np.std(v, ddof=1):.2g}" in text
 
 
-@pytest.mark.slow  # worker processes: about 40 s on two busy cores
 def test_study_resumes_after_a_killed_worker(tmp_path):
     """A worker killed mid-run: the rerun keeps finished runs and resumes the killed one from its checkpoint,
     ending with the weights of an uninterrupted run."""
