@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("diffcurr_fast.eval.cli_eval", "FD / IS / precision-recall of samples against reference statistics"),
     "recipes": ("diffcurr_fast.train.cli_recipes", "list the shipped recipes (train NAME runs one by name)"),
     "info": ("diffcurr_fast.info", "versions, devices, fused-op backends (and why not); --check: op self-check"),
+    "study": ("diffcurr_fast.study.cli", "ablation arms over seeds with evaluation: results.csv, report.md, plots"),
 }
 
 

@@ -224,3 +224,33 @@ def test_cli_rejects_bad_options(tmp_path):
         parse(["clusters", "-N", "0"])
     with pytest.raises(SystemExit):
         parse(["bogus"])
+
+
+def test_cli_convergence_fd(tmp_path, capsys, monkeypatch):
+    """--metric fd: an FD curve per interval beside the loss, in the CSVs and the printout."""
+    monkeypatch.setenv("DIFFCURR_FAST_CACHE", str(tmp_path / "cache"))
+    args = parse(["convergence", "-T", "50", "--intervals", "2", "--steps", "4", "--batch-size", "5",
+                  "--eval-every", "2", "--metric", "fd", "--out", str(tmp_path)])  # fmt: skip
+    assert cli.run(args) == 0
+    rows = list(csv.DictReader((tmp_path / "convergence.csv").open()))
+    assert len(rows) == 6 and all(float(r["eval_fd"]) > 0 for r in rows)
+    summary = list(csv.DictReader((tmp_path / "convergence_summary.csv").open()))
+    assert {"initial_fd", "final_fd", "steps_to_90pct_fd"} <= set(summary[0])
+    assert "FD" in capsys.readouterr().out
+
+
+def test_one_step_x0_is_exact_for_the_true_noise():
+    """With a network that returns the true eps, the one-step estimate is x0 itself."""
+    from diffcurr_fast.curriculum.difficulty import one_step_x0
+    from diffcurr_fast.diffusion.ddpm import DDPMSchedule
+
+    sched = DDPMSchedule(50, "linear")
+    x0 = torch.rand(6, 1, 8, 8) * 1.6 - 0.8
+    gen = torch.Generator().manual_seed(3)
+
+    def oracle(xt, tt, y):
+        abar = sched.alphas_cumprod[tt].double().reshape(-1, 1, 1, 1)
+        return ((xt.double() - abar.sqrt() * x0.double()) / (1 - abar).sqrt()).float()
+
+    est = one_step_x0(oracle, sched, x0, torch.zeros(6, dtype=torch.long), (10, 20), gen)
+    assert torch.allclose(est, x0, atol=1e-5)

@@ -2,7 +2,7 @@
 
 - ``kl``: KL(p_t || p_{t+1}) between consecutive forward marginals at evenly spaced t -> kl.csv, kl.png
 - ``convergence``: a fresh small DiT per timestep interval -> convergence.csv, convergence_summary.csv,
-  convergence.png
+  convergence.png (``--metric fd``: the FD of its one-step denoised images per interval as well as the loss)
 - ``clusters``: the clustering of [0, T) by every method (printed) -> clusters.csv
 """
 
@@ -11,6 +11,10 @@ from __future__ import annotations
 import argparse
 import csv
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 # torch and the analysis modules are imported in run(): `diffcurr-fast analyze --help` stays instant. The names of
 # clustering.CLUSTER_METHODS (a test keeps the two equal):
@@ -57,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     p.add_argument("--eval-every", type=_positive_int, default=10, help="steps between held-out evaluations")
     p.add_argument("--fraction", type=float, default=0.9, help="improvement fraction for steps-to-X (default 0.9)")
+    p.add_argument("--metric", choices=("loss", "fd"), default="loss",
+                   help="fd: also the Frechet distance (digits-classifier features) of the one-step denoised held-out "
+                        "images against the data, per interval (default: the loss only)")  # fmt: skip
 
     p = sub.add_parser("clusters", help="print the timestep clustering for each method")
     _common(p)
@@ -117,16 +124,40 @@ def run(args: argparse.Namespace) -> int:
         fraction=args.fraction,
         seed=args.seed,
         progress=True,
+        image_metric=digits_fd(x) if args.metric == "fd" else None,
     )
     difficulty.write_convergence_csv(result, paths[0], paths[1])
     difficulty.plot_convergence(result, paths[2])
     for rec in result.intervals:
+        fd = (
+            f", FD {rec.eval_fd[0]:.1f} -> {rec.eval_fd[-1]:.1f}, FD steps to {args.fraction:.0%} = "
+            f"{rec.steps_to_fraction_fd}"
+            if rec.eval_fd
+            else ""
+        )
         print(
             f"  t in [{rec.interval[0]:4d}, {rec.interval[1]:4d}): steps to {args.fraction:.0%} = "
-            f"{rec.steps_to_fraction}"
+            f"{rec.steps_to_fraction}{fd}"
         )
     print(f"convergence curves: {paths[0]}; summary: {paths[1]}; plot: {paths[2]}")
     return 0
+
+
+def digits_fd(data: torch.Tensor):
+    """images -> Frechet distance of their digits-classifier features to those of ``data`` (N, 1, 8, 8)."""
+    import torch
+
+    from diffcurr_fast.eval.features import get_extractor
+    from diffcurr_fast.eval.metrics import feature_statistics, frechet_distance
+
+    with torch.random.fork_rng(devices=[]):  # building the extractor initialises a network
+        extractor = get_extractor("digits")
+    ref = feature_statistics(extractor(data)[0])
+
+    def fd(images: torch.Tensor) -> float:
+        return frechet_distance(*feature_statistics(extractor(images)[0]), *ref)
+
+    return fd
 
 
 def _run_clusters(args: argparse.Namespace, schedule, path: Path) -> int:

@@ -8,7 +8,10 @@ Two measurements, both runnable on the built-in digits data in minutes on a CPU:
   over x ~ p_t with exact mixture log-densities (logsumexp over the N components, in float64, chunked).
 - ``convergence_by_interval``: a fresh small model trained on timesteps of one interval only, for each interval;
   loss curves normalised by their initial value and the steps needed to reach a fraction (default 90 %) of the
-  final loss improvement (the paper's convergence view: slower convergence = harder task).
+  final loss improvement (the paper's convergence view: slower convergence = harder task). With ``image_metric``
+  (e.g. the Frechet distance of digits-classifier features, ``analyze convergence --metric fd``) the same is
+  recorded for the images the model denoises in one step from the held-out batch noised into its interval: the
+  paper's second convergence measure (FID per interval) at digits scale, without sampling the other intervals.
 
 ``write_*_csv`` and ``plot_*`` save the results (matplotlib with the Agg backend).
 """
@@ -217,6 +220,8 @@ class IntervalConvergence:
     eval_loss: list[float]  # held-out loss at those steps
     train_loss: list[float]  # per-step training loss
     steps_to_fraction: int | None  # first eval step reaching ``fraction`` of the final improvement
+    eval_fd: list[float] = field(default_factory=list)  # image metric at eval_steps (with ``image_metric``)
+    steps_to_fraction_fd: int | None = None  # the same as steps_to_fraction, of eval_fd
 
     @property
     def normalised(self) -> list[float]:
@@ -269,6 +274,7 @@ def convergence_by_interval(
     device: torch.device | str = "cpu",
     progress: bool = False,
     objective: Objective | None = None,
+    image_metric: Callable[[torch.Tensor], float] | None = None,
 ) -> ConvergenceResult:
     """Train a fresh model on each timestep interval for ``steps`` AdamW steps and record its convergence.
 
@@ -277,6 +283,9 @@ def convergence_by_interval(
     held-out batch (``eval_size`` images, timesteps and noise drawn once) evaluated every ``eval_every`` steps.
     ``labels`` (N,) default to zeros. Training and evaluation use the training ``objective`` (default: the
     plain ``prediction`` MSE on ``schedule``), so the analysis measures what the trainer optimises.
+    ``image_metric(images)`` (lower is better, e.g. an FD against the data): also evaluated at every evaluation on
+    the one-step x0 predictions of the held-out batch noised to fixed timesteps in the interval (``one_step_x0``;
+    DDPM schedules), recorded as ``eval_fd``.
     """
     data = torch.as_tensor(data)
     if data.ndim < 2 or data.shape[0] < 1:
@@ -332,15 +341,24 @@ def convergence_by_interval(
             model.train()
             return value
 
-        eval_steps, eval_loss = [0], [evaluate()]
+        def evaluate_fd(model: nn.Module = model, batch: tuple = eval_batch, cells=(lo, hi), s=eval_seed) -> float:
+            if image_metric is None:
+                return math.nan
+            model.eval()
+            x0 = one_step_x0(model, schedule, *batch, cells, torch.Generator().manual_seed(s + 1), prediction)
+            model.train()
+            return float(image_metric(x0))
+
+        eval_steps, eval_loss, eval_fd = [0], [evaluate()], [evaluate_fd()]
 
         def on_step(step: int, loss: float, evaluate=evaluate, eval_steps=eval_steps, eval_loss=eval_loss,
-                    cells=(lo, hi)) -> None:  # fmt: skip
+                    cells=(lo, hi), evaluate_fd=evaluate_fd, eval_fd=eval_fd) -> None:  # fmt: skip
             if not math.isfinite(loss):
                 raise ValueError(f"non-finite training loss {loss} at step {step} of interval {cells}")
             if step % eval_every == 0 or step == steps:
                 eval_steps.append(step)
                 eval_loss.append(evaluate())
+                eval_fd.append(evaluate_fd())
             if bar is not None:
                 bar.update(1)
 
@@ -356,12 +374,47 @@ def convergence_by_interval(
                 eval_loss=eval_loss,
                 train_loss=train_loss,
                 steps_to_fraction=steps_to_fraction(eval_steps, eval_loss, fraction),
+                eval_fd=eval_fd if image_metric is not None else [],
+                steps_to_fraction_fd=steps_to_fraction(eval_steps, eval_fd, fraction) if image_metric else None,
             )
         )
     if bar is not None:
         bar.close()
     settings = {"steps": steps, "batch_size": batch_size, "lr": lr, "prediction": prediction, "seed": seed}
     return ConvergenceResult(intervals=records, fraction=fraction, settings=settings)
+
+
+@torch.no_grad()
+def one_step_x0(
+    model: Callable[..., torch.Tensor],
+    schedule: Any,
+    x0: torch.Tensor,
+    y: torch.Tensor,
+    cells: tuple[int, int],
+    generator: torch.Generator,
+    prediction: str = "eps",
+) -> torch.Tensor:
+    """The model's one-step estimate of x0 (N, C, H, W), clipped to [-1, 1], from x_t = sqrt(abar_t) x0 +
+    sqrt(1 - abar_t) eps with t uniform in [lo, hi) and eps drawn from ``generator`` (a DDPM schedule; the network
+    predicts ``prediction``: eps, x0 or v; extra output channels, a learned variance, are dropped)."""
+    if not hasattr(schedule, "alphas_cumprod"):
+        raise ValueError("one_step_x0 needs a DDPM schedule (alphas_cumprod)")
+    lo, hi = cells
+    t = torch.randint(lo, hi, (x0.shape[0],), generator=generator).to(x0.device)
+    eps = torch.randn(x0.shape, generator=generator).to(x0.device, x0.dtype)
+    abar = schedule.alphas_cumprod.to(x0.device)[t].to(torch.float64).reshape(-1, *([1] * (x0.ndim - 1)))
+    a, c = abar.sqrt(), (1.0 - abar).sqrt()
+    xt = (a * x0.double() + c * eps.double()).to(x0.dtype)
+    out = model(xt, t, y)[:, : x0.shape[1]].double()  # (N, C, H, W)
+    if prediction == "eps":
+        est = (xt.double() - c * out) / a
+    elif prediction == "x0":
+        est = out
+    elif prediction == "v":  # v = a eps - c x0, so x0 = a x_t - c v (Salimans & Ho 2022)
+        est = a * xt.double() - c * out
+    else:
+        raise ValueError(f"prediction must be eps, x0 or v, got {prediction!r}")
+    return est.clamp(-1, 1).to(x0.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -380,19 +433,30 @@ def write_kl_csv(result: KLEstimate, path: str | Path) -> Path:
 
 
 def write_convergence_csv(result: ConvergenceResult, curves_path: str | Path, summary_path: str | Path) -> None:
-    """Curves (interval, step, eval_loss, normalised) and a per-interval summary with steps-to-fraction."""
+    """Curves (interval, step, eval_loss, normalised[, eval_fd]) and a per-interval summary with steps-to-fraction
+    (of the FD too when it was measured)."""
+    fd = any(rec.eval_fd for rec in result.intervals)
+    pct = f"steps_to_{int(round(result.fraction * 100))}pct"
     with Path(curves_path).open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["t_lo", "t_hi", "step", "eval_loss", "normalised_loss"])
+        w.writerow(["t_lo", "t_hi", "step", "eval_loss", "normalised_loss", *(["eval_fd"] if fd else [])])
         for rec in result.intervals:
-            for s, v, nv in zip(rec.eval_steps, rec.eval_loss, rec.normalised):
-                w.writerow([rec.interval[0], rec.interval[1], s, f"{v:.8g}", f"{nv:.8g}"])
+            fds = rec.eval_fd or [None] * len(rec.eval_steps)
+            for s, v, nv, d in zip(rec.eval_steps, rec.eval_loss, rec.normalised, fds):
+                w.writerow([rec.interval[0], rec.interval[1], s, f"{v:.8g}", f"{nv:.8g}",
+                            *([f"{d:.8g}"] if fd else [])])  # fmt: skip
     with Path(summary_path).open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["t_lo", "t_hi", "initial_loss", "final_loss", f"steps_to_{int(round(result.fraction * 100))}pct"])
+        w.writerow(["t_lo", "t_hi", "initial_loss", "final_loss", pct,
+                    *(["initial_fd", "final_fd", f"{pct}_fd"] if fd else [])])  # fmt: skip
         for rec in result.intervals:
             steps = "" if rec.steps_to_fraction is None else rec.steps_to_fraction
-            w.writerow([rec.interval[0], rec.interval[1], f"{rec.eval_loss[0]:.8g}", f"{rec.eval_loss[-1]:.8g}", steps])
+            extra = []
+            if fd:
+                sfd = "" if rec.steps_to_fraction_fd is None else rec.steps_to_fraction_fd
+                extra = [f"{rec.eval_fd[0]:.8g}", f"{rec.eval_fd[-1]:.8g}", sfd]
+            w.writerow([rec.interval[0], rec.interval[1], f"{rec.eval_loss[0]:.8g}", f"{rec.eval_loss[-1]:.8g}", steps,
+                        *extra])  # fmt: skip
 
 
 def _pyplot():
@@ -427,9 +491,18 @@ def plot_kl(result: KLEstimate, path: str | Path) -> Path:
 def plot_convergence(result: ConvergenceResult, path: str | Path) -> Path:
     """Normalised held-out loss curves per interval, and steps-to-fraction per interval."""
     plt = _pyplot()
-    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4))
+    fd = any(rec.eval_fd for rec in result.intervals)
+    fig, axes = plt.subplots(1, 3 if fd else 2, figsize=(16 if fd else 11, 4))
+    ax0, ax1 = axes[0], axes[-1]
     cmap = plt.get_cmap("viridis")
     m = len(result.intervals)
+    if fd:
+        for k, rec in enumerate(result.intervals):
+            axes[1].plot(rec.eval_steps, rec.eval_fd, color=cmap(k / max(m - 1, 1)))
+        axes[1].set_yscale("log")
+        axes[1].set_xlabel("training step")
+        axes[1].set_ylabel("FD of one-step x0 predictions")
+        axes[1].set_title("FD convergence per interval")
     for k, rec in enumerate(result.intervals):
         ax0.plot(
             rec.eval_steps,
@@ -443,7 +516,13 @@ def plot_convergence(result: ConvergenceResult, path: str | Path) -> Path:
     ax0.set_title("Convergence per timestep interval")
     labels = [f"{r.interval[0]}-{r.interval[1]}" for r in result.intervals]
     values = [r.steps_to_fraction if r.steps_to_fraction is not None else 0 for r in result.intervals]
-    ax1.bar(range(m), values)
+    if fd:
+        values_fd = [r.steps_to_fraction_fd if r.steps_to_fraction_fd is not None else 0 for r in result.intervals]
+        ax1.bar([i - 0.2 for i in range(m)], values, width=0.4, label="loss")
+        ax1.bar([i + 0.2 for i in range(m)], values_fd, width=0.4, label="FD")
+        ax1.legend(fontsize=7)
+    else:
+        ax1.bar(range(m), values)
     ax1.set_xticks(range(m), labels, rotation=45, fontsize=7)
     ax1.set_xlabel("timestep interval")
     ax1.set_ylabel(f"steps to {int(round(result.fraction * 100))}% of final improvement")

@@ -99,12 +99,13 @@ def resolve_config(cfg: TrainConfig | dict[str, Any] | str | Path, options: TDCC
 
 def stage2_config(cfg: TrainConfig, run_dir: Path) -> TrainConfig:
     """The fine-tuning config of one expert: ``cfg`` with ``tdc.finetune_steps`` steps, no curriculum (t is
-    restricted to the group), no per-expert sample grid or plots, and ``run_dir``."""
+    restricted to the group), no per-expert sample grid, plots or evaluation, and ``run_dir``."""
     d, steps = cfg.to_dict(), cfg.tdc.finetune_steps
     d["engine"]["max_steps"] = steps
     d["curriculum"]["pacing"] = "none"
     d["logging"]["num_samples"] = 0
     d["logging"]["plots"] = False
+    d["logging"]["eval_every"] = 0  # an expert alone does not sample: the bundle is evaluated
     d["logging"]["log_every"] = min(d["logging"]["log_every"], steps)
     d["checkpoint"]["run_dir"] = str(run_dir)
     d["checkpoint"]["every"] = min(d["checkpoint"]["every"], steps)

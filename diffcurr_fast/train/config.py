@@ -1,7 +1,7 @@
 """Typed, strict training configuration: dataclass sections, YAML recipes and ``--set a.b=value`` overrides.
 
-A configuration is a ``TrainConfig`` of nine sections (model, diffusion, curriculum, data, optim, engine,
-logging, checkpoint, tdc). Every field carries a one-line doc (``metadata["doc"]``) and, where it is a choice, its
+A configuration is a ``TrainConfig`` of ten sections (model, diffusion, curriculum, data, optim, engine,
+logging, checkpoint, eval, tdc). Every field carries a one-line doc (``metadata["doc"]``) and, where it is a choice, its
 valid values (``metadata["choices"]``). Unknown keys, wrong types and invalid values raise ``ValueError`` naming
 the key and what is valid. ``load_config(path, overrides)`` builds one from a recipe; ``config_to_yaml`` writes
 the resolved configuration (the run directory keeps it as ``config.yaml``).
@@ -288,6 +288,7 @@ class LoggingConfig:
     sample_steps: int = _pos(50, "sampling steps of the end-of-run grid")
     cfg_scale: float = _nonneg(1.0, "classifier-free guidance scale of the end-of-run grid")
     plots: bool = _f(True, "write the per-cluster loss and curriculum timeline plots at the end")
+    eval_every: int = _nonneg(0, "steps between evaluations of the EMA weights (FD etc., the eval section; 0 = off)")
 
     def validate(self) -> None:
         pass
@@ -305,6 +306,29 @@ class CheckpointConfig:
     def validate(self) -> None:
         if not self.run_dir:
             raise ValueError("checkpoint.run_dir must be a non-empty path")
+
+
+EVAL_FEATURES = ("digits", "inception")  # ``diffcurr_fast.eval.features.EXTRACTORS``
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation during training (every ``logging.eval_every`` steps, rank 0, EMA weights, its own RNG)."""
+
+    num_samples: int = _f(500, "images sampled per evaluation (labels cycle through the classes)", lo=2)
+    steps: int = _pos(50, "sampling steps")
+    sampler: str = _f("ddim", "sampler", SAMPLERS)
+    cfg_scale: float = _nonneg(1.0, "classifier-free guidance scale")
+    features: str = _f("digits", "feature extractor: digits (built-in data only) or inception (FID)", EVAL_FEATURES)
+    inception_weights: str = _f("", "inception: local pytorch-fid weights file (never downloaded)")
+    reference: str = _f("", "reference statistics or images .npz ('' = the training data; 'digits' = all digits)")
+    num_reference: int = _f(10000, "'' reference: training images used (at most)", lo=2)
+    seed: int = _f(0, "seed of the evaluation samples (the same noise at every evaluation)", lo=0, hi=2**63 - 1)
+
+    def validate(self) -> None:
+        if self.features == "inception" and not self.inception_weights:
+            raise ValueError("eval.features 'inception' needs eval.inception_weights (a local pytorch-fid weights "
+                             "file; it is never downloaded)")  # fmt: skip
 
 
 # Choices of the tdc section. The config is the lowest layer that needs them, so it owns them; ``diffcurr_fast.tdc``
@@ -363,6 +387,7 @@ class TrainConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     tdc: TDCConfig = field(default_factory=TDCConfig)
 
     def validate(self) -> TrainConfig:
@@ -384,11 +409,10 @@ class TrainConfig:
                     raise ValueError(
                         f"{key}={value!r} is not supported with diffusion.formulation {d.formulation!r}; use {need!r}"
                     )
-            if self.logging.sampler not in ("euler", "heun"):
-                raise ValueError(
-                    f"logging.sampler {self.logging.sampler!r} cannot sample a {d.formulation} model; valid choices: "
-                    "euler, heun"
-                )
+            for key, sampler in (("logging.sampler", self.logging.sampler), ("eval.sampler", self.eval.sampler)):
+                if sampler not in ("euler", "heun") and (key == "logging.sampler" or self.logging.eval_every):
+                    raise ValueError(f"{key} {sampler!r} cannot sample a {d.formulation} model; valid choices: "
+                                     "euler, heun")  # fmt: skip
         if self.curriculum.num_clusters > self.diffusion.num_timesteps:
             raise ValueError(
                 f"curriculum.num_clusters ({self.curriculum.num_clusters}) must be <= diffusion.num_timesteps "
@@ -400,6 +424,9 @@ class TrainConfig:
                 f"({self.diffusion.num_timesteps})"
             )
         m = self.model
+        if self.logging.eval_every and m.in_channels not in (1, 3):
+            raise ValueError(f"logging.eval_every needs images (model.in_channels 1 or 3), got {m.in_channels} "
+                             "channels (latents would need the VAE decoder); set logging.eval_every=0")  # fmt: skip
         if self.data.dataset == "images":
             size = self.data.image_size or m.input_size
             if (m.in_channels, m.input_size) != (3, size):

@@ -29,6 +29,7 @@ from diffcurr_fast.train.config import TrainConfig, config_from_dict, config_to_
 from diffcurr_fast.train.data import SHARDED_DATASETS, TrainBatches, build_train_batches, load_init_weights
 from diffcurr_fast.train.ema import EMA
 from diffcurr_fast.train.engine import Engine, build_optimizer, create_engine, unwrap
+from diffcurr_fast.train.evaluation import Evaluator, eval_due
 from diffcurr_fast.train.interrupt import StopRequest, TrainingInterrupted
 from diffcurr_fast.train.preflight import check_run
 from diffcurr_fast.train.report import MetricsWriter, gpu_stats, plot_cluster_losses, plot_curriculum_timeline
@@ -233,7 +234,7 @@ class Trainer:
                    dynamic_ncols=True)  # fmt: skip
         self.model.train()
         win_loss, win_n, t0, seen = torch.zeros((), device=self.device), 0, time.perf_counter(), 0
-        last_loss = math.nan
+        last_loss, evaluator = math.nan, None
         stop = StopRequest()
         try:
             stop.__enter__()
@@ -257,6 +258,9 @@ class Trainer:
                         writer.write(rec)
                     win_loss.zero_()
                     win_n, seen, t0 = 0, 0, time.perf_counter()
+                if main and eval_due(self.step, cfg):  # own RNG: the training stream is unchanged
+                    evaluator = evaluator or Evaluator(cfg, self.run_dir, self.dataset, self.device)
+                    writer.write(evaluator(self.step, self.ema.module, self.schedule))
                 if stop.should_stop(self.engine):  # SIGINT / SIGTERM on any rank: checkpoint this step, then stop
                     raise TrainingInterrupted(stop.vote_signal(), self.step, self.save())
                 if self.step % cfg.checkpoint.every == 0 and self.step < cfg.engine.max_steps:

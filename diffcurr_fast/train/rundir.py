@@ -59,7 +59,7 @@ TRAIN_LAYOUT = RunLayout(
     files=(
         r"config\.yaml", r"metrics\.jsonl", r"samples\.png", r"cluster_loss\.png", r"curriculum\.png",
         r"ema\.safetensors", r"(ema\.safetensors|metrics\.jsonl)\.tmp", r"checkpoints/ckpt_\d{8,}\.pt(\.tmp)?",
-        r"tb/events\.out\.tfevents\..+",
+        r"tb/events\.out\.tfevents\..+", r"eval_reference\.npz(\.tmp)?",
     ),
     owned_dirs=(r"checkpoints/deepspeed/step_\d{8,}",),
     checkpoints="checkpoints",

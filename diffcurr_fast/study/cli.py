@@ -1,0 +1,66 @@
+"""``diffcurr-fast study [SPEC.yaml | --preset curriculum|tdc] [--recipe R] [--workers N] [--out DIR]`` and
+``diffcurr-fast study report DIR``.
+
+Runs every (arm, seed) of a study as an ordinary run directory under ``--out`` (a rerun keeps the finished runs
+and resumes the others), then writes results.csv, report.md and the plots. ``--recipe`` replaces a preset's base
+recipe (e.g. ``recipes/dit_b2_curriculum.yaml`` for the paper's setting on a GPU cluster; the preset's digits
+sizes are then dropped, see ``diffcurr_fast.study.presets``). ``--print-spec`` writes the resolved spec and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import yaml
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``study``."""
+    from diffcurr_fast.study.presets import PRESETS
+
+    parser.add_argument("spec", nargs="?", default=None,
+                        help="study spec YAML, or 'report' followed by a study folder")  # fmt: skip
+    parser.add_argument("folder", nargs="?", default=None, help="with 'report': the study folder")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="a built-in spec instead of SPEC.yaml")
+    parser.add_argument("--recipe", default=None, help="base training recipe replacing the spec's (default: its own)")
+    parser.add_argument("--workers", type=int, default=1, help="runs at once (CPU threads are split between them)")
+    parser.add_argument("--out", type=Path, default=None, help="study folder (default studies/<name>)")
+    parser.add_argument("--no-report", action="store_true", help="run only; write the report later with 'report'")
+    parser.add_argument("--print-spec", action="store_true", help="print the resolved spec and exit")
+
+
+def run(args: argparse.Namespace) -> int:
+    from diffcurr_fast.study.report import write_report
+
+    if args.spec == "report":
+        if args.folder is None:
+            raise ValueError("study report needs the study folder: diffcurr-fast study report DIR")
+        for name, path in write_report(args.folder).items():
+            print(f"  {name}: {path}")
+        return 0
+    if args.folder is not None:
+        raise ValueError(f"unexpected argument {args.folder!r} (only 'study report DIR' takes a folder)")
+    from diffcurr_fast.study.presets import preset_spec
+    from diffcurr_fast.study.runner import run_study
+    from diffcurr_fast.study.spec import check_spec, load_spec, spec_from_dict
+
+    if (args.spec is None) == (args.preset is None):
+        raise ValueError("give a spec file or --preset curriculum|tdc (one of them)")
+    spec = preset_spec(args.preset, args.recipe) if args.preset else load_spec(args.spec)
+    if args.recipe and not args.preset:
+        spec = check_spec(spec_from_dict({**spec.to_dict(), "recipe": args.recipe}))
+    if args.print_spec:
+        sys.stdout.write(yaml.safe_dump(spec.to_dict(), sort_keys=False))
+        return 0
+    out = args.out or Path("studies") / spec.name
+    res = run_study(spec, out, args.workers)
+    if not args.no_report:
+        for name, path in write_report(out).items():
+            print(f"  {name}: {path}")
+    if res["failed"]:
+        print(f"study: {len(res['failed'])} runs failed: {res['failed']}; rerun the same command to resume them",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    return 0

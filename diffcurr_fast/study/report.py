@@ -1,0 +1,316 @@
+"""The study's results: results.csv, report.md with error bars and paired comparisons, and the plots.
+
+* ``results.csv``: one row per evaluation: arm, seed, step, every metric (fd, is, is_std, precision, recall).
+* ``report.md``: per arm the final metrics as mean +- std over seeds (sample std, n - 1) and the per-seed values;
+  for the spec's metric, the paired difference arm - reference over the seeds both finished, with a 95%
+  confidence interval from the paired t distribution (mean +- t_{0.975, n-1} s_d / sqrt(n)) and how many seeds
+  improved; training FLOPs and wall time per arm (a tdc arm also its sampling FLOPs per image).
+* ``metric_vs_step.png`` (mean +- std band over seeds per arm), ``curriculum_timelines.png`` (unlocked clusters
+  against step, one panel per curriculum arm, one line per seed), ``cluster_loss.png`` (final training loss per
+  timestep cluster, mean over seeds, per arm), and ``samples/<arm>.png`` (an end-of-run grid per arm).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from diffcurr_fast.study.runner import eval_records, load_study, read_records, read_status, run_dir_of
+from diffcurr_fast.study.spec import METRICS, StudySpec
+
+METRIC_COLUMNS = ("fd", "is", "is_std", "precision", "recall")
+
+
+@dataclass
+class Paired:
+    """Paired comparison of an arm with its reference over common seeds (differences arm - reference)."""
+
+    n: int
+    mean: float
+    std: float
+    ci_lo: float
+    ci_hi: float
+    improved: int
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (n - 1; 0 for one value; NaN for none)."""
+    a = np.asarray(values, dtype=np.float64)
+    if a.size == 0:
+        return math.nan, math.nan
+    return float(a.mean()), float(a.std(ddof=1)) if a.size > 1 else 0.0
+
+
+def paired_t(diffs: list[float], lower_is_better: bool = True, level: float = 0.95) -> Paired:
+    """Mean of the paired differences with its ``level`` t confidence interval; improved = seeds where the arm
+    is better (difference < 0 for a lower-is-better metric)."""
+    from scipy import stats
+
+    d = np.asarray(diffs, dtype=np.float64)
+    n = int(d.size)
+    if n == 0:
+        return Paired(0, math.nan, math.nan, math.nan, math.nan, 0)
+    mean, std = mean_std(list(d))
+    half = float(stats.t.ppf(0.5 + level / 2, n - 1)) * std / math.sqrt(n) if n > 1 else math.nan
+    improved = int((d < 0).sum() if lower_is_better else (d > 0).sum())
+    return Paired(n, mean, std, mean - half, mean + half, improved)
+
+
+def collect(study_dir: str | Path) -> tuple[StudySpec, list[dict[str, Any]], dict[tuple[str, int], dict]]:
+    """(spec, evaluation rows, status of every finished run) of the study in ``study_dir``. A tdc run's rows are
+    its stage-1 evaluations plus the bundle's at its total step count."""
+    study_dir = Path(study_dir)
+    spec = load_study(study_dir)
+    rows, status = [], {}
+    for arm in spec.arms:
+        for seed in spec.seeds:
+            rd = run_dir_of(study_dir, arm.name, seed)
+            recs = eval_records(rd / ("stage1/metrics.jsonl" if arm.kind == "tdc" else "metrics.jsonl"))
+            st = read_status(study_dir, arm.name, seed)
+            if st is not None:
+                status[(arm.name, seed)] = st
+                if arm.kind == "tdc":
+                    recs = [r for r in recs if r["step"] < st["steps"]] + [st["final"]]
+            for r in recs:
+                rows.append({"arm": arm.name, "seed": seed, "step": int(r["step"]),
+                             **{k: r.get(k) for k in METRIC_COLUMNS}})  # fmt: skip
+    return spec, rows, status
+
+
+def write_csv(rows: list[dict[str, Any]], path: Path) -> Path:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["arm", "seed", "step", *METRIC_COLUMNS])
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if v is None else (f"{v:.6g}" if isinstance(v, float) else v)) for k, v in r.items()})
+    return path
+
+
+def _fmt(v: float, digits: int = 4) -> str:
+    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}g}"
+
+
+def summarize(spec: StudySpec, status: dict[tuple[str, int], dict]) -> dict[str, Any]:
+    """Per arm: final metrics per seed, mean/std, compute and wall time; paired comparisons with the reference."""
+    arms: dict[str, Any] = {}
+    for arm in spec.arms:
+        done = {s: status[(arm.name, s)] for s in spec.seeds if (arm.name, s) in status}
+        per_metric = {m: {s: st["final"].get(m) for s, st in done.items() if st["final"].get(m) is not None}
+                      for m in ("fd", "is", "precision", "recall")}  # fmt: skip
+        arms[arm.name] = {
+            "kind": arm.kind, "seeds": sorted(done), "reference": spec.reference_of(arm),
+            "final": per_metric, "stats": {m: mean_std(list(v.values())) for m, v in per_metric.items()},
+            "steps": mean_std([st["steps"] for st in done.values()])[0],
+            "train_flops": mean_std([st["train_flops"] for st in done.values()])[0],
+            "wall_s": mean_std([st["wall_s"] for st in done.values()]),
+            "sampling_flops": next(iter(done.values())).get("sampling_flops_per_image") if done else None,
+            "base_sampling_flops": next(iter(done.values())).get("base_sampling_flops_per_image") if done else None,
+        }  # fmt: skip
+    lower = METRICS[spec.metric] == "lower"
+    for name, a in arms.items():
+        ref = arms[a["reference"]]["final"][spec.metric]
+        mine = a["final"][spec.metric]
+        common = sorted(set(ref) & set(mine))
+        a["paired"] = None if name == a["reference"] else paired_t([mine[s] - ref[s] for s in common], lower)
+    return arms
+
+
+def write_markdown(spec: StudySpec, arms: dict[str, Any], path: Path, study_dir: Path) -> Path:
+    m, lower = spec.metric, METRICS[spec.metric] == "lower"
+    lines = [f"# Study `{spec.name}`", ""]
+    if spec.notes:
+        lines += [spec.notes.strip(), ""]
+    lines += [f"Seeds {spec.seeds}; base recipe {spec.recipe or 'the embedded digits demo'}; evaluation every "
+              f"{spec.eval_every} steps with {json.dumps(spec.eval)}; metric `{m}` ({'lower' if lower else 'higher'} "
+              "is better). The spec (every arm's overrides) is `study.yaml`; each run is an ordinary run directory "
+              "under `runs/<arm>/seed<k>/`.", ""]  # fmt: skip
+    lines += ["## Final metrics (mean +- std over seeds)", "",
+              "| arm | seeds | steps | FD | IS | precision | recall | train FLOPs | wall s per run |",
+              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name, a in arms.items():
+        cells = [f"{_fmt(a['stats'][k][0])} +- {_fmt(a['stats'][k][1], 2)}" for k in ("fd", "is", "precision",
+                                                                                         "recall")]  # fmt: skip
+        lines.append(
+            f"| {name} | {len(a['seeds'])} | {_fmt(a['steps'], 6)} | "
+            + " | ".join(cells)
+            + f" | {_fmt(a['train_flops'], 3)} | {_fmt(a['wall_s'][0], 3)} +- {_fmt(a['wall_s'][1], 2)} |"
+        )
+    lines += [
+        "",
+        f"## Paired differences in {m} against the reference arm (arm - reference)",
+        "",
+        "| arm | reference | n | mean diff | 95% CI (paired t) | seeds improved | train FLOPs vs reference |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, a in arms.items():
+        p = a["paired"]
+        if p is None:
+            continue
+        ref = arms[a["reference"]]
+        ratio = a["train_flops"] / ref["train_flops"] if ref["seeds"] else math.nan
+        lines.append(f"| {name} | {a['reference']} | {p.n} | {_fmt(p.mean)} | [{_fmt(p.ci_lo)}, {_fmt(p.ci_hi)}] | "
+                     f"{p.improved}/{p.n} | x{_fmt(ratio, 3)} |")  # fmt: skip
+    lines += ["", f"## Per-seed final {m}", "", "| arm | " + " | ".join(f"seed {s}" for s in spec.seeds) + " |",
+              "|---|" + "---|" * len(spec.seeds)]  # fmt: skip
+    for name, a in arms.items():
+        vals = a["final"][m]
+        lines.append(f"| {name} | " + " | ".join(_fmt(vals.get(s)) for s in spec.seeds) + " |")
+    tdc = {n: a for n, a in arms.items() if a["sampling_flops"]}
+    if tdc:
+        lines += ["", "## Sampling FLOPs per image (TDC bundle vs the base model)", ""]
+        for name, a in tdc.items():
+            for k, v in a["sampling_flops"].items():
+                b = a["base_sampling_flops"][k]
+                lines.append(f"- {name}, {k}: {v:.3e} vs {b:.3e} for the base (x{b / v:.3f} fewer)")
+    lines += ["", "## Plots", "", "![metric vs step](metric_vs_step.png)", "",
+              "![curriculum timelines](curriculum_timelines.png)", "", "![loss per cluster](cluster_loss.png)", "",
+              "End-of-run sample grids (first seed of each arm): " + ", ".join(
+                  f"[{n}](samples/{n}.png)" for n in arms), ""]  # fmt: skip
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _color(plt, i: int):
+    """Distinct colours for up to 20 arms: the dark tab20 shades first, then the light ones."""
+    return plt.get_cmap("tab20")((2 * i) % 20 + (2 * i // 20) % 2)
+
+
+def plot_metric(spec: StudySpec, rows: list[dict[str, Any]], path: Path) -> Path:
+    """Mean over seeds of the spec's metric against step, with a +- std band, one line per arm."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, arm in enumerate(spec.arms):
+        by_step: dict[int, list[float]] = {}
+        for r in rows:
+            if r["arm"] == arm.name and r.get(spec.metric) is not None:
+                by_step.setdefault(r["step"], []).append(r[spec.metric])
+        if not by_step:
+            continue
+        steps = sorted(by_step)
+        mu = np.array([np.mean(by_step[s]) for s in steps])
+        sd = np.array([np.std(by_step[s], ddof=1) if len(by_step[s]) > 1 else 0.0 for s in steps])
+        color = _color(plt, i)
+        ax.plot(steps, mu, color=color, lw=1.2, marker=".", label=arm.name)
+        ax.fill_between(steps, mu - sd, mu + sd, color=color, alpha=0.15)
+    ax.set_xlabel("training step")
+    ax.set_ylabel(spec.metric)
+    if spec.metric == "fd":
+        ax.set_yscale("log")
+    ax.set_title(f"{spec.name}: {spec.metric} of the EMA weights (mean +- std over seeds)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _train_records(study_dir: Path, arm: Any, seed: int) -> list[dict[str, Any]]:
+    rd = run_dir_of(study_dir, arm.name, seed)
+    p = rd / ("stage1/metrics.jsonl" if arm.kind == "tdc" else "metrics.jsonl")
+    if not p.is_file():
+        return []
+    by_step = {}
+    for r in read_records(p):
+        if "loss" in r:
+            by_step[r["step"]] = r
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def plot_timelines(spec: StudySpec, study_dir: Path, path: Path) -> Path:
+    """Unlocked clusters against step, one panel per arm, one line per seed."""
+    plt = _plt()
+    n = len(spec.arms)
+    cols = min(4, n)
+    rows_ = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows_, cols, figsize=(3.2 * cols, 2.4 * rows_), squeeze=False)
+    for ax, arm in zip(axes.flat, spec.arms):
+        top = 1
+        for seed in spec.seeds:
+            recs = _train_records(study_dir, arm, seed)
+            if recs:  # the number unlocked at each logged step
+                ax.step([r["step"] for r in recs], [r["unlocked"] for r in recs], where="post", lw=0.9, alpha=0.8)
+                top = max(top, max(r["unlocked"] for r in recs))
+        ax.set_title(arm.name, fontsize=8)
+        ax.set_xscale("symlog", linthresh=100)
+        ax.set_xlim(left=0)
+        ax.set_ylim(0, top + 0.5)
+        ax.tick_params(labelsize=6)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    fig.supxlabel("step (symlog)", fontsize=8)
+    fig.supylabel("unlocked clusters", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_cluster_loss(spec: StudySpec, study_dir: Path, path: Path) -> Path:
+    """Final per-cluster training loss (EMA), mean over seeds, against cluster index (0 = lowest t), per arm."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, arm in enumerate(spec.arms):
+        finals = []
+        for seed in spec.seeds:
+            recs = _train_records(study_dir, arm, seed)
+            if recs and recs[-1].get("cluster_loss"):
+                finals.append([math.nan if v is None else v for v in recs[-1]["cluster_loss"]])
+        if finals and len({len(f) for f in finals}) == 1:
+            mu = np.nanmean(np.asarray(finals, dtype=np.float64), axis=0)
+            ax.plot(range(len(mu)), mu, marker=".", lw=1, color=_color(plt, i), label=arm.name)
+    ax.set_yscale("log")
+    ax.set_xlabel("timestep cluster (0 = lowest t, hardest)")
+    ax.set_ylabel("final training loss (EMA per cluster)")
+    ax.set_title("loss per cluster at the end of training (mean over seeds; each arm's own loss weighting)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_report(study_dir: str | Path) -> dict[str, Path]:
+    """results.csv, report.md and the three plots of the study in ``study_dir``; their paths."""
+    study_dir = Path(study_dir)
+    spec, rows, status = collect(study_dir)
+    arms = summarize(spec, status)
+    out = {"csv": write_csv(rows, study_dir / "results.csv")}
+    out["report"] = write_markdown(spec, arms, study_dir / "report.md", study_dir)
+    out["metric_plot"] = plot_metric(spec, rows, study_dir / "metric_vs_step.png")
+    out["timelines"] = plot_timelines(spec, study_dir, study_dir / "curriculum_timelines.png")
+    out["cluster_loss"] = plot_cluster_loss(spec, study_dir, study_dir / "cluster_loss.png")
+    out["samples"] = copy_samples(spec, study_dir)
+    return out
+
+
+def copy_samples(spec: StudySpec, study_dir: Path) -> Path:
+    """``samples/<arm>.png``: the end-of-run sample grid of each arm's first finished seed."""
+    import shutil
+
+    dest = study_dir / "samples"
+    dest.mkdir(exist_ok=True)
+    for arm in spec.arms:
+        for seed in spec.seeds:
+            grid = run_dir_of(study_dir, arm.name, seed) / "samples.png"
+            if grid.is_file() and read_status(study_dir, arm.name, seed) is not None:
+                shutil.copyfile(grid, dest / f"{arm.name}.png")
+                break
+    return dest
+
+
+__all__ = ["Paired", "collect", "mean_std", "paired_t", "summarize", "write_report"]

@@ -1,0 +1,250 @@
+"""Running a study: every (arm, seed) as an ordinary run directory, N at once, resumable after a crash or a kill.
+
+Study folder::
+
+    study.yaml                  the spec (a rerun must give the same spec: settings are fixed before results)
+    runs/<arm>/seed<k>/         the run directory of (arm, seed): ``diffcurr-fast train`` / ``tdc`` output
+    status/<arm>-seed<k>.json   written when the run finished: kind, steps, training FLOPs, final metrics and the
+                                wall time of the attempt that finished it (a resumed run: since its resume)
+    logs/<arm>-seed<k>.log      the worker's output
+    results.csv, report.md, *.png   ``study report``
+
+A run with a status file is finished and kept. Any other run is started again by a worker process
+(``python -m diffcurr_fast.study.runner STUDY_DIR ARM SEED``): a train run with checkpoints resumes from the newest
+(the trainer's ``--resume``, which repeats the uninterrupted run exactly), one without starts over; a tdc run
+starts over (its pipeline has no resume). ``workers`` runs go at once, each with ``cpu_threads`` = cores // workers
+and, on a machine with GPUs, one GPU per worker slot (``CUDA_VISIBLE_DEVICES``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from diffcurr_fast.study.spec import StudySpec, arm_config, check_spec, spec_from_dict
+
+SPEC_FILE = "study.yaml"
+
+
+def run_dir_of(study_dir: Path, arm: str, seed: int) -> Path:
+    return Path(study_dir) / "runs" / arm / f"seed{seed}"
+
+
+def status_path(study_dir: Path, arm: str, seed: int) -> Path:
+    return Path(study_dir) / "status" / f"{arm}-seed{seed}.json"
+
+
+def read_status(study_dir: Path, arm: str, seed: int) -> dict[str, Any] | None:
+    p = status_path(study_dir, arm, seed)
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def _write_json(data: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def prepare_study(spec: StudySpec, study_dir: str | Path) -> Path:
+    """Create ``study_dir`` with ``study.yaml``, or check that an existing one holds the same spec."""
+    study_dir = Path(study_dir)
+    path = study_dir / SPEC_FILE
+    text = yaml.safe_dump(spec.to_dict(), sort_keys=False)
+    if path.is_file():
+        saved = spec_from_dict(yaml.safe_load(path.read_text()), str(path))
+        if saved.to_dict() != spec.to_dict():
+            raise ValueError(f"{str(path)!r} holds a different spec; a study's settings are fixed when it starts: use "
+                             "another --out or the same spec")  # fmt: skip
+        return study_dir
+    study_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return study_dir
+
+
+def load_study(study_dir: str | Path) -> StudySpec:
+    path = Path(study_dir) / SPEC_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{str(study_dir)!r} is not a study folder (no {SPEC_FILE})")
+    return spec_from_dict(yaml.safe_load(path.read_text()), str(path))
+
+
+def jobs(spec: StudySpec) -> list[tuple[str, int]]:
+    """Every (arm, seed), seed-major so a partial study has every arm at its first seeds."""
+    return [(a.name, s) for s in spec.seeds for a in spec.arms]
+
+
+def pending(spec: StudySpec, study_dir: Path) -> list[tuple[str, int]]:
+    return [(a, s) for a, s in jobs(spec) if read_status(study_dir, a, s) is None]
+
+
+def run_study(spec: StudySpec, study_dir: str | Path, workers: int = 1, *, verbose: bool = True) -> dict[str, Any]:
+    """Run every unfinished (arm, seed) of ``spec`` in ``study_dir`` with ``workers`` processes at once; returns
+    {"ran": [...], "failed": [...], "kept": n}. Failed runs are listed, not retried (a rerun resumes them)."""
+    if workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers}")
+    check_spec(spec)
+    study_dir = prepare_study(spec, study_dir)
+    todo = pending(spec, study_dir)
+    kept = len(jobs(spec)) - len(todo)
+    _prepare_features(spec)
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    gpus = _gpu_count()
+    running: list[tuple[tuple[str, int], subprocess.Popen, Any, int]] = []
+    ran, failed = [], []
+    if verbose:
+        print(f"study {spec.name}: {len(todo)} runs to do, {kept} finished kept, {workers} workers x {threads} "
+              f"threads; folder {study_dir}", flush=True)  # fmt: skip
+    queue = list(todo)
+    try:
+        while queue or running:
+            while queue and len(running) < workers:
+                arm, seed = queue.pop(0)
+                log = study_dir / "logs" / f"{arm}-seed{seed}.log"
+                log.parent.mkdir(parents=True, exist_ok=True)
+                fh = open(log, "a")
+                cmd = [sys.executable, "-m", "diffcurr_fast.study.runner", str(study_dir), arm, str(seed), str(threads)]
+                env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+                slot = min(set(range(workers)) - {r[3] for r in running})
+                if gpus:  # one run per GPU: worker slot i sees GPU i mod #GPUs only
+                    env["CUDA_VISIBLE_DEVICES"] = str(slot % gpus)
+                proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+                running.append(((arm, seed), proc, fh, slot))
+                if verbose:
+                    print(f"  start {arm} seed {seed}", flush=True)
+            time.sleep(0.2)
+            for item in list(running):
+                (arm, seed), proc, fh, _ = item
+                if proc.poll() is None:
+                    continue
+                fh.close()
+                running.remove(item)
+                (ran if proc.returncode == 0 else failed).append((arm, seed))
+                if verbose:
+                    st = read_status(study_dir, arm, seed)
+                    if proc.returncode == 0 and st:
+                        msg = f"{spec.metric} {st['final'].get(spec.metric, float('nan')):.4g}, {st['wall_s']:.0f} s"
+                    else:
+                        msg = f"FAILED (rc {proc.returncode}; see logs/{arm}-seed{seed}.log)"
+                    print(f"  done  {arm} seed {seed}: {msg}", flush=True)
+    finally:
+        for _, proc, fh, _ in running:  # interrupted: stop the workers (their runs resume next time)
+            proc.terminate()
+            proc.wait()
+            fh.close()
+    return {"ran": ran, "failed": failed, "kept": kept}
+
+
+def _gpu_count() -> int:
+    """Visible CUDA devices (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _prepare_features(spec: StudySpec) -> None:
+    """Train and cache the digits classifier once, before workers would race to do it."""
+    if spec.eval.get("features", "digits") == "digits":
+        from diffcurr_fast.eval.features import digits_classifier
+
+        digits_classifier()
+
+
+# ---- one run (the worker process) ---------------------------------------------------------------------------
+def run_one(study_dir: str | Path, arm_name: str, seed: int, cpu_threads: int = 0) -> dict[str, Any]:
+    """Run (or resume) (arm, seed) of the study in ``study_dir`` in this process and write its status file."""
+    study_dir = Path(study_dir)
+    spec = load_study(study_dir)
+    arm = spec.arm(arm_name)
+    run_dir = run_dir_of(study_dir, arm.name, seed)
+    cfg = arm_config(spec, arm, seed, run_dir, cpu_threads)
+    t0 = time.perf_counter()
+    out = _run_tdc(cfg, run_dir) if arm.kind == "tdc" else _run_train(cfg, run_dir)
+    status = {"arm": arm.name, "seed": seed, "kind": arm.kind, "run_dir": str(run_dir.relative_to(study_dir)),
+              "wall_s": time.perf_counter() - t0, **out}  # fmt: skip
+    _write_json(status, status_path(study_dir, arm.name, seed))
+    return status
+
+
+def _run_train(cfg: Any, run_dir: Path) -> dict[str, Any]:
+    from diffcurr_fast.tdc.flops import dit_flops
+    from diffcurr_fast.train.checkpoint import latest_checkpoint
+    from diffcurr_fast.train.loop import train
+
+    resume = run_dir.is_dir() and latest_checkpoint(run_dir) is not None
+    overwrite = run_dir.is_dir() and not resume  # killed before its first checkpoint: start over
+    summary = train(cfg, resume=resume, overwrite=overwrite)
+    from diffcurr_fast.train.sampling import build_model
+
+    flops = 3.0 * dit_flops(build_model(cfg)) * cfg.data.batch_size * summary["step"]
+    return {"steps": summary["step"], "train_flops": flops, "resumed": resume,
+            "final": last_eval(run_dir / "metrics.jsonl")}  # fmt: skip
+
+
+def _run_tdc(cfg: Any, run_dir: Path) -> dict[str, Any]:
+    from diffcurr_fast.tdc.pipeline import load_bundle_with_config, run_tdc
+    from diffcurr_fast.train.evaluation import Evaluator
+
+    out = run_tdc(cfg, None, run_dir, overwrite=True, verbose=True)
+    acc = out["accounting_data"]
+    multi, bcfg = load_bundle_with_config(out["bundle"])
+    from diffcurr_fast.train.sampling import build_schedule
+
+    steps = int(acc["training"]["total_steps"])
+    final = Evaluator(bcfg, run_dir)(steps, multi, build_schedule(bcfg))
+    _write_json(final, run_dir / "bundle_eval.json")
+    sampling = {k: v["multi_expert_flops_per_image"] for k, v in acc["sampling"].items()}
+    return {"steps": steps, "train_flops": acc["training"]["tdc_flops"],
+            "train_flops_with_search": acc["training"]["tdc_flops_with_search"],
+            "single_model_flops": acc["training"]["single_model_flops"], "sampling_flops_per_image": sampling,
+            "base_sampling_flops_per_image": {k: v["base_flops_per_image"] for k, v in acc["sampling"].items()},
+            "final": final}  # fmt: skip
+
+
+def last_eval(path: Path) -> dict[str, Any]:
+    """The evaluation record of the largest step in a metrics.jsonl ({} when there is none)."""
+    recs = eval_records(path)
+    return recs[-1] if recs else {}
+
+
+def eval_records(path: Path) -> list[dict[str, Any]]:
+    """The evaluation records of a metrics.jsonl, one per step (a resumed run's repeated steps: the last), by step."""
+    if not Path(path).is_file():
+        return []
+    by_step: dict[int, dict[str, Any]] = {}
+    for rec in read_records(path):
+        if rec.get("eval"):
+            by_step[int(rec["step"])] = rec
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl; a line cut short by a killed process is skipped."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The worker: ``python -m diffcurr_fast.study.runner STUDY_DIR ARM SEED [CPU_THREADS]``."""
+    argv = sys.argv[1:] if argv is None else argv
+    study_dir, arm, seed = argv[0], argv[1], int(argv[2])
+    threads = int(argv[3]) if len(argv) > 3 else 0
+    status = run_one(study_dir, arm, seed, threads)
+    print(json.dumps({k: v for k, v in status.items() if k != "final"}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
