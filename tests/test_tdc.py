@@ -371,6 +371,23 @@ def test_compiled_experts_route_like_eager():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
+def test_many_compiled_experts_all_compile():
+    """Experts are one DiT.forward with other shapes: past dynamo's recompile limit (8) the rest would run
+    uncompiled without a word; compile_experts leaves room for every expert (here 10, each its own graph)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    experts = [tiny_dit(depth=1, mlp_ratio=1.0 + 0.25 * i) for i in range(10)]  # 10 distinct MLP widths
+    edges = [(10 * i, 10 * (i + 1)) for i in range(10)]
+    multi = MultiExpertDenoiser(experts, edges).eval().compile_experts(mode="default", backend="eager")
+    x, _, y = inputs(2)
+    before = counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        for lo, _ in edges:
+            multi(x, torch.full((2,), lo), y)
+    assert counters["stats"]["unique_graphs"] - before == 10
+
+
 def test_experts_validation():
     base = tiny_dit()
     with pytest.raises(ValueError, match="one \\(lo, hi\\) range per expert"):

@@ -102,6 +102,12 @@ class MultiExpertDenoiser(nn.Module):
         """``torch.compile`` every expert with ``mode`` (one of ``COMPILE_MODES``); kwargs go to torch.compile."""
         if mode not in COMPILE_MODES:
             raise ValueError(f"unknown compile mode {mode!r}; valid choices: {', '.join(COMPILE_MODES)}")
+        # Every expert is the same DiT.forward with other parameter shapes: dynamo counts each as a recompile of
+        # that code object and silently runs the experts past its limit (8) uncompiled; leave room for all.
+        import torch._dynamo
+
+        need = 2 * len(self.experts) + 8  # plus the base model and guidance variants a caller may compile beside
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, need)
         self._callables = [torch.compile(e, mode=mode, **kwargs) for e in self.experts]
         self.compile_mode = mode
         return self
