@@ -124,7 +124,8 @@ def default_objective(formulation: Formulation | Objective, model: nn.Module) ->
 
 
 def draw_seed(generator: torch.Generator) -> int:
-    """A Philox seed for one batch, drawn from ``generator``."""
+    """A Philox seed for one batch, drawn from ``generator`` in [0, 2**62): micro-batch i uses seed + i, which must
+    stay a valid seed (``ops.philox.draw_seed`` spans all of int64, so it cannot serve here)."""
     return int(torch.randint(0, 2**62, (1,), generator=generator))
 
 
