@@ -1,21 +1,32 @@
-"""Benchmark the fused diffusion ops against the pure-torch reference and torch.compile(reference).
+"""Benchmark the fused ops as a user of another diffusion codebase calls them, against what that user has.
 
-For each op and for the full loss path (seeded q_sample + loss forward + backward; the model is excluded), fp32,
-B=256, x0 4x32x32 by default, providers:
+Providers, side by side in one run and interleaved (every repetition times each provider once, in turn, so all
+of them see the same machine and cache state):
 
-- ``torch-eager``: the plain-torch training step a script writes (``torch.randn_like`` noise kept in memory),
-  and ``compile(torch-eager)``;
-- ``reference``: the ops' pure-torch definition (counter-based Philox noise, as every backend computes it),
-  and ``compile(reference)``;
-- every ops backend available on the device (``cpu`` C++ kernels, ``cuda``, ``triton`` on CUDA).
+- ``torch-eager``: the plain-torch step a script writes (gather sqrt(abar_t), a x0 + c eps, MinSNR-weighted MSE);
+- ``compile(torch-eager)``: the same function under ``torch.compile`` (compile time excluded from the timings,
+  printed separately as ``compile_s``);
+- ``diffusers``: ``DDPMScheduler.add_noise`` + ``training_utils.compute_snr`` + the MinSNR MSE of diffusers'
+  training scripts, when diffusers is installed;
+- our backends available on the device (``cpu``: the C++ kernels; ``cuda``; ``triton`` on CUDA), called as
+  ``ops.q_sample(x0, t, alphas_cumprod, ...)`` and ``ops.diffusion_loss(...)`` with their defaults;
+- ``copy``: ``dst.copy_(src)`` of one tensor of the case's size, the bandwidth yardstick under the same conditions.
 
-Each timing is the median with p20/p80 over repeated runs after warmup; effective GB/s counts the minimal bytes
-each op must move and is shown next to the copy bandwidth measured in the same run. Rows are appended to
-``benchmarks/results/ops.csv`` and ``benchmarks/results/ops.md`` is regenerated.
+Every provider uses one schedule (diffusers' default DDPM ``alphas_cumprod`` when diffusers is installed, the same
+linear schedule otherwise) and the losses are checked to agree before anything is timed.
 
-    python benchmarks/bench_ops.py            # full run on CPU
-    python benchmarks/bench_ops.py --quick    # smoke run (small sizes, few repeats, no torch.compile)
-    python benchmarks/bench_ops.py --device cuda
+Modes: ``given`` (the user's ``randn_like`` noise, drawn outside the timed region and passed to every provider) and
+``seed`` (noise inside the step: plain torch draws ``randn_like`` in the timed region, ours regenerates Philox
+noise in-kernel from a seed). Cases: ``full_loss_path`` (q_sample + loss; the model is excluded), ``q_sample`` and
+``diffusion_loss`` alone; passes ``fwd``, ``bwd`` (the forward untimed) and ``fwd+bwd``. Sizes: B in {8, 64, 256}
+at 4x32x32 and B=32 at 4x64x64. ``gbps`` counts the minimal bytes the case must move (eps prediction: q_sample
+reads x0 and the noise and writes x_t; the loss reads pred and the noise and writes the gradient; in-kernel
+noise is never read); ``pct_copy`` relates it to the ``copy`` row of the same rotation. The DiT block ops
+(``--block-ops``) run at one size. Rows go to ``benchmarks/results/ops.csv``; ``ops.md`` is regenerated.
+
+    python benchmarks/bench_ops.py                 # full run on CPU (a few minutes, most of it compiling)
+    python benchmarks/bench_ops.py --quick         # smoke run: one small size, few repeats, no torch.compile
+    python benchmarks/bench_ops.py --device cuda --dtype bf16
 """
 
 from __future__ import annotations
@@ -36,238 +47,265 @@ import common  # noqa: E402
 import diffcurr_fast.ops as ops  # noqa: E402
 from diffcurr_fast.diffusion import DDPMSchedule  # noqa: E402
 from diffcurr_fast.ops import _backend  # noqa: E402
-from diffcurr_fast.ops._common import schedule_table  # noqa: E402
 
 SEED = 20250101
-PREDICTION, WEIGHTING, GAMMA = "v", "min_snr", 5.0
-MODES = ("fwd", "bwd", "fwd+bwd")
-# Inductor does not finish compiling the int64 Philox emulation of the reference (its index/value-range
-# analysis of the 10 multiply rounds runs for many minutes), so compile(reference) is measured only for the
-# ops without noise; compile(torch-eager) (noise from torch.randn_like) is the compiled baseline for those.
-PHILOX_CASES = ("full_loss_path", "q_sample", "diffusion_loss", "randn", "sample_timesteps")
-BUDGET_S = 15.0  # seconds per measurement: slow providers get fewer repeats (at least 3)
+SIZES = ((8, (4, 32, 32)), (64, (4, 32, 32)), (256, (4, 32, 32)), (32, (4, 64, 64)))
+MODES = ("given", "seed")
+PASSES = ("fwd", "bwd", "fwd+bwd")
+LOSS_CASES = ("full_loss_path", "q_sample", "diffusion_loss")
+BLOCK_CASES = ("randn", "sample_timesteps", "adaln_modulate", "gated_residual")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+COLUMNS = ["op", "mode", "pass", "provider", "size", "dtype", "median_ms", "p20_ms", "p80_ms", "gbps", "pct_copy",
+           "x_vs_torch-eager", "x_vs_compile(torch-eager)", "compile_s"]  # fmt: skip
 
 
-class Case:
-    """One benchmark: ``make(provider)`` returns (forward fn taking no args -> output, or None if unsupported)."""
+class Provider:
+    """``forward(leaf)`` returns the case's output (a scalar loss when differentiable); ``leaf`` is None or pred."""
 
-    def __init__(self, name: str, numel: int, bytes_per_elem: dict[str, int], modes: tuple[str, ...]):
-        self.name, self.numel, self.bytes_per_elem, self.modes = name, numel, bytes_per_elem, modes
+    def __init__(self, forward: Callable, compiled: bool = False):
+        self._forward, self.compiled, self.compile_s = forward, compiled, None
 
-
-def _providers(device: torch.device, compile_ok: bool) -> list[str]:
-    names = ["torch-eager", "reference"]
-    if compile_ok:
-        names += ["compile(torch-eager)", "compile(reference)"]
-    for b in ("cuda", "triton", "cpu"):
-        if _backend.unavailable_reason(b, "diffusion_loss_fwd", device) is None:
-            if b == "triton" and device.type == "cpu":
-                continue  # the interpreter is a correctness tool, not a fast path
-            names.append(b)
-    return names
+    def forward(self, leaf):
+        if not self.compiled or self.compile_s is not None:
+            return self._forward(leaf)
+        t0 = time.perf_counter()  # the first call of a compiled provider compiles (its backward too, below)
+        out = self._forward(leaf)
+        if leaf is not None:
+            self._forward(leaf.detach().clone().requires_grad_()).backward()
+        self.compile_s = time.perf_counter() - t0
+        return out
 
 
-def _maybe_compile(fn: Callable, provider: str) -> Callable:
-    return torch.compile(fn) if provider.startswith("compile(") else fn
+def _schedule(device: torch.device):
+    """(alphas_cumprod as float32 on device, a diffusers DDPMScheduler or None)."""
+    try:
+        from diffusers import DDPMScheduler
+    except ImportError:
+        return DDPMSchedule(1000).alphas_cumprod.float().to(device), None
+    sch = DDPMScheduler(num_train_timesteps=1000)
+    return sch.alphas_cumprod.float().to(device), sch
 
 
-def _base(provider: str) -> str:
-    return provider[len("compile(") : -1] if provider.startswith("compile(") else provider
-
-
-def build_cases(args, device: torch.device, sched: DDPMSchedule):
-    """Inputs and the per-provider forward functions of every benchmarked op."""
-    B, shape = args.batch, tuple(args.shape)
-    x0 = torch.randn(B, *shape, device=device)
-    pred0 = torch.randn(B, *shape, device=device)
-    t = torch.randint(0, sched.num_timesteps, (B,), device=device)
-    qtab = schedule_table(sched, "q_sample", device, torch.float32)
-    ltab = schedule_table(sched, "loss", device, torch.float32, PREDICTION, WEIGHTING, GAMMA)
+def loss_path_cases(args, B, shape, mode, device, dtype, backends) -> dict[str, dict[str, Provider]]:
+    """Providers of the full loss path, q_sample and diffusion_loss at one size and noise mode."""
+    abar, scheduler = _schedule(device)
+    gamma, pred_kind = args.gamma, args.prediction
+    g = torch.Generator(device).manual_seed(0)
+    x0 = torch.randn(B, *shape, device=device, generator=g).to(dtype)
+    noise_given = torch.randn(B, *shape, device=device, generator=g).to(dtype)
+    t = torch.randint(0, abar.shape[0], (B,), device=device, generator=g)
+    dims = list(range(1, x0.ndim))
     bshape = (-1,) + (1,) * len(shape)
-    n = x0.numel()
-    weights = torch.rand(sched.num_timesteps, device=device)
+    seeded = mode == "seed"
+
+    def user_noise(x):  # the user's noise: drawn in the timed region only in the seed mode
+        return torch.randn_like(x) if seeded else noise_given
+
+    def torch_q(x0, noise):
+        ab = abar[t]
+        return ab.sqrt().view(bshape) * x0 + (1 - ab).sqrt().view(bshape) * noise
+
+    def torch_loss(pred, x0, noise):
+        ab = abar[t]
+        snr = ab / (1 - ab)
+        base = torch.clamp(snr, max=gamma)
+        if pred_kind == "eps":
+            target, w = noise, base / snr
+        elif pred_kind == "x0":
+            target, w = x0, base
+        else:
+            target, w = ab.sqrt().view(bshape) * noise - (1 - ab).sqrt().view(bshape) * x0, base / (snr + 1)
+        return (((pred.float() - target.float()) ** 2).mean(dim=dims) * w).mean()
+
+    def torch_full(pred):
+        noise = user_noise(x0)
+        return torch_q(x0, noise), torch_loss(pred, x0, noise)
+
+    plain = {
+        "full_loss_path": lambda pred: torch_full(pred)[1],
+        "q_sample": lambda pred: torch_q(x0, user_noise(x0)),
+        "diffusion_loss": lambda pred: torch_loss(pred, x0, noise_given),
+    }
+    cases: dict[str, dict[str, Provider]] = {c: {"torch-eager": Provider(f)} for c, f in plain.items()}
+    if not args.no_compile:
+        for c, f in plain.items():
+            cases[c]["compile(torch-eager)"] = Provider(torch.compile(f, dynamic=False), compiled=True)
+    if scheduler is not None and pred_kind in ("eps", "v"):
+        from diffusers.training_utils import compute_snr
+
+        def diff_loss(pred, x0, noise):
+            snr = compute_snr(scheduler, t)
+            w = torch.stack([snr, gamma * torch.ones_like(t)], dim=1).min(dim=1)[0]
+            if pred_kind == "eps":
+                target, w = noise, w / snr
+            else:
+                target, w = scheduler.get_velocity(x0, noise, t), w / (snr + 1)
+            loss = torch.nn.functional.mse_loss(pred.float(), target.float(), reduction="none")
+            return (loss.mean(dim=dims) * w).mean()
+
+        def diff_full(pred):
+            noise = user_noise(x0)
+            return diff_loss(pred, x0, noise), scheduler.add_noise(x0, noise, t)
+
+        cases["full_loss_path"]["diffusers"] = Provider(lambda pred: diff_full(pred)[0])
+        cases["q_sample"]["diffusers"] = Provider(lambda pred: scheduler.add_noise(x0, user_noise(x0), t))
+        cases["diffusion_loss"]["diffusers"] = Provider(lambda pred: diff_loss(pred, x0, noise_given))
+    for b in backends:
+        noise = None if seeded else noise_given
+        seed = SEED if seeded else None
+
+        def our_q(b=b, noise=noise, seed=seed):
+            return ops.q_sample(x0, t, abar, noise, seed=seed, backend=b)
+
+        def our_loss(pred, b=b, noise=noise, seed=seed):
+            kw = dict(prediction=pred_kind, weighting="min_snr", gamma=gamma, seed=seed, backend=b)
+            return ops.diffusion_loss(pred, x0, noise, t, abar, **kw)
+
+        def our_full(pred, our_q=our_q, our_loss=our_loss):
+            our_q()
+            return our_loss(pred)
+
+        cases["full_loss_path"][b] = Provider(our_full)
+        cases["q_sample"][b] = Provider(lambda pred, our_q=our_q: our_q())
+        # the loss alone with in-kernel noise regenerates it; given noise reads the user's tensor
+        cases["diffusion_loss"][b] = Provider(our_loss)
+    return cases, x0, noise_given
+
+
+def block_cases(args, device, dtype, backends) -> dict[str, dict[str, Provider]]:
+    """Providers of the other ops (Philox noise, timestep sampling, the DiT block ops) at one size."""
+    B, shape = 256, (4, 32, 32)
     Bn, N, D = args.block
-    xb = torch.randn(Bn, N, D, device=device)
-    shift, scale, gate = (torch.randn(Bn, D, device=device) * 0.1 for _ in range(3))
-    yb = torch.randn(Bn, N, D, device=device)
+    g = torch.Generator(device).manual_seed(1)
+    weights = torch.rand(1000, device=device, generator=g)
+    shift, scale, gate = (0.1 * torch.randn(Bn, D, device=device, generator=g).to(dtype) for _ in range(3))
+    xb = torch.randn(Bn, N, D, device=device, generator=g).to(dtype)
 
-    def q_torch(x0, t):
-        ac = qtab[t]
-        noise = torch.randn_like(x0)
-        return ac[:, 0].view(bshape) * x0 + ac[:, 1].view(bshape) * noise, noise
+    def adaln(x):
+        return torch.nn.functional.layer_norm(x, (D,), eps=1e-6) * (1 + scale[:, None, :]) + shift[:, None, :]
 
-    def q_ref(x0, t):
-        ac = qtab[t]
-        return ops.q_sample_ref(x0, ac[:, 0], ac[:, 1], None, SEED)
-
-    def loss_torch(pred, x0, t, noise):
-        pqw = ltab[t]
-        tgt = pqw[:, 0].view(bshape) * x0 + pqw[:, 1].view(bshape) * noise
-        return (pqw[:, 2] * (pred - tgt).square().flatten(1).mean(1)).mean()
-
-    def loss_ref(pred, x0, t):
-        pqw = ltab[t]
-        return ops.diffusion_loss_ref(pred, x0, None, pqw[:, 0], pqw[:, 1], pqw[:, 2], SEED).mean()
-
-    def full_torch(pred, x0, t):
-        xt, noise = q_torch(x0, t)
-        return xt, loss_torch(pred, x0, t, noise)
-
-    def full_ref(pred, x0, t):
-        return q_ref(x0, t), loss_ref(pred, x0, t)
-
-    def full_ops(pred, x0, t, backend):
-        xt = ops.q_sample(x0, t, sched, seed=SEED, backend=backend, validate=False)
-        loss = ops.diffusion_loss(
-            pred,
-            x0,
-            None,
-            t,
-            sched,
-            prediction=PREDICTION,
-            weighting=WEIGHTING,
-            gamma=GAMMA,
-            seed=SEED,
-            backend=backend,
-            validate=False,
+    plain = {
+        "randn": lambda leaf: torch.randn(B, *shape, device=device, dtype=dtype),
+        "sample_timesteps": lambda leaf: torch.multinomial(weights, B, replacement=True),
+        "adaln_modulate": lambda x: adaln(x).float().sum(),
+        "gated_residual": lambda y: (xb + gate[:, None, :] * y).float().sum(),
+    }
+    cases = {c: {"torch-eager": Provider(f)} for c, f in plain.items()}
+    if not args.no_compile:
+        for c, f in plain.items():
+            cases[c]["compile(torch-eager)"] = Provider(torch.compile(f, dynamic=False), compiled=True)
+    for b in backends:
+        cases["randn"][b] = Provider(lambda leaf, b=b: ops.philox_randn(SEED, (B, *shape), device, backend=b))
+        cases["sample_timesteps"][b] = Provider(
+            lambda leaf, b=b: ops.sample_timesteps(B, weights, seed=SEED, validate=False, backend=b)
         )
-        return xt, loss
-
-    def adaln_torch(x, shift, scale):
-        xn = torch.nn.functional.layer_norm(x, (D,), eps=1e-6)
-        return xn * (1 + scale[:, None, :]) + shift[:, None, :]
-
-    def gated_torch(x, gate, y):
-        return x + gate[:, None, :] * y
-
-    def make(case: str, provider: str):
-        base = _base(provider)
-        if provider == "compile(reference)" and case in PHILOX_CASES:
-            return None, None
-        native = base not in ("torch-eager", "reference")
-        if case == "randn":
-            if base == "torch-eager":
-                fn = lambda: torch.randn(B, *shape, device=device)
-            elif base == "reference":
-                fn = lambda: ops.philox_randn_ref(SEED, (B, *shape), device)
-            else:
-                fn = lambda: ops.philox_randn(SEED, (B, *shape), device, backend=base)
-            return _maybe_compile(fn, provider), None
-        if case == "q_sample":
-            if native:
-                return (lambda: ops.q_sample(x0, t, sched, seed=SEED, backend=base, validate=False)), None
-            f = _maybe_compile(q_torch if base == "torch-eager" else q_ref, provider)
-            return (lambda: f(x0, t)), None
-        if case == "diffusion_loss":
-            noise = torch.randn_like(x0)
-            if native:
-                f = lambda p: ops.diffusion_loss(
-                    p,
-                    x0,
-                    None,
-                    t,
-                    sched,
-                    prediction=PREDICTION,
-                    weighting=WEIGHTING,
-                    seed=SEED,
-                    backend=base,
-                    validate=False,
-                )
-            elif base == "torch-eager":
-                g = _maybe_compile(loss_torch, provider)
-                f = lambda p: g(p, x0, t, noise)
-            else:
-                g = _maybe_compile(loss_ref, provider)
-                f = lambda p: g(p, x0, t)
-            return f, "pred"
-        if case == "full_loss_path":
-            if native:
-                f = lambda p: full_ops(p, x0, t, base)[1]
-            else:
-                g = _maybe_compile(full_torch if base == "torch-eager" else full_ref, provider)
-                f = lambda p: g(p, x0, t)[1]
-            return f, "pred"
-        if case == "sample_timesteps":
-            if base == "torch-eager":
-                fn = lambda: torch.multinomial(weights, B, replacement=True)
-            elif base == "reference":
-                fn = lambda: ops.sample_timesteps_ref(weights, B, SEED)
-            else:
-                fn = lambda: ops.sample_timesteps(B, weights, seed=SEED, validate=False, backend=base)
-            return _maybe_compile(fn, provider), None
-        if case == "adaln_modulate":
-            if native:
-                f = lambda x: ops.adaln_modulate(x, shift, scale, backend=base)
-            elif base == "torch-eager":
-                f = _maybe_compile(lambda x: adaln_torch(x, shift, scale), provider)
-            else:
-                f = _maybe_compile(lambda x: ops.adaln_modulate_ref(x, shift, scale)[0], provider)
-            return f, "x"
-        if case == "gated_residual":
-            if native:
-                f = lambda y: ops.gated_residual(xb, gate, y, backend=base)
-            elif base == "torch-eager":
-                f = _maybe_compile(lambda y: gated_torch(xb, gate, y), provider)
-            else:
-                f = _maybe_compile(lambda y: ops.gated_residual_ref(xb, gate, y), provider)
-            return f, "y"
-        raise ValueError(case)
-
-    grad_inputs = {"pred": pred0, "x": xb, "y": yb}
-    nb = xb.numel()
-    cases = [
-        Case("full_loss_path", n, {"fwd": 5, "bwd": 2, "fwd+bwd": 7}, MODES),
-        Case("q_sample", n, {"fwd": 2}, ("fwd",)),
-        Case("diffusion_loss", n, {"fwd": 3, "bwd": 2, "fwd+bwd": 5}, MODES),
-        Case("randn", n, {"fwd": 1}, ("fwd",)),
-        Case("sample_timesteps", B, {"fwd": 0}, ("fwd",)),
-        Case("adaln_modulate", nb, {"fwd": 2, "bwd": 3, "fwd+bwd": 5}, MODES),
-        Case("gated_residual", nb, {"fwd": 3, "bwd": 3, "fwd+bwd": 6}, MODES),
-    ]
-    return cases, make, grad_inputs
+        cases["adaln_modulate"][b] = Provider(
+            lambda x, b=b: ops.adaln_modulate(x, shift, scale, backend=b).float().sum()
+        )
+        cases["gated_residual"][b] = Provider(lambda y, b=b: ops.gated_residual(xb, gate, y, backend=b).float().sum())
+    leaves = {"adaln_modulate": xb, "gated_residual": torch.randn_like(xb)}
+    numel = {"randn": B * 4096, "sample_timesteps": B, "adaln_modulate": xb.numel(), "gated_residual": xb.numel()}
+    return cases, leaves, numel
 
 
-def time_case(fn, grad_name, mode, grad_inputs, device, warmup, reps):
-    """Per-call seconds of ``mode`` for forward ``fn`` (``grad_name`` names its differentiable input)."""
-    if grad_name is None:
-        return common.measure(lambda _: fn(), device=device, warmup=warmup, reps=reps, budget_s=BUDGET_S)
-    leaf = grad_inputs[grad_name].detach().clone().requires_grad_()
+def minimal_passes(case: str, pass_: str, mode: str, prediction: str) -> int:
+    """Tensor-sized memory passes the case cannot avoid (eps: the loss never needs x0; seeded noise is not read)."""
+    noise = 0 if mode == "seed" else 1
+    q = 2 + noise  # read x0 (and the noise), write x_t
+    loss_in = 1 + (prediction != "eps") + (noise if prediction != "x0" else 0)  # pred, x0 unless eps, the noise
+    loss = {"fwd": loss_in, "bwd": 1, "fwd+bwd": loss_in + 1}[pass_]  # + the gradient write
+    block = {"randn": {"fwd": 1}, "sample_timesteps": {"fwd": 0}, "adaln_modulate": {"fwd": 2, "bwd": 3, "fwd+bwd": 5},
+             "gated_residual": {"fwd": 3, "bwd": 3, "fwd+bwd": 6}}  # fmt: skip
+    if case == "q_sample":
+        return q
+    if case == "diffusion_loss":
+        return loss
+    if case == "full_loss_path":
+        return loss + (q if pass_ != "bwd" else 0)
+    return block[case][pass_]
 
-    def forward():
-        out = fn(leaf)
-        return out.sum() if out.ndim else out
 
-    if mode == "fwd":
-        return common.measure(lambda _: forward(), device=device, warmup=warmup, reps=reps, budget_s=BUDGET_S)
-    if mode == "bwd":
+def run_rotation(providers: dict[str, Provider], leaf0, pass_, copy_numel, device, reps, warmup):
+    """Interleaved timings: {provider: [seconds]} with ``copy`` (dst.copy_(src) of copy_numel floats) included."""
+    src = torch.randn(copy_numel, device=device)
+    dst = torch.empty_like(src)
+    steps: dict[str, tuple[Callable, Callable | None]] = {"copy": (lambda _: dst.copy_(src), None)}
+    for name, prov in providers.items():
+        if leaf0 is None:
+            steps[name] = ((lambda _, f=prov.forward: f(None)), None)
+            continue
+        leaf = leaf0.detach().clone().requires_grad_()
 
-        def setup():
+        def fwd(_, f=prov.forward, leaf=leaf):
             leaf.grad = None
-            return forward()
+            return f(leaf)
 
-        return common.measure(
-            lambda out: out.backward(), setup, device=device, warmup=warmup, reps=reps, budget_s=BUDGET_S
-        )
+        def setup(f=prov.forward, leaf=leaf):
+            leaf.grad = None
+            return f(leaf)
 
-    def both(_):
-        leaf.grad = None
-        forward().backward()
+        def both(_, f=prov.forward, leaf=leaf):
+            leaf.grad = None
+            f(leaf).backward()
 
-    return common.measure(both, device=device, warmup=warmup, reps=reps, budget_s=BUDGET_S)
+        steps[name] = {
+            "fwd": (fwd, None),
+            "bwd": ((lambda out: out.backward()), setup),
+            "fwd+bwd": (both, None),
+        }[pass_]
+    for run, setup in steps.values():  # the first call compiles (timed apart by Provider), then warmup
+        for _ in range(1 + warmup):
+            run(setup() if setup else None)
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(reps):
+        for name, (run, setup) in steps.items():
+            state = setup() if setup else None
+            common.synchronize(device)
+            t0 = time.perf_counter()
+            run(state)
+            common.synchronize(device)
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def check_agreement(providers: dict[str, Provider], leaf0, case: str) -> str | None:
+    """None when every provider's output matches torch-eager (losses; x_t in the given mode), else a message."""
+    if leaf0 is None and case != "q_sample":
+        return None
+    ref = providers["torch-eager"].forward(leaf0)
+    for name, prov in providers.items():
+        out = prov.forward(leaf0)
+        if case == "q_sample" and out.shape != ref.shape:
+            return f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+        if not torch.allclose(out.float(), ref.float(), rtol=2e-3, atol=1e-5):
+            return f"{name}: {out.float().flatten()[:3].tolist()} != torch-eager {ref.float().flatten()[:3].tolist()}"
+    return None
+
+
+def _backends(device: torch.device, with_reference: bool) -> list[str]:
+    names = [
+        b for b in ("cuda", "triton", "cpu") if _backend.unavailable_reason(b, "diffusion_loss_fwd", device) is None
+    ]
+    names = [b for b in names if not (b == "triton" and device.type == "cpu")]  # the interpreter is no fast path
+    return names + (["reference"] if with_reference else [])
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--quick", action="store_true", help="smoke run: small sizes, few repeats")
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--shape", type=int, nargs="+", default=[4, 32, 32], help="per-sample shape of x0")
+    parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
+    parser.add_argument("--quick", action="store_true", help="smoke run: B=8 at 4x16x16, few repeats, no compile")
+    parser.add_argument("--sizes", nargs="+", default=None, metavar="BxCxHxW", help="e.g. 256x4x32x32 32x4x64x64")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--prediction", default="eps", choices=("eps", "x0", "v"))
+    parser.add_argument("--gamma", type=float, default=5.0, help="MinSNR gamma")
     parser.add_argument("--block", type=int, nargs=3, default=[32, 256, 384], help="B N D of the DiT block ops")
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=None)
-    parser.add_argument("--ops", nargs="*", default=None, help="subset of ops to run")
-    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile providers")
-    parser.add_argument("--compile", action="store_true", help="keep the torch.compile providers with --quick")
+    parser.add_argument("--ops", nargs="*", default=None, help=f"subset of {LOSS_CASES + BLOCK_CASES}")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile provider")
+    parser.add_argument("--compile", action="store_true", help="keep the torch.compile provider with --quick")
+    parser.add_argument("--reference", action="store_true", help="add our reference backend (a slow oracle)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
     args = parser.parse_args(argv)
@@ -276,149 +314,146 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda requested but CUDA is not available")
+    dtype = DTYPES[args.dtype]
+    if args.sizes:
+        try:
+            sizes = [(int(s.split("x")[0]), tuple(int(v) for v in s.split("x")[1:])) for s in args.sizes]
+        except ValueError:
+            parser.error(f"--sizes takes BxCxHxW values such as 256x4x32x32, got {args.sizes}")
+    else:
+        sizes = [(8, (4, 16, 16))] if args.quick else list(SIZES)
     if args.quick:
-        args.batch = min(args.batch, 16)
         args.block = [4, 64, 96]
-    reps = args.reps or (5 if args.quick else 20)
+        args.no_compile = args.no_compile or not args.compile
+    reps = args.reps or (5 if args.quick else 30)
     warmup = args.warmup or (2 if args.quick else 5)
+    wanted = set(args.ops) if args.ops else set(LOSS_CASES + BLOCK_CASES)
+    unknown = wanted - set(LOSS_CASES + BLOCK_CASES)
+    if unknown:
+        parser.error(f"unknown ops {sorted(unknown)}; choose from {LOSS_CASES + BLOCK_CASES}")
     warnings.simplefilter("ignore", RuntimeWarning)
-
-    sched = DDPMSchedule(1000)
-    cases, make, grad_inputs = build_cases(args, device, sched)
-    providers = _providers(device, not (args.no_compile or (args.quick and not args.compile)))
+    backends = _backends(device, args.reference)
     info = common.run_info(device)
-    copy_gbps = common.copy_bandwidth(device, nbytes=(32 if args.quick else 512) * 2**20)
-    print(f"{info['machine']} | torch {info['torch']} | {info['git_rev']} | copy bandwidth {copy_gbps:.1f} GB/s")
-    print(f"providers: {', '.join(providers)}")
-    rows = []
+    dram = common.copy_bandwidth(device, nbytes=(32 if args.quick else 512) * 2**20)
+    print(f"{info['machine']} | torch {info['torch']} | {info['git_rev']} | {args.dtype} | large-buffer copy "
+          f"{dram:.1f} GB/s | backends {', '.join(backends)}")  # fmt: skip
     run_id = time.strftime("%Y%m%d-%H%M%S")
-    for case in cases:
-        if args.ops and case.name not in args.ops:
-            continue
-        for provider in providers:
-            fn, grad_name = make(case.name, provider)
-            if fn is None:
-                print(f"  {case.name:16s} {'-':8s} {provider:22s} not measured (int64 Philox does not compile)")
+    rows: list[dict[str, object]] = []
+    elem = torch.finfo(dtype).bits // 8
+
+    def record(case, mode, pass_, size, times, providers, numel):
+        nbytes = minimal_passes(case, pass_, mode, args.prediction) * numel * elem
+        copy_med = common.percentiles(times["copy"])[0]
+        copy_gbps = 2 * numel * 4 / copy_med / 1e9
+        meds = {n: common.percentiles(v)[0] for n, v in times.items()}
+        for name, ts in times.items():
+            if name == "copy":
                 continue
-            for mode in case.modes:
-                try:
-                    times = time_case(fn, grad_name, mode, grad_inputs, device, warmup, reps)
-                except Exception as exc:  # report and keep going: one broken provider must not hide the rest
-                    print(f"  {case.name:16s} {mode:8s} {provider:22s} FAILED: {type(exc).__name__}: {exc}")
+            med, p20, p80 = common.percentiles(ts)
+            gbps = nbytes / med / 1e9 if nbytes else None
+            row = {**info, "run_id": run_id, "device": device.type, "op": case, "mode": mode, "pass": pass_,
+                   "provider": name, "size": size, "dtype": args.dtype, "median_ms": f"{med * 1e3:.4f}",
+                   "p20_ms": f"{p20 * 1e3:.4f}", "p80_ms": f"{p80 * 1e3:.4f}",
+                   "gbps": f"{gbps:.2f}" if gbps else "", "copy_gbps": f"{copy_gbps:.2f}",
+                   "pct_copy": f"{100 * gbps / copy_gbps:.1f}" if gbps else "",
+                   "x_vs_torch-eager": f"{meds['torch-eager'] / med:.2f}",
+                   "x_vs_compile(torch-eager)": f"{meds['compile(torch-eager)'] / med:.2f}"
+                   if "compile(torch-eager)" in meds else "",
+                   "compile_s": f"{providers[name].compile_s:.1f}" if providers[name].compile_s else "",
+                   "dram_copy_gbps": f"{dram:.2f}", "quick": int(args.quick)}  # fmt: skip
+            rows.append(row)
+            print(f"  {case:15s} {mode:5s} {pass_:8s} {name:21s} {med * 1e3:9.3f} ms [{p20 * 1e3:.3f}, "
+                  f"{p80 * 1e3:.3f}] {row['gbps'] or '-':>7} GB/s {row['pct_copy'] or '-':>6}% copy  "
+                  f"x{row['x_vs_torch-eager']} eager  x{row['x_vs_compile(torch-eager)'] or '-'} compile"
+                  + (f"  (compile {row['compile_s']} s)" if row["compile_s"] else ""))  # fmt: skip
+
+    for B, shape in sizes:
+        size = f"B={B} x {'x'.join(map(str, shape))}"
+        for mode in args.modes:
+            cases, x0, _ = loss_path_cases(args, B, shape, mode, device, dtype, backends)
+            print(f"{size}, {mode} noise (copy yardstick: {x0.numel() * elem / 2**20:.1f} MiB)")
+            for case in LOSS_CASES:
+                if case not in wanted:
                     continue
-                med, p20, p80 = common.percentiles(times)
-                nbytes = case.bytes_per_elem[mode] * case.numel * 4
-                gbps = nbytes / med / 1e9 if nbytes else float("nan")
-                row = {
-                    **info,
-                    "run_id": run_id,
-                    "device": device.type,
-                    "op": case.name,
-                    "mode": mode,
-                    "provider": provider,
-                    "dtype": "float32",
-                    "size": f"B={args.batch} x {'x'.join(map(str, args.shape))}"
-                    if case.name not in ("adaln_modulate", "gated_residual")
-                    else "x".join(map(str, args.block)),
-                    "median_ms": f"{med * 1e3:.4f}",
-                    "p20_ms": f"{p20 * 1e3:.4f}",
-                    "p80_ms": f"{p80 * 1e3:.4f}",
-                    "gbps": f"{gbps:.2f}" if nbytes else "",
-                    "copy_gbps": f"{copy_gbps:.2f}",
-                    "pct_copy": f"{100 * gbps / copy_gbps:.1f}" if nbytes else "",
-                    "quick": int(args.quick),
-                }
-                rows.append(row)
-                print(
-                    f"  {case.name:16s} {mode:8s} {provider:22s} {med * 1e3:10.3f} ms "
-                    f"[{p20 * 1e3:.3f}, {p80 * 1e3:.3f}]  {row['gbps'] or '-':>8} GB/s  "
-                    f"{row['pct_copy'] or '-':>5}% copy"
-                )
+                providers = cases[case]
+                leaf = None if case == "q_sample" else torch.randn_like(x0)
+                if mode == "given":  # with noise drawn inside, each provider draws its own by design
+                    bad = check_agreement(providers, leaf if leaf is None else leaf.detach().requires_grad_(), case)
+                    if bad:
+                        print(f"  {case}: providers disagree, not timed: {bad}")
+                        continue
+                for pass_ in ("fwd",) if leaf is None else PASSES:
+                    times = run_rotation(providers, leaf, pass_, x0.numel(), device, reps, warmup)
+                    record(case, mode, pass_, size, times, providers, x0.numel())
+    if wanted & set(BLOCK_CASES):
+        cases, leaves, numel = block_cases(args, device, dtype, backends)
+        print(f"other ops (block {'x'.join(map(str, args.block))})")
+        for case in BLOCK_CASES:
+            if case not in wanted:
+                continue
+            leaf = leaves.get(case)
+            for pass_ in ("fwd",) if leaf is None else PASSES:
+                times = run_rotation(cases[case], leaf, pass_, numel[case], device, reps, warmup)
+                record(case, "-", pass_, "x".join(map(str, args.block)) if leaf is not None else "B=256 x 4x32x32",
+                       times, cases[case], numel[case])  # fmt: skip
     csv_path = args.out / "ops.csv"
     common.append_csv(csv_path, rows)
     write_markdown(csv_path, args.out / "ops.md")
-    _print_targets(rows)
+    print_targets(rows)
     return 0
 
 
-def _speedups(rows: list[dict[str, str]]) -> None:
-    base = {(r["op"], r["mode"], r["provider"]): float(r["median_ms"]) for r in rows}
-    for r in rows:
-        ref = base.get((r["op"], r["mode"], "reference"))
-        comp = base.get((r["op"], r["mode"], "compile(reference)"))
-        eager = base.get((r["op"], r["mode"], "torch-eager"))
-        me = float(r["median_ms"])
-        r["x_vs_reference"] = f"{ref / me:.2f}" if ref else ""
-        r["x_vs_compile(reference)"] = f"{comp / me:.2f}" if comp else ""
-        r["x_vs_torch-eager"] = f"{eager / me:.2f}" if eager else ""
-        ceager = base.get((r["op"], r["mode"], "compile(torch-eager)"))
-        r["x_vs_compile(torch-eager)"] = f"{ceager / me:.2f}" if ceager else ""
+def print_targets(rows: list[dict[str, object]]) -> None:
+    """The issue's targets on this run's rows: met or not, with the ratio."""
+    ours = [r for r in rows if r["provider"] in ("cpu", "cuda", "triton") and r["op"] == "full_loss_path"]
+    for r in ours:
+        if r["pass"] != "fwd+bwd":
+            continue
+        comp, eager, pct = r["x_vs_compile(torch-eager)"], float(r["x_vs_torch-eager"]), r["pct_copy"]
+        line = (
+            f"target {r['size']} {r['mode']} {r['provider']}: x{comp or '-'} compile, x{eager:.2f} eager, {pct}% copy"
+        )
+        if r["size"] == "B=256 x 4x32x32" and comp:
+            met = float(comp) >= 1.3 and (r["mode"] != "given" or float(pct) >= 70.0)
+            goal = ">= 1.3x compile" + (" and >= 70% copy" if r["mode"] == "given" else "")
+            line += f"  [{goal}: {'met' if met else 'NOT met'}]"
+        if r["size"].startswith("B=8 "):
+            line += f"  [not slower than eager: {'met' if eager >= 1.0 else 'NOT met'}]"
+        print(line)
 
 
 def write_markdown(csv_path: Path, md_path: Path) -> None:
-    """Regenerate ``md_path`` from the latest run of each (machine, device) in the CSV."""
-    rows = common.read_csv(csv_path)
-    latest: dict[tuple[str, str], str] = {}
+    """Regenerate ``md_path`` from the latest run of each (machine, device, dtype) in the CSV."""
+    rows = [r for r in common.read_csv(csv_path) if "pass" in r and r.get("pass")]
+    latest: dict[tuple[str, str, str], str] = {}
     for r in rows:
-        key = (r["machine"], r["device"])
+        key = (r["machine"], r["device"], r.get("dtype", "fp32"))
         latest[key] = max(latest.get(key, ""), r["run_id"])
-    cols = [
-        "op",
-        "mode",
-        "provider",
-        "size",
-        "median_ms",
-        "p20_ms",
-        "p80_ms",
-        "gbps",
-        "pct_copy",
-        "x_vs_reference",
-        "x_vs_compile(reference)",
-        "x_vs_torch-eager",
-        "x_vs_compile(torch-eager)",
-    ]
     parts = [
         "# Fused ops benchmark",
         "",
-        "Generated by `benchmarks/bench_ops.py` from `ops.csv` (latest run per machine). fp32. `gbps` counts the",
-        "minimal bytes each op moves; `pct_copy` relates it to the copy bandwidth measured in the same run.",
-        "`reference` is the ops' pure-torch definition (counter-based Philox noise); `torch-eager` is the plain",
-        "training step with `torch.randn_like` noise. `x_vs_*` are speedups (higher is better).",
-        "`compile(reference)` is absent for the ops that draw Philox noise: inductor does not finish compiling the",
-        "int64 Philox emulation, so `compile(torch-eager)` is the compiled baseline there.",
+        "Generated by `benchmarks/bench_ops.py` from `ops.csv` (latest run per machine, device and dtype). Providers",
+        "are interleaved in one run: plain torch eager, `torch.compile` of the same plain torch (compile time in",
+        "`compile_s`, excluded from the timings), diffusers' own step, and our backends. `given`: the user's noise",
+        "tensor; `seed`: noise inside the step (plain torch's `randn_like` is timed, ours is regenerated in-kernel).",
+        "`gbps` counts the minimal bytes the case must move; `pct_copy` relates it to `dst.copy_(src)` of one",
+        "tensor of the same size timed in the same rotation. `x_vs_*` are speedups (higher is better).",
     ]
-    for (machine, device), run_id in sorted(latest.items()):
-        sel = [dict(r) for r in rows if r["machine"] == machine and r["device"] == device and r["run_id"] == run_id]
-        _speedups(sel)
+    for (machine, device, dtype), run_id in sorted(latest.items()):
+        sel = [r for r in rows if (r["machine"], r["device"], r.get("dtype", "fp32")) == (machine, device, dtype)
+               and r["run_id"] == run_id]  # fmt: skip
         first = sel[0]
         parts += [
             "",
-            f"## {machine} ({device})",
+            f"## {machine} ({device}, {dtype})",
             "",
-            f"Run {run_id}, {first['date']}, torch {first['torch']}, git {first['git_rev']}, copy bandwidth "
-            f"{first['copy_gbps']} GB/s{' (quick run)' if first.get('quick') == '1' else ''}.",
+            f"Run {run_id}, {first['date']}, torch {first['torch']}, git {first['git_rev']}, large-buffer copy "
+            f"{first.get('dram_copy_gbps', '?')} GB/s{' (quick run)' if first.get('quick') == '1' else ''}.",
             "",
-            common.markdown_table(sel, cols),
+            common.markdown_table(sel, COLUMNS),
         ]
     md_path.parent.mkdir(parents=True, exist_ok=True)
     md_path.write_text("\n".join(parts) + "\n", encoding="utf-8")
-
-
-def _print_targets(rows: list[dict[str, object]]) -> None:
-    rows = [dict(r) for r in rows]
-    _speedups(rows)
-    for r in rows:
-        if (
-            r["op"] == "full_loss_path"
-            and r["mode"] == "fwd+bwd"
-            and not str(r["provider"]).startswith(("compile(", "reference", "torch-eager"))
-        ):
-            print(
-                f"full loss path fwd+bwd, {r['provider']}: {r['x_vs_reference']}x reference, "
-                f"{r['x_vs_compile(reference)'] or '-'}x compile(reference), {r['x_vs_torch-eager']}x torch-eager, "
-                f"{r['x_vs_compile(torch-eager)'] or '-'}x compile(torch-eager), "
-                f"{r['pct_copy']}% of copy bandwidth"
-            )
 
 
 if __name__ == "__main__":

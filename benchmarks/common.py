@@ -119,18 +119,28 @@ def run_info(device: torch.device | str = "cpu") -> dict[str, str]:
 
 
 def append_csv(path: Path, rows: list[dict[str, object]]) -> None:
-    """Append ``rows`` to the CSV at ``path`` (header written when the file is new)."""
+    """Append ``rows`` to the CSV at ``path``; when their columns differ from the file's, the file is rewritten
+    with the union of both (earlier rows keep their values, new columns stay empty for them)."""
     if not rows:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     fields = list(rows[0].keys())
-    new = not path.exists() or path.stat().st_size == 0
+    old = read_csv(path)
+    old_fields = list(old[0].keys()) if old else []
+    if old and old_fields != fields:
+        union = old_fields + [f for f in fields if f not in old_fields]
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        with open(tmp, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=union)
+            writer.writeheader()
+            writer.writerows(old + rows)
+        os.replace(tmp, path)
+        return
     with open(path, "a", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
-        if new:
+        if not old_fields:
             writer.writeheader()
-        for row in rows:
-            writer.writerow(row)
+        writer.writerows(rows)
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:

@@ -70,7 +70,8 @@ at::Tensor q_sample_cpu(const at::Tensor& x0_in, const at::Tensor& a_in, const a
 std::tuple<at::Tensor, at::Tensor> diffusion_loss_fwd_cpu(const at::Tensor& pred_in, const at::Tensor& x0_in,
                                                           const c10::optional<at::Tensor>& noise_in, int64_t seed,
                                                           const at::Tensor& p_in, const at::Tensor& q_in,
-                                                          const at::Tensor& w_in, bool with_grad) {
+                                                          const at::Tensor& w_in, bool with_grad,
+                                                          double grad_scale) {
   check_cpu(pred_in, "diffusion_loss_fwd", "pred");
   const LossArgs g = loss_args(pred_in, x0_in, noise_in, p_in, q_in, w_in, "diffusion_loss_fwd");
   const int64_t B = g.B, M = g.M;
@@ -92,13 +93,14 @@ std::tuple<at::Tensor, at::Tensor> diffusion_loss_fwd_cpu(const at::Tensor& pred
   const float* qv = g.q.const_data_ptr<float>();
   const float* wv = g.w.const_data_ptr<float>();
   const auto useed = static_cast<uint64_t>(seed);
+  const auto gs = static_cast<float>(grad_scale);
   const int64_t grain = std::max<int64_t>(1, kElemGrain / std::min(M, kLossSegment));
   at::parallel_for(0, B * nseg, grain, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / nseg;
       const int64_t j0 = (task % nseg) * kLossSegment;
       const int64_t n = std::min(kLossSegment, M - j0);
-      partial[static_cast<size_t>(task)] = K().loss(g.dt, pp, xp, g.ndt, np, pv, qv, wv, gp, M, useed, b, j0, n);
+      partial[static_cast<size_t>(task)] = K().loss(g.dt, pp, xp, g.ndt, np, pv, qv, wv, gs, gp, M, useed, b, j0, n);
     }
   });
   // loss[b] = w[b] * (1/M) sum_j (pred - tgt)^2   (docs/ops.md, diffusion_loss)
@@ -317,7 +319,7 @@ TORCH_LIBRARY(diffcurr_fast_C, m) {
   m.def("q_sample(Tensor x0, Tensor a, Tensor c, Tensor? noise, int seed) -> Tensor");
   m.def(
       "diffusion_loss_fwd(Tensor pred, Tensor x0, Tensor? noise, int seed, Tensor p, Tensor q, Tensor w, "
-      "bool with_grad) -> (Tensor loss, Tensor grad)");
+      "bool with_grad, float grad_scale=1.0) -> (Tensor loss, Tensor grad)");
   m.def("sample_timesteps(Tensor weights, int batch_size, int seed) -> (Tensor t, Tensor importance)");
   m.def("adaln_modulate_fwd(Tensor x, Tensor shift, Tensor scale, float eps) -> (Tensor y, Tensor mean, Tensor rstd)");
   m.def(

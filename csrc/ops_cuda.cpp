@@ -57,7 +57,8 @@ at::Tensor q_sample_cuda(const at::Tensor& x0_in, const at::Tensor& a_in, const 
 std::tuple<at::Tensor, at::Tensor> diffusion_loss_fwd_cuda(const at::Tensor& pred_in, const at::Tensor& x0_in,
                                                            const c10::optional<at::Tensor>& noise_in, int64_t seed,
                                                            const at::Tensor& p_in, const at::Tensor& q_in,
-                                                           const at::Tensor& w_in, bool with_grad) {
+                                                           const at::Tensor& w_in, bool with_grad,
+                                                           double grad_scale) {
   const char* op = "diffusion_loss_fwd";
   check_cuda(pred_in, op, "pred");
   const c10::cuda::CUDAGuard guard(pred_in.device());
@@ -70,7 +71,7 @@ std::tuple<at::Tensor, at::Tensor> diffusion_loss_fwd_cuda(const at::Tensor& pre
   at::Tensor scratch = at::empty({cuda::loss_scratch_size(B, M)}, pred.options().dtype(at::kFloat));
   DC_CUDA_OK(op, cuda::loss_fwd(g.dt, pred.const_data_ptr(), g.x0.const_data_ptr(), g.ndt, g.noise_ptr(),
                                 g.p.const_data_ptr<float>(), g.q.const_data_ptr<float>(), g.w.const_data_ptr<float>(),
-                                with_grad ? grad.mutable_data_ptr() : nullptr, loss.mutable_data_ptr<float>(),
+                                static_cast<float>(grad_scale), with_grad ? grad.mutable_data_ptr() : nullptr, loss.mutable_data_ptr<float>(),
                                 scratch.mutable_data_ptr<float>(), B, M, static_cast<uint64_t>(seed), stream_of(pred)));
   return {loss, grad};
 }

@@ -1,6 +1,9 @@
 """Triton kernel for the per-sample weighted diffusion MSE and its gradient, in one pass over memory.
 
-loss[b] = w[b] * mean_j (pred - (p[b] x0 + q[b] eps))^2 ; grad = w[b] * (2/M) * (pred - tgt) (docs/ops.md).
+loss[b] = w[b] * mean_j (pred - (p[b] x0 + q[b] eps))^2 ; grad = s * w[b] * (2/M) * (pred - tgt) (docs/ops.md),
+where s (``grad_scale``, folded into the weights the kernel reads for the gradient) is the upstream gradient the
+caller expects (1/B for a batch mean), so the backward usually has nothing left to do. With the noise given, a
+zero p[b] skips the loads of x0 (the eps target never reads it).
 A program handles one block of one sample (a 1-D grid over (sample, block), so any batch size fits) and writes
 one partial sum (deterministic, no atomics); the per-sample p, q, w are scalar loads per program.
 """
@@ -44,17 +47,19 @@ def _diffusion_loss_fwd_kernel(
 ):
     offs, mask, ctr, b, j = _row_tile(M, tl.program_id(0), BLOCK)
     pred = tl.load(pred_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # (BLOCK/4, 4)
-    x0 = tl.load(x0_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_NOISE:
-        eps = tl.load(noise_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    else:
+    if HAS_NOISE:  # memory-bound: the eps target (p = 0) never reads x0
+        p = tl.load(p_ptr + b)
+        tgt = tl.load(q_ptr + b) * tl.load(noise_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if p != 0.0:
+            tgt += p * tl.load(x0_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    else:  # Philox-bound, at the register limit with BLOCK=2048 on sm_80: x0 is always read, no branch
+        x0 = tl.load(x0_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         eps = _philox_normal4(seed, ctr)
-    p = tl.load(p_ptr + b)
-    q = tl.load(q_ptr + b)
-    d = tl.where(mask, pred - (p * x0 + q * eps), 0.0)  # pred - target
+        tgt = tl.load(p_ptr + b) * x0 + tl.load(q_ptr + b) * eps
+    d = tl.where(mask, pred - tgt, 0.0)  # pred - target
     tl.store(partial_ptr + b * n_part + j, tl.sum(tl.sum(d * d, axis=1), axis=0))
     if WITH_GRAD:
-        g = (tl.load(w_ptr + b) * (2.0 / M)) * d
+        g = (tl.load(w_ptr + b) * (2.0 / M)) * d  # w_ptr: the weights times grad_scale
         tl.store(grad_ptr + offs, g.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
@@ -67,6 +72,7 @@ def diffusion_loss_fwd(
     q: torch.Tensor,
     w: torch.Tensor,
     with_grad: bool,
+    grad_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch: contiguous (B, ...) inputs, float32 (B,) p/q/w; returns loss float32 (B,) and grad (or empty)."""
     B = pred.shape[0]
@@ -84,7 +90,7 @@ def diffusion_loss_fwd(
             noise if noise is not None else x0,
             p,
             q,
-            w,
+            w * grad_scale if with_grad and grad_scale != 1.0 else w,
             partial,
             grad,
             seed,

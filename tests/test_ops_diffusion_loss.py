@@ -218,3 +218,67 @@ def test_min_snr_gamma_reaches_every_backend(backend, prediction):
         torch.testing.assert_close(p.grad.double(), grad, rtol=2e-5, atol=1e-7)
         got[gamma] = loss.detach()
     assert not torch.allclose(got[1.0], got[20.0])  # gamma is not ignored on these timesteps
+
+
+# ---- the gradient written by the forward: returned as is, rescaled, retained graphs, second derivatives ------
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("upstream", ["backward()", "scaled", "retain_graph twice"])
+def test_mean_gradient_paths_match_float64(backend, upstream):
+    _need(backend)
+    shape = (7, 3, 5, 3)
+    x0, noise, t = torch.randn(shape), torch.randn(shape), torch.randint(0, 1000, (7,))
+    pred = torch.randn(shape, requires_grad=True)
+    loss = diffusion_loss(pred, x0, noise, t, SCHED, prediction="v", weighting="min_snr", backend=backend)
+    p64 = pred.detach().double().requires_grad_()
+    ref = _ref_loss(p64, x0, noise, t, "v", "min_snr", 5.0).mean()
+    if upstream == "backward()":  # the buffer the forward wrote is the gradient
+        loss.backward()
+        ref.backward()
+    elif upstream == "scaled":  # a loss scale, gradient accumulation: the buffer is rescaled
+        (loss * 0.37).backward()
+        (ref * 0.37).backward()
+    else:  # the second backward must not see a buffer the first one handed out
+        loss.backward(retain_graph=True)
+        loss.backward()
+        ref.backward(retain_graph=True)
+        ref.backward()
+    assert loss.shape == ()
+    torch.testing.assert_close(loss.double(), ref, rtol=2e-5, atol=1e-6)
+    torch.testing.assert_close(pred.grad.double(), p64.grad, rtol=2e-5, atol=1e-7)
+
+
+def test_in_place_change_of_the_returned_gradient_is_never_silent():
+    _need("cpu")
+    x0, noise, t = torch.randn(4, 9), torch.randn(4, 9), torch.tensor([1, 50, 500, 999])
+    pred = torch.randn(4, 9, requires_grad=True)
+    loss = diffusion_loss(pred, x0, noise, t, SCHED, backend="cpu")
+    loss.backward(retain_graph=True)
+    once = pred.grad.clone()
+    pred.grad.zero_()  # zero_grad(set_to_none=False), then the retained graph again: the same gradient
+    loss.backward(retain_graph=True)
+    torch.testing.assert_close(pred.grad, once)
+    (g,) = torch.autograd.grad(loss, pred, retain_graph=True)  # the buffer itself
+    g.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(loss, pred)
+
+
+def test_no_second_derivative():
+    _need("cpu")
+    x0, noise, t = torch.randn(2, 5), torch.randn(2, 5), torch.tensor([3, 700])
+    pred = torch.randn(2, 5, requires_grad=True)
+    loss = diffusion_loss(pred, x0, noise, t, SCHED, backend="cpu")
+    with pytest.raises(RuntimeError, match="no second derivative"):
+        torch.autograd.grad(loss, pred, create_graph=True)
+
+
+def test_eps_target_never_reads_x0():
+    # p = 0 for eps prediction: the kernels leave x0 unread, so even a non-finite x0 cannot reach the loss
+    _need("cpu")
+    x0, noise, t = torch.randn(3, 40), torch.randn(3, 40), torch.tensor([0, 400, 999])
+    pred = torch.randn(3, 40, requires_grad=True)
+    clean = diffusion_loss(pred, x0, noise, t, SCHED, reduction="none", backend="cpu")
+    dirty = diffusion_loss(pred, torch.full_like(x0, float("nan")), noise, t, SCHED, reduction="none", backend="cpu")
+    torch.testing.assert_close(dirty, clean)
+    seeded = diffusion_loss_coef(pred, torch.full_like(x0, float("nan")), None, 0.0, 1.0, seed=5, backend="cpu")
+    assert torch.isfinite(seeded)

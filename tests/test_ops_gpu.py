@@ -39,7 +39,7 @@ def test_noise_q_sample_and_loss(backend, shape):
     p64 = pred.detach().double().requires_grad_()
     ab = SCHED.alphas_cumprod.to(d)[t].view(-1, *([1] * (len(shape) - 1)))
     tgt = ab.sqrt() * ref_noise.double() - (1 - ab).sqrt() * x0.double()
-    w = ops._common.schedule_table(SCHED, "loss", d, torch.float64, "v", "min_snr", 5.0)[t, 2]
+    w = ops._common.schedule_table(SCHED, "loss", d, torch.float64, "v", "min_snr", 5.0)[2, t]
     ref = (w * (p64 - tgt).square().flatten(1).mean(1)).mean()
     ref.backward()
     torch.testing.assert_close(loss.double(), ref, rtol=1e-4, atol=1e-6)

@@ -5,6 +5,8 @@
 // polynomial log/sin/cos, and the fused element loops with per-lane partial sums).
 #pragma once
 
+#include <type_traits>
+
 #include "dc_math.h"
 
 // 64-byte generic vectors are passed in registers only after inlining (always done here); gcc 12 also warns
@@ -190,22 +192,29 @@ void q_sample_t(const void* x0_, const void* noise_, const float* a, const float
   }
 }
 
-// Sum of (pred - p x0 - q noise)^2 over a piece, with the optional gradient write.
-template <class T, bool kGrad>
+// Sum of (pred - p x0 - q noise)^2 over a piece, with the optional gradient write. kX0 / kEps: whether the
+// target reads x0 / the noise (false when its coefficient is zero, so that input is never loaded).
+template <class T, bool kGrad, bool kX0, bool kEps>
 inline double loss_piece(const typename T::storage* __restrict pr, const typename T::storage* __restrict xs,
                          const float* __restrict nz, typename T::storage* __restrict g, int64_t len, float pv,
                          float qv, float sc) {
   alignas(64) float acc[kAcc] = {};
+  auto diff = [&](int64_t k) {
+    float tgt = 0.0f;
+    if constexpr (kX0) tgt = pv * T::load(xs[k]);
+    if constexpr (kEps) tgt = kX0 ? tgt + qv * nz[k] : qv * nz[k];
+    return T::load(pr[k]) - tgt;
+  };
   int64_t k = 0;
   for (; k + kAcc <= len; k += kAcc) {
     for (int l = 0; l < kAcc; ++l) {
-      const float d = T::load(pr[k + l]) - (pv * T::load(xs[k + l]) + qv * nz[k + l]);
+      const float d = diff(k + l);
       acc[l] += d * d;
       if constexpr (kGrad) g[k + l] = T::store(sc * d);
     }
   }
   for (int l = 0; k < len; ++k, ++l) {
-    const float d = T::load(pr[k]) - (pv * T::load(xs[k]) + qv * nz[k]);
+    const float d = diff(k);
     acc[l] += d * d;
     if constexpr (kGrad) g[k] = T::store(sc * d);
   }
@@ -214,32 +223,50 @@ inline double loss_piece(const typename T::storage* __restrict pr, const typenam
   return total;
 }
 
-template <class T, class NT, bool kGrad>
-double loss_t(const void* pred_, const void* x0_, const void* noise_, const float* p, const float* q,
-              const float* w, void* grad_, int64_t M, uint64_t seed, int64_t b, int64_t j0, int64_t n) {
-  using S = typename T::storage;
-  using NS = typename NT::storage;
-  const S* __restrict pred = static_cast<const S*>(pred_);
-  const S* __restrict x0 = static_cast<const S*>(x0_);
-  const NS* __restrict noise = static_cast<const NS*>(noise_);
-  S* __restrict grad = static_cast<S*>(grad_);
-  const float pv = p[b], qv = q[b];
-  const float sc = w[b] * (2.0f / static_cast<float>(M));
-  const int64_t i0 = b * M + j0;
+template <class T, class NT, bool kGrad, bool kX0, bool kEps>
+double loss_rows(const typename T::storage* __restrict pred, const typename T::storage* __restrict x0,
+                 const typename NT::storage* __restrict noise, typename T::storage* __restrict grad, float pv,
+                 float qv, float sc, uint64_t seed, int64_t i0, int64_t n) {
   double total = 0.0;
-  if (noise != nullptr) {
-    alignas(64) float buf[kTileElems];
-    for (int64_t s = i0; s < i0 + n; s += kTileElems) {
-      const int64_t len = min64(kTileElems, i0 + n - s);
-      for (int64_t k = 0; k < len; ++k) buf[k] = NT::load(noise[s + k]);
-      total += loss_piece<T, kGrad>(pred + s, x0 + s, buf, kGrad ? grad + s : nullptr, len, pv, qv, sc);
+  if constexpr (!kEps) {
+    total = loss_piece<T, kGrad, kX0, false>(pred + i0, x0 + i0, nullptr, kGrad ? grad + i0 : nullptr, n, pv, qv, sc);
+  } else if (noise != nullptr) {
+    if constexpr (std::is_same_v<NT, F32>) {  // float32 noise is read in place
+      total = loss_piece<T, kGrad, kX0, true>(pred + i0, x0 + i0, noise + i0, kGrad ? grad + i0 : nullptr, n, pv,
+                                              qv, sc);
+    } else {
+      alignas(64) float buf[kTileElems];
+      for (int64_t s = i0; s < i0 + n; s += kTileElems) {
+        const int64_t len = min64(kTileElems, i0 + n - s);
+        for (int64_t k = 0; k < len; ++k) buf[k] = NT::load(noise[s + k]);
+        total += loss_piece<T, kGrad, kX0, true>(pred + s, x0 + s, buf, kGrad ? grad + s : nullptr, len, pv, qv, sc);
+      }
     }
   } else {
     for_noise_tiles(seed, i0, i0 + n, [&](int64_t s, int64_t e, const float* nz) {
-      total += loss_piece<T, kGrad>(pred + s, x0 + s, nz, kGrad ? grad + s : nullptr, e - s, pv, qv, sc);
+      total += loss_piece<T, kGrad, kX0, true>(pred + s, x0 + s, nz, kGrad ? grad + s : nullptr, e - s, pv, qv, sc);
     });
   }
   return total;
+}
+
+template <class T, class NT, bool kGrad>
+double loss_t(const void* pred_, const void* x0_, const void* noise_, const float* p, const float* q,
+              const float* w, float gscale, void* grad_, int64_t M, uint64_t seed, int64_t b, int64_t j0, int64_t n) {
+  using S = typename T::storage;
+  using NS = typename NT::storage;
+  const S* pred = static_cast<const S*>(pred_);
+  const S* x0 = static_cast<const S*>(x0_);
+  const NS* noise = static_cast<const NS*>(noise_);
+  S* grad = static_cast<S*>(grad_);
+  const float pv = p[b], qv = q[b];
+  const float sc = w[b] * (2.0f / static_cast<float>(M)) * gscale;
+  const int64_t i0 = b * M + j0;
+  // a zero coefficient drops its input from the target: eps prediction never reads x0, x0 prediction (and EDM's
+  // denoiser target) never reads or regenerates the noise
+  if (pv == 0.0f) return loss_rows<T, NT, kGrad, false, true>(pred, x0, noise, grad, pv, qv, sc, seed, i0, n);
+  if (qv == 0.0f) return loss_rows<T, NT, kGrad, true, false>(pred, x0, noise, grad, pv, qv, sc, seed, i0, n);
+  return loss_rows<T, NT, kGrad, true, true>(pred, x0, noise, grad, pv, qv, sc, seed, i0, n);
 }
 
 // Per-lane partial sums of a row, reduced in a fixed order.
@@ -392,24 +419,26 @@ void q_sample_entry(int dt, const void* x0, int noise_dt, const void* noise, con
 
 template <class T, class NT>
 double loss_grad_dispatch(bool with_grad, const void* pred, const void* x0, const void* noise, const float* p,
-                          const float* q, const float* w, void* grad, int64_t M, uint64_t seed, int64_t b,
+                          const float* q, const float* w, float gs, void* grad, int64_t M, uint64_t seed, int64_t b,
                           int64_t j0, int64_t n) {
-  return with_grad ? loss_t<T, NT, true>(pred, x0, noise, p, q, w, grad, M, seed, b, j0, n)
-                   : loss_t<T, NT, false>(pred, x0, noise, p, q, w, grad, M, seed, b, j0, n);
+  return with_grad ? loss_t<T, NT, true>(pred, x0, noise, p, q, w, gs, grad, M, seed, b, j0, n)
+                   : loss_t<T, NT, false>(pred, x0, noise, p, q, w, gs, grad, M, seed, b, j0, n);
 }
 
 double loss_entry(int dt, const void* pred, const void* x0, int noise_dt, const void* noise, const float* p,
-                  const float* q, const float* w, void* grad, int64_t M, uint64_t seed, int64_t b, int64_t j0,
-                  int64_t n) {
+                  const float* q, const float* w, float gs, void* grad, int64_t M, uint64_t seed, int64_t b,
+                  int64_t j0, int64_t n) {
   const bool nf = noise == nullptr || noise_dt == dcf::cpu::kF32;
   const bool g = grad != nullptr;
-  if (dt == dcf::cpu::kF32) return loss_grad_dispatch<F32, F32>(g, pred, x0, noise, p, q, w, grad, M, seed, b, j0, n);
-  if (dt == dcf::cpu::kBF16) {
-    return nf ? loss_grad_dispatch<BF16, F32>(g, pred, x0, noise, p, q, w, grad, M, seed, b, j0, n)
-              : loss_grad_dispatch<BF16, BF16>(g, pred, x0, noise, p, q, w, grad, M, seed, b, j0, n);
+  if (dt == dcf::cpu::kF32) {
+    return loss_grad_dispatch<F32, F32>(g, pred, x0, noise, p, q, w, gs, grad, M, seed, b, j0, n);
   }
-  return nf ? loss_grad_dispatch<F16, F32>(g, pred, x0, noise, p, q, w, grad, M, seed, b, j0, n)
-            : loss_grad_dispatch<F16, F16>(g, pred, x0, noise, p, q, w, grad, M, seed, b, j0, n);
+  if (dt == dcf::cpu::kBF16) {
+    return nf ? loss_grad_dispatch<BF16, F32>(g, pred, x0, noise, p, q, w, gs, grad, M, seed, b, j0, n)
+              : loss_grad_dispatch<BF16, BF16>(g, pred, x0, noise, p, q, w, gs, grad, M, seed, b, j0, n);
+  }
+  return nf ? loss_grad_dispatch<F16, F32>(g, pred, x0, noise, p, q, w, gs, grad, M, seed, b, j0, n)
+            : loss_grad_dispatch<F16, F16>(g, pred, x0, noise, p, q, w, gs, grad, M, seed, b, j0, n);
 }
 
 void adaln_fwd_entry(int dt, const void* x, const float* shift, const float* scale, void* y, float* mean,

@@ -199,7 +199,8 @@ template <class T, class NT, bool kHasNoise, bool kGrad>
 __global__ void loss_kernel(const typename T::S* __restrict__ pred, const typename T::S* __restrict__ x0,
                             const typename NT::S* __restrict__ noise, const float* __restrict__ p,
                             const float* __restrict__ q, const float* __restrict__ w, typename T::S* __restrict__ grad,
-                            float* __restrict__ partial, int64_t M, int64_t parts, uint64_t seed) {
+                            float* __restrict__ partial, int64_t M, int64_t parts, uint64_t seed,
+                            float grad_scale) {
   const int64_t b = blockIdx.x / parts;
   const int64_t part = blockIdx.x % parts;
   const int64_t row0 = b * M;
@@ -207,7 +208,8 @@ __global__ void loss_kernel(const typename T::S* __restrict__ pred, const typena
   const int64_t j_end = (j_begin + kLossElemsPerBlock < M) ? j_begin + kLossElemsPerBlock : M;
   const int64_t lo = row0 + j_begin, hi = row0 + j_end;  // flat element range of this block
   const float pv = p[b], qv = q[b];
-  const float sc = w[b] * (2.0f / static_cast<float>(M));
+  const float sc = w[b] * (2.0f / static_cast<float>(M)) * grad_scale;
+  const bool read_x0 = pv != 0.0f;  // the eps target never reads x0 (uniform per block)
   const bool vec = aligned(pred, 16) && aligned(x0, 16) && (!kGrad || aligned(grad, 16)) &&
                    (!kHasNoise || aligned(noise, 16));
   float acc = 0.0f;
@@ -218,7 +220,11 @@ __global__ void loss_kernel(const typename T::S* __restrict__ pred, const typena
     if (vec && i >= lo && i + 4 <= hi) {
       float pr[4], xv[4], g[4];
       load4<T>(pred + i, pr);
-      load4<T>(x0 + i, xv);
+      if (read_x0) {
+        load4<T>(x0 + i, xv);
+      } else {
+        xv[0] = xv[1] = xv[2] = xv[3] = 0.0f;
+      }
       if constexpr (kHasNoise) load4<NT>(noise + i, nz);
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
@@ -232,7 +238,8 @@ __global__ void loss_kernel(const typename T::S* __restrict__ pred, const typena
         const int64_t e = i + k;
         if (e < lo || e >= hi) continue;
         const float nk = kHasNoise ? NT::load(noise[e]) : nz[k];
-        const float d = T::load(pred[e]) - (pv * T::load(x0[e]) + qv * nk);
+        const float xk = read_x0 ? T::load(x0[e]) : 0.0f;
+        const float d = T::load(pred[e]) - (pv * xk + qv * nk);
         acc += d * d;
         if constexpr (kGrad) grad[e] = T::store(sc * d);
       }
@@ -645,8 +652,8 @@ int64_t loss_scratch_size(int64_t B, int64_t M) {
 }
 
 int loss_fwd(int dt, const void* pred, const void* x0, int noise_dt, const void* noise, const float* p,
-             const float* q, const float* w, void* grad, float* loss, float* scratch, int64_t B, int64_t M,
-             uint64_t seed, void* stream) {
+             const float* q, const float* w, float grad_scale, void* grad, float* loss, float* scratch, int64_t B,
+             int64_t M, uint64_t seed, void* stream) {
   if (B == 0) return 0;
   const auto s = static_cast<cudaStream_t>(stream);
   if (M == 0) return static_cast<int>(cudaMemsetAsync(loss, 0, sizeof(float) * B, s));
@@ -661,13 +668,17 @@ int loss_fwd(int dt, const void* pred, const void* x0, int noise_dt, const void*
       auto* gp = static_cast<typename T::S*>(grad);
       const auto blocks = static_cast<unsigned>(B * parts);
       if (noise != nullptr && grad != nullptr) {
-        loss_kernel<T, NT, true, true><<<blocks, kThreads, 0, s>>>(pp, xp, np, p, q, w, gp, scratch, M, parts, seed);
+        loss_kernel<T, NT, true, true><<<blocks, kThreads, 0, s>>>(pp, xp, np, p, q, w, gp, scratch, M, parts, seed,
+                                                                   grad_scale);
       } else if (noise != nullptr) {
-        loss_kernel<T, NT, true, false><<<blocks, kThreads, 0, s>>>(pp, xp, np, p, q, w, gp, scratch, M, parts, seed);
+        loss_kernel<T, NT, true, false><<<blocks, kThreads, 0, s>>>(pp, xp, np, p, q, w, gp, scratch, M, parts, seed,
+                                                                   grad_scale);
       } else if (grad != nullptr) {
-        loss_kernel<T, NT, false, true><<<blocks, kThreads, 0, s>>>(pp, xp, np, p, q, w, gp, scratch, M, parts, seed);
+        loss_kernel<T, NT, false, true><<<blocks, kThreads, 0, s>>>(pp, xp, np, p, q, w, gp, scratch, M, parts, seed,
+                                                                   grad_scale);
       } else {
-        loss_kernel<T, NT, false, false><<<blocks, kThreads, 0, s>>>(pp, xp, np, p, q, w, gp, scratch, M, parts, seed);
+        loss_kernel<T, NT, false, false><<<blocks, kThreads, 0, s>>>(pp, xp, np, p, q, w, gp, scratch, M, parts, seed,
+                                                                   grad_scale);
       }
       return finish();
     });

@@ -1,9 +1,11 @@
 """Fused diffusion ops: forward process, training loss, timestep sampling, Philox noise, DiT block math.
 
-Each op has a pure-torch ``*_ref`` (its definition, see docs/ops.md), a ``torch.library`` custom op
-(``diffcurr_fast::<name>``, with fake and autograd registrations, so it composes with ``torch.compile``) and
-kernels chosen per device by ``_backend`` (``cuda`` -> ``triton`` -> ``cpu`` -> ``reference``). Force one with
-the ``backend=`` argument or ``DIFFCURR_OPS_BACKEND``.
+Each op has a pure-torch ``*_ref`` (its definition, see docs/ops.md) and kernels chosen per device by
+``_backend`` (``cuda`` -> ``triton`` -> ``cpu`` -> ``reference``; force one with the ``backend=`` argument or
+``DIFFCURR_OPS_BACKEND``), all registered with ``torch.library`` with fake implementations, so they compose with
+``torch.compile``. ``q_sample`` and ``diffusion_loss`` are ``torch.autograd.Function``s that call the raw C++/CUDA
+kernels (``diffcurr_fast_C::*``) directly, the reference and Triton forwards through the opaque custom ops
+``diffcurr_fast::q_sample`` / ``diffusion_loss``; the DiT block ops are custom ops with autograd registrations.
 """
 
 from diffcurr_fast.ops._backend import BACKENDS, available_backends, resolve

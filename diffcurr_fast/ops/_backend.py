@@ -132,6 +132,16 @@ def available_backends(op: str, device: torch.device | str = "cpu") -> list[str]
     return [b for b in BACKENDS if unavailable_reason(b, op, device) is None]
 
 
+def register_raw_fake(op: str, fake) -> None:
+    """Give the raw kernel ``diffcurr_fast_C::<op>`` a fake implementation, so it traces under torch.compile.
+
+    The public ops call the C++/CUDA kernels directly (no Python op layer in between); this is what lets a
+    compiled graph hold them as single nodes. A no-op when the extension is missing.
+    """
+    if _ext_error() is None:
+        torch.library.register_fake(f"diffcurr_fast_C::{op}")(fake)
+
+
 def ext_ops():
     """The namespace of the raw C++/CUDA kernels, ``torch.ops.diffcurr_fast_C``."""
     return torch.ops.diffcurr_fast_C

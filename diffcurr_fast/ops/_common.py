@@ -79,6 +79,13 @@ def alphas_cumprod(schedule: DDPMSchedule | torch.Tensor) -> torch.Tensor:
     raise ValueError(f"schedule must be a DDPMSchedule or a 1-D alphas_cumprod tensor, got {type(schedule).__name__}")
 
 
+def num_timesteps(schedule: DDPMSchedule | torch.Tensor) -> int:
+    """T of a ``DDPMSchedule`` or a 1-D ``alphas_cumprod`` tensor (no copy; the values are checked with the table)."""
+    if isinstance(schedule, torch.Tensor) and schedule.ndim == 1:
+        return schedule.shape[0]
+    return alphas_cumprod(schedule).shape[0]
+
+
 def _check_abar(abar: torch.Tensor) -> None:
     if not bool(torch.isfinite(abar).all()) or bool((abar <= 0).any()) or bool((abar > 1).any()):
         raise ValueError("alphas_cumprod values must be finite and lie in (0, 1]")
@@ -87,7 +94,7 @@ def _check_abar(abar: torch.Tensor) -> None:
 def _build_table(abar: torch.Tensor, kind: str, prediction: str, weighting: str, gamma: float) -> torch.Tensor:
     _check_abar(abar)
     if kind == "q_sample":  # (a, c) = (sqrt(abar), sqrt(1 - abar)), Ho et al. Eq. 4
-        return torch.stack([abar.sqrt(), (1.0 - abar).sqrt()], 1)
+        return torch.stack([abar.sqrt(), (1.0 - abar).sqrt()])
     # target coefficients (p, q) and weight w per timestep
     one, zero = torch.ones_like(abar), torch.zeros_like(abar)
     if prediction == "eps":
@@ -98,7 +105,7 @@ def _build_table(abar: torch.Tensor, kind: str, prediction: str, weighting: str,
         p, q = -(1.0 - abar).sqrt(), abar.sqrt()
     snr = abar / (1.0 - abar)  # inf at abar = 1, handled by loss_weights
     w = loss_weights(snr, prediction, weighting, gamma)
-    return torch.stack([p, q, w], 1)
+    return torch.stack([p, q, w])
 
 
 def schedule_table(
@@ -110,10 +117,11 @@ def schedule_table(
     weighting: str = "none",
     gamma: float = 5.0,
 ) -> torch.Tensor:
-    """(T, k) per-timestep coefficient table on ``device``: ``q_sample`` -> (a, c); ``loss`` -> (p, q, w).
+    """(k, T) per-timestep coefficient table on ``device``: ``q_sample`` -> (a, c); ``loss`` -> (p, q, w).
 
     Built once in float64 on the CPU and cached per (schedule, device, dtype, options), so gathering by ``t``
-    needs no host synchronisation. Under ``torch.compile(fullgraph=True)`` a ``DDPMSchedule``'s table must have
+    needs no host synchronisation; ``table.index_select(1, t)`` gathers every coefficient at once, each row a
+    contiguous (B,) tensor. Under ``torch.compile(fullgraph=True)`` a ``DDPMSchedule``'s table must have
     been built by an eager call first (building validates on the host).
     """
     if prediction not in PREDICTIONS:
@@ -156,7 +164,8 @@ def check_timesteps(t: torch.Tensor, x: torch.Tensor, num_timesteps: int, valida
     if t.device != x.device:
         raise ValueError(f"t is on {t.device} but the data is on {x.device}")
     if validate and not torch.compiler.is_compiling() and t.numel():
-        lo, hi = int(t.min()), int(t.max())
+        span = torch.aminmax(t)
+        lo, hi = int(span.min), int(span.max)
         if lo < 0 or hi >= num_timesteps:
             raise ValueError(f"t out of range: values must lie in [0, {num_timesteps}), got min {lo}, max {hi}")
     return t.long()
@@ -178,18 +187,3 @@ def backend_for(op: str, x: torch.Tensor, backend: str | None) -> str:
             raise ValueError(f"backend {backend!r} supports dtypes {KERNEL_DTYPES}; float64 runs on 'reference'")
         return "reference"
     return name
-
-
-def unalias(outputs: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor, ...]:
-    """Clone any kernel output that shares storage with an input or an earlier output (custom ops forbid it)."""
-    seen = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor) and t.numel()}
-    result = []
-    for out in outputs:
-        if out.numel():
-            ptr = out.untyped_storage().data_ptr()
-            if ptr in seen:
-                out = out.clone()
-                ptr = out.untyped_storage().data_ptr()
-            seen.add(ptr)
-        result.append(out)
-    return tuple(result)

@@ -1,8 +1,11 @@
 """Fused diffusion training loss: target, squared error, per-sample weight and gradient in one pass.
 
-``loss[b] = w[b] * mean_j (pred[b, j] - (p[b] x0[b, j] + q[b] eps[b, j]))^2`` (docs/ops.md). The forward pass
-also writes ``w (2/M) (pred - tgt)`` when pred needs a gradient, so the backward only scales it by the
-upstream gradient. With ``seed`` the noise is regenerated in-kernel (Philox), exactly as ``q_sample`` drew it.
+``loss[b] = w[b] * mean_j (pred[b, j] - (p[b] x0[b, j] + q[b] eps[b, j]))^2`` (docs/ops.md). When pred needs a
+gradient, the forward pass also writes it, ``s w (2/M) (pred - tgt)`` with s = 1/B under ``reduction="mean"``
+(the mean is taken inside the op), so ``loss.backward()`` has nothing left to do: the whole forward + backward
+reads pred and the target's inputs once and writes the gradient once. A zero coefficient drops its input (eps
+prediction never reads x0). With ``seed`` the noise is
+regenerated in-kernel (Philox), exactly as ``q_sample`` drew it.
 """
 
 from __future__ import annotations
@@ -32,15 +35,16 @@ def diffusion_loss_ref(
     return w.to(dt) * d.square().mean(1)
 
 
-def _ref_fwd(pred, x0, noise, seed, p, q, w, with_grad):
+def _ref_fwd(pred, x0, noise, seed, p, q, w, with_grad, grad_scale):
     dt = _common.compute_dtype(pred.dtype)
     eps = philox_randn_ref(seed, x0.shape, x0.device) if noise is None else noise
     shape = (-1,) + (1,) * (x0.ndim - 1)
     d = pred.to(dt) - (p.to(dt).view(shape) * x0.to(dt) + q.to(dt).view(shape) * eps.to(dt))
     M = d[0].numel() if d.shape[0] else 0
     loss = w.to(dt) * d.flatten(1).square().mean(1) if M else torch.zeros(pred.shape[0], dtype=dt, device=pred.device)
-    grad = (w.to(dt).view(shape) * (2.0 / max(M, 1)) * d).to(pred.dtype) if with_grad else pred.new_empty(0)
-    return loss, grad
+    if not with_grad:
+        return loss, pred.new_empty(0)
+    return loss, (w.to(dt).view(shape) * (2.0 / max(M, 1) * grad_scale) * d).to(pred.dtype)
 
 
 @torch.library.custom_op("diffcurr_fast::diffusion_loss", mutates_args=())
@@ -53,54 +57,67 @@ def _diffusion_loss_op(
     q: torch.Tensor,
     w: torch.Tensor,
     with_grad: bool,
+    grad_scale: float,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward of the reference and Triton backends as one opaque op (inductor never traces the Philox)."""
     if backend == "reference":
-        return _ref_fwd(pred, x0, noise, seed, p, q, w, with_grad)
-    args = (
-        pred.contiguous(),
-        x0.contiguous(),
-        noise.contiguous() if noise is not None else None,
-        seed,
-        p.float().contiguous(),
-        q.float().contiguous(),
-        w.float().contiguous(),
-        with_grad,
-    )
-    if backend == "triton":
-        loss, grad = _backend.kernels("diffusion_loss").diffusion_loss_fwd(*args)
-    else:
-        loss, grad = _common.unalias(_backend.ext_ops().diffusion_loss_fwd(*args), args[:3])
-    if with_grad and grad.shape != pred.shape:  # a contiguous copy has pred's shape already; keep it explicit
-        grad = grad.view(pred.shape)
-    return loss, grad
+        return _ref_fwd(pred, x0, noise, seed, p, q, w, with_grad, grad_scale)
+    noise = noise.contiguous() if noise is not None else None
+    args = (pred.contiguous(), x0.contiguous(), noise, seed, p, q, w, with_grad, grad_scale)
+    loss, grad = _backend.kernels("diffusion_loss").diffusion_loss_fwd(*args)
+    return loss, grad.view(pred.shape) if with_grad else grad
 
 
-@_diffusion_loss_op.register_fake
-def _(pred, x0, noise, seed, p, q, w, with_grad, backend):
+def _fake(pred, x0, noise, seed, p, q, w, with_grad, grad_scale=1.0, backend=None):
     loss = pred.new_empty(pred.shape[0], dtype=_common.compute_dtype(pred.dtype))
     grad = torch.empty_like(pred, memory_format=torch.contiguous_format) if with_grad else pred.new_empty(0)
     return loss, grad
 
 
-def _setup_context(ctx, inputs, output):
-    ctx.with_grad = inputs[7]
-    ctx.save_for_backward(output[1])
+_diffusion_loss_op.register_fake(_fake)
+_backend.register_raw_fake("diffusion_loss_fwd", _fake)
 
 
-def _backward(ctx, grad_loss, grad_grad):
-    (buf,) = ctx.saved_tensors
-    if not ctx.needs_input_grad[0]:
-        return (None,) * 9
-    if not ctx.with_grad:
-        raise RuntimeError("diffusion_loss was run with with_grad=False; its gradient buffer was not computed")
-    shape = (-1,) + (1,) * (buf.ndim - 1)
-    g = grad_loss.view(shape)  # (B, 1, ..., 1)
-    grad_pred = buf * g if buf.dtype == g.dtype else (buf.to(g.dtype) * g).to(buf.dtype)
-    return grad_pred, None, None, None, None, None, None, None, None
+def diffusion_loss_fwd(pred, x0, noise, seed, p, q, w, with_grad: bool, grad_scale: float, backend: str):
+    """(loss (B,), grad_scale * d loss / d pred or an empty tensor) of a resolved backend; p, q, w contiguous (B,)."""
+    if backend in ("cpu", "cuda"):
+        return _backend.ext_ops().diffusion_loss_fwd(pred, x0, noise, seed, p, q, w, with_grad, grad_scale)
+    return _diffusion_loss_op(pred, x0, noise, seed, p, q, w, with_grad, grad_scale, backend)
 
 
-_diffusion_loss_op.register_autograd(_backward, setup_context=_setup_context)
+class DiffusionLossFunction(torch.autograd.Function):
+    """The loss, reduced (``mean``: a 0-d batch mean) or per sample (``none``), whose forward also writes the
+    gradient d loss / d pred for an upstream gradient of one.
+
+    When that is the upstream gradient that arrives (``loss.backward()`` of the mean), the backward returns the
+    buffer the forward wrote and does no pass over memory at all; otherwise it returns the buffer rescaled (one
+    pass). The buffer is saved with its version counter, so a caller that modifies the returned gradient in place
+    and then runs backward through the same graph again gets autograd's error, never a wrong gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, pred, x0, noise, seed: int, p, q, w, mean: bool, backend: str):
+        grad_scale = 1.0 / pred.shape[0] if mean and pred.shape[0] else 1.0  # d mean / d loss[b] = 1/B
+        loss, buf = diffusion_loss_fwd(pred, x0, noise, seed, p, q, w, True, grad_scale, backend)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(buf)
+        return loss.mean() if mean else loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        if torch.is_grad_enabled():
+            raise RuntimeError("diffusion_loss has no second derivative (backward with create_graph=True)")
+        (buf,) = ctx.saved_tensors
+        if grad_loss is None or not ctx.needs_input_grad[0]:
+            return (None,) * 9
+        # on the CPU the check costs no synchronisation; elsewhere the scaling is always applied
+        if not torch.compiler.is_compiling() and grad_loss.device.type == "cpu":
+            if (float(grad_loss) == 1.0) if grad_loss.ndim == 0 else bool((grad_loss == 1.0).all()):
+                return buf, *(None,) * 8
+        shape = (-1,) + (1,) * (buf.ndim - 1)
+        g = grad_loss if grad_loss.ndim == 0 else grad_loss.view(shape)
+        return (buf * g).to(buf.dtype), *(None,) * 8
 
 
 def _run(pred, x0, noise, p, q, w, reduction, seed, backend):
@@ -113,13 +130,14 @@ def _run(pred, x0, noise, p, q, w, reduction, seed, backend):
         if seed is not None:
             raise ValueError("pass either noise or seed, not both (seed regenerates the noise in-kernel)")
         _common.check_like(noise, x0, "noise", "x0")
+        noise = noise.detach()
         seed_v = 0
     name = _common.backend_for("diffusion_loss_fwd", pred, backend)
-    with_grad = pred.requires_grad and torch.is_grad_enabled()
-    loss, _ = _diffusion_loss_op(
-        pred, x0.detach(), noise.detach() if noise is not None else None, seed_v, p, q, w, with_grad, name
-    )
-    return loss.mean() if reduction == "mean" else loss
+    mean = reduction == "mean"
+    if pred.requires_grad and torch.is_grad_enabled():
+        return DiffusionLossFunction.apply(pred, x0.detach(), noise, seed_v, p, q, w, mean, name)
+    loss, _ = diffusion_loss_fwd(pred, x0, noise, seed_v, p, q, w, False, 1.0, name)
+    return loss.mean() if mean else loss
 
 
 def _check_pred_x0(pred: torch.Tensor, x0: torch.Tensor) -> None:
@@ -178,12 +196,12 @@ def diffusion_loss(
     range check of ``t`` (a host sync).
     """
     _check_pred_x0(pred, x0)
-    T = _common.alphas_cumprod(schedule).shape[0]
+    T = _common.num_timesteps(schedule)
     t = _common.check_timesteps(t, pred, T, validate)
     table = _common.schedule_table(
         schedule, "loss", pred.device, _common.compute_dtype(pred.dtype), prediction, weighting, gamma
     )
-    p, q, w = table[:, 0][t], table[:, 1][t], table[:, 2][t]  # (B,) each, contiguous: one gather each
+    p, q, w = table.index_select(1, t).unbind()  # (3, T) -> (3, B): one gather; each row contiguous
     if weights is not None:
         w = w * _common.per_sample(weights, pred, "weights")
     return _run(pred, x0, noise, p, q, w, reduction, seed, backend)

@@ -30,16 +30,11 @@ def q_sample_ref(
 def _q_sample_op(
     x0: torch.Tensor, a: torch.Tensor, c: torch.Tensor, noise: torch.Tensor | None, seed: int, backend: str
 ) -> torch.Tensor:
+    """The forward of the reference and Triton backends as one opaque op (inductor never traces the Philox)."""
     if backend == "reference":
         return q_sample_ref(x0, a, c, noise, seed)
-    x0 = x0.contiguous()
     noise = noise.contiguous() if noise is not None else None
-    if backend == "triton":
-        return _backend.kernels("q_sample").q_sample_fwd(
-            x0, a.float().contiguous(), c.float().contiguous(), noise, seed
-        )
-    out = _backend.ext_ops().q_sample(x0, a.float().contiguous(), c.float().contiguous(), noise, seed)
-    return _common.unalias((out,), (x0, noise))[0]
+    return _backend.kernels("q_sample").q_sample_fwd(x0.contiguous(), a, c, noise, seed)
 
 
 @_q_sample_op.register_fake
@@ -47,29 +42,46 @@ def _(x0, a, c, noise, seed, backend):
     return torch.empty_like(x0, memory_format=torch.contiguous_format)
 
 
-def _setup_context(ctx, inputs, output):
-    x0, a, c, noise, seed, backend = inputs
-    ctx.seed, ctx.has_noise = seed, noise is not None
-    ctx.save_for_backward(x0, a, c, noise if noise is not None else None)
+def _fake_raw(x0, a, c, noise, seed):
+    return torch.empty_like(x0, memory_format=torch.contiguous_format)
 
 
-def _backward(ctx, grad):
-    x0, a, c, noise = ctx.saved_tensors
-    dt = _common.compute_dtype(x0.dtype)
-    shape = (-1,) + (1,) * (x0.ndim - 1)
-    g = grad.to(dt)
-    gx0 = (a.to(dt).view(shape) * g).to(x0.dtype) if ctx.needs_input_grad[0] else None
-    ga = (g * x0.to(dt)).flatten(1).sum(1).to(a.dtype) if ctx.needs_input_grad[1] else None
-    gc = gnoise = None
-    if ctx.needs_input_grad[2]:
-        eps = noise if noise is not None else philox_randn(ctx.seed, tuple(x0.shape), x0.device)
-        gc = (g * eps.to(dt)).flatten(1).sum(1).to(c.dtype)
-    if ctx.has_noise and ctx.needs_input_grad[3]:
-        gnoise = (c.to(dt).view(shape) * g).to(noise.dtype)
-    return gx0, ga, gc, gnoise, None, None
+_backend.register_raw_fake("q_sample", _fake_raw)
 
 
-_q_sample_op.register_autograd(_backward, setup_context=_setup_context)
+def q_sample_fwd(
+    x0: torch.Tensor, a: torch.Tensor, c: torch.Tensor, noise: torch.Tensor | None, seed: int, backend: str
+) -> torch.Tensor:
+    """x_t of a resolved backend; a, c contiguous compute-dtype (B,). The C++/CUDA kernels are called directly."""
+    if backend in ("cpu", "cuda"):
+        return _backend.ext_ops().q_sample(x0, a, c, noise, seed)
+    return _q_sample_op(x0, a, c, noise, seed, backend)
+
+
+class QSampleFunction(torch.autograd.Function):
+    """x_t = a x0 + c eps with gradients to x0, a, c and a given noise (the Philox noise is regenerated)."""
+
+    @staticmethod
+    def forward(ctx, x0, a, c, noise, seed: int, backend: str):
+        ctx.seed = seed
+        ctx.save_for_backward(x0, a, c, noise)
+        return q_sample_fwd(x0, a, c, noise, seed, backend)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x0, a, c, noise = ctx.saved_tensors
+        dt = _common.compute_dtype(x0.dtype)
+        shape = (-1,) + (1,) * (x0.ndim - 1)
+        g = grad.to(dt)
+        gx0 = (a.to(dt).view(shape) * g).to(x0.dtype) if ctx.needs_input_grad[0] else None
+        ga = (g * x0.to(dt)).flatten(1).sum(1).to(a.dtype) if ctx.needs_input_grad[1] else None
+        gc = gnoise = None
+        if ctx.needs_input_grad[2]:
+            eps = noise if noise is not None else philox_randn(ctx.seed, tuple(x0.shape), x0.device)
+            gc = (g * eps.to(dt)).flatten(1).sum(1).to(c.dtype)
+        if noise is not None and ctx.needs_input_grad[3]:
+            gnoise = (c.to(dt).view(shape) * g).to(noise.dtype)
+        return gx0, ga, gc, gnoise, None, None
 
 
 def _finish(x0, a, c, noise, seed, backend, return_noise):
@@ -81,7 +93,11 @@ def _finish(x0, a, c, noise, seed, backend, return_noise):
     else:
         seed_v = normalize_seed(seed) if seed is not None else draw_seed()
     name = _common.backend_for("q_sample", x0, backend)
-    xt = _q_sample_op(x0, a, c, noise, seed_v, name)
+    tracked = (x0, a, c) if noise is None else (x0, a, c, noise)
+    if torch.is_grad_enabled() and any(v.requires_grad for v in tracked):
+        xt = QSampleFunction.apply(x0, a, c, noise, seed_v, name)
+    else:  # nothing to differentiate (the usual training step): the kernel alone
+        xt = q_sample_fwd(x0, a, c, noise, seed_v, name)
     if not return_noise:
         return xt
     if noise is None:
@@ -130,8 +146,8 @@ def q_sample(
     ``return_noise``. ``validate=False`` skips the range check of ``t`` (a host sync).
     """
     _common.check_batched(x0, "x0")
-    T = _common.alphas_cumprod(schedule).shape[0]
+    T = _common.num_timesteps(schedule)
     t = _common.check_timesteps(t, x0, T, validate)
     table = _common.schedule_table(schedule, "q_sample", x0.device, _common.compute_dtype(x0.dtype))
-    a, c = table[:, 0][t], table[:, 1][t]  # (B,) each, contiguous: one gather per coefficient, no copies
+    a, c = table.index_select(1, t).unbind()  # (2, T) -> (2, B): one gather; a and c are contiguous rows
     return _finish(x0, a, c, noise, seed, backend, return_noise)
