@@ -16,6 +16,7 @@ A backend asked for by name that cannot run raises :class:`BackendUnavailableErr
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import warnings
 
@@ -35,7 +36,11 @@ class BackendUnavailableError(RuntimeError):
     """An attention backend was requested explicitly but cannot run here (the message says why)."""
 
 
-_FLASH_IMPORT: tuple | None = None  # (flash_attn_func or None, reason or None), filled on first use
+# (flash_attn_func or None, reason or None), filled on first use; known at import when flash-attn is not
+# installed at all, so that a model compiled with fullgraph=True never traces a failing import
+_FLASH_IMPORT: tuple | None = (
+    None if importlib.util.find_spec("flash_attn") else (None, "the flash-attn package is not installed")
+)
 
 
 def _flash_attn_func():
