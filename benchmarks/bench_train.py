@@ -161,8 +161,8 @@ def bench(provider: str, args: argparse.Namespace) -> dict[str, object]:
         }  # fmt: skip
         extra = {"faults_per_step": sorted(faults[args.warmup :])[len(faults[args.warmup :]) // 2]}
         if args.profile:
-            flops, _, calls = sb.step_flops(step)
-            extra["breakdown"] = sb.breakdown(step, args.profile_steps, sync)
+            extra["breakdown"] = sb.breakdown(step, args.profile_steps, sync)  # first: after a dispatch mode
+            flops, _, calls = sb.step_flops(step)  # dynamo may leave a compiled frame to eager
             extra["flops"] = flops
             extra["gemm_rate"], extra["gemm_flops"] = sb.gemm_rate(calls, device, sync=sync)
     return {"row": row, **extra}

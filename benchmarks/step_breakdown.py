@@ -5,8 +5,8 @@
 - ``breakdown(step, steps)``: profiles ``steps`` calls of ``step()`` and returns milliseconds per step in each
   category: GEMMs (mm / addmm / bmm / convolutions), attention (SDPA and its backward, softmax), elementwise and
   reductions, norms, copies, the fused diffusion ops, the optimizer (with clipping and zero_grad), the EMA, the
-  data and timestep pipeline, and what no op accounts for (Python, dispatch, autograd bookkeeping, compiled
-  kernels that do not report themselves).
+  data and timestep pipeline, the kernels of ``torch.compile``d graphs (inductor's generated code reports as
+  its graph), and what no op accounts for (Python, dispatch, autograd bookkeeping).
 - ``step_flops(step)``: the FLOPs of one step (``torch.utils.flop_counter``) and the list of its GEMM calls.
 - ``gemm_rate(calls)``: GFLOP/s of the step's own GEMM calls (same shapes, strides and ops) run alone into
   preallocated outputs: what the machine's GEMM library reaches at these shapes, in this run.
@@ -23,8 +23,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-CATEGORIES = ("gemm", "attention", "elementwise", "norm", "copy", "fused ops", "optimizer", "ema", "data+timesteps",
-              "other ops", "unattributed")  # fmt: skip
+CATEGORIES = ("gemm", "attention", "elementwise", "norm", "copy", "fused ops", "compiled kernels", "optimizer", "ema",
+              "data+timesteps", "other ops", "unattributed")  # fmt: skip
 LABELS = {"timesteps": "data+timesteps", "forward process": "data+timesteps", "ema": "ema", "clip": "optimizer"}
 
 _GEMM = {"mm", "addmm", "bmm", "baddbmm", "addmv", "mv", "matmul", "linear", "mkldnn_convolution",
@@ -100,7 +100,10 @@ def breakdown(step: Callable[[], object], steps: int = 2, sync: Callable[[], Non
                 break
             node = node.cpu_parent
         if cat is None:
-            cat = _op_category(ev.name) if ev.name.startswith(("aten::", "diffcurr_fast::")) else "unattributed"
+            if ev.name.startswith("## Call CompiledFxGraph"):  # inductor's own kernels report as their graph
+                cat = "compiled kernels"
+            else:
+                cat = _op_category(ev.name) if ev.name.startswith(("aten::", "diffcurr_fast::")) else "unattributed"
         out[cat] += ev.self_cpu_time_total / 1e3
     top_level = sum(ev.cpu_time_total for ev in events if ev.cpu_parent is None) / 1e3
     out["unattributed"] += max(wall * 1e3 - top_level, 0.0)  # Python between the ops

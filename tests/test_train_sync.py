@@ -208,3 +208,17 @@ def test_retain_host_memory_is_idempotent_and_keeps_pages():
     f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     touch()
     assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0 < 500  # 3072 pages if they were mapped anew
+
+
+def test_dit_forward_compiles_as_one_graph():
+    """``engine.compile`` compiles the model for real: no graph break (the flash-attn import used to be one inside
+    the block loop, and dynamo then ran the whole forward eager)."""
+    from diffcurr_fast.models.dit import DiT
+
+    torch._dynamo.reset()
+    model = DiT(input_size=8, patch_size=2, in_channels=1, hidden_size=32, depth=2, num_heads=2, num_classes=10)
+    model.check_values = False
+    x, t, y = torch.randn(3, 1, 8, 8), torch.tensor([0, 5, 9]), torch.tensor([1, 2, 3])
+    explanation = torch._dynamo.explain(model)(x, t, y)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1

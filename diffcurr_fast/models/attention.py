@@ -22,7 +22,14 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ATTENTION_BACKENDS", "BackendUnavailableError", "attention", "available_backends", "flash_attn_reason"]
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "BackendUnavailableError",
+    "attention",
+    "available_backends",
+    "flash_attn_reason",
+    "prepare",
+]
 
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flash_attn", "sdpa", "math")
 
@@ -39,7 +46,9 @@ _FLASH_IMPORT: tuple | None = None  # (flash_attn_func or None, reason or None),
 
 
 def _flash_attn_func():
-    """Import ``flash_attn.flash_attn_func`` once; return ``(func, None)`` or ``(None, reason)``."""
+    """Import ``flash_attn.flash_attn_func`` once; return ``(func, None)`` or ``(None, reason)``. ``prepare`` runs
+    it when a module is built: an import inside a ``torch.compile``d forward is a graph break that makes dynamo
+    skip the whole frame (the model then runs eager)."""
     global _FLASH_IMPORT
     if _FLASH_IMPORT is None:
         try:
@@ -81,6 +90,12 @@ def flash_attn_reason(
     if major < 8:
         return f"flash-attn 2 needs compute capability >= 8.0, device {q.device} has {major}.x"
     return None
+
+
+def prepare(backend: str) -> None:
+    """Resolve, outside any compiled region, what ``attention(..., backend)`` will look up (the flash-attn import)."""
+    if backend in ("auto", "flash_attn"):
+        _flash_attn_func()
 
 
 def available_backends() -> list[str]:

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from diffcurr_fast.models.attention import ATTENTION_BACKENDS, attention
+from diffcurr_fast.models.attention import ATTENTION_BACKENDS, attention, prepare
 from diffcurr_fast.models.dtr import DTRConfig, dtr_mask
 
 __all__ = [
@@ -116,6 +116,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.backend = backend
+        prepare(backend)  # the flash-attn import happens here, not inside a compiled forward
         inner = num_heads * head_dim
         self.qkv = _linear(dim, 3 * inner, bias=qkv_bias)
         self.proj = _linear(inner, dim)
