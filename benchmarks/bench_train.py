@@ -4,13 +4,27 @@ Providers, same model and batch:
 
 - ``reference``: ``diffusion.ops_backend=reference`` (the same objective in pure torch, Philox noise in torch);
 - ``fused``: the fused ops (seeded Philox q_sample, fused diffusion_loss, on-device timestep sampling);
-- ``fused+compile``: the fused ops with ``torch.compile`` of the model (``--compile``).
+- ``fused+compile``: the fused ops with ``torch.compile`` of the model (``--compile``);
+- ``official`` (``--peer-dit PATH``): the official DiT step (facebookresearch/DiT ``models.py``, its IDDPM
+  ``training_losses``, AdamW(lr=1e-4, weight_decay=0) and ``update_ema``, as its ``train.py`` runs them), imported
+  from the checkout at PATH (timm's three layers stubbed when timm is missing, see ``peer_dit.py``); it needs a
+  DiT preset (``--set model.preset=DiT-S/2``). ``official+malloc`` is the same step with the host allocator
+  setting our trainer applies (``engine.retain_host_memory``), to show what that setting alone buys.
 
-Each row is the median step time with p20/p80 over ``--reps`` steps after ``--warmup`` steps, as images per second;
-rows are appended to ``benchmarks/results/train.csv`` and ``benchmarks/results/train.md`` is regenerated.
+Each provider runs in its own process (``--isolate``, the default with several providers), so one provider's
+allocator and thread-pool state cannot help or hurt the next. Each row is the median step time with p20/p80 over
+``--reps`` steps after ``--warmup`` steps, as images per second; rows are appended to
+``benchmarks/results/train.csv`` and ``benchmarks/results/train.md`` is regenerated.
+
+``--profile`` adds a breakdown per provider (``step_breakdown.py``): milliseconds and share per step of the GEMMs,
+attention, elementwise ops, norms, copies, the fused ops, the optimizer, the EMA, the data and timestep pipeline
+and unattributed time (Python and dispatch), the page faults per step, the FLOPs per step, the achieved GFLOP/s,
+and that as a fraction of the GEMM rate measured in the same run at the step's own GEMM shapes.
 
     python benchmarks/bench_train.py                          # the demo model on CPU
     python benchmarks/bench_train.py --quick                  # smoke run
+    python benchmarks/bench_train.py --recipe dit_b2_vanilla --set model.preset=DiT-S/2 --precision fp32 \\
+        --batch 16 --peer-dit PATH/TO/DiT --profile           # DiT-S/2 against the official step
     python benchmarks/bench_train.py --device cuda --set model.preset=DiT-B/2 --set model.input_size=32 \\
         --set model.in_channels=4 --set model.num_classes=1000 --batch 256 --precision bf16 --compile
 """
@@ -18,6 +32,9 @@ rows are appended to ``benchmarks/results/train.csv`` and ``benchmarks/results/t
 from __future__ import annotations
 
 import argparse
+import json
+import resource
+import subprocess
 import sys
 import tempfile
 import time
@@ -28,48 +45,138 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+import step_breakdown as sb  # noqa: E402
 
 from diffcurr_fast.data.loader import ArrayDataset  # noqa: E402
 from diffcurr_fast.train.config import load_config  # noqa: E402
-from diffcurr_fast.train.loop import Trainer  # noqa: E402
 
 COLUMNS = ["provider", "model", "batch", "precision", "device", "ms_median", "ms_p20", "ms_p80", "img_per_s",
            "machine", "date", "torch", "git_rev"]  # fmt: skip
+PROVIDERS = ("reference", "fused", "fused+compile", "official", "official+malloc")
+
+
+def _config(provider: str, args: argparse.Namespace, run_dir: str):
+    overrides = [
+        f"checkpoint.run_dir={run_dir}", f"data.batch_size={args.batch}", f"engine.device={args.device}",
+        f"engine.precision={args.precision}",
+        "diffusion.ops_backend=" + ("reference" if provider == "reference" else "auto"),
+        f"engine.compile={str(provider.endswith('compile')).lower()}", "logging.progress=false",
+        "data.dataset=digits", "data.path=", "data.num_workers=0",  # random data of the model's shape is passed in
+        *args.overrides,
+    ]  # fmt: skip
+    return load_config(args.recipe, overrides)
+
+
+def _ours(provider: str, args: argparse.Namespace, tmp: str, profile: bool):
+    """(step(), device, model name, labels applied) of our Trainer on random data of the configured shape."""
+    import diffcurr_fast.objective as objective_mod
+    import diffcurr_fast.train.loop as loop_mod
+    from diffcurr_fast.train.loop import Trainer
+
+    cfg = _config(provider, args, f"{tmp}/run")
+    m = cfg.model
+    if profile:  # name the parts of the step in the profile (the timed runs are not wrapped)
+        loop_mod.sample_timesteps = sb.labelled("timesteps", loop_mod.sample_timesteps)
+        loop_mod.draw_seed = sb.labelled("timesteps", loop_mod.draw_seed)
+        objective_mod.q_sample_coef = sb.labelled("forward process", objective_mod.q_sample_coef)
+    n = max(args.batch * 4, 64)
+    x = torch.randn(n, m.in_channels, m.input_size, m.input_size).clamp(-1, 1)
+    y = torch.randint(0, m.num_classes, (n,))
+    tr = Trainer(cfg, dataset=ArrayDataset(x, y))
+    if profile:
+        tr.ema.update = sb.labelled("ema", tr.ema.update)
+        tr.objective.terms = sb.labelled("timesteps", tr.objective.terms)
+        tr.engine.clip_grad_norm = sb.labelled("clip", tr.engine.clip_grad_norm)
+    batches = [next(tr.loader) for _ in range(4)]
+    batches = [(a.to(tr.device), b.to(tr.device)) for a, b in batches]
+    state = {"i": 0}
+
+    def step():
+        a, b = batches[state["i"] % len(batches)]
+        state["i"] += 1
+        tr.train_step(a, b)
+
+    name = m.preset if m.preset != "custom" else f"custom-{m.hidden_size}x{m.depth}"
+    return step, tr.device, name
+
+
+def _official(provider: str, args: argparse.Namespace, profile: bool):
+    """(step(), device, model name) of the official DiT step (``peer_dit.official_step``)."""
+    import peer_dit
+
+    cfg = _config("fused", args, "unused")
+    m, e = cfg.model, cfg.engine
+    if m.preset == "custom":
+        raise SystemExit("the official provider needs a DiT preset: --set model.preset=DiT-S/2 (or another)")
+    if args.precision != "fp32":
+        raise SystemExit("the official provider runs fp32 only (its train.py has no autocast)")
+    if provider == "official+malloc":
+        from diffcurr_fast.train.host_memory import retain_host_memory
+
+        retain_host_memory()
+    if args.device == "cpu" and e.cpu_threads > 0:
+        torch.set_num_threads(e.cpu_threads)
+    device = torch.device(args.device)
+    step_fn, info = peer_dit.official_step(
+        args.peer_dit, preset=m.preset, input_size=m.input_size, in_channels=m.in_channels,
+        num_classes=m.num_classes, seed=e.seed, label=sb.labelled if profile else None,
+    )  # fmt: skip
+    info["model"].to(device)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(args.batch, m.in_channels, m.input_size, m.input_size, generator=g).to(device),
+                torch.randint(0, m.num_classes, (args.batch,), generator=g).to(device)) for _ in range(4)]  # fmt: skip
+    state = {"i": 0}
+
+    def step():
+        a, b = batches[state["i"] % len(batches)]
+        state["i"] += 1
+        step_fn(a, b)
+
+    if info["timm_stubbed"]:
+        print("official: timm is not installed; its PatchEmbed / Attention / Mlp are stubbed (peer_dit.py)",
+              file=sys.stderr)  # fmt: skip
+    return step, device, m.preset
 
 
 def bench(provider: str, args: argparse.Namespace) -> dict[str, object]:
-    """Time ``args.reps`` training steps of ``provider`` on random data of the configured shape."""
+    """Time ``args.reps`` training steps of ``provider``; with ``--profile`` also its breakdown."""
     with tempfile.TemporaryDirectory() as tmp:
-        overrides = [
-            f"checkpoint.run_dir={tmp}/run", f"data.batch_size={args.batch}", f"engine.device={args.device}",
-            f"engine.precision={args.precision}",
-            "diffusion.ops_backend=" + ("reference" if provider == "reference" else "auto"),
-            f"engine.compile={str(provider.endswith('compile')).lower()}", "logging.progress=false",
-            *args.overrides,
-        ]  # fmt: skip
-        cfg = load_config(args.recipe, overrides)
-        m = cfg.model
-        n = max(args.batch * 4, 64)
-        x = torch.randn(n, m.in_channels, m.input_size, m.input_size).clamp(-1, 1)
-        y = torch.randint(0, m.num_classes, (n,))
-        tr = Trainer(cfg, dataset=ArrayDataset(x, y))
-        batches = [next(tr.loader) for _ in range(4)]
-        batches = [(a.to(tr.device), b.to(tr.device)) for a, b in batches]
-        state = {"i": 0}
+        if provider.startswith("official"):
+            step, device, model = _official(provider, args, args.profile)
+        else:
+            step, device, model = _ours(provider, args, tmp, args.profile)
+        sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+        faults = []
 
-        def step(_):
-            a, b = batches[state["i"] % len(batches)]
-            state["i"] += 1
-            tr.train_step(a, b)
+        def timed(_):
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            step()
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
 
-        times = common.measure(step, device=tr.device, warmup=args.warmup, reps=args.reps)
-    med, p20, p80 = common.percentiles(times)
-    return {
-        "provider": provider, "model": m.preset if m.preset != "custom" else f"custom-{m.hidden_size}x{m.depth}",
-        "batch": args.batch, "precision": args.precision, "device": args.device, "ms_median": round(med * 1e3, 3),
-        "ms_p20": round(p20 * 1e3, 3), "ms_p80": round(p80 * 1e3, 3), "img_per_s": round(args.batch / med, 1),
-        **common.run_info(args.device),
-    }  # fmt: skip
+        times = common.measure(timed, device=device, warmup=args.warmup, reps=args.reps)
+        med, p20, p80 = common.percentiles(times)
+        row = {
+            "provider": provider, "model": model, "batch": args.batch, "precision": args.precision,
+            "device": args.device, "ms_median": round(med * 1e3, 3), "ms_p20": round(p20 * 1e3, 3),
+            "ms_p80": round(p80 * 1e3, 3), "img_per_s": round(args.batch / med, 1), **common.run_info(args.device),
+        }  # fmt: skip
+        extra = {"faults_per_step": sorted(faults[args.warmup :])[len(faults[args.warmup :]) // 2]}
+        if args.profile:
+            extra["breakdown"] = sb.breakdown(step, args.profile_steps, sync)  # first: after a dispatch mode
+            flops, _, calls = sb.step_flops(step)  # dynamo may leave a compiled frame to eager
+            extra["flops"] = flops
+            extra["gemm_rate"], extra["gemm_flops"] = sb.gemm_rate(calls, device, sync=sync)
+    return {"row": row, **extra}
+
+
+def _print(provider: str, res: dict[str, object]) -> None:
+    row = res["row"]
+    print(f"{provider:>15}: {row['ms_median']:.2f} ms/step (p20 {row['ms_p20']:.2f}, p80 {row['ms_p80']:.2f}), "
+          f"{row['img_per_s']:.0f} img/s, {res['faults_per_step']} page faults/step", flush=True)  # fmt: skip
+    if "breakdown" in res:
+        print("  " + sb.format_breakdown(provider, res["breakdown"], res["flops"], res["gemm_rate"], res["gemm_flops"],
+                                         row["ms_median"]).replace(
+            "\n", "\n  "), flush=True)  # fmt: skip
 
 
 def compiled_step(args: argparse.Namespace) -> list[dict[str, object]]:
@@ -175,21 +282,65 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="instead: the step's forward compiled whole (fullgraph), our ops against the plain-torch loss",
     )
+    p.add_argument("--peer-dit", default=None, metavar="PATH", help="a facebookresearch/DiT checkout: adds the "
+                   "official step (and official+malloc) as providers")  # fmt: skip
+    p.add_argument("--providers", default=None, help=f"comma-separated subset of {', '.join(PROVIDERS)}")
+    p.add_argument("--profile", action="store_true", help="print the step-time breakdown of each provider")
+    p.add_argument("--profile-steps", type=int, default=2, help="steps profiled per provider (--profile)")
+    p.add_argument("--no-isolate", dest="isolate", action="store_false", help="run every provider in this process")
     p.add_argument("--quick", action="store_true", help="smoke run: few steps, no CSV")
     p.add_argument("--out", default=str(common.RESULTS_DIR / "train.csv"))
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # run one provider, print its JSON result
     args = p.parse_args(argv)
     if args.quick:
         args.warmup, args.reps = 1, 3
-    providers = ["reference", "fused"] + (["fused+compile"] if args.compile else [])
-    rows = compiled_step(args) if args.compiled_step else []
-    for provider in [] if args.compiled_step else providers:
-        row = bench(provider, args)
-        rows.append(row)
-        print(f"{provider:>14}: {row['ms_median']:.2f} ms/step (p20 {row['ms_p20']:.2f}, p80 {row['ms_p80']:.2f}), "
-              f"{row['img_per_s']:.0f} img/s")  # fmt: skip
+    if args.compiled_step:
+        rows = compiled_step(args)
+        if not args.quick:
+            out = Path(args.out)
+            common.append_csv(out, rows)
+            out.with_suffix(".md").write_text(
+                "# Training step throughput\n\n" + common.markdown_table(common.read_csv(out), COLUMNS) + "\n"
+            )
+        return 0
+    if args.child:
+        res = bench(args.child, args)
+        print("RESULT " + json.dumps(res), flush=True)
+        return 0
+    if args.providers:
+        providers = [s.strip() for s in args.providers.split(",") if s.strip()]
+        bad = sorted(set(providers) - set(PROVIDERS))
+        if bad:
+            p.error(f"unknown providers {bad}; choose from {', '.join(PROVIDERS)}")
+    else:
+        providers = ["reference", "fused"] + (["fused+compile"] if args.compile else [])
+        providers += ["official", "official+malloc"] if args.peer_dit else []
+    if any(pr.startswith("official") for pr in providers) and not args.peer_dit:
+        p.error("the official providers need --peer-dit PATH (a facebookresearch/DiT checkout)")
+    results = {}
+    for provider in providers:
+        if args.isolate and len(providers) > 1:
+            cmd = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--child", provider]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            sys.stderr.write(proc.stderr)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            if proc.returncode or not lines:
+                print(proc.stdout)
+                raise SystemExit(f"provider {provider} failed (exit {proc.returncode})")
+            res = json.loads(lines[-1][len("RESULT ") :])
+        else:
+            res = bench(provider, args)
+        results[provider] = res
+        _print(provider, res)
+    base = results.get("official")
+    if base is not None:
+        for provider, res in results.items():
+            if provider != "official":
+                ratio = base["row"]["ms_median"] / res["row"]["ms_median"]
+                print(f"speed-up of {provider} over official: {ratio:.2f}x")
     if not args.quick:
         out = Path(args.out)
-        common.append_csv(out, rows)
+        common.append_csv(out, [r["row"] for r in results.values()])
         out.with_suffix(".md").write_text(
             "# Training step throughput\n\n" + common.markdown_table(common.read_csv(out), COLUMNS) + "\n"
         )

@@ -97,7 +97,9 @@ if [ "$dry" -eq 1 ]; then
     --heads 2 --input-size 8 --steps 4 --batch 2 --reps 1 --groups 2 --threads 1 --formulations ddpm,flow,edm \
     --csv "$out/tdc_sampling.csv"
 else
-  step bench_ops 150 "$py" benchmarks/bench_ops.py --device cuda --no-compile --out "$out"
+  # the loss path against torch.compile of plain torch at the four sizes, fp32 and bf16 (HBM copy in pct_copy)
+  step bench_ops 200 bash -c "'$py' benchmarks/bench_ops.py --device cuda --ops full_loss_path diffusion_loss \
+    --out '$out' && '$py' benchmarks/bench_ops.py --device cuda --dtype bf16 --ops full_loss_path --out '$out'"
   step bench_train 120 "$py" benchmarks/bench_train.py --device cuda --precision bf16 --batch 256 --warmup 3 \
     --reps 10 --set model.preset=DiT-B/2 --out "$out/train.csv"
   step bench_sampling 120 "$py" benchmarks/bench_sampling.py --device cuda --preset DiT-B/2 --input-size 32 \

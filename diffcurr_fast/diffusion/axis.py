@@ -14,7 +14,9 @@ the per-sample (a, c, p, q) vectors returned here (float64; cast them to float32
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -24,6 +26,26 @@ import torch
 def _bshape(coef: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Reshape a per-sample (B,) coefficient to (B, 1, ..., 1) in ``like``'s dtype and device."""
     return coef.to(device=like.device, dtype=like.dtype).reshape(coef.shape + (1,) * (like.ndim - coef.ndim))
+
+
+_TRUST = threading.local()
+
+
+@contextlib.contextmanager
+def trusted_t():
+    """Inside this context the formulations skip the range checks of t (each reads values back to the host: a
+    device sync). For t a trainer drew itself, in range by construction; the dtype checks stay."""
+    prev = getattr(_TRUST, "on", False)
+    _TRUST.on = True
+    try:
+        yield
+    finally:
+        _TRUST.on = prev
+
+
+def t_trusted() -> bool:
+    """Whether the range checks of t are off (``trusted_t``)."""
+    return getattr(_TRUST, "on", False)
 
 
 @dataclass(frozen=True)

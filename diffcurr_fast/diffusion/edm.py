@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from diffcurr_fast.diffusion.axis import Formulation, TrainingTerms, _bshape
+from diffcurr_fast.diffusion.axis import Formulation, TrainingTerms, _bshape, t_trusted, trusted_t
 from diffcurr_fast.diffusion.losses import weighted_mse
 
 EDM_PREDICTIONS = ("x0", "eps", "F")
@@ -21,7 +21,7 @@ def _check_sigma(sigma: torch.Tensor) -> torch.Tensor:
     sigma = torch.as_tensor(sigma)
     if not sigma.dtype.is_floating_point:
         sigma = sigma.to(torch.float64)
-    if bool(torch.isnan(sigma).any()) or bool((sigma <= 0).any()):
+    if not t_trusted() and (bool(torch.isnan(sigma).any()) or bool((sigma <= 0).any())):
         raise ValueError("sigma must be positive (and not NaN)")
     return sigma
 
@@ -221,17 +221,16 @@ class EDMFormulation(Formulation):
         network's target F (EDM Eq. 8), whose plain MSE is the lambda(sigma)-weighted denoiser loss (Eq. 2)."""
         if prediction != "x0" or weighting != "none":
             raise ValueError("EDM trains the denoiser (prediction 'x0') with its own weight lambda(sigma)")
-        u = torch.rand(k.shape, generator=generator, dtype=torch.float64)
+        u = torch.rand(k.shape, generator=generator, dtype=torch.float64).to(k.device, non_blocking=True)
         lo, hi = math.log(self.sigma_min), math.log(self.sigma_max)
-        sigma = torch.exp(lo + (k.to(torch.float64).cpu() + u) / num_cells * (hi - lo))  # (B,)
+        sigma = torch.exp(lo + (k.to(torch.float64) + u) / num_cells * (hi - lo))  # (B,) on k's device
         pre = self.precond
-        c_in = pre.c_in(sigma)
-        p, q = self.target_coefficients(sigma, "F")
-        dev = k.device
-        return TrainingTerms(
-            t=sigma.to(dev), t_in=pre.c_noise(sigma).to(dev), a=c_in.to(dev), c=(c_in * sigma).to(dev),
-            p=p.to(dev), q=q.to(dev), w=torch.ones(k.shape, dtype=torch.float64, device=dev),
-        )  # fmt: skip
+        with trusted_t():  # sigma > 0 by construction: no read-back
+            c_in = pre.c_in(sigma)
+            p, q = self.target_coefficients(sigma, "F")
+            c_noise = pre.c_noise(sigma)
+        return TrainingTerms(t=sigma, t_in=c_noise, a=c_in, c=c_in * sigma, p=p, q=q,
+                             w=torch.ones(k.shape, dtype=torch.float64, device=k.device))  # fmt: skip
 
     def coefficients(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(a, c) = (1, sigma)."""

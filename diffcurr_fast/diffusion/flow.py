@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from diffcurr_fast.diffusion.axis import Formulation, TrainingTerms
+from diffcurr_fast.diffusion.axis import Formulation, TrainingTerms, t_trusted, trusted_t
 from diffcurr_fast.diffusion.losses import weighted_mse
 
 FLOW_PREDICTIONS = ("velocity", "eps", "x0")
@@ -52,6 +52,8 @@ class FlowFormulation(Formulation):
         t = torch.as_tensor(t)
         if not t.dtype.is_floating_point:
             raise ValueError(f"flow t must be a floating tensor in [0, 1], got dtype {t.dtype}")
+        if t_trusted():
+            return t.to(torch.float64)
         if bool(torch.isnan(t).any()) or (t.numel() and (float(t.min()) < 0.0 or float(t.max()) > 1.0)):
             raise ValueError("flow t out of range: values must lie in [0, 1]")
         return t.to(torch.float64)
@@ -111,12 +113,11 @@ class FlowFormulation(Formulation):
         """t = (k + u) / G with u ~ U[0, 1); x_t = (1 - t) x0 + t eps and target velocity eps - x0 (SiT); w = 1."""
         if weighting != "none":
             raise ValueError(f"flow training has no {weighting!r} weighting; use 'none'")
-        u = torch.rand(k.shape, generator=generator, dtype=torch.float64)
-        t = (k.to(torch.float64).cpu() + u) / num_cells  # (B,) in [0, 1)
-        p, q = self.target_coefficients(t, prediction)
-        dev = k.device
-        t = t.to(dev)
-        return TrainingTerms(t=t, t_in=t, a=1.0 - t, c=t, p=p.to(dev), q=q.to(dev), w=torch.ones_like(t))
+        u = torch.rand(k.shape, generator=generator, dtype=torch.float64).to(k.device, non_blocking=True)
+        t = (k.to(torch.float64) + u) / num_cells  # (B,) in [0, 1), on k's device: no read-back
+        with trusted_t():  # in range by construction
+            p, q = self.target_coefficients(t, prediction)
+        return TrainingTerms(t=t, t_in=t, a=1.0 - t, c=t, p=p, q=q, w=torch.ones_like(t))
 
     def coefficients(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(a, c) = (1 - t, t)."""

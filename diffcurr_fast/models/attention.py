@@ -16,14 +16,20 @@ A backend asked for by name that cannot run raises :class:`BackendUnavailableErr
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import warnings
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ATTENTION_BACKENDS", "BackendUnavailableError", "attention", "available_backends", "flash_attn_reason"]
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "BackendUnavailableError",
+    "attention",
+    "available_backends",
+    "flash_attn_reason",
+    "prepare",
+]
 
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flash_attn", "sdpa", "math")
 
@@ -36,15 +42,13 @@ class BackendUnavailableError(RuntimeError):
     """An attention backend was requested explicitly but cannot run here (the message says why)."""
 
 
-# (flash_attn_func or None, reason or None), filled on first use; known at import when flash-attn is not
-# installed at all, so that a model compiled with fullgraph=True never traces a failing import
-_FLASH_IMPORT: tuple | None = (
-    None if importlib.util.find_spec("flash_attn") else (None, "the flash-attn package is not installed")
-)
+_FLASH_IMPORT: tuple | None = None  # (flash_attn_func or None, reason or None), filled on first use
 
 
 def _flash_attn_func():
-    """Import ``flash_attn.flash_attn_func`` once; return ``(func, None)`` or ``(None, reason)``."""
+    """Import ``flash_attn.flash_attn_func`` once; return ``(func, None)`` or ``(None, reason)``. ``prepare`` runs
+    it when a module is built: an import inside a ``torch.compile``d forward is a graph break that makes dynamo
+    skip the whole frame (the model then runs eager)."""
     global _FLASH_IMPORT
     if _FLASH_IMPORT is None:
         try:
@@ -86,6 +90,12 @@ def flash_attn_reason(
     if major < 8:
         return f"flash-attn 2 needs compute capability >= 8.0, device {q.device} has {major}.x"
     return None
+
+
+def prepare(backend: str) -> None:
+    """Resolve, outside any compiled region, what ``attention(..., backend)`` will look up (the flash-attn import)."""
+    if backend in ("auto", "flash_attn"):
+        _flash_attn_func()
 
 
 def available_backends() -> list[str]:

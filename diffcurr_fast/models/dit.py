@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from diffcurr_fast.models.attention import ATTENTION_BACKENDS, attention
+from diffcurr_fast.models.attention import ATTENTION_BACKENDS, attention, prepare
 from diffcurr_fast.models.dtr import DTRConfig, dtr_mask
 
 __all__ = [
@@ -116,6 +116,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.backend = backend
+        prepare(backend)  # the flash-attn import happens here, not inside a compiled forward
         inner = num_heads * head_dim
         self.qkv = _linear(dim, 3 * inner, bias=qkv_bias)
         self.proj = _linear(inner, dim)
@@ -391,6 +392,9 @@ class DiT(nn.Module):
         self.num_timesteps = num_timesteps
         self.grad_checkpointing = bool(grad_checkpointing)
         self.dtr = dtr
+        # The range checks of t and y read values back to the host (a device sync); a trainer whose t come from
+        # its own sampler and whose labels were checked at load switches them off for its steps.
+        self.check_values = True
 
         self.x_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size, bias=True)
         self.t_embedder = TimestepEmbedder(hidden_size)
@@ -510,7 +514,7 @@ class DiT(nn.Module):
             raise ValueError(f"y must have shape ({n},), got {tuple(y.shape)}")
         if y.dtype == torch.bool or y.is_floating_point() or y.is_complex():
             raise ValueError(f"y must be an integer tensor of class labels, got {y.dtype}")
-        if t.is_meta or y.is_meta or torch.compiler.is_compiling():
+        if t.is_meta or y.is_meta or torch.compiler.is_compiling() or not self.check_values:
             return
         if t.is_cuda and torch.cuda.is_current_stream_capturing():
             return

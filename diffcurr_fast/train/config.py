@@ -270,6 +270,8 @@ class EngineConfig:
     nan_policy: str = _f("skip", "on a non-finite loss: skip the step and count it, or stop", NAN_POLICIES)
     max_nan_skips: int = _pos(100, "stop after this many skipped steps (skip policy)")
     cpu_threads: int = _f(0, "torch intra-op threads on CPU (0 = torch's default)", lo=0, hi=4096)
+    retain_host_memory: bool = _f(True, "CPU: keep freed host memory in the process (glibc mallopt) so each step's "
+                                  "large tensors reuse mapped pages instead of page-faulting new ones")  # fmt: skip
 
     def validate(self) -> None:
         if self.kind == "deepspeed" and not self.deepspeed_config:

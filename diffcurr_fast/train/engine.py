@@ -43,7 +43,7 @@ def apex_fused_adam():
 
 
 def build_optimizer(params, optim, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW from ``optim.*``: torch's (``fused=True`` on CUDA) for ``impl`` auto / torch; NVIDIA apex's
+    """AdamW from ``optim.*``: torch's (``fused=True`` on CUDA and CPU) for ``impl`` auto / torch; NVIDIA apex's
     FusedAdam in AdamW mode for ``impl=apex`` (CUDA only; ValueError when apex or CUDA is missing)."""
     kw = dict(lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, weight_decay=optim.weight_decay)
     if optim.impl == "apex":
@@ -54,7 +54,9 @@ def build_optimizer(params, optim, device: torch.device) -> torch.optim.Optimize
         if device.type != "cuda":
             raise ValueError(f"optim.impl=apex runs on CUDA only, the trainer's device is {device}")
         return fused_adam(params, adam_w_mode=True, **kw)
-    return torch.optim.AdamW(params, fused=device.type == "cuda", **kw)
+    # torch's fused AdamW (one kernel over all parameters) runs on CUDA and on CPU; it matches the per-parameter
+    # loop to float32 rounding (tests/test_train_sync.py), and a resumed run repeats the uninterrupted one exactly.
+    return torch.optim.AdamW(params, fused=device.type in ("cuda", "cpu"), **kw)
 
 
 def _resolve_device(device: str, local_rank: int) -> torch.device:

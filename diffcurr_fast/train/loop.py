@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from diffcurr_fast.curriculum import Curriculum, cluster_timesteps
 from diffcurr_fast.diffusion import build_formulation
+from diffcurr_fast.diffusion.axis import trusted_t
 from diffcurr_fast.objective import Objective, draw_seed
 from diffcurr_fast.ops import sample_timesteps
 from diffcurr_fast.train import checkpoint as ckpt_io
@@ -30,6 +31,7 @@ from diffcurr_fast.train.data import SHARDED_DATASETS, TrainBatches, build_train
 from diffcurr_fast.train.ema import EMA
 from diffcurr_fast.train.engine import Engine, build_optimizer, create_engine, unwrap
 from diffcurr_fast.train.evaluation import Evaluator, eval_due
+from diffcurr_fast.train.host_memory import retain_host_memory
 from diffcurr_fast.train.interrupt import StopRequest, TrainingInterrupted
 from diffcurr_fast.train.preflight import check_run
 from diffcurr_fast.train.report import MetricsWriter, gpu_stats, plot_cluster_losses, plot_curriculum_timeline
@@ -110,6 +112,8 @@ class Trainer:
             torch.backends.cudnn.allow_tf32 = True
         if self.device.type == "cpu" and e.cpu_threads > 0:
             torch.set_num_threads(e.cpu_threads)
+        if self.device.type == "cpu" and e.retain_host_memory:
+            retain_host_memory()  # glibc: the step's tensors reuse mapped pages (train.host_memory)
         torch.manual_seed(e.seed + rank)
         random.seed(e.seed + rank)
         self.gen = torch.Generator().manual_seed(e.seed * 7919 + rank)  # timesteps and noise seeds
@@ -152,6 +156,8 @@ class Trainer:
         if cfg.model.init_from and latest is None:  # fine-tuning start; a resumed run takes its checkpoint's weights
             load_init_weights(self.model, cfg.model.init_from)
         self.ema = EMA(self.model, o.ema_decay, o.ema_warmup)
+        if hasattr(self.model, "check_values"):  # t from the sampler, labels checked at load: no per-step host sync
+            self.model.check_values = False
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = build_optimizer(params, o, self.device)  # torch AdamW (fused on CUDA) or apex FusedAdam
         self.net, self.opt = self.engine.setup(self.model, self.opt, cfg)  # DeepSpeed: its engine, ZeRO optimizer
@@ -190,7 +196,7 @@ class Trainer:
         seed, acc, pers = draw_seed(self.gen), o.grad_accum_steps, []
         self.engine.zero_grad(self.opt)
         for i, (xi, yi, ki) in enumerate(zip(x0.chunk(acc), y.chunk(acc), k.chunk(acc))):  # micro-batches
-            with self.engine.accumulate(self.net, boundary=i == acc - 1):
+            with self.engine.accumulate(self.net, boundary=i == acc - 1), trusted_t():  # t from the sampler
                 per = self.objective(self.net, xi, yi, ki, seed=seed + i, generator=self.gen)  # (m,)
                 self.engine.backward(per.mean(), acc)
             pers.append(per.detach())
