@@ -86,8 +86,10 @@ def _schedule(device: torch.device):
     return sch.alphas_cumprod.float().to(device), sch
 
 
-def loss_path_cases(args, B, shape, mode, device, dtype, backends) -> dict[str, dict[str, Provider]]:
-    """Providers of the full loss path, q_sample and diffusion_loss at one size and noise mode."""
+def loss_path_cases(
+    args, B, shape, mode, device, dtype, backends
+) -> tuple[dict[str, dict[str, Provider]], torch.Tensor]:
+    """(providers of the full loss path, q_sample and diffusion_loss at one size and noise mode; x0)."""
     abar, scheduler = _schedule(device)
     gamma, pred_kind = args.gamma, args.prediction
     g = torch.Generator(device).manual_seed(0)
@@ -169,7 +171,7 @@ def loss_path_cases(args, B, shape, mode, device, dtype, backends) -> dict[str, 
         cases["q_sample"][b] = Provider(lambda pred, our_q=our_q: our_q())
         # the loss alone with in-kernel noise regenerates it; given noise reads the user's tensor
         cases["diffusion_loss"][b] = Provider(our_loss)
-    return cases, x0, noise_given
+    return cases, x0
 
 
 def block_cases(args, device, dtype, backends) -> dict[str, dict[str, Provider]]:
@@ -319,7 +321,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             sizes = [(int(s.split("x")[0]), tuple(int(v) for v in s.split("x")[1:])) for s in args.sizes]
         except ValueError:
-            parser.error(f"--sizes takes BxCxHxW values such as 256x4x32x32, got {args.sizes}")
+            sizes = []
+        if not sizes or any(B < 1 or not shape or min(shape) < 1 for B, shape in sizes):
+            parser.error(f"--sizes takes positive BxCxHxW values such as 256x4x32x32, got {args.sizes}")
     else:
         sizes = [(8, (4, 16, 16))] if args.quick else list(SIZES)
     if args.quick:
@@ -370,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     for B, shape in sizes:
         size = f"B={B} x {'x'.join(map(str, shape))}"
         for mode in args.modes:
-            cases, x0, _ = loss_path_cases(args, B, shape, mode, device, dtype, backends)
+            cases, x0 = loss_path_cases(args, B, shape, mode, device, dtype, backends)
             print(f"{size}, {mode} noise (copy yardstick: {x0.numel() * elem / 2**20:.1f} MiB)")
             for case in LOSS_CASES:
                 if case not in wanted:

@@ -25,6 +25,15 @@ def _seed():
     yield
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test (thousands of small ops: more threads only contend on a 2-core runner)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -11,13 +11,7 @@ from diffcurr_fast.train import checkpoint as ck
 from diffcurr_fast.train.config import load_config
 from diffcurr_fast.train.loop import Trainer, train
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(run_dir, *extra):

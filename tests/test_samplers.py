@@ -33,13 +33,7 @@ MU, S = -0.4, 0.6
 N, D = 8000, 2  # 16,000 draws: standard error of the mean 0.0047, of the std about 0.5 %
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # thousands of small ops per sampling loop: intra-op threads only add contention on a shared 2-core runner
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _edm_mean(mu, sigma_max=80.0):

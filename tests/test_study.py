@@ -21,13 +21,9 @@ from diffcurr_fast.train.loop import Trainer, train
 
 
 @pytest.fixture(autouse=True)
-def _one_thread(tmp_path_factory, monkeypatch):
+def _shared_cache(one_thread, tmp_path_factory, monkeypatch):
     # the digits classifier cache is shared by the tests of this file (trained once, in a few seconds)
     monkeypatch.setenv("DIFFCURR_FAST_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 TINY = ["model.hidden_size=32", "model.depth=1", "model.num_heads=2", "diffusion.num_timesteps=60",

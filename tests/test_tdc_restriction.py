@@ -30,12 +30,7 @@ TINY = dict(input_size=4, patch_size=2, in_channels=3, hidden_size=24, depth=2, 
             num_classes=4, num_timesteps=100, attn_backend="math")  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @contextlib.contextmanager

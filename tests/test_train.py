@@ -10,13 +10,7 @@ from diffcurr_fast.train.config import load_config
 from diffcurr_fast.train.ema import EMA
 from diffcurr_fast.train.loop import NonFiniteLossError, Trainer, lr_at, train
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(run_dir, *extra):

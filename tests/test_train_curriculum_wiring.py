@@ -24,12 +24,7 @@ EDM = ("diffusion.formulation=edm", "diffusion.prediction=x0", "diffusion.learn_
        "diffusion.weighting=none", "logging.sampler=heun")  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(run_dir, *extra):

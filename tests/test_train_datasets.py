@@ -23,12 +23,7 @@ BACKENDS = ["torch", pytest.param("dali", marks=pytest.mark.skipif(not HAS_DALI,
 N_LATENTS, N_CLASSES = 11, 3  # 11 samples, batch 4: 2 batches per epoch, a 3-sample tail dropped
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
