@@ -16,13 +16,17 @@ Every provider uses one schedule (diffusers' default DDPM ``alphas_cumprod`` whe
 linear schedule otherwise) and the losses are checked to agree before anything is timed.
 
 Modes: ``given`` (the user's ``randn_like`` noise, drawn outside the timed region and passed to every provider) and
-``seed`` (noise inside the step: plain torch draws ``randn_like`` in the timed region, ours regenerates Philox
-noise in-kernel from a seed). Cases: ``full_loss_path`` (q_sample + loss; the model is excluded), ``q_sample`` and
-``diffusion_loss`` alone; passes ``fwd``, ``bwd`` (the forward untimed) and ``fwd+bwd``. Sizes: B in {8, 64, 256}
-at 4x32x32 and B=32 at 4x64x64. ``gbps`` counts the minimal bytes the case must move (eps prediction: q_sample
-reads x0 and the noise and writes x_t; the loss reads pred and the noise and writes the gradient; in-kernel
-noise is never read); ``pct_copy`` relates it to the ``copy`` row of the same rotation. The DiT block ops
-(``--block-ops``) run at one size. Rows go to ``benchmarks/results/ops.csv``; ``ops.md`` is regenerated.
+``seed`` (noise inside the step: plain torch draws ``randn_like`` in the timed region, ours regenerates Philox noise
+in-kernel from a seed). Cases: ``full_loss_path`` (q_sample, then the loss: the model is excluded, but as in a step
+it sits between them, so x_t is kept alive and the compiled provider compiles each half, as inductor does around the
+model's own kernels), ``q_sample`` and ``diffusion_loss`` alone; passes ``fwd``, ``bwd`` (the forward untimed) and
+``fwd+bwd``. Sizes: B in {8, 64, 256} at 4x32x32 and B=32 at 4x64x64. ``gbps`` counts the minimal bytes the case
+must move (eps prediction: q_sample reads x0 and the noise and writes x_t; the loss reads pred and the noise and
+writes the gradient; in-kernel noise is never read); ``pct_copy`` relates it to the ``copy`` row of the same
+rotation. The DiT block ops (``--block B N D``) run at one size. Freed host memory is retained
+(``retain_host_memory``, as the trainer does): with glibc's defaults every provider maps its 4 MiB outputs again on
+each call and pays ~1000 page faults for them, which swamps the kernels (``--glibc-malloc`` measures that). Rows go
+to ``benchmarks/results/ops.csv``; ``ops.md`` is regenerated.
 
     python benchmarks/bench_ops.py                 # full run on CPU (a few minutes, most of it compiling)
     python benchmarks/bench_ops.py --quick         # smoke run: one small size, few repeats, no torch.compile
@@ -47,6 +51,7 @@ import common  # noqa: E402
 import diffcurr_fast.ops as ops  # noqa: E402
 from diffcurr_fast.diffusion import DDPMSchedule  # noqa: E402
 from diffcurr_fast.ops import _backend  # noqa: E402
+from diffcurr_fast.train.host_memory import retain_host_memory  # noqa: E402
 
 SEED = 20250101
 SIZES = ((8, (4, 32, 32)), (64, (4, 32, 32)), (256, (4, 32, 32)), (32, (4, 64, 64)))
@@ -119,19 +124,34 @@ def loss_path_cases(
             target, w = ab.sqrt().view(bshape) * noise - (1 - ab).sqrt().view(bshape) * x0, base / (snr + 1)
         return (((pred.float() - target.float()) ** 2).mean(dim=dims) * w).mean()
 
-    def torch_full(pred):
+    def torch_q_step():
         noise = user_noise(x0)
-        return torch_q(x0, noise), torch_loss(pred, x0, noise)
+        return torch_q(x0, noise), noise
+
+    def full_path(q_step, loss):
+        """q_sample, then the loss: in a step the model sits between them, so neither half fuses into the other,
+        and x_t stays alive (the model reads it and keeps it for its backward) until the provider's next call."""
+        kept = []
+
+        def full(pred):
+            x_t, noise = q_step()
+            kept[:] = [x_t]
+            return loss(pred, x0, noise)
+
+        return full
 
     plain = {
-        "full_loss_path": lambda pred: torch_full(pred)[1],
-        "q_sample": lambda pred: torch_q(x0, user_noise(x0)),
+        "full_loss_path": full_path(torch_q_step, torch_loss),
+        "q_sample": lambda pred: torch_q_step()[0],
         "diffusion_loss": lambda pred: torch_loss(pred, x0, noise_given),
     }
     cases: dict[str, dict[str, Provider]] = {c: {"torch-eager": Provider(f)} for c, f in plain.items()}
     if not args.no_compile:
-        for c, f in plain.items():
-            cases[c]["compile(torch-eager)"] = Provider(torch.compile(f, dynamic=False), compiled=True)
+        compiled = {c: torch.compile(f, dynamic=False) for c, f in plain.items() if c != "full_loss_path"}
+        q_step, loss = torch.compile(torch_q_step, dynamic=False), torch.compile(torch_loss, dynamic=False)
+        compiled["full_loss_path"] = full_path(q_step, loss)
+        for c in LOSS_CASES:
+            cases[c]["compile(torch-eager)"] = Provider(compiled[c], compiled=True)
     if scheduler is not None and pred_kind in ("eps", "v"):
         from diffusers.training_utils import compute_snr
 
@@ -145,30 +165,26 @@ def loss_path_cases(
             loss = torch.nn.functional.mse_loss(pred.float(), target.float(), reduction="none")
             return (loss.mean(dim=dims) * w).mean()
 
-        def diff_full(pred):
+        def diff_q_step():
             noise = user_noise(x0)
-            return diff_loss(pred, x0, noise), scheduler.add_noise(x0, noise, t)
+            return scheduler.add_noise(x0, noise, t), noise
 
-        cases["full_loss_path"]["diffusers"] = Provider(lambda pred: diff_full(pred)[0])
+        cases["full_loss_path"]["diffusers"] = Provider(full_path(diff_q_step, diff_loss))
         cases["q_sample"]["diffusers"] = Provider(lambda pred: scheduler.add_noise(x0, user_noise(x0), t))
         cases["diffusion_loss"]["diffusers"] = Provider(lambda pred: diff_loss(pred, x0, noise_given))
     for b in backends:
         noise = None if seeded else noise_given
         seed = SEED if seeded else None
 
-        def our_q(b=b, noise=noise, seed=seed):
-            return ops.q_sample(x0, t, abar, noise, seed=seed, backend=b)
+        def our_q_step(b=b, noise=noise, seed=seed):
+            return ops.q_sample(x0, t, abar, noise, seed=seed, backend=b), noise
 
-        def our_loss(pred, b=b, noise=noise, seed=seed):
+        def our_loss(pred, x0=x0, noise=noise, b=b, seed=seed):
             kw = dict(prediction=pred_kind, weighting="min_snr", gamma=gamma, seed=seed, backend=b)
             return ops.diffusion_loss(pred, x0, noise, t, abar, **kw)
 
-        def our_full(pred, our_q=our_q, our_loss=our_loss):
-            our_q()
-            return our_loss(pred)
-
-        cases["full_loss_path"][b] = Provider(our_full)
-        cases["q_sample"][b] = Provider(lambda pred, our_q=our_q: our_q())
+        cases["full_loss_path"][b] = Provider(full_path(our_q_step, our_loss))
+        cases["q_sample"][b] = Provider(lambda pred, q=our_q_step: q()[0])
         # the loss alone with in-kernel noise regenerates it; given noise reads the user's tensor
         cases["diffusion_loss"][b] = Provider(our_loss)
     return cases, x0
@@ -309,6 +325,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="keep the torch.compile provider with --quick")
     parser.add_argument("--reference", action="store_true", help="add our reference backend (a slow oracle)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument(
+        "--glibc-malloc",
+        action="store_true",
+        help="keep glibc's default malloc settings: it unmaps freed 4 MiB blocks, so every provider faults its "
+        "outputs in again on each call (slower and noisier for all); by default freed memory is retained, "
+        "as the trainer does",
+    )
     parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
     args = parser.parse_args(argv)
     if args.threads:
@@ -338,9 +361,10 @@ def main(argv: list[str] | None = None) -> int:
     warnings.simplefilter("ignore", RuntimeWarning)
     backends = _backends(device, args.reference)
     info = common.run_info(device)
+    info["host_memory"] = "glibc default" if args.glibc_malloc or not retain_host_memory() else "retained"
     dram = common.copy_bandwidth(device, nbytes=(32 if args.quick else 512) * 2**20)
     print(f"{info['machine']} | torch {info['torch']} | {info['git_rev']} | {args.dtype} | large-buffer copy "
-          f"{dram:.1f} GB/s | backends {', '.join(backends)}")  # fmt: skip
+          f"{dram:.1f} GB/s | host memory {info['host_memory']} | backends {', '.join(backends)}")  # fmt: skip
     run_id = time.strftime("%Y%m%d-%H%M%S")
     rows: list[dict[str, object]] = []
     elem = torch.finfo(dtype).bits // 8
@@ -452,7 +476,8 @@ def write_markdown(csv_path: Path, md_path: Path) -> None:
             f"## {machine} ({device}, {dtype})",
             "",
             f"Run {run_id}, {first['date']}, torch {first['torch']}, git {first['git_rev']}, large-buffer copy "
-            f"{first.get('dram_copy_gbps', '?')} GB/s{' (quick run)' if first.get('quick') == '1' else ''}.",
+            f"{first.get('dram_copy_gbps', '?')} GB/s, host memory {first.get('host_memory', 'glibc default')}"
+            f"{' (quick run)' if first.get('quick') == '1' else ''}.",
             "",
             common.markdown_table(sel, COLUMNS),
         ]

@@ -192,14 +192,18 @@ def test_compile_inductor_loss_path():
     torch.testing.assert_close(gc, ge)
 
 
+@pytest.mark.parametrize("schedule", ["DDPMSchedule", "alphas_cumprod"])
 @pytest.mark.parametrize("noise_mode", ["given", "seed"])
-def test_compiled_training_step_with_a_model(noise_mode):
+def test_compiled_training_step_with_a_model(noise_mode, schedule):
     # forward process, a model and the loss compiled by inductor as one graph with its backward (fullgraph=True
-    # fails on any graph break); the compiled loss and gradients match eager
+    # fails on any graph break); the compiled loss and gradients match eager. The schedule is ours, or a plain
+    # float32 alphas_cumprod tensor as a diffusers user holds it (its table is built inside the graph).
     if "cpu" not in _cpu_backends("diffusion_loss_fwd"):
         pytest.skip(_backend.unavailable_reason("cpu", "diffusion_loss_fwd", CPU))
     torch.manual_seed(0)
     sched = DDPMSchedule(1000)
+    if schedule == "alphas_cumprod":
+        sched = sched.alphas_cumprod.float()
     net = torch.nn.Sequential(torch.nn.Conv2d(2, 8, 3, padding=1), torch.nn.GELU(), torch.nn.Conv2d(8, 2, 1))
     x0, t = torch.randn(5, 2, 6, 7), torch.tensor([0, 10, 300, 871, 999])
     noise = torch.randn_like(x0) if noise_mode == "given" else None
@@ -221,3 +225,15 @@ def test_compiled_training_step_with_a_model(noise_mode):
     torch.testing.assert_close(compiled, eager)
     for p, g in zip(net.parameters(), ge):
         torch.testing.assert_close(p.grad, g)
+
+
+def test_compiled_step_checks_a_tensor_schedule_in_the_graph():
+    # the range check of an alphas_cumprod tensor runs inside the compiled graph (no host read), and still fails
+    def step(x0, t, abar):
+        return ops.q_sample(x0, t, abar, seed=3, validate=False)
+
+    x0, t = torch.randn(4, 9), torch.tensor([0, 1, 2, 3])
+    fn = torch.compile(step, fullgraph=True)
+    torch.testing.assert_close(fn(x0, t, torch.linspace(0.9, 0.1, 10)), step(x0, t, torch.linspace(0.9, 0.1, 10)))
+    with pytest.raises(RuntimeError, match="alphas_cumprod values must be finite"):
+        fn(x0, t, torch.linspace(1.5, 0.1, 10))

@@ -34,7 +34,10 @@ def loss_weights(
         snr = snr.float()
     if prediction not in ("eps", "x0", "v"):
         raise ValueError(f"unknown prediction {prediction!r}; choose one of ('eps', 'x0', 'v')")
-    if bool((snr < 0).any()) or bool(torch.isnan(snr).any()):
+    bad = (snr < 0) | torch.isnan(snr)
+    if torch.compiler.is_compiling():  # checked inside the graph: no host read, no graph break
+        torch._assert_async(~bad.any(), "snr must be non-negative and not NaN")
+    elif bool(bad.any()):
         raise ValueError("snr must be non-negative and not NaN")
     if weighting == "none":
         return torch.ones_like(snr)

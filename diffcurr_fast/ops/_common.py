@@ -86,9 +86,15 @@ def num_timesteps(schedule: DDPMSchedule | torch.Tensor) -> int:
     return alphas_cumprod(schedule).shape[0]
 
 
+_ABAR_RANGE = "alphas_cumprod values must be finite and lie in (0, 1]"
+
+
 def _check_abar(abar: torch.Tensor) -> None:
-    if not bool(torch.isfinite(abar).all()) or bool((abar <= 0).any()) or bool((abar > 1).any()):
-        raise ValueError("alphas_cumprod values must be finite and lie in (0, 1]")
+    ok = (torch.isfinite(abar) & (abar > 0) & (abar <= 1)).all()
+    if torch.compiler.is_compiling():  # checked inside the graph: no host read, no graph break
+        torch._assert_async(ok, _ABAR_RANGE)
+    elif not bool(ok):
+        raise ValueError(_ABAR_RANGE)
 
 
 def _build_table(abar: torch.Tensor, kind: str, prediction: str, weighting: str, gamma: float) -> torch.Tensor:
@@ -140,8 +146,9 @@ def schedule_table(
             table = _build_table(schedule.alphas_cumprod, kind, prediction, weighting, gamma).to(device, dtype)
             store[key] = table
         return table
-    if torch.compiler.is_compiling():
-        return _build_table(alphas_cumprod(schedule), kind, prediction, weighting, gamma).to(device, dtype)
+    if torch.compiler.is_compiling():  # traced into the graph, on the schedule's own device (no host round trip)
+        abar = alphas_cumprod(schedule) if schedule.ndim != 1 else schedule.detach().to(torch.float64)
+        return _build_table(abar, kind, prediction, weighting, gamma).to(device, dtype)
     key = (id(schedule), schedule._version, kind, prediction, weighting, float(gamma), str(device), dtype)
     hit = _TABLE_CACHE.get(key)
     if hit is not None and hit[0] is schedule:
