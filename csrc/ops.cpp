@@ -307,6 +307,38 @@ std::tuple<at::Tensor, at::Tensor> gated_residual_bwd_cpu(const at::Tensor& go_i
   return {ggate[0].to(gate_in.scalar_type()), gy};
 }
 
+// tanh-GELU and its input gradient, elementwise over contiguous buffers (kernels.h).
+at::Tensor gelu_tanh_fwd_cpu(const at::Tensor& x_in) {
+  check_cpu(x_in, "gelu_tanh_fwd", "x");
+  const at::Tensor x = x_in.contiguous();
+  const int dt = dtype_code(x, "gelu_tanh_fwd", "x");
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  const void* xp = x.const_data_ptr();
+  void* yp = y.mutable_data_ptr();
+  at::parallel_for(0, x.numel(), kElemGrain, [&](int64_t begin, int64_t end) {
+    K().gelu_tanh_fwd(dt, xp, yp, begin, end - begin);
+  });
+  return y;
+}
+
+at::Tensor gelu_tanh_bwd_cpu(const at::Tensor& gy_in, const at::Tensor& x_in) {
+  check_cpu(x_in, "gelu_tanh_bwd", "x");
+  check_cpu(gy_in, "gelu_tanh_bwd", "grad_y");
+  TORCH_CHECK(gy_in.sizes() == x_in.sizes() && gy_in.scalar_type() == x_in.scalar_type(),
+              "diffcurr_fast_C::gelu_tanh_bwd: grad_y must match x in shape and dtype, got ", gy_in.sizes(), " ",
+              gy_in.scalar_type(), " and ", x_in.sizes(), " ", x_in.scalar_type());
+  const at::Tensor x = x_in.contiguous(), gy = gy_in.contiguous();
+  const int dt = dtype_code(x, "gelu_tanh_bwd", "x");
+  at::Tensor gx = at::empty(x.sizes(), x.options());
+  const void* xp = x.const_data_ptr();
+  const void* gp = gy.const_data_ptr();
+  void* gxp = gx.mutable_data_ptr();
+  at::parallel_for(0, x.numel(), kElemGrain, [&](int64_t begin, int64_t end) {
+    K().gelu_tanh_bwd(dt, gp, xp, gxp, begin, end - begin);
+  });
+  return gx;
+}
+
 std::string cpu_isa() { return K().isa; }
 
 }  // namespace
@@ -327,6 +359,8 @@ TORCH_LIBRARY(diffcurr_fast_C, m) {
       "-> (Tensor gx, Tensor gshift, Tensor gscale)");
   m.def("gated_residual_fwd(Tensor x, Tensor gate, Tensor y) -> Tensor");
   m.def("gated_residual_bwd(Tensor grad_out, Tensor gate, Tensor y) -> (Tensor ggate, Tensor gy)");
+  m.def("gelu_tanh_fwd(Tensor x) -> Tensor");
+  m.def("gelu_tanh_bwd(Tensor grad_y, Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(diffcurr_fast_C, CPU, m) {
@@ -338,4 +372,6 @@ TORCH_LIBRARY_IMPL(diffcurr_fast_C, CPU, m) {
   m.impl("adaln_modulate_bwd", &dcf::adaln_modulate_bwd_cpu);
   m.impl("gated_residual_fwd", &dcf::gated_residual_fwd_cpu);
   m.impl("gated_residual_bwd", &dcf::gated_residual_bwd_cpu);
+  m.impl("gelu_tanh_fwd", &dcf::gelu_tanh_fwd_cpu);
+  m.impl("gelu_tanh_bwd", &dcf::gelu_tanh_bwd_cpu);
 }

@@ -22,7 +22,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+    threads = torch.get_num_threads()
     yield
+    torch.set_num_threads(threads)  # a trainer sets engine.cpu_threads process-wide; the next test gets it back
 
 
 @pytest.fixture

@@ -532,7 +532,9 @@ def test_isa_variants_agree(tmp_path):
         "x3, g3 = x.view(3, 7, 143), x.flip(1).reshape(3, 7, 143);"
         "y, m, r = o.adaln_modulate_fwd(x3, s, s, 1e-6);"
         "bw = [*o.adaln_modulate_bwd(g3, x3, s, m, r), *o.gated_residual_bwd(g3, s, x3)];"
-        "torch.save([o.cpu_isa(), o.randn(9, [3, 1001]), o.q_sample(x, v, v, None, 9), l, g, y, *bw], sys.argv[1])"
+        "ge = [o.gelu_tanh_fwd(4 * x), o.gelu_tanh_bwd(x.flip(1), 4 * x)];"
+        "torch.save([o.cpu_isa(), o.randn(9, [3, 1001]), o.q_sample(x, v, v, None, 9), l, g, y, *bw, *ge], "
+        "sys.argv[1])"
     )
     results = {}
     for isa in ["generic", "avx2", "avx512"]:

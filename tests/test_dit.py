@@ -399,7 +399,8 @@ def _check_fused_equals_plain(atol):
 
 
 def test_fused_adaln_path_wiring(monkeypatch):
-    """The fused branch calls diffcurr_fast.ops.adaln_modulate / gated_residual with the right arguments."""
+    """The fused branch calls diffcurr_fast.ops.adaln_modulate / gated_residual / gelu_tanh with the right
+    arguments."""
     calls = []
     fake = types.ModuleType("diffcurr_fast.ops")
 
@@ -412,11 +413,15 @@ def test_fused_adaln_path_wiring(monkeypatch):
         calls.append("gated_residual")
         return _ref_gated_residual(x, gate, y)
 
-    fake.adaln_modulate, fake.gated_residual = adaln_modulate, gated_residual
+    def gelu_tanh(x):
+        calls.append("gelu_tanh")
+        return F.gelu(x, approximate="tanh")
+
+    fake.adaln_modulate, fake.gated_residual, fake.gelu_tanh = adaln_modulate, gated_residual, gelu_tanh
     monkeypatch.setitem(sys.modules, "diffcurr_fast.ops", fake)
     monkeypatch.setattr(sys.modules["diffcurr_fast"], "ops", fake, raising=False)
     _check_fused_equals_plain(atol=1e-12)
-    assert calls.count("adaln_modulate") == calls.count("gated_residual") > 0
+    assert calls.count("adaln_modulate") == calls.count("gated_residual") == 2 * calls.count("gelu_tanh") > 0
 
 
 def test_fused_adaln_with_real_ops():

@@ -47,6 +47,13 @@ struct KernelTable {
   // ggate_acc (D floats). grad_x is grad_out itself and is not written.
   void (*gated_bwd)(int dt, const void* grad_out, const float* gate, const void* y, void* gy, float* ggate_acc,
                     int64_t N, int64_t D, int64_t b, int64_t n0, int64_t nrows);
+
+  // tanh-GELU over flat elements [i0, i0 + n): y = x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3), which is
+  // 0.5 x (1 + tanh u) (Hendrycks & Gimpel 2016, Eq. 2).
+  void (*gelu_tanh_fwd)(int dt, const void* x, void* y, int64_t i0, int64_t n);
+
+  // gx = grad_y * dy/dx over flat elements [i0, i0 + n).
+  void (*gelu_tanh_bwd)(int dt, const void* grad_y, const void* x, void* gx, int64_t i0, int64_t n);
 };
 
 // The table for the best instruction set of this CPU (chosen once). DIFFCURR_CPU_ISA=generic|avx2|avx512

@@ -5,6 +5,7 @@
 // polynomial log/sin/cos, and the fused element loops with per-lane partial sums).
 #pragma once
 
+#include <cstring>
 #include <type_traits>
 
 #include "dc_math.h"
@@ -482,9 +483,97 @@ void gated_bwd_entry(int dt, const void* go, const float* gate, const void* y, v
   return gated_bwd_t<F16>(go, gate, y, gy, gg, N, D, b, n0, nrows);
 }
 
+// ---- tanh-GELU ------------------------------------------------------------------------------------------
+// Vectors of the instruction set's native width: gcc lowers wider generic vectors badly for this code on AVX2.
+#if defined(DC_KERNELS_AVX512)
+constexpr int kGeluLanes = 16;
+#elif defined(DC_KERNELS_AVX2)
+constexpr int kGeluLanes = 8;
+#else
+constexpr int kGeluLanes = 4;
+#endif
+typedef float vgf __attribute__((vector_size(4 * kGeluLanes)));
+typedef int32_t vgi __attribute__((vector_size(4 * kGeluLanes)));
+
+// e^x per lane: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two for an exact product), a degree-7
+// polynomial for e^r, 2^n from the exponent bits. Relative error below 2 ulp; the input is clamped to
+// [-87, 88], where 2^n stays a normal float.
+DC_INLINE vgf exp_lanes(vgf x) {
+  x = x < -87.0f ? -87.0f + (vgf){} : x;
+  x = x > 88.0f ? 88.0f + (vgf){} : x;
+  const vgf magic = (vgf){} + 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  const vgf n = (x * 1.44269504088896341f + magic) - magic;
+  vgf r = x - n * 0.693145751953125f;
+  r = r - n * 1.428606765330187045e-06f;
+  vgf p = (vgf){} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = (p * r) * r + r + 1.0f;
+  const vgi bits = (__builtin_convertvector(n, vgi) + 127) << 23;
+  return p * (vgf)bits;
+}
+
+constexpr float kGeluK0 = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluK1 = 0.044715f;
+
+// s = sigmoid(2u) = (1 + tanh u) / 2 per lane; y = x s, and dy/dx = s + 2 x s (1 - s) du/dx.
+template <bool kGrad>
+DC_INLINE vgf gelu_lanes(vgf v) {
+  const vgf u = kGeluK0 * (v + kGeluK1 * v * v * v);
+  const vgf s = 1.0f / (1.0f + exp_lanes(-2.0f * u));
+  if constexpr (kGrad) return s + 2.0f * v * s * (1.0f - s) * (kGeluK0 * (1.0f + 3.0f * kGeluK1 * v * v));
+  return v * s;
+}
+
+// out[l] = (kGrad ? g[l] : 1) * gelu_lanes<kGrad>(x[l]) for m <= kGeluLanes elements (the tail is padded).
+template <class T, bool kGrad>
+DC_INLINE void gelu_block(const typename T::storage* __restrict g, const typename T::storage* __restrict x,
+                          typename T::storage* __restrict out, int64_t m) {
+  float xs[kGeluLanes] = {}, gs[kGeluLanes] = {}, rs[kGeluLanes];  // arrays: gcc vectorises these copies
+  for (int64_t l = 0; l < m; ++l) xs[l] = T::load(x[l]);
+  if constexpr (kGrad) {
+    for (int64_t l = 0; l < m; ++l) gs[l] = T::load(g[l]);
+  }
+  vgf v, gv;
+  std::memcpy(&v, xs, sizeof v);
+  std::memcpy(&gv, gs, sizeof gv);
+  vgf r = gelu_lanes<kGrad>(v);
+  if constexpr (kGrad) r *= gv;
+  std::memcpy(rs, &r, sizeof r);
+  for (int64_t l = 0; l < m; ++l) out[l] = T::store(rs[l]);
+}
+
+template <class T, bool kGrad>
+void gelu_t(const void* g_, const void* x_, void* out_, int64_t i0, int64_t n) {
+  const auto* x = static_cast<const typename T::storage*>(x_) + i0;
+  const auto* g = kGrad ? static_cast<const typename T::storage*>(g_) + i0 : nullptr;
+  auto* out = static_cast<typename T::storage*>(out_) + i0;
+  int64_t k = 0;
+  for (; k + kGeluLanes <= n; k += kGeluLanes) {
+    gelu_block<T, kGrad>(kGrad ? g + k : nullptr, x + k, out + k, kGeluLanes);
+  }
+  if (k < n) gelu_block<T, kGrad>(kGrad ? g + k : nullptr, x + k, out + k, n - k);
+}
+
+void gelu_fwd_entry(int dt, const void* x, void* y, int64_t i0, int64_t n) {
+  if (dt == dcf::cpu::kF32) return gelu_t<F32, false>(nullptr, x, y, i0, n);
+  if (dt == dcf::cpu::kBF16) return gelu_t<BF16, false>(nullptr, x, y, i0, n);
+  return gelu_t<F16, false>(nullptr, x, y, i0, n);
+}
+
+void gelu_bwd_entry(int dt, const void* gy, const void* x, void* gx, int64_t i0, int64_t n) {
+  if (dt == dcf::cpu::kF32) return gelu_t<F32, true>(gy, x, gx, i0, n);
+  if (dt == dcf::cpu::kBF16) return gelu_t<BF16, true>(gy, x, gx, i0, n);
+  return gelu_t<F16, true>(gy, x, gx, i0, n);
+}
+
 }  // namespace
 
 #define DC_DEFINE_KERNEL_TABLE(NAME, ISA_STRING)                                                               \
   extern const ::dcf::cpu::KernelTable NAME;                                                                   \
   const ::dcf::cpu::KernelTable NAME = {ISA_STRING,        &randn_impl,      &q_sample_entry,  &loss_entry,    \
-                                        &adaln_fwd_entry,  &adaln_bwd_entry, &gated_fwd_entry, &gated_bwd_entry};
+                                        &adaln_fwd_entry,  &adaln_bwd_entry, &gated_fwd_entry, &gated_bwd_entry, \
+                                        &gelu_fwd_entry,   &gelu_bwd_entry};

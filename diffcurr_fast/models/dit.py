@@ -84,17 +84,23 @@ class PatchEmbed(nn.Module):
 
 
 class Mlp(nn.Module):
-    """Transformer MLP: fc2(GELU_tanh(fc1(x))). A width of 0 leaves only fc2's bias."""
+    """Transformer MLP: fc2(GELU_tanh(fc1(x))). A width of 0 leaves only fc2's bias. ``fused``: the activation
+    runs through ``diffcurr_fast.ops.gelu_tanh`` (the same function, a faster CPU kernel)."""
 
-    def __init__(self, in_features: int, hidden_features: int):
+    def __init__(self, in_features: int, hidden_features: int, fused: bool = False):
         super().__init__()
         self.fc1 = _linear(in_features, hidden_features)
         self.act = nn.GELU(approximate="tanh")
         self.fc2 = _linear(hidden_features, in_features)
+        self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.act(self.fc1(x))  # (N, T, hidden)
-        return self.fc2(x)  # (N, T, D)
+        x = self.fc1(x)  # (N, T, hidden)
+        if self.fused:
+            from diffcurr_fast.ops import gelu_tanh
+
+            return self.fc2(gelu_tanh(x))  # (N, T, D)
+        return self.fc2(self.act(x))  # (N, T, D)
 
 
 class Attention(nn.Module):
@@ -236,7 +242,7 @@ class DiTBlock(nn.Module):
         self.attn = Attention(hidden_size, num_heads=num_heads, head_dim=head_dim, qkv_bias=True, backend=attn_backend)
         self.norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=_LN_EPS)
         mlp_hidden_dim = int(hidden_size * mlp_ratio) if mlp_hidden is None else mlp_hidden
-        self.mlp = Mlp(in_features=hidden_size, hidden_features=mlp_hidden_dim)
+        self.mlp = Mlp(in_features=hidden_size, hidden_features=mlp_hidden_dim, fused=fused_adaln)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size, bias=True))
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -306,7 +312,7 @@ class DiT(nn.Module):
         grad_checkpointing: recompute every block in the backward pass (saves activation memory).
         block_num_heads: per-block head counts (head_dim stays hidden_size // num_heads); 0 disables attention.
         block_mlp_hidden: per-block MLP widths; 0 disables the MLP.
-        fused_adaln: use ``diffcurr_fast.ops.adaln_modulate`` / ``gated_residual`` in the blocks.
+        fused_adaln: use ``diffcurr_fast.ops.adaln_modulate`` / ``gated_residual`` / ``gelu_tanh`` in the blocks.
         dtr: Denoising Task Routing settings (a ``DTRConfig`` or its dict), or None.
         num_timesteps: T; integer t must lie in [0, T). Also the DTR task count.
     """

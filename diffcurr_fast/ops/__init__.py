@@ -5,7 +5,8 @@ Each op has a pure-torch ``*_ref`` (its definition, see docs/ops.md) and kernels
 ``DIFFCURR_OPS_BACKEND``), all registered with ``torch.library`` with fake implementations, so they compose with
 ``torch.compile``. ``q_sample`` and ``diffusion_loss`` are ``torch.autograd.Function``s that call the raw C++/CUDA
 kernels (``diffcurr_fast_C::*``) directly, the reference and Triton forwards through the opaque custom ops
-``diffcurr_fast::q_sample`` / ``diffusion_loss``; the DiT block ops are custom ops with autograd registrations.
+``diffcurr_fast::q_sample`` / ``diffusion_loss``; the DiT block ops are custom ops with autograd registrations;
+``gelu_tanh`` (the MLP's activation) is a CPU kernel where it beats torch's, torch's own elsewhere.
 """
 
 from diffcurr_fast.ops._backend import BACKENDS, available_backends, resolve
@@ -17,6 +18,7 @@ from diffcurr_fast.ops.adaln import (
     gated_residual_ref,
 )
 from diffcurr_fast.ops.diffusion_loss import diffusion_loss, diffusion_loss_coef, diffusion_loss_ref
+from diffcurr_fast.ops.gelu import gelu_tanh, gelu_tanh_ref
 from diffcurr_fast.ops.philox import normalize_seed, philox_randn, philox_randn_ref
 from diffcurr_fast.ops.q_sample import q_sample, q_sample_coef, q_sample_ref
 from diffcurr_fast.ops.sample_timesteps import check_weights, sample_timesteps, sample_timesteps_ref
@@ -33,6 +35,8 @@ __all__ = [
     "diffusion_loss_ref",
     "gated_residual",
     "gated_residual_ref",
+    "gelu_tanh",
+    "gelu_tanh_ref",
     "normalize_seed",
     "philox_randn",
     "philox_randn_ref",
