@@ -183,8 +183,10 @@ def compiled_step(args: argparse.Namespace) -> list[dict[str, object]]:
     """The forward of a training step (q_sample, the model, a MinSNR eps loss) under ``torch.compile(fullgraph=True)``
     with our ops against the same step with the plain-torch loss; backward and AdamW run after it, eager.
 
-    Both providers get the same model weights, batch, timesteps and noise (drawn by the user, outside the step);
-    with a learned variance only the eps half of the output enters the loss, in both. Timings are interleaved.
+    Two noise modes: ``given`` (drawn by the user outside the step, the same tensor for both) and ``seed`` (drawn
+    inside the compiled step: plain torch's ``randn_like``, our in-kernel Philox). Both providers get the same
+    model weights, batch and timesteps; with a learned variance only the eps half of the output enters the loss,
+    in both. All four steps are interleaved; each ratio is paired per repetition within its mode.
     """
     import copy
 
@@ -201,15 +203,16 @@ def compiled_step(args: argparse.Namespace) -> list[dict[str, object]]:
     abar = sched.alphas_cumprod.float().to(device)
     g = torch.Generator().manual_seed(0)
     x0 = torch.randn(args.batch, m.in_channels, m.input_size, m.input_size, generator=g).to(device)
-    noise = torch.randn(x0.shape, generator=g).to(device)
+    given = torch.randn(x0.shape, generator=g).to(device)
     t = torch.randint(0, abar.shape[0], (args.batch,), generator=g).to(device)
     y = torch.randint(0, m.num_classes, (args.batch,), generator=g).to(device)
     C, dims, bshape = m.in_channels, (1, 2, 3), (-1, 1, 1, 1)
     torch.manual_seed(0)
     base = build_model(cfg).to(device)
 
-    def plain_loss(net):
-        def fwd(x0, t, y, noise):
+    def plain_loss(net, mode):
+        def fwd(x0, t, y):
+            noise = given if mode == "given" else torch.randn_like(x0)
             ab = abar[t]
             xt = ab.sqrt().view(bshape) * x0 + (1 - ab).sqrt().view(bshape) * noise
             pred = net(xt, t, y)[:, :C]  # (B, C, H, W)
@@ -218,53 +221,57 @@ def compiled_step(args: argparse.Namespace) -> list[dict[str, object]]:
 
         return fwd
 
-    def ops_loss(net):
-        def fwd(x0, t, y, noise):
-            xt = ops.q_sample(x0, t, sched, noise, validate=False)
+    def ops_loss(net, mode):
+        noise, seed = (given, None) if mode == "given" else (None, 1234)
+
+        def fwd(x0, t, y):
+            xt = ops.q_sample(x0, t, sched, noise, seed=seed, validate=False)
             pred = net(xt, t, y)[:, :C]  # (B, C, H, W)
-            kw = dict(prediction="eps", weighting="min_snr", gamma=gamma, validate=False)
+            kw = dict(prediction="eps", weighting="min_snr", gamma=gamma, seed=seed, validate=False)
             return ops.diffusion_loss(pred, x0, noise, t, sched, **kw)
 
         return fwd
 
     steps = {}
-    for name, make in (("compiled step, plain-torch loss", plain_loss), ("compiled step, our ops", ops_loss)):
-        net = copy.deepcopy(base)
-        opt = torch.optim.AdamW(net.parameters(), lr=1e-4, weight_decay=0.0)
-        make(net)(x0, t, y, noise)  # eager once: the schedule's coefficient tables are built and cached
-        fwd = torch.compile(make(net), fullgraph=True)
+    for mode in ("given", "seed"):
+        for label, make in (("plain-torch loss", plain_loss), ("our ops", ops_loss)):
+            net = copy.deepcopy(base)
+            opt = torch.optim.AdamW(net.parameters(), lr=1e-4, weight_decay=0.0)
+            make(net, mode)(x0, t, y)  # eager once: the schedule's coefficient tables are built and cached
+            fwd = torch.compile(make(net, mode), fullgraph=True)
 
-        def step(fwd=fwd, net=net, opt=opt):
-            opt.zero_grad(set_to_none=True)
-            loss = fwd(x0, t, y, noise)
-            loss.backward()
-            opt.step()
-            return loss
+            def step(fwd=fwd, opt=opt):
+                opt.zero_grad(set_to_none=True)
+                loss = fwd(x0, t, y)
+                loss.backward()
+                opt.step()
+                return loss
 
-        t0 = time.perf_counter()
-        step()
-        steps[name] = (step, time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            step()
+            steps[(mode, label)] = (step, time.perf_counter() - t0)
     for step, _ in steps.values():
         for _ in range(args.warmup):
             step()
-    times = {name: [] for name in steps}
+    times = {key: [] for key in steps}
     for _ in range(args.reps):
-        for name, (step, _) in steps.items():
+        for key, (step, _) in steps.items():
             common.synchronize(device)
             t0 = time.perf_counter()
             step()
             common.synchronize(device)
-            times[name].append(time.perf_counter() - t0)
+            times[key].append(time.perf_counter() - t0)
     rows = []
     model = m.preset if m.preset != "custom" else f"custom-{m.hidden_size}x{m.depth}"
-    plain = times["compiled step, plain-torch loss"]
-    for name, ts in times.items():
+    for (mode, label), ts in times.items():
+        plain = times[(mode, "plain-torch loss")]
         med, p20, p80 = common.percentiles(ts)
         # paired: the plain step and ours ran back to back in each repetition, so their ratio cancels drift
         r50, r20, r80 = common.percentiles([a / b for a, b in zip(plain, ts)])
-        print(f"{name:>32}: {med * 1e3:.2f} ms/step (p20 {p20 * 1e3:.2f}, p80 {p80 * 1e3:.2f}), "
+        name = f"compiled step, {label}, {mode} noise"
+        print(f"{name:>42}: {med * 1e3:.2f} ms/step (p20 {p20 * 1e3:.2f}, p80 {p80 * 1e3:.2f}), "
               f"x{r50:.3f} the plain-torch loss (paired, p20 {r20:.3f}, p80 {r80:.3f}), "
-              f"first call {steps[name][1]:.1f} s")  # fmt: skip
+              f"first call {steps[(mode, label)][1]:.1f} s")  # fmt: skip
         rows.append({
             "provider": name, "model": model, "batch": args.batch, "precision": "fp32", "device": args.device,
             "ms_median": round(med * 1e3, 3), "ms_p20": round(p20 * 1e3, 3), "ms_p80": round(p80 * 1e3, 3),

@@ -9,7 +9,7 @@ from diffcurr_fast.models.dit import DiT
 from diffcurr_fast.ops import _backend, gelu
 
 CPU = torch.device("cpu")
-SHAPES = [(1,), (15,), (3, 17), (2, 7, 33), (4, 1031)]  # tails of every lane width, odd sizes
+SHAPES = [(1,), (15,), (3, 17), (2, 7, 33), (4, 1031), (2, 0, 5)]  # tails of every lane width, odd sizes, empty
 
 
 def _need_cpu():

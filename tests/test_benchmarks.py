@@ -1,0 +1,34 @@
+"""Smoke runs of the benchmark scripts (correct output shape, no timing claims): the full loss path with its
+compiled provider, and the compiled training step in both noise modes."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(args, tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.stdout
+
+
+def test_bench_ops_full_loss_path(tmp_path):
+    out = _run(["benchmarks/bench_ops.py", "--quick", "--compile", "--ops", "full_loss_path", "--sizes", "3x2x5x7",
+                "--threads", "1", "--out", str(tmp_path)], tmp_path)  # fmt: skip
+    for provider in ("torch-eager", "compile(torch-eager)", "cpu"):
+        assert f"full_loss_path  given fwd+bwd  {provider}" in out
+    assert "providers disagree" not in out
+    assert "host memory retained" in out
+    assert (tmp_path / "ops.csv").exists() and (tmp_path / "ops.md").exists()
+
+
+def test_bench_train_compiled_step(tmp_path):
+    out = _run(["benchmarks/bench_train.py", "--compiled-step", "--quick", "--warmup", "0", "--reps", "2",
+                "--batch", "8"], tmp_path)  # fmt: skip
+    for mode in ("given", "seed"):
+        for label in ("plain-torch loss", "our ops"):
+            assert f"compiled step, {label}, {mode} noise:" in out
