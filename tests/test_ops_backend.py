@@ -227,6 +227,34 @@ def test_compiled_training_step_with_a_model(noise_mode, schedule):
         torch.testing.assert_close(p.grad, g)
 
 
+@pytest.mark.parametrize("noise_mode", ["given", "seed"])
+def test_compiled_ops_hand_inductor_their_definition_with_given_noise(noise_mode):
+    # under torch.compile with the noise given, q_sample and the loss trace their plain-torch definition (inductor
+    # fuses it with the model's kernels); with in-kernel Philox noise the graph calls the C++ kernels
+    if "cpu" not in _cpu_backends("diffusion_loss_fwd"):
+        pytest.skip(_backend.unavailable_reason("cpu", "diffusion_loss_fwd", CPU))
+    sched = DDPMSchedule(1000)
+    x0, t = torch.randn(3, 2, 5), torch.tensor([1, 500, 999])
+    noise, seed = (torch.randn_like(x0), None) if noise_mode == "given" else (None, 8)
+    w = torch.randn(2, 5, requires_grad=True)
+
+    def step(x0, t, w):
+        xt = ops.q_sample(x0, t, sched, noise, seed=seed, validate=False)
+        return ops.diffusion_loss(xt * w, x0, noise, t, sched, weighting="min_snr", seed=seed, validate=False)
+
+    eager = step(x0, t, w)
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(step, fullgraph=True, backend=record)(x0, t, w)
+    torch.testing.assert_close(compiled, eager)
+    targets = " ".join(str(n.target) for gm in graphs for n in gm.graph.nodes)
+    assert ("diffcurr_fast_C" in targets or "autograd_function_apply" in targets) == (noise_mode == "seed"), targets
+
+
 def test_compiled_step_checks_a_tensor_schedule_in_the_graph():
     # the range check of an alphas_cumprod tensor runs inside the compiled graph (no host read), and still fails
     def step(x0, t, abar):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from diffcurr_fast.diffusion.ddpm import PREDICTIONS, DDPMSchedule
@@ -182,6 +184,19 @@ def check_reduction(reduction: str) -> None:
     """ValueError unless ``reduction`` is one of REDUCTIONS."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"unknown reduction {reduction!r}; choose one of {REDUCTIONS}")
+
+
+def traced_under_compile(noise: torch.Tensor | None, backend: str | None) -> bool:
+    """True under ``torch.compile`` with the noise given and the backend left to ``auto``: the op then hands
+    inductor its definition (plain torch), which inductor fuses with the graph around it. In a compiled step the
+    loss's input is the model's unpatchify (a permute) and its output feeds the backward: an opaque kernel makes
+    inductor materialise that input first and adds two calls, so at any size it can only lose there. Philox
+    noise (``seed``) stays in the kernels: traced, it would be inductor's slow CPU ``randn`` or the emulation."""
+    if noise is None or not torch.compiler.is_compiling():
+        return False
+    from diffcurr_fast.ops import _backend
+
+    return (backend if backend is not None else os.environ.get(_backend.ENV_VAR, "auto")) == "auto"
 
 
 def backend_for(op: str, x: torch.Tensor, backend: str | None) -> str:

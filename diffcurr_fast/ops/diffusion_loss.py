@@ -138,8 +138,11 @@ def _run(pred, x0, noise, p, q, w, reduction, seed, backend):
         _common.check_like(noise, x0, "noise", "x0")
         noise = noise.detach()
         seed_v = 0
-    name = _common.backend_for("diffusion_loss_fwd", pred, backend)
     mean = reduction == "mean"
+    if _common.traced_under_compile(noise, backend):  # inductor fuses the definition (_common)
+        loss = diffusion_loss_ref(pred, x0.detach(), noise, p, q, w)
+        return loss.mean() if mean else loss
+    name = _common.backend_for("diffusion_loss_fwd", pred, backend)
     if pred.requires_grad and torch.is_grad_enabled():
         return DiffusionLossFunction.apply(pred, x0.detach(), noise, seed_v, p, q, w, mean, name)
     loss, _ = diffusion_loss_fwd(pred, x0, noise, seed_v, p, q, w, False, 1.0, name)

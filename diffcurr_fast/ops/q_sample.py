@@ -92,6 +92,9 @@ def _finish(x0, a, c, noise, seed, backend, return_noise):
         seed_v = 0
     else:
         seed_v = normalize_seed(seed) if seed is not None else draw_seed()
+    if _common.traced_under_compile(noise, backend):  # inductor fuses the definition (_common)
+        xt = q_sample_ref(x0, a, c, noise)
+        return (xt, noise) if return_noise else xt
     name = _common.backend_for("q_sample", x0, backend)
     tracked = (x0, a, c) if noise is None else (x0, a, c, noise)
     if torch.is_grad_enabled() and any(v.requires_grad for v in tracked):
