@@ -464,8 +464,9 @@ def write_markdown(csv_path: Path, md_path: Path) -> None:
         "are interleaved in one run: plain torch eager, `torch.compile` of the same plain torch (compile time in",
         "`compile_s`, excluded from the timings), diffusers' own step, and our backends. `given`: the user's noise",
         "tensor; `seed`: noise inside the step (plain torch's `randn_like` is timed, ours is regenerated in-kernel).",
-        "`gbps` counts the minimal bytes the case must move; `pct_copy` relates it to `dst.copy_(src)` of one",
-        "tensor of the same size timed in the same rotation. `x_vs_*` are speedups (higher is better).",
+        "`full_loss_path` keeps x_t alive and compiles q_sample and the loss apart (a model sits between them in",
+        "a step). `gbps` counts the minimal bytes the case must move; `pct_copy` relates it to `dst.copy_(src)` of",
+        "one tensor of the same size timed in the same rotation. `x_vs_*` are speedups (higher is better).",
     ]
     for (machine, device, dtype), run_id in sorted(latest.items()):
         sel = [r for r in rows if (r["machine"], r["device"], r.get("dtype", "fp32")) == (machine, device, dtype)

@@ -49,7 +49,7 @@ struct KernelTable {
                     int64_t N, int64_t D, int64_t b, int64_t n0, int64_t nrows);
 
   // tanh-GELU over flat elements [i0, i0 + n): y = x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3), which is
-  // 0.5 x (1 + tanh u) (Hendrycks & Gimpel 2016, Eq. 2).
+  // 0.5 x (1 + tanh u) (Hendrycks & Gimpel 2016, Sec. 2).
   void (*gelu_tanh_fwd)(int dt, const void* x, void* y, int64_t i0, int64_t n);
 
   // gx = grad_y * dy/dx over flat elements [i0, i0 + n).

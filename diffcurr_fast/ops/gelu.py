@@ -2,7 +2,7 @@
 
 ``gelu_tanh(x)`` = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (Hendrycks & Gimpel 2016, Sec. 2), the same
 function as ``F.gelu(x, approximate="tanh")``. torch's CPU kernel for it is slow (its vectorised ``tanh`` costs
-about 2 ns per element on a Zen 4 core): the C++ kernel computes x sigmoid(2u), the same value, with its own
+about 2 ns per element on a recent x86 core): the C++ kernel computes x sigmoid(2u), the same value, with its own
 ``exp``, forward and backward each one pass (docs/ops.md). It runs where it is faster than torch's: CPU tensors,
 AVX2 or AVX-512 kernels, eager mode. Elsewhere ``gelu_tanh`` is ``F.gelu``: on a GPU torch's kernel already makes
 one pass over memory, and under ``torch.compile`` inductor fuses the activation into its neighbours.

@@ -105,7 +105,7 @@ class ModelConfig:
     class_dropout_prob: float = _unit(0.1, "label dropout probability (enables classifier-free guidance)",
                                       hi_open=True)  # fmt: skip
     attn_backend: str = _f("auto", "attention backend", ATTN_BACKENDS)
-    fused_adaln: bool = _f(False, "use the fused block ops in the blocks (adaLN modulate, gated residual, tanh-GELU)")
+    fused_adaln: bool = _f(False, "run the blocks' elementwise ops fused (adaLN modulate, gated residual, tanh-GELU)")
     dtr: bool = _f(False, "Denoising Task Routing (timestep-dependent channel masks)")
     init_from: str = _f(
         "",
