@@ -58,7 +58,7 @@ SIZES = ((8, (4, 32, 32)), (64, (4, 32, 32)), (256, (4, 32, 32)), (32, (4, 64, 6
 MODES = ("given", "seed")
 PASSES = ("fwd", "bwd", "fwd+bwd")
 LOSS_CASES = ("full_loss_path", "q_sample", "diffusion_loss")
-BLOCK_CASES = ("randn", "sample_timesteps", "adaln_modulate", "gated_residual")
+BLOCK_CASES = ("randn", "sample_timesteps", "adaln_modulate", "gated_residual", "gelu_tanh")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COLUMNS = ["op", "mode", "pass", "provider", "size", "dtype", "median_ms", "p20_ms", "p80_ms", "gbps", "pct_copy",
            "x_vs_torch-eager", "x_vs_compile(torch-eager)", "compile_s"]  # fmt: skip
@@ -191,7 +191,8 @@ def loss_path_cases(
 
 
 def block_cases(args, device, dtype, backends) -> dict[str, dict[str, Provider]]:
-    """Providers of the other ops (Philox noise, timestep sampling, the DiT block ops) at one size."""
+    """Providers of the other ops (Philox noise, timestep sampling, the DiT block ops, the MLP's tanh-GELU) at one
+    size."""
     B, shape = 256, (4, 32, 32)
     Bn, N, D = args.block
     g = torch.Generator(device).manual_seed(1)
@@ -207,6 +208,7 @@ def block_cases(args, device, dtype, backends) -> dict[str, dict[str, Provider]]
         "sample_timesteps": lambda leaf: torch.multinomial(weights, B, replacement=True),
         "adaln_modulate": lambda x: adaln(x).float().sum(),
         "gated_residual": lambda y: (xb + gate[:, None, :] * y).float().sum(),
+        "gelu_tanh": lambda h: torch.nn.functional.gelu(h, approximate="tanh").float().sum(),
     }
     cases = {c: {"torch-eager": Provider(f)} for c, f in plain.items()}
     if not args.no_compile:
@@ -221,8 +223,10 @@ def block_cases(args, device, dtype, backends) -> dict[str, dict[str, Provider]]
             lambda x, b=b: ops.adaln_modulate(x, shift, scale, backend=b).float().sum()
         )
         cases["gated_residual"][b] = Provider(lambda y, b=b: ops.gated_residual(xb, gate, y, backend=b).float().sum())
-    leaves = {"adaln_modulate": xb, "gated_residual": torch.randn_like(xb)}
-    numel = {"randn": B * 4096, "sample_timesteps": B, "adaln_modulate": xb.numel(), "gated_residual": xb.numel()}
+        if b == "cpu":  # elsewhere gelu_tanh is torch's own kernel
+            cases["gelu_tanh"][b] = Provider(lambda h: ops.gelu_tanh(h, backend="cpu").float().sum())
+    leaves = {"adaln_modulate": xb, "gated_residual": torch.randn_like(xb), "gelu_tanh": 3 * torch.randn_like(xb)}
+    numel = {"randn": B * 4096, "sample_timesteps": B, **{c: xb.numel() for c in leaves}}
     return cases, leaves, numel
 
 
@@ -233,7 +237,8 @@ def minimal_passes(case: str, pass_: str, mode: str, prediction: str) -> int:
     loss_in = 1 + (prediction != "eps") + (noise if prediction != "x0" else 0)  # pred, x0 unless eps, the noise
     loss = {"fwd": loss_in, "bwd": 1, "fwd+bwd": loss_in + 1}[pass_]  # + the gradient write
     block = {"randn": {"fwd": 1}, "sample_timesteps": {"fwd": 0}, "adaln_modulate": {"fwd": 2, "bwd": 3, "fwd+bwd": 5},
-             "gated_residual": {"fwd": 3, "bwd": 3, "fwd+bwd": 6}}  # fmt: skip
+             "gated_residual": {"fwd": 3, "bwd": 3, "fwd+bwd": 6},
+             "gelu_tanh": {"fwd": 2, "bwd": 3, "fwd+bwd": 5}}  # fmt: skip
     if case == "q_sample":
         return q
     if case == "diffusion_loss":
