@@ -86,6 +86,8 @@ def test_dispatch_rules():
         if _backend.unavailable_reason("cpu", "gelu_tanh_fwd", CPU) is not None:
             raise ValueError("cpu backend takes (skipped: no extension)")
         ops.gelu_tanh(x.double(), backend="cpu")
+    with pytest.raises(ValueError, match="unknown ops backend 'bogus'"):
+        ops.gelu_tanh(x, backend="bogus")
     fast = gelu._cpu_kernel_is_faster()
     y = ops.gelu_tanh(x.requires_grad_())
     assert (type(y.grad_fn).__name__ == "GeluTanhFunctionBackward") == fast

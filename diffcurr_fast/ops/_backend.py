@@ -90,6 +90,15 @@ def unavailable_reason(backend: str, op: str, device: torch.device) -> str | Non
     raise ValueError(f"unknown backend {backend!r}; choose one of {CHOICES}")
 
 
+def requested(backend: str | None) -> str:
+    """The backend asked for: ``backend``, or ``DIFFCURR_OPS_BACKEND`` when it is None (default ``auto``); a
+    ValueError for an unknown name."""
+    name = backend if backend is not None else os.environ.get(ENV_VAR, "auto")
+    if name not in CHOICES:
+        raise ValueError(f"unknown ops backend {name!r}; choose one of {CHOICES}")
+    return name
+
+
 @torch.compiler.assume_constant_result
 def resolve(op: str, device: torch.device, backend: str | None = None) -> str:
     """Name of the backend that runs ``op`` for tensors on ``device``.
@@ -97,15 +106,13 @@ def resolve(op: str, device: torch.device, backend: str | None = None) -> str:
     ``backend`` (or ``DIFFCURR_OPS_BACKEND`` when ``backend`` is None) is one of ``auto``, ``cuda``, ``triton``,
     ``cpu``, ``reference``.
     """
-    requested = backend if backend is not None else os.environ.get(ENV_VAR, "auto")
-    if requested not in CHOICES:
-        raise ValueError(f"unknown ops backend {requested!r}; choose one of {CHOICES}")
+    name = requested(backend)
     device = torch.device(device)
-    if requested != "auto":
-        reason = unavailable_reason(requested, op, device)
+    if name != "auto":
+        reason = unavailable_reason(name, op, device)
         if reason is not None:
-            raise RuntimeError(f"ops backend {requested!r} requested for {op} but unavailable: {reason}")
-        return requested
+            raise RuntimeError(f"ops backend {name!r} requested for {op} but unavailable: {reason}")
+        return name
     order = ("cuda", "triton", "reference") if device.type == "cuda" else ("cpu", "reference")
     if device.type not in ("cuda", "cpu"):
         order = ("reference",)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from diffcurr_fast.diffusion.ddpm import PREDICTIONS, DDPMSchedule
@@ -196,7 +194,7 @@ def traced_under_compile(noise: torch.Tensor | None, backend: str | None) -> boo
         return False
     from diffcurr_fast.ops import _backend
 
-    return (backend if backend is not None else os.environ.get(_backend.ENV_VAR, "auto")) == "auto"
+    return _backend.requested(backend) == "auto"
 
 
 def backend_for(op: str, x: torch.Tensor, backend: str | None) -> str:

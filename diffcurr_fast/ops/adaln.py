@@ -7,8 +7,6 @@ forward and one backward kernel (definitions and backward formulas in docs/ops.m
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from diffcurr_fast.ops import _backend, _common
@@ -229,7 +227,7 @@ def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, *, back
     name = _common.backend_for("gated_residual_fwd", x, backend)
     if (
         name == "cuda"
-        and (backend if backend is not None else os.environ.get(_backend.ENV_VAR, "auto")) == "auto"
+        and _backend.requested(backend) == "auto"
         and (y.dtype != x.dtype or gate.dtype != x.dtype)
         and _backend.unavailable_reason("triton", "gated_residual_fwd", x.device) is None
     ):

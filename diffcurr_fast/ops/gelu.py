@@ -11,7 +11,6 @@ one pass over memory, and under ``torch.compile`` inductor fuses the activation 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
@@ -51,8 +50,9 @@ def _cpu_kernel_is_faster() -> bool:
 def gelu_tanh(x: torch.Tensor, backend: str | None = None) -> torch.Tensor:
     """tanh-GELU of ``x`` (any shape). ``backend``: None / ``auto`` (the C++ kernel where it is faster, module
     doc), ``cpu`` (the C++ kernel; raises where it cannot run) or ``reference`` (torch's); the GPU backends'
-    names also mean torch's kernel. ``DIFFCURR_OPS_BACKEND`` is read when ``backend`` is None."""
-    requested = backend if backend is not None else os.environ.get(_backend.ENV_VAR, "auto")
+    names also mean torch's kernel; an unknown name is a ValueError. ``DIFFCURR_OPS_BACKEND`` is read when
+    ``backend`` is None."""
+    requested = _backend.requested(backend)
     if requested == "cpu":
         _backend.resolve("gelu_tanh_fwd", x.device, "cpu")  # raises with the reason when it cannot run
         if x.dtype not in _common.KERNEL_DTYPES:

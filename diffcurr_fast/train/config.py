@@ -239,8 +239,8 @@ class OptimConfig:
     beta1: float = _unit(0.9, "AdamW beta1", hi_open=True)
     beta2: float = _unit(0.999, "AdamW beta2", hi_open=True)
     eps: float = _f(1e-8, "AdamW epsilon", lo=0.0, lo_open=True)
-    impl: str = _f("auto", "AdamW kernels: auto / torch (torch's, fused on CUDA) or apex (NVIDIA apex FusedAdam)",
-                   OPTIM_IMPLS)  # fmt: skip
+    impl: str = _f("auto", "AdamW kernels: auto / torch (torch's fused kernel, CUDA and CPU) or apex (NVIDIA apex "
+                   "FusedAdam)", OPTIM_IMPLS)  # fmt: skip
     warmup_steps: int = _nonneg(0, "linear warmup steps from 0 to lr")
     schedule: str = _f("constant", "learning-rate schedule after warmup", LR_SCHEDULES)
     min_lr: float = _nonneg(0.0, "final learning rate of the cosine schedule (<= lr)")

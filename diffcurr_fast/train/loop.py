@@ -159,7 +159,7 @@ class Trainer:
         if hasattr(self.model, "check_values"):  # t from the sampler, labels checked at load: no per-step host sync
             self.model.check_values = False
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = build_optimizer(params, o, self.device)  # torch AdamW (fused on CUDA) or apex FusedAdam
+        self.opt = build_optimizer(params, o, self.device)  # torch's fused AdamW (CUDA, CPU) or apex FusedAdam
         self.net, self.opt = self.engine.setup(self.model, self.opt, cfg)  # DeepSpeed: its engine, ZeRO optimizer
         if e.compile:
             self.net = torch.compile(self.net)
