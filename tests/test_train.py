@@ -125,7 +125,6 @@ def test_ema_math():
         assert EMA(model, decay=edge, warmup=False).current_decay() == edge
 
 
-
 def _ema_reference(model, decay, steps):
     """The EMA update written per tensor in float64, as the paper's formula reads."""
     ref = [p.detach().double().clone() for p in model.parameters()]
