@@ -342,6 +342,12 @@ def main(argv: list[str] | None = None) -> int:
         "outputs in again on each call (slower and noisier for all); by default freed memory is retained, "
         "as the trainer does",
     )
+    parser.add_argument(
+        "--copy-mib",
+        type=int,
+        default=None,
+        help="size of the large-buffer copy that measures the memory bandwidth (default 512 MiB, 32 with --quick)",
+    )
     parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
     args = parser.parse_args(argv)
     if args.threads:
@@ -372,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     backends = _backends(device, args.reference)
     info = common.run_info(device)
     info["host_memory"] = "glibc default" if args.glibc_malloc or not retain_host_memory() else "retained"
-    dram = common.copy_bandwidth(device, nbytes=(32 if args.quick else 512) * 2**20)
+    dram = common.copy_bandwidth(device, nbytes=(args.copy_mib or (32 if args.quick else 512)) * 2**20)
     print(f"{info['machine']} | torch {info['torch']} | {info['git_rev']} | {args.dtype} | large-buffer copy "
           f"{dram:.1f} GB/s | host memory {info['host_memory']} | backends {', '.join(backends)}")  # fmt: skip
     run_id = time.strftime("%Y%m%d-%H%M%S")

@@ -15,7 +15,8 @@ Order (the GPU run fits one device lease): the environment and every runtime dep
 backend assertion, then the key figures (``info --check``, the fused loss path against ``torch.compile`` of plain
 torch at one latent size in fp32 and bf16, the DiT-B/2 and DiT-XL/2 bf16 training step with its MFU), each written
 to its CSV as soon as it is measured, then the GPU tests and the rest of the benchmarks. Each step has its own time
-limit; the run stops cleanly before ``BUDGET_S`` (default 450 s, under 8 minutes).
+limit; the run stops cleanly before ``BUDGET_S`` (default 450 s, under 8 minutes; the dry run's limits and budget
+are ``LIMIT_SCALE`` times longer).
 
 Writes one log per step and the benchmark CSVs into OUT_DIR (default ``benchmarks/results/gpu``, or
 ``$OUT/gpu_check`` when OUT is set), ``summary.txt`` (one line per step) and ``summary.json``. ``--rerun-failed``
@@ -55,7 +56,10 @@ class Step:
     pytest: bool = False
 
 
-_LOSS = "{py} benchmarks/bench_ops.py --device {dev} --ops full_loss_path --modes given seed {compile} --reps {reps} "
+_LOSS = (
+    "{py} benchmarks/bench_ops.py --device {dev} --ops full_loss_path --modes given seed {compile} --reps {reps} "
+    "--copy-mib {copy_mib} "
+)
 _TRAIN = (
     "{py} benchmarks/bench_train.py --device {dev} --precision {dtype_lo} --providers fused --batch {train_batch} "
     "--warmup {warmup} --reps {reps} --set model.input_size={latent} --peak-tflops {peak_tflops} "
@@ -112,6 +116,7 @@ VALUES: dict[str, tuple[str | list[str], str | list[str]]] = {
     "pip_mode": ([], ["--dry-run"]),
     "compile": ([], ["--no-compile"]),
     "loss_size": ("256x4x32x32", "4x4x8x8"),
+    "copy_mib": ("1024", "8"),  # the bandwidth yardstick: several times the L2 on the GPU
     "all_sizes": (["8x4x32x32", "64x4x32x32", "32x4x64x64"], ["2x4x8x8"]),
     "block": (["32", "256", "384"], ["2", "16", "32"]),
     "reps": ("10", "2"),
@@ -131,6 +136,7 @@ VALUES: dict[str, tuple[str | list[str], str | list[str]]] = {
         ["tests/test_ops_adaln.py", "-k", "dit_block_path"],
     ),
 }
+LIMIT_SCALE = {"gpu": 1, "dry": 6}  # the dry run's limits: 2 shared CPU cores and the Triton interpreter
 PROFILES = {name: {k: v[i] for k, v in VALUES.items()} for i, name in enumerate(("gpu", "dry"))}
 
 
@@ -184,7 +190,7 @@ def run(profile: str, out: Path, budget_s: float, only: set[str] | None = None, 
             note(f"=== {step.name} skipped: time budget spent")
             results[step.name], status = "skipped", 1
             continue
-        limit = min(step.limit_s, int(left))
+        limit = min(step.limit_s * LIMIT_SCALE[profile], int(left))
         argv, extra = command(step, values)
         print(f"=== {step.name} (limit {limit}s, {time.strftime('%H:%M:%S')}): {' '.join(argv)}", flush=True)
         t0 = time.monotonic()
@@ -327,7 +333,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     only = failed_steps(out) if args.rerun_failed else None
     py = os.environ.get("PYTHON", sys.executable)
-    return run("dry" if args.dry_run else "gpu", out.resolve(), float(os.environ.get("BUDGET_S", 450)), only, py)
+    profile = "dry" if args.dry_run else "gpu"
+    budget = float(os.environ.get("BUDGET_S", 450 * LIMIT_SCALE[profile]))
+    return run(profile, out.resolve(), budget, only, py)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ STEPS = [s.name for s in gc.STEPS]
 
 
 def _env(**extra):
-    env = {**os.environ, "PYTHON": sys.executable, "PYTEST_ADDOPTS": "", "BUDGET_S": "1500", **extra}
+    env = {**os.environ, "PYTHON": sys.executable, "PYTEST_ADDOPTS": "", **extra}
     env.pop("PYTEST_XDIST_WORKER", None)
     return env
 
