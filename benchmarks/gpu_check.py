@@ -1,7 +1,8 @@
 """The one prepared GPU check: one table of steps drives the GPU run and its CPU dry run.
 
     python benchmarks/gpu_check.py [--dry-run] [--rerun-failed] [OUT_DIR]
-    bash benchmarks/gpu_check.sh ...           # the same
+    python benchmarks/gpu_check.py --print [--dry-run]   # the command lines, nothing run
+    bash benchmarks/gpu_check.sh ...                     # the same
 
 Each step of ``STEPS`` is one command line written once, with ``{placeholders}``. ``PROFILES["gpu"]`` fills them
 for the device; ``PROFILES["dry"]`` fills the same placeholders with the CPU's device, small sizes and fp32 (the
