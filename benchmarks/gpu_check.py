@@ -69,7 +69,7 @@ _TRAIN = (
 _BUILD = {"DIFFCURR_REQUIRE_CUDA": "{require_cuda}", "TORCH_CUDA_ARCH_LIST": "9.0", "MAX_JOBS": "16"}
 
 STEPS: tuple[Step, ...] = (
-    Step("env", 60, "{py} benchmarks/gpu_check.py --probe env", stop=True),
+    Step("env", 60, "{py} benchmarks/gpu_check.py --probe env"),  # a missing import is reported, not fatal
     Step(
         "install",
         240,
