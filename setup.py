@@ -90,7 +90,8 @@ setup(
     extras_require={
         "triton": ["triton>=3.0"],
         "deepspeed": ["deepspeed>=0.14"],
-        "dali": ["nvidia-dali-cuda130"],
+        "dali": ["nvidia-dali-cuda130"],  # needs a CUDA 13 driver
+        "dali-cuda12": ["nvidia-dali-cuda120"],  # for CUDA 12 drivers
         "diffusers": ["diffusers"],
         "flash": ["flash-attn"],
         # diffusers pulls neither torch nor torchvision (checked with pip install --dry-run); the tests run a

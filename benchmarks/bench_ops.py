@@ -146,10 +146,15 @@ def loss_path_cases(
         "diffusion_loss": lambda pred: torch_loss(pred, x0, noise_given),
     }
     cases: dict[str, dict[str, Provider]] = {c: {"torch-eager": Provider(f)} for c, f in plain.items()}
-    if not args.no_compile:
-        compiled = {c: torch.compile(f, dynamic=False) for c, f in plain.items() if c != "full_loss_path"}
+    if not args.no_compile:  # the cases share compiled functions: one graph each per size and mode
         q_step, loss = torch.compile(torch_q_step, dynamic=False), torch.compile(torch_loss, dynamic=False)
-        compiled["full_loss_path"] = full_path(q_step, loss)
+        # alone, q_sample with drawn noise must not write the noise out as the step's second output
+        q_alone = torch.compile(plain["q_sample"], dynamic=False) if seeded else (lambda pred: q_step()[0])
+        compiled = {
+            "full_loss_path": full_path(q_step, loss),
+            "q_sample": q_alone,
+            "diffusion_loss": lambda pred: loss(pred, x0, noise_given),
+        }
         for c in LOSS_CASES:
             cases[c]["compile(torch-eager)"] = Provider(compiled[c], compiled=True)
     if scheduler is not None and pred_kind in ("eps", "v"):
@@ -337,6 +342,12 @@ def main(argv: list[str] | None = None) -> int:
         "outputs in again on each call (slower and noisier for all); by default freed memory is retained, "
         "as the trainer does",
     )
+    parser.add_argument(
+        "--copy-mib",
+        type=int,
+        default=None,
+        help="size of the large-buffer copy that measures the memory bandwidth (default 512 MiB, 32 with --quick)",
+    )
     parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
     args = parser.parse_args(argv)
     if args.threads:
@@ -367,14 +378,20 @@ def main(argv: list[str] | None = None) -> int:
     backends = _backends(device, args.reference)
     info = common.run_info(device)
     info["host_memory"] = "glibc default" if args.glibc_malloc or not retain_host_memory() else "retained"
-    dram = common.copy_bandwidth(device, nbytes=(32 if args.quick else 512) * 2**20)
+    dram = common.copy_bandwidth(device, nbytes=(args.copy_mib or (32 if args.quick else 512)) * 2**20)
     print(f"{info['machine']} | torch {info['torch']} | {info['git_rev']} | {args.dtype} | large-buffer copy "
           f"{dram:.1f} GB/s | host memory {info['host_memory']} | backends {', '.join(backends)}")  # fmt: skip
     run_id = time.strftime("%Y%m%d-%H%M%S")
     rows: list[dict[str, object]] = []
+    csv_path = args.out / "ops.csv"
+    # one graph per (function, size, mode, dtype): the full sweep needs more entries than dynamo's default limit,
+    # past which it would silently run eager
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     elem = torch.finfo(dtype).bits // 8
 
     def record(case, mode, pass_, size, times, providers, numel):
+        """Append the rotation's rows to the CSV at once (a time-out later keeps them) and print them."""
+        new: list[dict[str, object]] = []
         nbytes = minimal_passes(case, pass_, mode, args.prediction) * numel * elem
         copy_med = common.percentiles(times["copy"])[0]
         copy_gbps = 2 * numel * 4 / copy_med / 1e9
@@ -394,11 +411,13 @@ def main(argv: list[str] | None = None) -> int:
                    if "compile(torch-eager)" in meds else "",
                    "compile_s": f"{providers[name].compile_s:.1f}" if providers[name].compile_s else "",
                    "dram_copy_gbps": f"{dram:.2f}", "quick": int(args.quick)}  # fmt: skip
-            rows.append(row)
+            new.append(row)
             print(f"  {case:15s} {mode:5s} {pass_:8s} {name:21s} {med * 1e3:9.3f} ms [{p20 * 1e3:.3f}, "
                   f"{p80 * 1e3:.3f}] {row['gbps'] or '-':>7} GB/s {row['pct_copy'] or '-':>6}% copy  "
                   f"x{row['x_vs_torch-eager']} eager  x{row['x_vs_compile(torch-eager)'] or '-'} compile"
                   + (f"  (compile {row['compile_s']} s)" if row["compile_s"] else ""))  # fmt: skip
+        common.append_csv(csv_path, new)
+        rows.extend(new)
 
     for B, shape in sizes:
         size = f"B={B} x {'x'.join(map(str, shape))}"
@@ -429,8 +448,6 @@ def main(argv: list[str] | None = None) -> int:
                 times = run_rotation(cases[case], leaf, pass_, numel[case], device, reps, warmup)
                 record(case, "-", pass_, "x".join(map(str, args.block)) if leaf is not None else "B=256 x 4x32x32",
                        times, cases[case], numel[case])  # fmt: skip
-    csv_path = args.out / "ops.csv"
-    common.append_csv(csv_path, rows)
     write_markdown(csv_path, args.out / "ops.md")
     print_targets(rows)
     return 0

@@ -16,6 +16,10 @@ allocator and thread-pool state cannot help or hurt the next. Each row is the me
 ``--reps`` steps after ``--warmup`` steps, as images per second; rows are appended to
 ``benchmarks/results/train.csv`` and ``benchmarks/results/train.md`` is regenerated.
 
+``--peak-tflops`` (the device's peak rate at the step's precision) adds the model FLOP rate (3x the DiT's analytic
+forward FLOPs, ``tdc.flops``, per median step) and the MFU to our providers' rows. Each provider's row is written
+as soon as it is measured.
+
 ``--profile`` adds a breakdown per provider (``step_breakdown.py``): milliseconds and share per step of the GEMMs,
 attention, elementwise ops, norms, copies, the fused ops, the optimizer, the EMA, the data and timestep pipeline
 and unattributed time (Python and dispatch), the page faults per step, the FLOPs per step, the achieved GFLOP/s,
@@ -48,10 +52,11 @@ import common  # noqa: E402
 import step_breakdown as sb  # noqa: E402
 
 from diffcurr_fast.data.loader import ArrayDataset  # noqa: E402
+from diffcurr_fast.tdc.flops import dit_flops  # noqa: E402
 from diffcurr_fast.train.config import load_config  # noqa: E402
 
 COLUMNS = ["provider", "model", "batch", "precision", "device", "ms_median", "ms_p20", "ms_p80", "img_per_s",
-           "machine", "date", "torch", "git_rev"]  # fmt: skip
+           "model_tflop_s", "mfu_pct", "machine", "date", "torch", "git_rev"]  # fmt: skip
 PROVIDERS = ("reference", "fused", "fused+compile", "official", "official+malloc")
 
 
@@ -97,6 +102,7 @@ def _ours(provider: str, args: argparse.Namespace, tmp: str, profile: bool):
         tr.train_step(a, b)
 
     name = m.preset if m.preset != "custom" else f"custom-{m.hidden_size}x{m.depth}"
+    step.model_flops = 3 * dit_flops(tr.model, args.batch)  # forward + backward (2x the forward)
     return step, tr.device, name
 
 
@@ -160,6 +166,9 @@ def bench(provider: str, args: argparse.Namespace) -> dict[str, object]:
             "device": args.device, "ms_median": round(med * 1e3, 3), "ms_p20": round(p20 * 1e3, 3),
             "ms_p80": round(p80 * 1e3, 3), "img_per_s": round(args.batch / med, 1), **common.run_info(args.device),
         }  # fmt: skip
+        flops = getattr(step, "model_flops", None)  # the DiT's analytic matmul FLOPs (tdc.flops), ours only
+        row["model_tflop_s"] = round(flops / med / 1e12, 3) if flops else ""
+        row["mfu_pct"] = round(100 * flops / med / 1e12 / args.peak_tflops, 2) if flops and args.peak_tflops else ""
         extra = {"faults_per_step": sorted(faults[args.warmup :])[len(faults[args.warmup :]) // 2]}
         if args.profile:
             extra["breakdown"] = sb.breakdown(step, args.profile_steps, sync)  # first: after a dispatch mode
@@ -172,7 +181,9 @@ def bench(provider: str, args: argparse.Namespace) -> dict[str, object]:
 def _print(provider: str, res: dict[str, object]) -> None:
     row = res["row"]
     print(f"{provider:>15}: {row['ms_median']:.2f} ms/step (p20 {row['ms_p20']:.2f}, p80 {row['ms_p80']:.2f}), "
-          f"{row['img_per_s']:.0f} img/s, {res['faults_per_step']} page faults/step", flush=True)  # fmt: skip
+          f"{row['img_per_s']:.0f} img/s, {res['faults_per_step']} page faults/step"
+          + (f", {row['model_tflop_s']} TFLOP/s" if row.get("model_tflop_s") else "")
+          + (f", MFU {row['mfu_pct']}%" if row.get("mfu_pct") else ""), flush=True)  # fmt: skip
     if "breakdown" in res:
         print("  " + sb.format_breakdown(provider, res["breakdown"], res["flops"], res["gemm_rate"], res["gemm_flops"],
                                          row["ms_median"]).replace(
@@ -309,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--peer-dit", default=None, metavar="PATH", help="a facebookresearch/DiT checkout: adds the "
                    "official step (and official+malloc) as providers")  # fmt: skip
+    p.add_argument("--peak-tflops", type=float, default=0.0, help="the device's peak rate at this precision "
+                   "(TFLOP/s; e.g. 989 for an H100/H200 in dense bf16): adds the MFU column")  # fmt: skip
     p.add_argument("--providers", default=None, help=f"comma-separated subset of {', '.join(PROVIDERS)}")
     p.add_argument("--profile", action="store_true", help="print the step-time breakdown of each provider")
     p.add_argument("--profile-steps", type=int, default=2, help="steps profiled per provider (--profile)")
@@ -357,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
             res = bench(provider, args)
         results[provider] = res
         _print(provider, res)
+        if not args.quick:  # written as soon as measured: a later provider's time-out keeps this one
+            common.append_csv(Path(args.out), [res["row"]])
     base = results.get("official")
     if base is not None:
         for provider, res in results.items():
@@ -365,7 +380,6 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"speed-up of {provider} over official: {ratio:.2f}x")
     if not args.quick:
         out = Path(args.out)
-        common.append_csv(out, [r["row"] for r in results.values()])
         out.with_suffix(".md").write_text(
             "# Training step throughput\n\n" + common.markdown_table(common.read_csv(out), COLUMNS) + "\n"
         )

@@ -27,7 +27,9 @@ def _configs(interpret: bool = INTERPRET) -> list[triton.Config]:
 MIN_BLOCK = min(cfg.kwargs["BLOCK"] for cfg in _configs())
 
 
-@triton.autotune(configs=_configs(), key=["M"], reset_to_zero=["partial_ptr"])
+# keyed on every constexpr but the tuned BLOCK; reset_to_zero: a larger BLOCK writes fewer partial sums than the
+# n_part slots (sized for MIN_BLOCK), so what a smaller candidate wrote while timing must not stay behind
+@triton.autotune(configs=_configs(), key=["M", "HAS_NOISE", "WITH_GRAD"], reset_to_zero=["partial_ptr"])
 @triton.jit(do_not_specialize=["seed"])
 def _diffusion_loss_fwd_kernel(
     pred_ptr,

@@ -104,7 +104,7 @@ def row_blocks(M: int, block: int) -> int:
     return triton.cdiv(M + (0 if M % 4 == 0 else 3), block)
 
 
-@triton.autotune(configs=elementwise_configs(), key=[])
+@triton.autotune(configs=elementwise_configs(), key=["n"])
 @triton.jit(do_not_specialize=["seed"])
 def _philox_randn_fwd_kernel(out_ptr, seed, n, BLOCK: tl.constexpr):
     pid = tl.program_id(0)

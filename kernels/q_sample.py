@@ -13,7 +13,7 @@ import triton.language as tl
 from .philox import _philox_normal4, _row_tile, device_guard, elementwise_configs, row_blocks
 
 
-@triton.autotune(configs=elementwise_configs(), key=["M"])
+@triton.autotune(configs=elementwise_configs(), key=["M", "HAS_NOISE"])  # every constexpr but the tuned BLOCK
 @triton.jit(do_not_specialize=["seed"])
 def _q_sample_fwd_kernel(
     x0_ptr, noise_ptr, a_ptr, c_ptr, out_ptr, seed, M, HAS_NOISE: tl.constexpr, BLOCK: tl.constexpr

@@ -125,6 +125,62 @@ def test_ema_math():
         assert EMA(model, decay=edge, warmup=False).current_decay() == edge
 
 
+def _ema_reference(model, decay, steps):
+    """The EMA update written per tensor in float64, as the paper's formula reads."""
+    ref = [p.detach().double().clone() for p in model.parameters()]
+    for _ in range(steps):
+        ref = [decay * r + (1 - decay) * p.detach().double() for r, p in zip(ref, model.parameters())]
+    return ref
+
+
+def test_ema_buffers_low_precision_and_a_moved_model():
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 7), torch.nn.BatchNorm1d(7), torch.nn.Linear(7, 2))
+    ema = EMA(model, decay=0.5, warmup=False)
+    model.train()(torch.randn(9, 3))  # the running statistics move: the EMA's buffers must follow
+    ema.update(model)
+    for b_ema, b in zip(ema.module.buffers(), model.buffers()):
+        assert torch.equal(b_ema, b.to(b_ema.dtype))
+    # the same model after load_state_dict and a dtype round trip: the cached lists must still see its weights
+    model.load_state_dict({k: v * 2 for k, v in model.state_dict().items()})
+    model.bfloat16().float()
+    start = [p.detach().clone() for p in ema.module.parameters()]
+    ema.update(model)
+    for s, p, e in zip(start, model.parameters(), ema.module.parameters()):
+        torch.testing.assert_close(e, 0.5 * s + 0.5 * p.detach())
+    half = torch.nn.Linear(4, 6).bfloat16()  # a bf16 model: averaged in float32
+    e16 = EMA(half, decay=0.9, warmup=False)
+    ref = _ema_reference(half, 0.9, 1)
+    e16.update(half)
+    assert all(p.dtype == torch.float32 for p in e16.module.parameters())
+    for r, e in zip(ref, e16.module.parameters()):
+        torch.testing.assert_close(e.double(), r, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="EMA has 6 parameters, the model 2"):
+        ema.update(torch.nn.Linear(3, 7))  # another model with another structure
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
+def test_clip_grad_norm_is_torchs(scale):
+    from diffcurr_fast.train.engine import Engine
+
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 31), torch.nn.GELU(), torch.nn.Linear(31, 3, bias=False))
+    peer = torch.nn.Sequential(torch.nn.Linear(5, 31), torch.nn.GELU(), torch.nn.Linear(31, 3, bias=False))
+    engine = Engine("cpu")
+    for _ in range(2):  # the second call goes through the cached parameter list
+        for p, q in zip(model.parameters(), peer.parameters()):
+            p.grad = torch.randn_like(p) * scale
+            q.grad = p.grad.clone()
+        model[0].bias.grad = None  # a parameter without a gradient is left out, as torch does
+        peer[0].bias.grad = None
+        ours = engine.clip_grad_norm(model, 1.0)
+        theirs = torch.nn.utils.clip_grad_norm_(peer.parameters(), 1.0)
+        assert torch.equal(ours, theirs)
+        for p, q in zip(model.parameters(), peer.parameters()):
+            assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
+    assert engine.clip_grad_norm(model, 0.0) is None
+
+
 def test_lr_schedule(tmp_path):
     cfg = tiny(tmp_path / "r", "optim.lr=1.0", "optim.warmup_steps=4", "optim.schedule=cosine", "optim.min_lr=0.1",
                "engine.max_steps=14")  # fmt: skip

@@ -127,7 +127,7 @@ def test_dali_on_a_gpu_decodes_there_and_spawns_its_workers(monkeypatch):
     from diffcurr_fast.data import dali, pipeline
     from diffcurr_fast.train.data import dali_placement
 
-    monkeypatch.setattr(pipeline, "resolve_backend", lambda b: "dali" if b in ("auto", "dali") else b)
+    monkeypatch.setattr(pipeline, "resolve_backend", lambda b, on_gpu=False: "dali" if b in ("auto", "dali") else b)
     assert dali_placement("dali", torch.device("cuda", 1), "images") == (1, "mixed")
     assert dali_placement("auto", torch.device("cuda", 0), "latents") == (0, "cpu")
     assert dali_placement("dali", torch.device("cpu"), "images") == (None, "cpu")

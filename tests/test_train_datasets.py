@@ -220,14 +220,20 @@ def test_data_config_errors(tmp_path):
         tiny(tmp_path, "data.dataset=images", "data.path=x", "model.in_channels=3", "data.image_size=16")
 
 
-def test_backend_auto_picks_dali_when_importable(latents, monkeypatch):
+def test_backend_auto_picks_dali_only_on_a_gpu(latents, monkeypatch):
     from diffcurr_fast.data import dali
 
-    cfg = _latent_cfg("unused", latents["sharded"])
+    cfg = _latent_cfg("unused", latents["sharded"], "data.dali_py_workers=3")
     assert cfg.data.backend == "auto"
-    assert build_train_batches(cfg).loader.backend == ("dali" if HAS_DALI else "torch")
-    monkeypatch.setattr(dali, "dali_available", lambda: False)
+    gpu = torch.device("cuda", 0)  # the loader is only built here (nothing runs on the device)
+    on_gpu = build_train_batches(cfg, device=gpu).loader
+    assert on_gpu.backend == ("dali" if HAS_DALI else "torch")
+    assert on_gpu.device_id == (0 if HAS_DALI else None)
+    assert on_gpu.dali_py_workers == 3  # the trainer passes the parallel-worker setting through
+    assert build_train_batches(cfg, device=torch.device("cpu")).loader.backend == "torch"  # a CPU run: DataLoader
     assert build_train_batches(cfg).loader.backend == "torch"
+    monkeypatch.setattr(dali, "dali_available", lambda: False)
+    assert build_train_batches(cfg, device=gpu).loader.backend == "torch"
 
 
 def test_latent_shape_must_match_model(latents):

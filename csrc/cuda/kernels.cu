@@ -160,7 +160,9 @@ __global__ void randn_kernel(uint64_t seed, int64_t n, float* __restrict__ out) 
 }
 
 // ---------------------------------------------------------------- q_sample
-// One thread per Philox counter: flat elements 4c .. 4c + 3 (they may straddle rows when M % 4 != 0).
+// One thread per Philox counter: flat elements 4c .. 4c + 3 (they may straddle rows when M % 4 != 0). The row of
+// element i is kept as (b, r = i - b M) and advanced by the grid stride's own quotient and remainder: two 64-bit
+// divisions per thread instead of one per counter (a 64-bit division is a software routine of ~70 instructions).
 template <class T, class NT, bool kHasNoise>
 __global__ void q_sample_kernel(const typename T::S* __restrict__ x0, const typename NT::S* __restrict__ noise,
                                 const float* __restrict__ a, const float* __restrict__ c,
@@ -168,13 +170,15 @@ __global__ void q_sample_kernel(const typename T::S* __restrict__ x0, const type
   const int64_t ncounters = (total + 3) / 4;
   const bool vec = (M % 4 == 0) && aligned(x0, 4 * sizeof(typename T::S)) && aligned(out, 4 * sizeof(typename T::S)) &&
                    (!kHasNoise || aligned(noise, 4 * sizeof(typename NT::S)));
-  for (int64_t ctr = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; ctr < ncounters;
-       ctr += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t step_b = 4 * stride / M, step_r = 4 * stride - step_b * M;  // the stride in elements: (rows, rest)
+  int64_t b = 4 * first / M, r = 4 * first - b * M;                          // element i = b M + r, 0 <= r < M
+  for (int64_t ctr = first; ctr < ncounters; ctr += stride) {
     const int64_t i = 4 * ctr;
     float nz[4];
     if constexpr (!kHasNoise) normal4(seed, static_cast<uint64_t>(ctr), nz);
-    if (vec && i + 4 <= total) {
-      const int64_t b = i / M;  // the 4 elements share a row
+    if (vec && i + 4 <= total) {  // the 4 elements share row b
       float xv[4], o[4];
       load4<T>(x0 + i, xv);
       if constexpr (kHasNoise) load4<NT>(noise + i, nz);
@@ -183,12 +187,15 @@ __global__ void q_sample_kernel(const typename T::S* __restrict__ x0, const type
       for (int k = 0; k < 4; ++k) o[k] = av * xv[k] + cv * nz[k];  // Ho et al. Eq. 4
       store4<T>(out + i, o);
     } else {
-      for (int k = 0; k < 4 && i + k < total; ++k) {
-        const int64_t b = (i + k) / M;
+      int64_t bk = b, rk = r;
+      for (int k = 0; k < 4 && i + k < total; ++k, ++rk) {
+        while (rk >= M) rk -= M, ++bk;  // at most 3 rows on: M >= 1 and k < 4
         const float nk = kHasNoise ? NT::load(noise[i + k]) : nz[k];
-        out[i + k] = T::store(a[b] * T::load(x0[i + k]) + c[b] * nk);
+        out[i + k] = T::store(a[bk] * T::load(x0[i + k]) + c[bk] * nk);
       }
     }
+    b += step_b, r += step_r;
+    if (r >= M) r -= M, ++b;
   }
 }
 

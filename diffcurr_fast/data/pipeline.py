@@ -48,14 +48,15 @@ class _SkipCollate:
         return x, y, skipped
 
 
-def resolve_backend(backend: str) -> str:
-    """``"auto"`` -> ``"dali"`` when DALI imports, else ``"torch"``; an explicit ``"dali"`` must be available."""
+def resolve_backend(backend: str, on_gpu: bool = False) -> str:
+    """``"auto"`` -> ``"dali"`` for a loader that feeds a GPU (``on_gpu``) when DALI imports, else ``"torch"`` (on
+    the CPU, DALI's CPU pipelines are no faster than the DataLoader); an explicit ``"dali"`` must be available."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     from diffcurr_fast.data.dali import dali_available, require_dali
 
     if backend == "auto":
-        return "dali" if dali_available() else "torch"
+        return "dali" if on_gpu and dali_available() else "torch"
     if backend == "dali":
         require_dali()
     return backend
@@ -123,7 +124,7 @@ class ShardedLoader:
         self.hflip = hflip and self.kind == "images"
         self.order = ShardedOrder(len(source), seed, shard_id, num_shards, shuffle, drop_last, pad)
         self.drop_last = drop_last
-        self.backend = resolve_backend(backend)
+        self.backend = resolve_backend(backend, on_gpu=device_id is not None)
         self.num_workers, self.device_id, self.decoder_device = num_workers, device_id, decoder_device
         self.dali_py_workers = dali_py_workers
         self.skipped = 0

@@ -218,7 +218,12 @@ class DataConfig:
     num_workers: int = _nonneg(0, "DataLoader worker processes (0 = load in the training process); DALI CPU threads")
     image_size: int = _nonneg(0, "images: ADM centre-crop size (0 = model.input_size)")
     hflip: bool = _f(True, "images: random horizontal flips (decided per sample and epoch)")
-    backend: str = _f("auto", "latents / images loader: auto (DALI when importable), dali or torch", DATA_BACKENDS)
+    backend: str = _f(
+        "auto", "latents / images loader: auto (DALI on a GPU when importable), dali or torch", DATA_BACKENDS
+    )
+    dali_py_workers: int = _nonneg(
+        0, "images with DALI: forked Python workers reading the files (0: read in the pipeline's thread)"
+    )
     on_bad: str = _f("stop", "latents / images: a corrupt or unreadable file stops the run or is skipped", ON_BAD)
 
     def validate(self) -> None:

@@ -109,7 +109,7 @@ def dali_placement(backend: str, device: torch.device | None, kind: str) -> tupl
     JPEGs there (``mixed``); otherwise CPU-only pipelines."""
     from diffcurr_fast.data.pipeline import resolve_backend
 
-    if device is None or torch.device(device).type != "cuda" or resolve_backend(backend) != "dali":
+    if device is None or torch.device(device).type != "cuda" or resolve_backend(backend, on_gpu=True) != "dali":
         return None, "cpu"
     index = torch.device(device).index
     return (torch.cuda.current_device() if index is None else index), ("mixed" if kind == "images" else "cpu")
@@ -159,7 +159,7 @@ def build_train_batches(
     loader = ShardedLoader(
         source, local, image_size=image_size, seed=cfg.engine.seed, shard_id=rank, num_shards=world,
         shuffle=True, drop_last=True, hflip=d.hflip, backend=d.backend, num_workers=d.num_workers,
-        on_bad=d.on_bad, device_id=device_id, decoder_device=decoder,
+        on_bad=d.on_bad, device_id=device_id, decoder_device=decoder, dali_py_workers=d.dali_py_workers,
     )  # fmt: skip
     return TrainBatches(loader, factor, m.num_classes)
 

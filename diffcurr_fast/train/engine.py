@@ -77,6 +77,7 @@ class Engine:
 
     kind = "single"
     part = 0  # index of this rank's part after ``split`` (0: not split)
+    _clip_params: tuple[nn.Module, list[nn.Parameter]] | None = None  # (model, its parameters) of the last clip
 
     def __init__(self, device: str = "auto"):
         self.rank, self.world_size, self.local_rank = 0, 1, 0
@@ -124,7 +125,15 @@ class Engine:
         """Clip the global gradient norm to ``max_norm`` (> 0) and return the norm before clipping; None when off."""
         if max_norm <= 0:
             return None
-        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        if self._clip_params is None or self._clip_params[0] is not model:
+            self._clip_params = (model, list(model.parameters()))  # walked once: the tree walk is host time
+        grads = [p.grad for p in self._clip_params[1] if p.grad is not None]
+        if not grads or len({(g.device, g.dtype) for g in grads}) > 1:
+            return torch.nn.utils.clip_grad_norm_(self._clip_params[1], max_norm)
+        # torch.nn.utils.clip_grad_norm_'s own arithmetic (bitwise the same), as single foreach calls
+        total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+        torch._foreach_mul_(grads, torch.clamp(float(max_norm) / (total + 1e-6), max=1.0))
+        return total
 
     def step(self, optimizer: torch.optim.Optimizer, lr: float, ok: bool | torch.Tensor = True) -> bool:
         """One optimizer update at learning rate ``lr`` when ``ok`` holds on every rank (a host sync); otherwise
