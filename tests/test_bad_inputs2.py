@@ -1,0 +1,98 @@
+"""Bad inputs, round two: no user file replaced without --overwrite, no silent wrong result (duplicate recipe keys,
+an unreachable LLM, a mostly-skipped run), unusable run directories and forced backends refused before anything is
+written, one-line messages for eval and sample. docs/errors.md lists what each input gets."""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from diffcurr_fast import cli
+from diffcurr_fast.train.config import load_config, read_recipe
+from diffcurr_fast.train.loop import Trainer
+from diffcurr_fast.train.preflight import check_run
+
+SETS = ["model.hidden_size=32", "model.depth=1", "model.num_heads=2", "diffusion.num_timesteps=40",
+        "curriculum.num_clusters=4", "data.batch_size=16", "logging.progress=false", "logging.num_samples=0",
+        "logging.plots=false"]  # fmt: skip
+
+
+def tiny(run_dir, *extra):
+    return load_config(None, [f"checkpoint.run_dir={run_dir}", *SETS, *extra])
+
+
+def _main(capsys, *argv):
+    """(exit status, stderr) of ``diffcurr-fast ARGV``."""
+    capsys.readouterr()
+    rc = cli.main(list(argv))
+    return rc, capsys.readouterr().err
+
+
+# ---- run directories that cannot be created or written, forced backends: refused before anything is written ----
+def test_run_dir_under_a_file_is_refused_by_dry_run_and_start(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    run = tmp_path / "notes.txt" / "run"
+    for extra in (["--dry-run"], ["--set", "engine.max_steps=1"]):
+        rc, err = _main(capsys, "train", "--run-dir", str(run), *extra)
+        assert rc == 2 and "notes.txt' is a file, not a directory; choose another checkpoint.run_dir" in err, err
+        assert "Traceback" not in err
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_run_dir_that_refuses_new_files_is_refused(tmp_path, capsys, monkeypatch):
+    import tempfile
+
+    def refuse(*a, **k):  # what /sys or a read-only mount answers (as root, os.access says yes there)
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refuse)
+    rc, err = _main(capsys, "train", "--run-dir", str(tmp_path / "a" / "run"), "--dry-run")
+    assert rc == 2 and "cannot be written" in err and "Operation not permitted" in err, err
+    assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.isdir("/sys/kernel"), reason="needs /sys as root")
+def test_run_dir_under_sys_is_refused(capsys):
+    rc, err = _main(capsys, "train", "--run-dir", "/sys/kernel/diffcurr_run", "--dry-run")
+    assert rc == 2 and "cannot be written" in err, err
+
+
+def test_writable_check_leaves_nothing(tmp_path):
+    from diffcurr_fast.train.rundir import check_writable
+
+    check_writable(tmp_path / "new" / "run")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_forced_ops_backend_is_checked_before_the_run(tmp_path, monkeypatch, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("triton can run here")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("DIFFCURR_OPS_BACKEND", "triton")
+    with pytest.raises(ValueError, match=r"DIFFCURR_OPS_BACKEND='triton' cannot run adaln_modulate_fwd on cpu"):
+        check_run(tiny(tmp_path / "run"))
+    rc, err = _main(capsys, "train", "--run-dir", str(tmp_path / "run"), "--set", "engine.max_steps=1")
+    assert rc == 2 and "DIFFCURR_OPS_BACKEND='triton'" in err and not (tmp_path / "run").exists()
+    monkeypatch.setenv("DIFFCURR_OPS_BACKEND", "tritn")
+    with pytest.raises(ValueError, match=r"DIFFCURR_OPS_BACKEND='tritn' is not an ops backend"):
+        check_run(tiny(tmp_path / "run"))
+
+
+def test_info_shows_the_backend_a_run_uses(monkeypatch):
+    from diffcurr_fast import info
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("DIFFCURR_OPS_BACKEND", "reference")
+    src, rows = info.selected_backends()
+    assert src == "DIFFCURR_OPS_BACKEND=reference"
+    assert {r[2] for r in rows if r[0] == "cpu"} == {"reference"}
+    monkeypatch.setenv("DIFFCURR_OPS_BACKEND", "triton")
+    _, rows = info.selected_backends()
+    if not torch.cuda.is_available():
+        assert all(r[2].startswith("none: backend 'triton' runs on CPU tensors only") for r in rows if r[0] == "cpu")
+    assert "backends a run uses" in info.report()
