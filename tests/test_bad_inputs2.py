@@ -96,3 +96,28 @@ def test_info_shows_the_backend_a_run_uses(monkeypatch):
     if not torch.cuda.is_available():
         assert all(r[2].startswith("none: backend 'triton' runs on CPU tensors only") for r in rows if r[0] == "cpu")
     assert "backends a run uses" in info.report()
+
+
+# ---- recipes: duplicate keys at any depth, an empty recipe ---------------------------------------------------
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("engine:\n  max_steps: 5\n  seed: 1\n  max_steps: 7\n", r"'engine.max_steps' at lines 2, 4"),
+        ("engine:\n  max_steps: 5\noptim:\n  lr: 0.1\nengine:\n  seed: 3\n", r"'engine' at lines 1, 5"),
+        ("data:\n  batch_size: 8\n  dataset: digits\n  batch_size: 8\n", r"'data.batch_size' at lines 2, 4"),
+    ],
+    ids=["key", "section", "same-value"],
+)
+def test_duplicate_recipe_keys_are_refused_with_their_lines(tmp_path, text, match):
+    (tmp_path / "r.yaml").write_text(text)
+    with pytest.raises(ValueError, match=r"sets a key more than once .*" + match):
+        read_recipe(tmp_path / "r.yaml")
+
+
+def test_empty_recipe_is_refused(tmp_path, capsys):
+    for i, text in enumerate(("", "# only a comment\n", "{}\n")):
+        (tmp_path / f"e{i}.yaml").write_text(text)
+        rc, err = _main(capsys, "train", str(tmp_path / f"e{i}.yaml"), "--dry-run")
+        assert rc == 2 and "is empty" in err, err
+    (tmp_path / "ok.yaml").write_text("engine:\n  max_steps: 5\n")  # a recipe of one key still reads
+    assert read_recipe(tmp_path / "ok.yaml") == {"engine": {"max_steps": 5}}

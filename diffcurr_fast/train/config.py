@@ -650,17 +650,42 @@ def find_recipe(name: str | Path) -> Path:
                             f"name: {names})")  # fmt: skip
 
 
+def duplicate_keys(node: yaml.Node | None, prefix: str = "") -> list[tuple[str, list[int]]]:
+    """(dotted key, 1-based lines) of every key set more than once in a mapping of the composed YAML ``node``, at
+    any depth (PyYAML keeps the last one silently)."""
+    out: list[tuple[str, list[int]]] = []
+    if isinstance(node, yaml.MappingNode):
+        lines: dict[str, list[int]] = {}
+        for key, value in node.value:
+            name = f"{prefix}{key.value}" if isinstance(key, yaml.ScalarNode) else f"{prefix}{key.start_mark}"
+            lines.setdefault(name, []).append(key.start_mark.line + 1)
+            out += duplicate_keys(value, name + ".")
+        out = [(k, v) for k, v in lines.items() if len(v) > 1] + out
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            out += duplicate_keys(item, f"{prefix}{i}.")
+    return out
+
+
 def read_recipe(path: str | Path) -> dict[str, Any]:
     """The mapping in a YAML recipe, with the input paths of ``RECIPE_PATH_KEYS`` made relative to its folder;
     ValueError in one line (file, line, column) for malformed YAML."""
     p = find_recipe(path)
+    text = p.read_text()
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        dups = duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader))
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or type(exc).__name__
         raise ValueError(f"recipe {str(p)!r} is not valid YAML{where}: {problem}") from None
+    if dups:
+        listed = "; ".join(f"{key!r} at lines {', '.join(map(str, lines))}" for key, lines in dups)
+        raise ValueError(f"recipe {str(p)!r} sets a key more than once (only one would count): {listed}; keep one")
+    if not data:
+        raise ValueError(f"recipe {str(p)!r} is empty; give its sections (see `diffcurr-fast train --help-config`), "
+                         "or run without a recipe for the embedded demo")  # fmt: skip
     if not isinstance(data, dict):
         raise ValueError(f"recipe {str(p)!r} must be a mapping of sections, got {type(data).__name__}")
     data = _fix_floats(data)

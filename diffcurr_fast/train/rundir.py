@@ -10,10 +10,10 @@ Two steps, so that nothing is written before a run is known to start:
 
 - ``check_run_dir(run_dir, layout, resume=..., overwrite=..., max_steps=...)`` reads only (and probes that the
   directory can be created and written: ``check_writable``); it refuses a path under a file or on a filesystem
-  that refuses new files, a non-empty directory without ``--resume`` / ``--overwrite`` (except the ``config.yaml`` and empty
-  ``metrics.jsonl`` of a start that failed on its first batch, which the next start replaces), a ``--resume``
-  of a missing directory or of one without a checkpoint, and says when the run has already finished. It
-  returns a ``RunStart``.
+  that refuses new files, a non-empty directory without ``--resume`` / ``--overwrite`` (except the
+  ``config.yaml`` and empty ``metrics.jsonl`` of a start that failed on its first batch, which the next start
+  replaces), a ``--resume`` of a missing directory or of one without a checkpoint, and says when the run has
+  already finished. It returns a ``RunStart``.
 - ``open_run_dir(start)`` (rank 0) clears the previous run's artifacts on ``--overwrite``, creates the
   directory, and on a resume truncates ``metrics.jsonl`` to the checkpoint's step (the records after it are
   written again by the resumed run).
