@@ -121,3 +121,11 @@ def test_empty_recipe_is_refused(tmp_path, capsys):
         assert rc == 2 and "is empty" in err, err
     (tmp_path / "ok.yaml").write_text("engine:\n  max_steps: 5\n")  # a recipe of one key still reads
     assert read_recipe(tmp_path / "ok.yaml") == {"engine": {"max_steps": 5}}
+
+
+def test_duplicate_study_spec_keys_are_refused(tmp_path):
+    from diffcurr_fast.study.spec import load_spec
+
+    (tmp_path / "s.yaml").write_text("name: a\nseeds: [0, 1]\nname: b\n")
+    with pytest.raises(ValueError, match=r"study spec .* sets a key more than once .*'name' at lines 1, 3"):
+        load_spec(tmp_path / "s.yaml")
