@@ -117,8 +117,10 @@ def digits_classifier(
         except Exception:  # torch.load of a foreign file raises any of several types
             pass  # unreadable or stale cache: retrain below and replace it (only ours, or when asked)
     if cache is not None and path.exists() and not overwrite:
-        raise FileExistsError(f"--digits-cache {str(path)!r} exists and is not a digits classifier cache (version "
-                              f"{DIGITS_CACHE_VERSION}); pass --overwrite to replace it, or name another file")  # fmt: skip
+        raise FileExistsError(
+            f"--digits-cache {str(path)!r} exists and is not a digits classifier cache (version "
+            f"{DIGITS_CACHE_VERSION}); pass --overwrite to replace it, or name another file"
+        )
     model, acc = train_digits_classifier()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
