@@ -223,3 +223,41 @@ def test_eval_vae_decodes_latents_and_their_absence_is_named(tmp_path, capsys, d
     ext = get_extractor("digits", digits_cache=digits_cache)
     want = evaluate(torch.tanh(z.mean(1, keepdim=True)), load_reference("digits", ext), ext)
     assert got["fd"] == pytest.approx(want.fd, rel=1e-6)  # the decoded images are what was evaluated
+
+
+# ---- a run that skips more than a stated share of its steps stops, names the first bad step, exits non-zero ---
+def test_mostly_skipped_run_stops_with_the_first_bad_step(tmp_path, capsys):
+    run = tmp_path / "run"
+    rc, err = _main(capsys, "train", "--run-dir", str(run), *(a for s in SETS for a in ("--set", s)),
+                    "--set", "engine.max_steps=15", "--set", "optim.lr=1e3", "--set", "optim.warmup_steps=0")  # fmt: skip
+    assert rc == 2, err
+    line = next(v for v in err.splitlines() if "error:" in v)
+    assert "more than engine.max_skip_share=0.05 of the 15 steps" in line and "lower optim.lr (now 1000)" in line
+    assert "the first at step" in line and "Traceback" not in err
+    assert "done:" not in capsys.readouterr().out
+
+
+def test_skip_share_and_first_bad_step_are_counted(tmp_path):
+    from diffcurr_fast.train.loop import NonFiniteLossError
+
+    tr = Trainer(tiny(tmp_path / "r", "engine.max_steps=40", "engine.max_skip_share=0.1", "engine.max_nan_skips=3"))
+    real = tr.objective
+    x, y = next(tr.loader)
+    tr.train_step(x, y)  # step 1 trains
+    bad = lambda *a, **k: real(*a, **k) * float("nan")
+    for _ in range(2):  # steps 2-3 skipped, step 4 trains: the count in a row starts again, the total does not
+        tr.objective = bad
+        tr.train_step(x, y)
+    tr.objective = real
+    tr.train_step(x, y)
+    assert (tr.nan_skips, tr.skips_in_a_row, tr.first_nan_skip) == (2, 0, 2)
+    tr.objective = bad
+    tr.train_step(x, y)
+    tr.train_step(x, y)  # 4 skipped of 40 allowed (share 0.1)
+    assert tr.nan_skips == 4
+    state = tr.state_dict()
+    with pytest.raises(NonFiniteLossError, match=r"at step 7: 5 step\(s\) skipped, the first at step 2 \(more than "
+                       r"engine.max_skip_share=0.1 of the 40 steps"):  # fmt: skip
+        tr.train_step(x, y)
+    tr.load_state_dict(state)  # a resume keeps the counts
+    assert (tr.nan_skips, tr.skips_in_a_row, tr.first_nan_skip) == (4, 2, 2)

@@ -268,7 +268,9 @@ class EngineConfig:
     compile: bool = _f(False, "torch.compile the model")
     grad_checkpointing: bool = _f(False, "recompute each DiT block in the backward pass")
     nan_policy: str = _f("skip", "on a non-finite loss: skip the step and count it, or stop", NAN_POLICIES)
-    max_nan_skips: int = _pos(100, "stop after this many skipped steps (skip policy)")
+    max_nan_skips: int = _pos(100, "stop after more than this many skipped steps in a row (skip policy)")
+    max_skip_share: float = _unit(0.05, "stop once more than this share of engine.max_steps was skipped (skip "
+                                  "policy; the error names the first skipped step)")  # fmt: skip
     cpu_threads: int = _f(0, "torch intra-op threads on CPU (0 = torch's default)", lo=0, hi=4096)
     retain_host_memory: bool = _f(True, "CPU: keep freed host memory in the process (glibc mallopt) so each step's "
                                   "large tensors reuse mapped pages instead of page-faulting new ones")  # fmt: skip
