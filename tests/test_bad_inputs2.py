@@ -2,11 +2,8 @@
 an unreachable LLM, a mostly-skipped run), unusable run directories and forced backends refused before anything is
 written, one-line messages for eval and sample. docs/errors.md lists what each input gets."""
 
-import argparse
 import json
 import os
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest

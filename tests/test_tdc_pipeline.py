@@ -321,7 +321,7 @@ def test_curriculum_stage1_llm_proposer_and_overwrite(tmp_path):
     cfg = tiny_cfg(run, "curriculum.pacing=patience", "curriculum.patience=1", "curriculum.eval_every=1",
                    "logging.num_samples=0")  # fmt: skip
     recipe = tmp_path / "recipe.yaml"  # a recipe path with a tdc: section; the options dict overrides it
-    llm = {"proposer": "llm", "llm_url": "http://127.0.0.1:9/v1", "llm_model": "m"}
+    llm = {"proposer": "llm", "llm_url": "http://127.0.0.1:9/v1", "llm_model": "m", "llm_fallback": "local"}
     recipe.write_text(yaml.safe_dump({**cfg.to_dict(), "tdc": {**TINY_TDC, **llm, "rounds": 3}}))
     opts = {"rounds": 1}
     out = run_tdc(recipe, opts, run, overwrite=True, verbose=False)

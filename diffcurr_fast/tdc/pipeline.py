@@ -323,13 +323,15 @@ def search_group(
     record (with the search's FLOPs: Taylor importance, forward + backward of the base; each candidate's recovery,
     3 x its FLOPs per sample; held-out scoring, forward only)."""
     t, (search_data, heldout) = cfg.tdc, data
+    fallback = ", falling back to local" if t.proposer == "llm" and t.llm_fallback == "local" else ""
     _log(verbose, f"tdc: group {g.index} t in [{g.lo}, {g.hi}), budget {g.ratio:.3f} F: proxy search "
-                  f"({t.rounds} x {t.candidates} candidates, proposer {t.proposer!r})")  # fmt: skip
+                  f"({t.rounds} x {t.candidates} candidates, proposer {t.proposer!r}{fallback})")  # fmt: skip
     t0 = time.perf_counter()
     imp_batches = [search_data[i % len(search_data)] for i in range(t.importance_batches)]
     imp = importance_scores(base.model, t.importance, objective=base.objective, group=g, batches=imp_batches,
                             seed=t.seed, engine=engine)  # fmt: skip
-    llm = {"url": t.llm_url, "model": t.llm_model, "api_key_env": t.llm_api_key_env or None}
+    llm = {"url": t.llm_url, "model": t.llm_model, "api_key_env": t.llm_api_key_env or None,
+           "on_unreachable": "report" if t.llm_fallback == "local" else "raise"}  # fmt: skip
     res = proxy_search(
         base.model, g, g.flops, search_data, heldout, objective=base.objective, importance=imp,
         proposer=make_proposer(t.proposer, **(llm if t.proposer == "llm" else {})), fallback=make_proposer("local"),

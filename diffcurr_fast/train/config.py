@@ -342,6 +342,7 @@ FULL_BUDGET_ENDS = ("hardest", "easiest")
 BASE_WEIGHTS = ("ema", "model")
 IMPORTANCE_METHODS = ("taylor", "magnitude")
 PROPOSERS = ("local", "uniform", "llm")
+LLM_FALLBACKS = ("none", "local")
 
 
 @dataclass
@@ -372,6 +373,12 @@ class TDCConfig:
     llm_url: str = _f("", "llm proposer: OpenAI-compatible endpoint (https://host/v1)")
     llm_model: str = _f("", "llm proposer: model name")
     llm_api_key_env: str = _f("", "llm proposer: NAME of the environment variable holding the API key")
+    llm_fallback: str = _f(
+        "none",
+        "llm proposer whose endpoint gives no reply: none (stop with an error) or "
+        "local (the local proposer fills the round, said on the console)",
+        LLM_FALLBACKS,
+    )
     seed: int = _nonneg(0, "seed of the data split, importance and search")
 
     def validate(self) -> None:
