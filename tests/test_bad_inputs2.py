@@ -258,3 +258,42 @@ def test_skip_share_and_first_bad_step_are_counted(tmp_path):
         tr.train_step(x, y)
     tr.load_state_dict(state)  # a resume keeps the counts
     assert (tr.nan_skips, tr.skips_in_a_row, tr.first_nan_skip) == (4, 2, 2)
+
+
+# ---- sample: an --out under a file, the option's name in its errors, guidance without a null label -----------
+@pytest.fixture(scope="module")
+def no_dropout_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("nodrop") / "run"
+    Trainer(tiny(run, "engine.max_steps=1", "model.class_dropout_prob=0")).fit()
+    return run
+
+
+def test_sample_out_under_a_file_is_one_line(no_dropout_run, tmp_path, capsys):
+    (tmp_path / "x.npz").write_bytes(b"mine")
+    rc, err = _main(capsys, "sample", "--ckpt", str(no_dropout_run), "--out", str(tmp_path / "x.npz" / "y.npz"))
+    assert rc == 2 and "x.npz' is a file, not a directory; choose another --out" in err, err
+    assert (tmp_path / "x.npz").read_bytes() == b"mine"
+    rc, err = _main(capsys, "sample", "--ckpt", str(no_dropout_run), "--out", str(tmp_path / "s.npz"),
+                    "--num-samples", "0")  # fmt: skip
+    assert rc == 2 and "--num-samples must be >= 1, got 0" in err, err
+
+
+def test_guidance_without_a_null_label_says_so(no_dropout_run, tmp_path, capsys):
+    rc, err = _main(capsys, "sample", "--ckpt", str(no_dropout_run), "--out", str(tmp_path / "s.npz"), "--cfg", "4",
+                    "--steps", "2")  # fmt: skip
+    assert rc == 2 and "trained without label dropout (model.class_dropout_prob=0); sample with --cfg 1" in err, err
+    assert "y must lie in" not in err and not (tmp_path / "s.npz").exists()
+    rc, _ = _main(capsys, "sample", "--ckpt", str(no_dropout_run), "--out", str(tmp_path / "s.npz"), "--steps", "2")
+    assert rc == 0  # without guidance it samples
+
+
+def test_sampler_errors_use_the_right_article():
+    from diffcurr_fast.train.config import demo_config
+
+    with pytest.raises(ValueError, match="is not an edm target"):
+        load_config(None, ["diffusion.formulation=edm", "diffusion.learn_sigma=false", "diffusion.prediction=eps",
+                           "logging.sampler=heun"])  # fmt: skip
+    with pytest.raises(ValueError, match="'ddim' cannot sample an edm model"):
+        load_config(None, ["diffusion.formulation=edm", "diffusion.learn_sigma=false", "diffusion.prediction=x0",
+                           "diffusion.weighting=none"])  # fmt: skip
+    assert demo_config().logging.sampler == "ddim"

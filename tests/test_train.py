@@ -299,7 +299,7 @@ def test_edm_sigma_density(tmp_path):
 def test_edm_short_run_samples(tmp_path):
     summary = train(tiny(tmp_path / "run", *EDM, "logging.num_samples=10", "logging.sample_steps=3"))
     assert summary["step"] == 6 and math.isfinite(summary["loss"]) and "samples" in summary
-    with pytest.raises(ValueError, match="diffusion.prediction 'eps' is not a edm target; valid choices: x0"):
+    with pytest.raises(ValueError, match="diffusion.prediction 'eps' is not an edm target; valid choices: x0"):
         tiny(tmp_path / "r", *EDM, "diffusion.prediction=eps")
     with pytest.raises(ValueError, match="diffusion.sigma_min 0.002 must be < diffusion.sigma_max 0.001"):
         tiny(tmp_path / "r", *EDM, "diffusion.sigma_max=0.001")

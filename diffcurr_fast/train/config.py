@@ -60,6 +60,11 @@ LR_SCHEDULES = ("constant", "cosine")  # ``train.loop.lr_at``
 INF = math.inf
 
 
+def _an(word: str) -> str:
+    """``word`` with its indefinite article (``an edm``, ``a flow``)."""
+    return f"{'an' if word[:1] in 'aeiou' else 'a'} {word}"
+
+
 def _f(default: Any, doc: str, choices: tuple | Callable[[], tuple] | None = None, *, lo: float | None = None,
        hi: float = INF, lo_open: bool = False, hi_open: bool = False) -> Any:  # fmt: skip
     """A config field: its default, one-line doc, and its valid values (``choices``, or the range [lo, hi] with
@@ -177,7 +182,7 @@ class DiffusionConfig:
 
         preds = TRAIN_PREDICTIONS[self.formulation]
         if self.prediction not in preds:
-            raise ValueError(f"diffusion.prediction {self.prediction!r} is not a {self.formulation} target; valid "
+            raise ValueError(f"diffusion.prediction {self.prediction!r} is not {_an(self.formulation)} target; valid "
                              f"choices: {', '.join(preds)}")  # fmt: skip
 
 
@@ -422,7 +427,7 @@ class TrainConfig:
                     )
             for key, sampler in (("logging.sampler", self.logging.sampler), ("eval.sampler", self.eval.sampler)):
                 if sampler not in ("euler", "heun") and (key == "logging.sampler" or self.logging.eval_every):
-                    raise ValueError(f"{key} {sampler!r} cannot sample a {d.formulation} model; valid choices: "
+                    raise ValueError(f"{key} {sampler!r} cannot sample {_an(d.formulation)} model; valid choices: "
                                      "euler, heun")  # fmt: skip
         if self.curriculum.num_clusters > self.diffusion.num_timesteps:
             raise ValueError(

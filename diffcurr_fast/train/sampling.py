@@ -33,6 +33,7 @@ from diffcurr_fast.diffusion import (
     respace,
 )
 from diffcurr_fast.models import DiT, DTRConfig
+from diffcurr_fast.models.dit import LabelEmbedder
 
 if TYPE_CHECKING:
     from diffcurr_fast.train.config import TrainConfig
@@ -128,9 +129,14 @@ def sample(
         raise ValueError(f"unknown sampler {sampler!r}; choose one of {SAMPLERS}")
     if cfg_scale != 1.0 and not cfg_scale >= 0:
         raise ValueError(f"cfg scale must be >= 0, got {cfg_scale}")
+    if cfg_scale != 1.0 and not has_null_label(model):
+        raise ValueError(f"guidance scale {cfg_scale:g} needs the null label, but this model was trained without label "
+                         "dropout (model.class_dropout_prob=0); sample with --cfg 1 (logging.cfg_scale / "
+                         "eval.cfg_scale 1), or train with model.class_dropout_prob > 0")  # fmt: skip
     if isinstance(schedule, (FlowFormulation, EDMFormulation)) and sampler not in ("euler", "heun"):
         kind = "flow" if isinstance(schedule, FlowFormulation) else "edm"
-        raise ValueError(f"sampler {sampler!r} cannot sample a {kind} model; valid choices: euler, heun")
+        raise ValueError(f"sampler {sampler!r} cannot sample {'an' if kind == 'edm' else 'a'} {kind} model; valid "
+                         "choices: euler, heun")
     if isinstance(schedule, EDMFormulation):
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be a positive int, got {steps!r}")
@@ -173,6 +179,13 @@ def sample(
     else:
         x = _euler(den, shape, y, steps, den.sigma_min, den.sigma_max, **common)
     return x.clamp(-1, 1) if clip_denoised else x
+
+
+def has_null_label(model: nn.Module) -> bool:
+    """Whether every label embedding of ``model`` has the null label that classifier-free guidance needs (a DiT
+    trained with label dropout; Ho & Salimans 2022)."""
+    tables = [m for m in model.modules() if isinstance(m, LabelEmbedder)]
+    return all(t.embedding_table.num_embeddings > t.num_classes for t in tables)
 
 
 def respaced(schedule: DDPMSchedule, sampler: str, steps: int) -> tuple[DDPMSchedule, torch.Tensor]:
