@@ -297,3 +297,47 @@ def test_sampler_errors_use_the_right_article():
         load_config(None, ["diffusion.formulation=edm", "diffusion.learn_sigma=false", "diffusion.prediction=x0",
                            "diffusion.weighting=none"])  # fmt: skip
     assert demo_config().logging.sampler == "ddim"
+
+
+# ---- the end-of-run grid: a progress bar, Ctrl-C honoured, and a word when there can be no grid ---------------
+def _sets(*extra):
+    return [a for s in (*SETS, *extra) for a in ("--set", s)]
+
+
+def test_grid_shows_progress_and_a_latent_model_says_why_no_grid(tmp_path, capsys):
+    rc, err = _main(capsys, "train", "--run-dir", str(tmp_path / "a"),
+                    *_sets("engine.max_steps=1", "logging.num_samples=4", "logging.sample_steps=3",
+                           "logging.progress=true"))  # fmt: skip
+    assert rc == 0 and (tmp_path / "a" / "samples.png").is_file()
+    assert any("ddim" in line and "3/3" in line for line in err.replace("\r", "\n").splitlines()), err
+    x = np.random.default_rng(0).standard_normal((32, 4, 8, 8)).astype(np.float32)
+    np.savez(tmp_path / "lat.npz", x=x, y=np.arange(32) % 10)
+    capsys.readouterr()
+    rc = cli.main(["train", "--run-dir", str(tmp_path / "b"),
+                   *_sets("engine.max_steps=1", "logging.num_samples=4", "data.dataset=npz",
+                          f"data.path={tmp_path / 'lat.npz'}", "model.in_channels=4")])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0 and "sample grid: none (the model makes 4-channel latents, not images" in out, out
+    assert not (tmp_path / "b" / "samples.png").exists()
+
+
+def test_ctrl_c_during_the_grid_stops_it(tmp_path):
+    import signal
+
+    from diffcurr_fast.train.interrupt import GridInterrupted
+
+    tr = Trainer(tiny(tmp_path / "r", "engine.max_steps=2", "logging.num_samples=4", "logging.sample_steps=20"))
+    calls = []
+
+    def ctrl_c(module, args):  # the user presses Ctrl-C while the grid is drawn
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    tr.ema.module.register_forward_pre_hook(ctrl_c)
+    with pytest.raises(GridInterrupted, match="SIGINT received during the end-of-run sample grid: training finished "
+                       "at step 2") as info:  # fmt: skip
+        tr.fit()
+    assert info.value.exit_code == 130 and len(calls) == 2  # stopped at the next network call
+    assert not (tmp_path / "r" / "samples.png").exists() and (tmp_path / "r" / "checkpoints" / "ckpt_00000002.pt").exists()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are restored

@@ -60,7 +60,7 @@ def test_npz_output_and_labels(run_dir, tmp_path):
     [
         (["--out", "x.jpg"], ValueError, "must end in .png or .npz"),
         (["--labels", "3,11", "--out", "a.png"], ValueError, r"--labels \[11\] out of range; valid labels are 0..9"),
-        (["--num", "0", "--out", "a.png"], ValueError, "--num must be >= 1"),
+        (["--num", "0", "--out", "a.png"], ValueError, "--num-samples must be >= 1"),
         (["--steps", "41", "--out", "a.png"], ValueError, r"steps must be an int in \[1, 40\]"),
     ],
 )

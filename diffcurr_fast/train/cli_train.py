@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
               "engine.max_steps with --resume to train further")  # fmt: skip
         return 0
     from diffcurr_fast.train.engine import create_engine
-    from diffcurr_fast.train.loop import NonFiniteLossError, Trainer, TrainingInterrupted
+    from diffcurr_fast.train.loop import GridInterrupted, NonFiniteLossError, Trainer, TrainingInterrupted
 
     engine = create_engine(cfg.engine.kind, cfg.engine.device)
     try:
@@ -97,6 +97,10 @@ def run(args: argparse.Namespace) -> int:
                   f"run dir {trainer.run_dir}", file=sys.stderr)  # fmt: skip
         try:
             summary = trainer.fit()
+        except GridInterrupted as stop:  # training had finished: nothing to resume
+            if engine.is_main:
+                print(f"diffcurr-fast train: {stop}", file=sys.stderr)
+            return stop.exit_code
         except TrainingInterrupted as stop:
             if engine.is_main:
                 print(f"diffcurr-fast train: {stop}; resume with (under the same launcher): "
@@ -116,5 +120,7 @@ def run(args: argparse.Namespace) -> int:
                            ("curriculum_plot", "curriculum timeline"), ("ema", "EMA weights")):  # fmt: skip
             if key in summary:
                 print(f"  {label}: {summary[key]}")
+            elif key == "samples" and summary.get("no_samples"):
+                print(f"  sample grid: none ({summary['no_samples']})")
         print(f"  metrics: {trainer.run_dir / 'metrics.jsonl'}; checkpoints: {trainer.run_dir / 'checkpoints'}")
     return 0

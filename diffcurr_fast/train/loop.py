@@ -32,11 +32,11 @@ from diffcurr_fast.train.ema import EMA
 from diffcurr_fast.train.engine import Engine, build_optimizer, create_engine, unwrap
 from diffcurr_fast.train.evaluation import Evaluator, eval_due
 from diffcurr_fast.train.host_memory import retain_host_memory
-from diffcurr_fast.train.interrupt import StopRequest, TrainingInterrupted
+from diffcurr_fast.train.interrupt import GridInterrupted, StopRequest, TrainingInterrupted
 from diffcurr_fast.train.preflight import check_run
 from diffcurr_fast.train.report import MetricsWriter, gpu_stats, plot_cluster_losses, plot_curriculum_timeline
 from diffcurr_fast.train.rundir import open_run_dir
-from diffcurr_fast.train.sampling import build_model, sample_grid
+from diffcurr_fast.train.sampling import SamplingInterrupted, build_model, grid_unavailable, sample_grid
 
 
 class NonFiniteLossError(RuntimeError):
@@ -328,9 +328,17 @@ class Trainer:
         if cfg.checkpoint.export_ema:
             out["ema"] = str(ckpt_io.export_safetensors(self.ema.module.state_dict(), self.run_dir / "ema.safetensors",
                                                         meta))  # fmt: skip
-        grid = sample_grid(self.ema.module, self.schedule, cfg, self.run_dir / "samples.png", self.device)
+        stop = StopRequest()  # Ctrl-C / SIGTERM during the grid: stop it (the final checkpoint is written)
+        try:
+            with stop:
+                grid = sample_grid(self.ema.module, self.schedule, cfg, self.run_dir / "samples.png", self.device,
+                                   should_stop=lambda: stop.signum)  # fmt: skip
+        except SamplingInterrupted as exc:
+            raise GridInterrupted(exc.signum, self.step, ckpt_io.latest_checkpoint(self.run_dir)) from None
         if grid is not None:
             out["samples"] = str(grid)
+        elif cfg.logging.num_samples:  # a grid was asked for: say why there is none
+            out["no_samples"] = grid_unavailable(cfg)
         if cfg.logging.plots:
             from diffcurr_fast.train.report import read_metrics
 
@@ -477,4 +485,4 @@ def train(
             engine.close()
 
 
-__all__ = ["NonFiniteLossError", "Trainer", "TrainingInterrupted", "lr_at", "train", "unwrap"]
+__all__ = ["GridInterrupted", "NonFiniteLossError", "Trainer", "TrainingInterrupted", "lr_at", "train", "unwrap"]
