@@ -341,3 +341,24 @@ def test_ctrl_c_during_the_grid_stops_it(tmp_path):
     assert info.value.exit_code == 130 and len(calls) == 2  # stopped at the next network call
     assert not (tmp_path / "r" / "samples.png").exists() and (tmp_path / "r" / "checkpoints" / "ckpt_00000002.pt").exists()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are restored
+
+
+# ---- precision auto: the shipped recipes train in bf16 on a GPU that has it, fp32 on CPU ----------------------
+def test_precision_auto_is_fp32_on_cpu_and_recipes_use_it():
+    from diffcurr_fast.objective import Objective, resolve_precision
+    from diffcurr_fast.train.config import list_recipes
+    from diffcurr_fast.train.engine import resolve_deepspeed_config
+
+    assert resolve_precision("auto", "cpu") == "fp32" and resolve_precision("bf16", "cpu") == "bf16"
+    assert resolve_precision("fp32", "cuda") == "fp32"
+    want = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
+    assert resolve_precision("auto", "cuda") == want
+    x = torch.ones(2, 2)
+    for precision, dtype in (("auto", torch.float32), ("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        cfg = load_config(None, [f"engine.precision={precision}"])
+        with Objective.from_config(cfg).autocast(torch.device("cpu")):
+            assert (x @ x).dtype == dtype, precision  # auto: no bf16 autocast on CPU
+    ds = resolve_deepspeed_config({}, load_config(None, ["engine.precision=auto"]), world_size=1, device_type="cpu")
+    assert ds["bf16"]["enabled"] is False
+    for r in list_recipes():
+        assert load_config(r).engine.precision == "auto", r.name

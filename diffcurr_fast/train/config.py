@@ -268,7 +268,7 @@ class EngineConfig:
     device: str = _f("auto", "auto (cuda when available), cpu or cuda", DEVICES)
     max_steps: int = _pos(1000, "total optimizer steps (attempted steps, skipped ones included)")
     seed: int = _f(0, "global seed (each rank adds its rank)", lo=0, hi=2**63 - 1)
-    precision: str = _f("fp32", "fp32, or bf16 autocast", PRECISIONS)
+    precision: str = _f("fp32", "fp32, bf16 autocast, or auto (bf16 on a GPU that has it, fp32 on CPU)", PRECISIONS)
     tf32: bool = _f(True, "allow TF32 matmuls on GPU")
     compile: bool = _f(False, "torch.compile the model")
     grad_checkpointing: bool = _f(False, "recompute each DiT block in the backward pass")
