@@ -362,3 +362,22 @@ def test_precision_auto_is_fp32_on_cpu_and_recipes_use_it():
     assert ds["bf16"]["enabled"] is False
     for r in list_recipes():
         assert load_config(r).engine.precision == "auto", r.name
+
+
+# ---- small ones ---------------------------------------------------------------------------------------------
+def test_recipes_lists_whole_first_sentences(capsys, tmp_path):
+    from diffcurr_fast.train import cli_recipes
+    from diffcurr_fast.train.config import list_recipes
+
+    rc, _ = _main(capsys, "recipes")
+    capsys.readouterr()
+    cli.main(["recipes"])
+    out = " ".join(capsys.readouterr().out.split())  # the wrapping undone
+    assert rc == 0
+    for r in list_recipes():
+        summary = cli_recipes._summary(r)
+        assert summary.endswith(".") and summary.count("(") == summary.count(")"), (r.name, summary)
+        assert f"{r.stem} {summary}" in out, r.name
+    (tmp_path / "r.yaml").write_text("# EDM (Karras et al. 2022, e.g. Table 1) on CIFAR-10.\n# More. Text.\n"
+                                     "engine:\n  max_steps: 1\n")  # fmt: skip
+    assert cli_recipes._summary(tmp_path / "r.yaml") == "EDM (Karras et al. 2022, e.g. Table 1) on CIFAR-10."
