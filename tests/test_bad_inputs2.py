@@ -381,3 +381,22 @@ def test_recipes_lists_whole_first_sentences(capsys, tmp_path):
     (tmp_path / "r.yaml").write_text("# EDM (Karras et al. 2022, e.g. Table 1) on CIFAR-10.\n# More. Text.\n"
                                      "engine:\n  max_steps: 1\n")  # fmt: skip
     assert cli_recipes._summary(tmp_path / "r.yaml") == "EDM (Karras et al. 2022, e.g. Table 1) on CIFAR-10."
+
+
+def test_study_cluster_plot_of_an_untrained_cluster_warns_nothing(tmp_path):
+    import warnings
+
+    from diffcurr_fast.study.report import plot_cluster_loss
+    from diffcurr_fast.study.runner import run_dir_of
+    from diffcurr_fast.study.spec import spec_from_dict
+
+    spec = spec_from_dict({"name": "s", "seeds": [0, 1], "metric": "fd", "reference": "a", "eval_every": 1,
+                           "arms": [{"name": "a"}]})  # fmt: skip
+    for seed, losses in ((0, [0.5, None, 0.25]), (1, [0.7, None, 0.35])):  # cluster 1 never unlocked
+        rd = run_dir_of(tmp_path, "a", seed)
+        rd.mkdir(parents=True)
+        (rd / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 0.4, "cluster_loss": losses}) + "\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's "Mean of empty slice" was one
+        plot_cluster_loss(spec, tmp_path, tmp_path / "c.png")
+    assert (tmp_path / "c.png").is_file()
