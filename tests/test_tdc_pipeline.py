@@ -512,3 +512,20 @@ def test_cli_resume_of_a_finished_run_redoes_only_the_bundle(tdc_run, tmp_path, 
     assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
     with pytest.raises(SystemExit):
         _tdc_args("--resume", "--overwrite")
+
+
+def test_resume_of_a_moved_run_names_where_it_is_now(tmp_path):
+    import shutil
+
+    old, new = tmp_path / "old" / "run", tmp_path / "new" / "run"
+    opts = {**TINY_TDC, "rounds": 1}
+    run_tdc(tiny_cfg(old, "logging.num_samples=0"), opts, old, verbose=False)
+    (old / "bundle" / "weights.safetensors").unlink()  # as if killed while writing the bundle
+    new.parent.mkdir()
+    shutil.move(old, new)
+    out = run_tdc(tiny_cfg(new, "logging.num_samples=0"), opts, new, verbose=False, resume=True)
+    text = json.dumps({k: v for k, v in out.items() if k != "accounting_data"})
+    assert str(tmp_path / "old") not in text, text  # every path printed is where the run is now
+    assert out["stage1"]["run_dir"] == str(new / "stage1")
+    assert [g["finetune_dir"] for g in out["groups"]] == [str(new / f"group_{i}" / "finetune") for i in range(2)]
+    assert (new / "bundle" / "weights.safetensors").is_file()

@@ -292,7 +292,10 @@ def stage1(cfg: TrainConfig, engine: Any, dataset: Any, verbose: bool, resume: b
     trainer = Trainer(cfg, engine, dataset=dataset, **_sub_run(Path(cfg.checkpoint.run_dir), resume))
     if finished:
         done = json.loads(marker.read_text())
-        summary, seconds = done["summary"], float(done["seconds"])
+        was, now = str(done["summary"]["run_dir"]), cfg.checkpoint.run_dir  # differ when the run dir was moved
+        summary = {k: now + v[len(was):] if isinstance(v, str) and v.startswith(was) else v
+                   for k, v in done["summary"].items()}  # fmt: skip
+        seconds = float(done["seconds"])
     else:
         summary = trainer.fit()
         seconds = time.perf_counter() - t0
@@ -344,9 +347,8 @@ def search_group(
     bsz, n_held = _search_batch_size(cfg), sum(int(x.shape[0]) for x, _ in heldout)
     imp_flops = 3.0 * base.flops * bsz * t.importance_batches if t.importance == "taylor" else 0.0
     cand_flops = sum(3.0 * c.flops * bsz * t.recover_steps + c.flops * n_held for c in res.bank.entries)
-    record = {"group": g.to_dict(), "search": str(gdir / "search.json"), "search_plot": str(gdir / "search.png"),
-              "best": dataclasses.asdict(res.best), "search_flops": imp_flops + cand_flops,
-              "search_s": time.perf_counter() - t0, "finetune_dir": str(gdir / "finetune")}  # fmt: skip
+    record = {"group": g.to_dict(), **_group_paths(gdir), "best": dataclasses.asdict(res.best),
+              "search_flops": imp_flops + cand_flops, "search_s": time.perf_counter() - t0}  # fmt: skip
     return res, record
 
 
@@ -424,7 +426,15 @@ def _load_expert(gdir: Path, device: torch.device) -> tuple[torch.nn.Module, dic
 
     with safe_open(str(path), "pt") as fh:
         meta = {k: json.loads(v) for k, v in fh.metadata().items()}
-    return _expert_from_payload(meta["config"], load_file(str(path)), meta["record"], device)
+    # the paths of the record are where the group is now (the run directory may have been moved since)
+    record = {**meta["record"], **_group_paths(gdir)}
+    return _expert_from_payload(meta["config"], load_file(str(path)), record, device)
+
+
+def _group_paths(gdir: Path) -> dict[str, str]:
+    """The files of group directory ``gdir`` that its record names."""
+    return {"search": str(gdir / "search.json"), "search_plot": str(gdir / "search.png"),
+            "finetune_dir": str(gdir / "finetune")}  # fmt: skip
 
 
 def accounting(
