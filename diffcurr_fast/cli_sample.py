@@ -126,8 +126,9 @@ def run(args: argparse.Namespace) -> int:
         raise FileExistsError(f"{str(out)!r} exists; pass --overwrite to replace it")
     under = next((p for p in out.parents if p.exists()), None)  # the deepest existing folder of the path
     if under is not None and not under.is_dir():
-        raise ValueError(f"--out {str(out)!r} cannot be written: {str(under)!r} is a file, not a directory; choose "
-                         "another --out")  # fmt: skip
+        raise ValueError(
+            f"--out {str(out)!r} cannot be written: {str(under)!r} is a file, not a directory; choose another --out"
+        )
     if args.num < 1:
         raise ValueError(f"--num-samples must be >= 1, got {args.num}")
     if args.batch_size < 1:

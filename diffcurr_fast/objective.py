@@ -201,4 +201,13 @@ def fit_steps(
     return losses
 
 
-__all__ = ["PRECISIONS", "Objective", "resolve_precision", "batch_loss", "default_objective", "draw_seed", "fit_steps", "sample_cells"]
+__all__ = [
+    "PRECISIONS",
+    "Objective",
+    "batch_loss",
+    "default_objective",
+    "draw_seed",
+    "fit_steps",
+    "resolve_precision",
+    "sample_cells",
+]

@@ -14,9 +14,17 @@ from diffcurr_fast.train.config import load_config, read_recipe
 from diffcurr_fast.train.loop import Trainer
 from diffcurr_fast.train.preflight import check_run
 
-SETS = ["model.hidden_size=32", "model.depth=1", "model.num_heads=2", "diffusion.num_timesteps=40",
-        "curriculum.num_clusters=4", "data.batch_size=16", "logging.progress=false", "logging.num_samples=0",
-        "logging.plots=false"]  # fmt: skip
+SETS = [
+    "model.hidden_size=32",
+    "model.depth=1",
+    "model.num_heads=2",
+    "diffusion.num_timesteps=40",
+    "curriculum.num_clusters=4",
+    "data.batch_size=16",
+    "logging.progress=false",
+    "logging.num_samples=0",
+    "logging.plots=false",
+]
 
 
 def tiny(run_dir, *extra):
@@ -180,8 +188,9 @@ def test_eval_nan_samples_name_the_file_and_sample(tmp_path, capsys, digits_cach
     x = np.zeros((5, 1, 8, 8), np.float32)
     x[3, 0, 2, 2] = np.nan
     np.savez(tmp_path / "nan.npz", images=x)
-    rc, err = _main(capsys, "eval", "--samples", str(tmp_path / "nan.npz"), "--ref", "digits",
-                    "--digits-cache", digits_cache)  # fmt: skip
+    rc, err = _main(
+        capsys, "eval", "--samples", str(tmp_path / "nan.npz"), "--ref", "digits", "--digits-cache", digits_cache
+    )
     assert rc == 2 and "nan.npz: sample 3 of 'images' holds NaN or inf values" in err, err
 
 
@@ -205,8 +214,9 @@ def test_eval_vae_decodes_latents_and_their_absence_is_named(tmp_path, capsys, d
     rc, err = _main(capsys, *base)
     assert rc == 2 and "4-channel latents" in err and "--vae DIR" in err, err
     np.savez(tmp_path / "lat1.npz", x=z[:, :1].numpy())  # one channel, far outside [-1, 1]
-    rc, err = _main(capsys, "eval", "--samples", str(tmp_path / "lat1.npz"), "--ref", "digits",
-                    "--digits-cache", digits_cache)  # fmt: skip
+    rc, err = _main(
+        capsys, "eval", "--samples", str(tmp_path / "lat1.npz"), "--ref", "digits", "--digits-cache", digits_cache
+    )
     assert rc == 2 and "must be in [-1, 1]" in err and "--vae" in err, err
     seen = {}
     monkeypatch.setattr(cli_sample, "load_decoder", lambda path, device: seen.setdefault(path, _FakeVAE()))
@@ -225,8 +235,19 @@ def test_eval_vae_decodes_latents_and_their_absence_is_named(tmp_path, capsys, d
 # ---- a run that skips more than a stated share of its steps stops, names the first bad step, exits non-zero ---
 def test_mostly_skipped_run_stops_with_the_first_bad_step(tmp_path, capsys):
     run = tmp_path / "run"
-    rc, err = _main(capsys, "train", "--run-dir", str(run), *(a for s in SETS for a in ("--set", s)),
-                    "--set", "engine.max_steps=15", "--set", "optim.lr=1e3", "--set", "optim.warmup_steps=0")  # fmt: skip
+    rc, err = _main(
+        capsys,
+        "train",
+        "--run-dir",
+        str(run),
+        *(a for s in SETS for a in ("--set", s)),
+        "--set",
+        "engine.max_steps=15",
+        "--set",
+        "optim.lr=1e3",
+        "--set",
+        "optim.warmup_steps=0",
+    )
     assert rc == 2, err
     line = next(v for v in err.splitlines() if "error:" in v)
     assert "more than engine.max_skip_share=0.05 of the 15 steps" in line and "lower optim.lr (now 1000)" in line
@@ -253,8 +274,11 @@ def test_skip_share_and_first_bad_step_are_counted(tmp_path):
     tr.train_step(x, y)  # 4 skipped of 40 allowed (share 0.1)
     assert tr.nan_skips == 4
     state = tr.state_dict()
-    with pytest.raises(NonFiniteLossError, match=r"at step 7: 5 step\(s\) skipped, the first at step 2 \(more than "
-                       r"engine.max_skip_share=0.1 of the 40 steps"):  # fmt: skip
+    with pytest.raises(
+        NonFiniteLossError,
+        match=r"at step 7: 5 step\(s\) skipped, the first at step 2 \(more than "
+        r"engine.max_skip_share=0.1 of the 40 steps",
+    ):
         tr.train_step(x, y)
     tr.load_state_dict(state)  # a resume keeps the counts
     assert (tr.nan_skips, tr.skips_in_a_row, tr.first_nan_skip) == (4, 2, 2)
@@ -273,14 +297,16 @@ def test_sample_out_under_a_file_is_one_line(no_dropout_run, tmp_path, capsys):
     rc, err = _main(capsys, "sample", "--ckpt", str(no_dropout_run), "--out", str(tmp_path / "x.npz" / "y.npz"))
     assert rc == 2 and "x.npz' is a file, not a directory; choose another --out" in err, err
     assert (tmp_path / "x.npz").read_bytes() == b"mine"
-    rc, err = _main(capsys, "sample", "--ckpt", str(no_dropout_run), "--out", str(tmp_path / "s.npz"),
-                    "--num-samples", "0")  # fmt: skip
+    rc, err = _main(
+        capsys, "sample", "--ckpt", str(no_dropout_run), "--out", str(tmp_path / "s.npz"), "--num-samples", "0"
+    )
     assert rc == 2 and "--num-samples must be >= 1, got 0" in err, err
 
 
 def test_guidance_without_a_null_label_says_so(no_dropout_run, tmp_path, capsys):
-    rc, err = _main(capsys, "sample", "--ckpt", str(no_dropout_run), "--out", str(tmp_path / "s.npz"), "--cfg", "4",
-                    "--steps", "2")  # fmt: skip
+    rc, err = _main(
+        capsys, "sample", "--ckpt", str(no_dropout_run), "--out", str(tmp_path / "s.npz"), "--cfg", "4", "--steps", "2"
+    )
     assert rc == 2 and "trained without label dropout (model.class_dropout_prob=0); sample with --cfg 1" in err, err
     assert "y must lie in" not in err and not (tmp_path / "s.npz").exists()
     rc, _ = _main(capsys, "sample", "--ckpt", str(no_dropout_run), "--out", str(tmp_path / "s.npz"), "--steps", "2")
@@ -291,11 +317,25 @@ def test_sampler_errors_use_the_right_article():
     from diffcurr_fast.train.config import demo_config
 
     with pytest.raises(ValueError, match="is not an edm target"):
-        load_config(None, ["diffusion.formulation=edm", "diffusion.learn_sigma=false", "diffusion.prediction=eps",
-                           "logging.sampler=heun"])  # fmt: skip
+        load_config(
+            None,
+            [
+                "diffusion.formulation=edm",
+                "diffusion.learn_sigma=false",
+                "diffusion.prediction=eps",
+                "logging.sampler=heun",
+            ],
+        )
     with pytest.raises(ValueError, match="'ddim' cannot sample an edm model"):
-        load_config(None, ["diffusion.formulation=edm", "diffusion.learn_sigma=false", "diffusion.prediction=x0",
-                           "diffusion.weighting=none"])  # fmt: skip
+        load_config(
+            None,
+            [
+                "diffusion.formulation=edm",
+                "diffusion.learn_sigma=false",
+                "diffusion.prediction=x0",
+                "diffusion.weighting=none",
+            ],
+        )
     assert demo_config().logging.sampler == "ddim"
 
 
@@ -305,17 +345,32 @@ def _sets(*extra):
 
 
 def test_grid_shows_progress_and_a_latent_model_says_why_no_grid(tmp_path, capsys):
-    rc, err = _main(capsys, "train", "--run-dir", str(tmp_path / "a"),
-                    *_sets("engine.max_steps=1", "logging.num_samples=4", "logging.sample_steps=3",
-                           "logging.progress=true"))  # fmt: skip
+    rc, err = _main(
+        capsys,
+        "train",
+        "--run-dir",
+        str(tmp_path / "a"),
+        *_sets("engine.max_steps=1", "logging.num_samples=4", "logging.sample_steps=3", "logging.progress=true"),
+    )
     assert rc == 0 and (tmp_path / "a" / "samples.png").is_file()
     assert any("ddim" in line and "3/3" in line for line in err.replace("\r", "\n").splitlines()), err
     x = np.random.default_rng(0).standard_normal((32, 4, 8, 8)).astype(np.float32)
     np.savez(tmp_path / "lat.npz", x=x, y=np.arange(32) % 10)
     capsys.readouterr()
-    rc = cli.main(["train", "--run-dir", str(tmp_path / "b"),
-                   *_sets("engine.max_steps=1", "logging.num_samples=4", "data.dataset=npz",
-                          f"data.path={tmp_path / 'lat.npz'}", "model.in_channels=4")])  # fmt: skip
+    rc = cli.main(
+        [
+            "train",
+            "--run-dir",
+            str(tmp_path / "b"),
+            *_sets(
+                "engine.max_steps=1",
+                "logging.num_samples=4",
+                "data.dataset=npz",
+                f"data.path={tmp_path / 'lat.npz'}",
+                "model.in_channels=4",
+            ),
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and "sample grid: none (the model makes 4-channel latents, not images" in out, out
     assert not (tmp_path / "b" / "samples.png").exists()
@@ -335,11 +390,14 @@ def test_ctrl_c_during_the_grid_stops_it(tmp_path):
             os.kill(os.getpid(), signal.SIGINT)
 
     tr.ema.module.register_forward_pre_hook(ctrl_c)
-    with pytest.raises(GridInterrupted, match="SIGINT received during the end-of-run sample grid: training finished "
-                       "at step 2") as info:  # fmt: skip
+    with pytest.raises(
+        GridInterrupted, match="SIGINT received during the end-of-run sample grid: training finished at step 2"
+    ) as info:
         tr.fit()
     assert info.value.exit_code == 130 and len(calls) == 2  # stopped at the next network call
-    assert not (tmp_path / "r" / "samples.png").exists() and (tmp_path / "r" / "checkpoints" / "ckpt_00000002.pt").exists()
+    assert (
+        not (tmp_path / "r" / "samples.png").exists() and (tmp_path / "r" / "checkpoints" / "ckpt_00000002.pt").exists()
+    )
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are restored
 
 
@@ -378,8 +436,9 @@ def test_recipes_lists_whole_first_sentences(capsys, tmp_path):
         summary = cli_recipes._summary(r)
         assert summary.endswith(".") and summary.count("(") == summary.count(")"), (r.name, summary)
         assert f"{r.stem} {summary}" in out, r.name
-    (tmp_path / "r.yaml").write_text("# EDM (Karras et al. 2022, e.g. Table 1) on CIFAR-10.\n# More. Text.\n"
-                                     "engine:\n  max_steps: 1\n")  # fmt: skip
+    (tmp_path / "r.yaml").write_text(
+        "# EDM (Karras et al. 2022, e.g. Table 1) on CIFAR-10.\n# More. Text.\nengine:\n  max_steps: 1\n"
+    )
     assert cli_recipes._summary(tmp_path / "r.yaml") == "EDM (Karras et al. 2022, e.g. Table 1) on CIFAR-10."
 
 
@@ -390,8 +449,9 @@ def test_study_cluster_plot_of_an_untrained_cluster_warns_nothing(tmp_path):
     from diffcurr_fast.study.runner import run_dir_of
     from diffcurr_fast.study.spec import spec_from_dict
 
-    spec = spec_from_dict({"name": "s", "seeds": [0, 1], "metric": "fd", "reference": "a", "eval_every": 1,
-                           "arms": [{"name": "a"}]})  # fmt: skip
+    spec = spec_from_dict(
+        {"name": "s", "seeds": [0, 1], "metric": "fd", "reference": "a", "eval_every": 1, "arms": [{"name": "a"}]}
+    )
     for seed, losses in ((0, [0.5, None, 0.25]), (1, [0.7, None, 0.35])):  # cluster 1 never unlocked
         rd = run_dir_of(tmp_path, "a", seed)
         rd.mkdir(parents=True)

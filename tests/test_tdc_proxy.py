@@ -257,8 +257,11 @@ def test_unreachable_llm_is_an_error_unless_the_fallback_is_asked_for(setup, cap
     model, s, group, train, held, imp = setup
     url = "http://127.0.0.1:9/v1"  # nothing listens on the discard port: connection refused
     kw = dict(objective=s, importance=imp, fallback=LocalProposer(), rounds=2, candidates_per_round=2, recover_steps=0)
-    with pytest.raises(ProposerUnavailable, match=r"endpoint http://127.0.0.1:9/v1/chat/completions gave no reply "
-                       r"\(URLError.*set tdc.llm_fallback=local"):  # fmt: skip
+    with pytest.raises(
+        ProposerUnavailable,
+        match=r"endpoint http://127.0.0.1:9/v1/chat/completions gave no reply "
+        r"\(URLError.*set tdc.llm_fallback=local",
+    ):
         proxy_search(model, group, group.flops, train, held, proposer=LLMProposer(url, "m", timeout=5.0), **kw)
     capsys.readouterr()
     p = LLMProposer(url, "m", timeout=5.0, on_unreachable="report")

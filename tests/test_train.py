@@ -77,8 +77,11 @@ def test_nan_policy_skip_counts_and_keeps_weights(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(ema_before, _params(tr.ema.module)))
     assert tr.curriculum.state_dict()["steps_seen"] == 0  # the curriculum never saw the bad loss
     tr.train_step(x, y)
-    with pytest.raises(NonFiniteLossError, match=r"at step 3: 3 step\(s\) skipped, the first at step 1 \(3 in a row, "
-                       "more than engine.max_nan_skips=2"):  # fmt: skip
+    with pytest.raises(
+        NonFiniteLossError,
+        match=r"at step 3: 3 step\(s\) skipped, the first at step 1 \(3 in a row, "
+        "more than engine.max_nan_skips=2",
+    ):
         tr.train_step(x, y)
     tr.objective = real
     tr.train_step(x, y)  # a finite step still trains

@@ -48,11 +48,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=int, default=3, help="k of the k-NN manifolds for precision/recall")
     parser.add_argument("--device", default="cpu", help="torch device for feature extraction")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace existing files named by --save-ref, --json and --digits-cache")  # fmt: skip
-    parser.add_argument("--vae", metavar="DIR", default=None,
-                        help="--samples of a latent model ('x' latents): decode them with this diffusers "
-                             "AutoencoderKL directory first, as `sample --vae` does")  # fmt: skip
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace existing files named by --save-ref, --json and --digits-cache"
+    )
+    parser.add_argument(
+        "--vae",
+        metavar="DIR",
+        default=None,
+        help="--samples of a latent model ('x' latents): decode them with this diffusers "
+        "AutoencoderKL directory first, as `sample --vae` does",
+    )
     parser.add_argument("--vae-batch", type=int, default=16, help="samples per VAE decode call (default: 16)")
     ckpt = parser.add_argument_group("sampling with --ckpt")
     ckpt.add_argument("--num", type=int, default=1000, help="number of samples")
@@ -70,8 +75,10 @@ def _check_outputs(args: argparse.Namespace) -> None:
         if path is not None and os.path.exists(path) and not args.overwrite:
             raise FileExistsError(f"{flag} {path!r} exists; pass --overwrite to replace it")
     if args.vae is not None and args.samples is None:
-        raise ValueError("--vae decodes the latents of --samples; with --ckpt, write them first with "
-                         "`diffcurr-fast sample --out s.npz` and pass --samples s.npz")  # fmt: skip
+        raise ValueError(
+            "--vae decodes the latents of --samples; with --ckpt, write them first with "
+            "`diffcurr-fast sample --out s.npz` and pass --samples s.npz"
+        )
     if args.ref not in (None, "digits") and not os.path.isfile(args.ref):
         raise FileNotFoundError(f"--ref {args.ref!r} not found (a statistics .npz, an images .npz, or 'digits')")
     if args.samples is not None and not os.path.isfile(args.samples):

@@ -27,8 +27,10 @@ def load_images(path: str | os.PathLike) -> torch.Tensor:
     if key == "arr_0":
         return x
     if x.shape[1] not in (1, 3):
-        raise ValueError(f"{path}: '{key}' holds {x.shape[1]}-channel latents, not 1- or 3-channel images; decode "
-                         "them with --vae DIR (the diffusers AutoencoderKL of the training data)")  # fmt: skip
+        raise ValueError(
+            f"{path}: '{key}' holds {x.shape[1]}-channel latents, not 1- or 3-channel images; decode "
+            "them with --vae DIR (the diffusers AutoencoderKL of the training data)"
+        )
     if x.numel() and (float(x.min()) < -1.001 or float(x.max()) > 1.001):
         raise ValueError(
             f"{path}: '{key}' must be in [-1, 1], got [{float(x.min()):.3g}, {float(x.max()):.3g}]; latents need "
@@ -42,8 +44,10 @@ def load_latents(path: str | os.PathLike) -> torch.Tensor:
     ``diffcurr-fast sample`` writes them without ``--vae``), for ``eval --vae`` to decode."""
     key, x = _sample_array(path)
     if key != "x":
-        raise ValueError(f"{path}: --vae decodes the latents 'x' (N, C, H, W) of `diffcurr-fast sample`, but this "
-                         f"file holds '{key}' images; drop --vae")  # fmt: skip
+        raise ValueError(
+            f"{path}: --vae decodes the latents 'x' (N, C, H, W) of `diffcurr-fast sample`, but this "
+            f"file holds '{key}' images; drop --vae"
+        )
     return x
 
 
@@ -67,8 +71,10 @@ def _sample_array(path: str | os.PathLike) -> tuple[str, torch.Tensor]:
             raise ValueError(f"{path}: expected an array 'images' (N, C, H, W) or 'arr_0', found {sorted(f.files)}")
     bad = (~torch.isfinite(x)).flatten(1).any(1).nonzero()
     if len(bad):
-        raise ValueError(f"{path}: sample {int(bad[0])} of '{key}' holds NaN or inf values ({len(bad)} of {len(x)} "
-                         "samples); the model that made them is not usable")  # fmt: skip
+        raise ValueError(
+            f"{path}: sample {int(bad[0])} of '{key}' holds NaN or inf values ({len(bad)} of {len(x)} "
+            "samples); the model that made them is not usable"
+        )
     return key, x
 
 
@@ -145,9 +151,14 @@ class Reference:
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "wb") as fh:  # written as named (np.savez of a name would append .npz), then renamed
             np.savez(
-                fh, mu=self.mu, sigma=self.sigma, extractor=self.extractor, source=self.source, count=self.count,
+                fh,
+                mu=self.mu,
+                sigma=self.sigma,
+                extractor=self.extractor,
+                source=self.source,
+                count=self.count,
                 **extra,
-            )  # fmt: skip
+            )
         os.replace(tmp, path)
 
 

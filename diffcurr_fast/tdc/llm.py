@@ -169,8 +169,10 @@ class LLMProposer:
                     "and rerun with --resume (finished stages are kept), or set tdc.llm_fallback=local to let the "
                     "local proposer fill such rounds"
                 )
-            msg = (f"tdc: round {state.round}: the llm endpoint gave no reply ({self.last_error}); this round's "
-                   "candidates come from the local proposer (tdc.llm_fallback=local)")  # fmt: skip
+            msg = (
+                f"tdc: round {state.round}: the llm endpoint gave no reply ({self.last_error}); this round's "
+                "candidates come from the local proposer (tdc.llm_fallback=local)"
+            )
             print(msg, file=sys.stderr, flush=True)
             return []
         try:

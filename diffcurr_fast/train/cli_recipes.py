@@ -44,7 +44,14 @@ def run(args: argparse.Namespace) -> int:
         if args.paths:
             print(f"{p.stem:<{width}}  {p}")
             continue
-        print(textwrap.fill(_summary(p), cols, initial_indent=f"{p.stem:<{width}}  ",
-                            subsequent_indent=" " * (width + 2), break_on_hyphens=False))  # fmt: skip
+        print(
+            textwrap.fill(
+                _summary(p),
+                cols,
+                initial_indent=f"{p.stem:<{width}}  ",
+                subsequent_indent=" " * (width + 2),
+                break_on_hyphens=False,
+            )
+        )
     print(f"(diffcurr-fast train NAME [--set ...] runs one; copy one from {recipes_dir()} to edit it)")
     return 0

@@ -114,8 +114,10 @@ def run(args: argparse.Namespace) -> int:
         engine.close()
     if engine.is_main:
         first = f" (the first at step {summary['first_nan_skip']})" if summary["nan_skips"] else ""
-        print(f"done: {summary['step']} steps, final loss {summary['loss']:.4f}, {summary['nan_skips']} skipped"
-              f"{first}, curriculum stage {summary['stage']}")  # fmt: skip
+        print(
+            f"done: {summary['step']} steps, final loss {summary['loss']:.4f}, {summary['nan_skips']} skipped"
+            f"{first}, curriculum stage {summary['stage']}"
+        )
         for key, label in (("samples", "sample grid"), ("cluster_loss_plot", "loss per cluster"),
                            ("curriculum_plot", "curriculum timeline"), ("ema", "EMA weights")):  # fmt: skip
             if key in summary:

@@ -274,8 +274,11 @@ class EngineConfig:
     grad_checkpointing: bool = _f(False, "recompute each DiT block in the backward pass")
     nan_policy: str = _f("skip", "on a non-finite loss: skip the step and count it, or stop", NAN_POLICIES)
     max_nan_skips: int = _pos(100, "stop after more than this many skipped steps in a row (skip policy)")
-    max_skip_share: float = _unit(0.05, "stop once more than this share of engine.max_steps was skipped (skip "
-                                  "policy; the error names the first skipped step)")  # fmt: skip
+    max_skip_share: float = _unit(
+        0.05,
+        "stop once more than this share of engine.max_steps was skipped (skip "
+        "policy; the error names the first skipped step)",
+    )
     cpu_threads: int = _f(0, "torch intra-op threads on CPU (0 = torch's default)", lo=0, hi=4096)
     retain_host_memory: bool = _f(True, "CPU: keep freed host memory in the process (glibc mallopt) so each step's "
                                   "large tensors reuse mapped pages instead of page-faulting new ones")  # fmt: skip
@@ -698,8 +701,10 @@ def read_recipe(path: str | Path) -> dict[str, Any]:
         listed = "; ".join(f"{key!r} at lines {', '.join(map(str, lines))}" for key, lines in dups)
         raise ValueError(f"recipe {str(p)!r} sets a key more than once (only one would count): {listed}; keep one")
     if not data:
-        raise ValueError(f"recipe {str(p)!r} is empty; give its sections (see `diffcurr-fast train --help-config`), "
-                         "or run without a recipe for the embedded demo")  # fmt: skip
+        raise ValueError(
+            f"recipe {str(p)!r} is empty; give its sections (see `diffcurr-fast train --help-config`), "
+            "or run without a recipe for the embedded demo"
+        )
     if not isinstance(data, dict):
         raise ValueError(f"recipe {str(p)!r} must be a mapping of sections, got {type(data).__name__}")
     data = _fix_floats(data)

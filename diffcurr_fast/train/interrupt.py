@@ -39,9 +39,11 @@ class GridInterrupted(TrainingInterrupted):
     def __init__(self, signum: int, step: int, checkpoint: Path | None):
         super().__init__(signum, step, checkpoint)
         name = signal.Signals(signum).name
-        self.args = (f"{name} received during the end-of-run sample grid: training finished at step {step} "
-                     f"(checkpoint {checkpoint}); no grid written (draw one with `diffcurr-fast sample --ckpt "
-                     f"{checkpoint} --out samples.png`)",)  # fmt: skip
+        self.args = (
+            f"{name} received during the end-of-run sample grid: training finished at step {step} "
+            f"(checkpoint {checkpoint}); no grid written (draw one with `diffcurr-fast sample --ckpt "
+            f"{checkpoint} --out samples.png`)",
+        )
 
 
 class StopRequest:

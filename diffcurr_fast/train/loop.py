@@ -249,9 +249,15 @@ class Trainer:
         """Train to ``engine.max_steps``, checkpointing and logging; then the end-of-run report (rank 0)."""
         cfg, main = self.cfg, self.engine.is_main
         if self.start.mode == "finished":  # resumed at or past max_steps: nothing to train, nothing rewritten
-            return {"step": self.step, "loss": math.nan, "nan_skips": self.nan_skips, "finished": True,
-                    "first_nan_skip": self.first_nan_skip, "stage": self.curriculum.stage,
-                    "run_dir": str(self.run_dir)}  # fmt: skip
+            return {
+                "step": self.step,
+                "loss": math.nan,
+                "nan_skips": self.nan_skips,
+                "finished": True,
+                "first_nan_skip": self.first_nan_skip,
+                "stage": self.curriculum.stage,
+                "run_dir": str(self.run_dir),
+            }
         writer = MetricsWriter(self.run_dir, cfg.logging.tensorboard) if main else None
         bar = tqdm(total=cfg.engine.max_steps, initial=self.step, disable=not (main and cfg.logging.progress),
                    dynamic_ncols=True)  # fmt: skip
@@ -294,9 +300,14 @@ class Trainer:
             bar.close()
             if writer is not None:
                 writer.close()
-        summary: dict[str, Any] = {"step": self.step, "loss": last_loss, "nan_skips": self.nan_skips,
-                                   "first_nan_skip": self.first_nan_skip, "stage": self.curriculum.stage,
-                                   "run_dir": str(self.run_dir)}  # fmt: skip
+        summary: dict[str, Any] = {
+            "step": self.step,
+            "loss": last_loss,
+            "nan_skips": self.nan_skips,
+            "first_nan_skip": self.first_nan_skip,
+            "stage": self.curriculum.stage,
+            "run_dir": str(self.run_dir),
+        }
         if main:
             summary.update(self.finish())
         self.engine.barrier()
@@ -331,8 +342,14 @@ class Trainer:
         stop = StopRequest()  # Ctrl-C / SIGTERM during the grid: stop it (the final checkpoint is written)
         try:
             with stop:
-                grid = sample_grid(self.ema.module, self.schedule, cfg, self.run_dir / "samples.png", self.device,
-                                   should_stop=lambda: stop.signum)  # fmt: skip
+                grid = sample_grid(
+                    self.ema.module,
+                    self.schedule,
+                    cfg,
+                    self.run_dir / "samples.png",
+                    self.device,
+                    should_stop=lambda: stop.signum,
+                )
         except SamplingInterrupted as exc:
             raise GridInterrupted(exc.signum, self.step, ckpt_io.latest_checkpoint(self.run_dir)) from None
         if grid is not None:

@@ -59,13 +59,15 @@ def check_backends(cfg: TrainConfig) -> None:
         from diffcurr_fast.ops._backend import CHOICES, unavailable_reason
 
         if env not in CHOICES:
-            raise ValueError(f"DIFFCURR_OPS_BACKEND={env!r} is not an ops backend; use one of {', '.join(CHOICES)}, "
-                             "or unset it")  # fmt: skip
+            raise ValueError(
+                f"DIFFCURR_OPS_BACKEND={env!r} is not an ops backend; use one of {', '.join(CHOICES)}, or unset it"
+            )
         for op in ENV_OPS if m.fused_adaln else ():
             reason = unavailable_reason(env, op, dev)
             if reason is not None:
-                raise ValueError(f"DIFFCURR_OPS_BACKEND={env!r} cannot run {op} on {dev.type}: {reason}; unset it "
-                                 "or set it to auto")  # fmt: skip
+                raise ValueError(
+                    f"DIFFCURR_OPS_BACKEND={env!r} cannot run {op} on {dev.type}: {reason}; unset it or set it to auto"
+                )
     if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ImportError("logging.tensorboard is true but tensorboard is not installed: pip install tensorboard, "
                           "or set logging.tensorboard=false")  # fmt: skip

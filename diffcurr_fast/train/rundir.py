@@ -148,18 +148,24 @@ def check_writable(run_dir: Path) -> None:
     base = run_dir.absolute()
     while not base.exists() and base != base.parent:
         if base.is_symlink():  # a dangling link in the path
-            raise ValueError(f"run directory {str(run_dir)!r} cannot be created: {str(base)!r} is a broken link; "
-                             "choose another checkpoint.run_dir (--run-dir)")  # fmt: skip
+            raise ValueError(
+                f"run directory {str(run_dir)!r} cannot be created: {str(base)!r} is a broken link; "
+                "choose another checkpoint.run_dir (--run-dir)"
+            )
         base = base.parent
     if not base.is_dir():
-        raise ValueError(f"run directory {str(run_dir)!r} cannot be created: {str(base)!r} is a file, not a "
-                         "directory; choose another checkpoint.run_dir (--run-dir)")  # fmt: skip
+        raise ValueError(
+            f"run directory {str(run_dir)!r} cannot be created: {str(base)!r} is a file, not a "
+            "directory; choose another checkpoint.run_dir (--run-dir)"
+        )
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".write-probe-", dir=base))
     except OSError as exc:
-        raise ValueError(f"run directory {str(run_dir)!r} cannot be written: {str(base)!r} refuses new files "
-                         f"({exc.strerror or type(exc).__name__}); choose another checkpoint.run_dir "
-                         "(--run-dir)") from None  # fmt: skip
+        raise ValueError(
+            f"run directory {str(run_dir)!r} cannot be written: {str(base)!r} refuses new files "
+            f"({exc.strerror or type(exc).__name__}); choose another checkpoint.run_dir "
+            "(--run-dir)"
+        ) from None
 
 
 def _failed_start(run_dir: Path, layout: RunLayout) -> bool:

@@ -11,8 +11,8 @@ embedding accepts.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -131,13 +131,17 @@ def sample(
     if cfg_scale != 1.0 and not cfg_scale >= 0:
         raise ValueError(f"cfg scale must be >= 0, got {cfg_scale}")
     if cfg_scale != 1.0 and not has_null_label(model):
-        raise ValueError(f"guidance scale {cfg_scale:g} needs the null label, but this model was trained without label "
-                         "dropout (model.class_dropout_prob=0); sample with --cfg 1 (logging.cfg_scale / "
-                         "eval.cfg_scale 1), or train with model.class_dropout_prob > 0")  # fmt: skip
+        raise ValueError(
+            f"guidance scale {cfg_scale:g} needs the null label, but this model was trained without label "
+            "dropout (model.class_dropout_prob=0); sample with --cfg 1 (logging.cfg_scale / "
+            "eval.cfg_scale 1), or train with model.class_dropout_prob > 0"
+        )
     if isinstance(schedule, (FlowFormulation, EDMFormulation)) and sampler not in ("euler", "heun"):
         kind = "flow" if isinstance(schedule, FlowFormulation) else "edm"
-        raise ValueError(f"sampler {sampler!r} cannot sample {'an' if kind == 'edm' else 'a'} {kind} model; valid "
-                         "choices: euler, heun")
+        raise ValueError(
+            f"sampler {sampler!r} cannot sample {'an' if kind == 'edm' else 'a'} {kind} model; valid "
+            "choices: euler, heun"
+        )
     if isinstance(schedule, EDMFormulation):
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be a positive int, got {steps!r}")
@@ -214,8 +218,10 @@ def grid_unavailable(cfg: TrainConfig) -> str | None:
     if lg.num_samples == 0:
         return "logging.num_samples is 0"
     if m.in_channels not in (1, 3):
-        return (f"the model makes {m.in_channels}-channel latents, not images; decode samples with "
-                "`diffcurr-fast sample --vae DIR`, or set logging.num_samples=0")  # fmt: skip
+        return (
+            f"the model makes {m.in_channels}-channel latents, not images; decode samples with "
+            "`diffcurr-fast sample --vae DIR`, or set logging.num_samples=0"
+        )
     return None
 
 
