@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return int(args._module.run(args) or 0)
-    except (ValueError, FileNotFoundError, FileExistsError, KeyError, ImportError) as exc:
+    except (ValueError, FileNotFoundError, FileExistsError, KeyError, ImportError, ConnectionError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"diffcurr-fast {args.command}: error: {msg}", file=sys.stderr)
         return 2

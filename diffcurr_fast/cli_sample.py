@@ -1,4 +1,4 @@
-"""``diffcurr-fast sample --ckpt RUN_OR_FILE --sampler ddpm|ddim|heun|euler --steps N --cfg S --num N --out F``.
+"""``diffcurr-fast sample --ckpt RUN_OR_FILE --sampler ddpm|ddim|heun|euler --steps N --cfg S --num-samples N --out F``.
 
 Loads a training checkpoint (a ``ckpt_*.pt`` or a run directory: its newest checkpoint), rebuilds the model from
 the config stored in it, and draws ``--num`` samples in batches of ``--batch-size`` (a progress bar per batch).
@@ -124,8 +124,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--out must end in .png or .npz, got {str(out)!r}")
     if out.exists() and not args.overwrite:
         raise FileExistsError(f"{str(out)!r} exists; pass --overwrite to replace it")
+    under = next((p for p in out.parents if p.exists()), None)  # the deepest existing folder of the path
+    if under is not None and not under.is_dir():
+        raise ValueError(
+            f"--out {str(out)!r} cannot be written: {str(under)!r} is a file, not a directory; choose another --out"
+        )
     if args.num < 1:
-        raise ValueError(f"--num must be >= 1, got {args.num}")
+        raise ValueError(f"--num-samples must be >= 1, got {args.num}")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.device == "cuda" and not torch.cuda.is_available():

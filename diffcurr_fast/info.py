@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata as md
+import os
 import platform
 import sys
 import time
@@ -92,6 +93,30 @@ def backend_table() -> list[tuple[str, str, str, str]]:
                 reason = _backend.unavailable_reason(b, reg, device)
                 rows.append((str(device), op, b, "available" if reason is None else f"no: {reason}"))
     return rows
+
+
+def selected_backends() -> tuple[str, list[tuple[str, str, str]]]:
+    """What a run would use for each op called without a backend argument, under ``DIFFCURR_OPS_BACKEND`` (or
+    auto): (the request, rows (device, op, backend or why it cannot run))."""
+    import warnings
+
+    from diffcurr_fast.ops import _backend
+
+    try:
+        name = _backend.requested(None)
+    except ValueError as exc:
+        return f"{_backend.ENV_VAR} is invalid: {exc}", []
+    rows = []
+    for device in devices():
+        for op, reg in OPS.items():
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # auto's fallback warning: the table says it
+                    rows.append((str(device), op, _backend.resolve(reg, device)))
+            except RuntimeError:
+                rows.append((str(device), op, f"none: {_backend.unavailable_reason(name, reg, device)}"))
+    src = f"{_backend.ENV_VAR}={name}" if _backend.ENV_VAR in os.environ else f"auto ({_backend.ENV_VAR} unset)"
+    return src, rows
 
 
 def implementations() -> dict[str, str]:
@@ -240,6 +265,10 @@ def report() -> str:
     parts += ["", "devices:"] + [f"  {describe_device(d)}" for d in devices()]
     parts += ["", "implementations:"] + [f"  {k}: {v}" for k, v in implementations().items()]
     parts += ["", "fused op backends:", _table(("device", "op", "backend", "status"), backend_table())]
+    src, rows = selected_backends()
+    parts += ["", f"backends a run uses (ops without a backend argument; {src}):"]
+    if rows:
+        parts.append(_table(("device", "op", "uses"), rows))
     return "\n".join(parts)
 
 

@@ -28,7 +28,17 @@ from torch import nn
 from diffcurr_fast.diffusion import Formulation, TrainingTerms, build_formulation
 from diffcurr_fast.ops import diffusion_loss_coef, q_sample_coef
 
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "auto")
+
+
+def resolve_precision(precision: str, device: torch.device | str) -> str:
+    """``fp32`` or ``bf16`` for ``precision`` on ``device``: ``auto`` is bf16 on a CUDA device that supports it and
+    fp32 elsewhere (bf16 autocast brings no speed on CPUs, and is emulated, much slower, on those without bf16
+    instructions)."""
+    if precision != "auto":
+        return precision
+    dev = torch.device(device)
+    return "bf16" if dev.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
 
 
 class Objective:
@@ -77,8 +87,8 @@ class Objective:
         )
 
     def autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
-        """bf16 autocast for ``precision`` bf16, else a no-op context."""
-        if self.precision == "bf16":
+        """bf16 autocast for ``precision`` bf16 (``auto``: see ``resolve_precision``), else a no-op context."""
+        if resolve_precision(self.precision, device) == "bf16":
             return torch.autocast(device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -191,4 +201,13 @@ def fit_steps(
     return losses
 
 
-__all__ = ["PRECISIONS", "Objective", "batch_loss", "default_objective", "draw_seed", "fit_steps", "sample_cells"]
+__all__ = [
+    "PRECISIONS",
+    "Objective",
+    "batch_loss",
+    "default_objective",
+    "draw_seed",
+    "fit_steps",
+    "resolve_precision",
+    "sample_cells",
+]

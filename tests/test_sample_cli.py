@@ -60,7 +60,7 @@ def test_npz_output_and_labels(run_dir, tmp_path):
     [
         (["--out", "x.jpg"], ValueError, "must end in .png or .npz"),
         (["--labels", "3,11", "--out", "a.png"], ValueError, r"--labels \[11\] out of range; valid labels are 0..9"),
-        (["--num", "0", "--out", "a.png"], ValueError, "--num must be >= 1"),
+        (["--num", "0", "--out", "a.png"], ValueError, "--num-samples must be >= 1"),
         (["--steps", "41", "--out", "a.png"], ValueError, r"steps must be an int in \[1, 40\]"),
     ],
 )
@@ -138,7 +138,8 @@ def test_continuous_checkpoints_sample_with_ode_samplers(tmp_path, form, pred, s
                                     "--cfg", "2", "--out", str(out))) == 0  # fmt: skip
         x = np.load(out)["arr_0"]  # digits are images: ADM's uint8 (N, H, W, C)
         assert x.shape == (4, 8, 8, 1) and x.dtype == np.uint8
-        with pytest.raises(ValueError, match=f"sampler 'ddim' cannot sample a {form} model; valid choices: euler"):
+        article = "an" if form == "edm" else "a"
+        with pytest.raises(ValueError, match=f"sampler 'ddim' cannot sample {article} {form} model; valid choices"):
             cli_sample.run(_args("--ckpt", str(run), "--sampler", "ddim", "--out", str(tmp_path / "g.png")))
     finally:
         torch.set_num_threads(threads)

@@ -321,7 +321,7 @@ def test_curriculum_stage1_llm_proposer_and_overwrite(tmp_path):
     cfg = tiny_cfg(run, "curriculum.pacing=patience", "curriculum.patience=1", "curriculum.eval_every=1",
                    "logging.num_samples=0")  # fmt: skip
     recipe = tmp_path / "recipe.yaml"  # a recipe path with a tdc: section; the options dict overrides it
-    llm = {"proposer": "llm", "llm_url": "http://127.0.0.1:9/v1", "llm_model": "m"}
+    llm = {"proposer": "llm", "llm_url": "http://127.0.0.1:9/v1", "llm_model": "m", "llm_fallback": "local"}
     recipe.write_text(yaml.safe_dump({**cfg.to_dict(), "tdc": {**TINY_TDC, **llm, "rounds": 3}}))
     opts = {"rounds": 1}
     out = run_tdc(recipe, opts, run, overwrite=True, verbose=False)
@@ -512,3 +512,20 @@ def test_cli_resume_of_a_finished_run_redoes_only_the_bundle(tdc_run, tmp_path, 
     assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
     with pytest.raises(SystemExit):
         _tdc_args("--resume", "--overwrite")
+
+
+def test_resume_of_a_moved_run_names_where_it_is_now(tmp_path):
+    import shutil
+
+    old, new = tmp_path / "old" / "run", tmp_path / "new" / "run"
+    opts = {**TINY_TDC, "rounds": 1}
+    run_tdc(tiny_cfg(old, "logging.num_samples=0"), opts, old, verbose=False)
+    (old / "bundle" / "weights.safetensors").unlink()  # as if killed while writing the bundle
+    new.parent.mkdir()
+    shutil.move(old, new)
+    out = run_tdc(tiny_cfg(new, "logging.num_samples=0"), opts, new, verbose=False, resume=True)
+    text = json.dumps({k: v for k, v in out.items() if k != "accounting_data"})
+    assert str(tmp_path / "old") not in text, text  # every path printed is where the run is now
+    assert out["stage1"]["run_dir"] == str(new / "stage1")
+    assert [g["finetune_dir"] for g in out["groups"]] == [str(new / f"group_{i}" / "finetune") for i in range(2)]
+    assert (new / "bundle" / "weights.safetensors").is_file()

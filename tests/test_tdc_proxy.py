@@ -19,6 +19,7 @@ from diffcurr_fast.tdc import (
     LLMProposer,
     LocalProposer,
     MemoryBank,
+    ProposerUnavailable,
     SearchState,
     dit_flops,
     importance_scores,
@@ -237,7 +238,7 @@ def test_llm_proposer_against_local_server(setup, server, monkeypatch):
         ("status", 500),
         ("sleep", 2.0),
     ]
-    p = LLMProposer(server.url, "test-model", api_key_env="TDC_TEST_LLM_KEY", timeout=0.5)
+    p = LLMProposer(server.url, "test-model", api_key_env="TDC_TEST_LLM_KEY", timeout=0.5, on_unreachable="report")
     rng = random.Random(0)
     assert p.propose(state, 4, rng) == [good, over, out_of_range, good2, good]
     req = server.requests[0]
@@ -250,6 +251,27 @@ def test_llm_proposer_against_local_server(setup, server, monkeypatch):
     for _ in range(2):  # HTTP 500, timeout
         assert p.propose(state, 4, rng) == []
     assert p.stats == {"requests": 6, "network_errors": 1, "timeouts": 1, "parse_errors": 2}
+
+
+def test_unreachable_llm_is_an_error_unless_the_fallback_is_asked_for(setup, capsys):
+    model, s, group, train, held, imp = setup
+    url = "http://127.0.0.1:9/v1"  # nothing listens on the discard port: connection refused
+    kw = dict(objective=s, importance=imp, fallback=LocalProposer(), rounds=2, candidates_per_round=2, recover_steps=0)
+    with pytest.raises(
+        ProposerUnavailable,
+        match=r"endpoint http://127.0.0.1:9/v1/chat/completions gave no reply "
+        r"\(URLError.*set tdc.llm_fallback=local",
+    ):
+        proxy_search(model, group, group.flops, train, held, proposer=LLMProposer(url, "m", timeout=5.0), **kw)
+    capsys.readouterr()
+    p = LLMProposer(url, "m", timeout=5.0, on_unreachable="report")
+    res = proxy_search(model, group, group.flops, train, held, proposer=p, **kw)
+    err = capsys.readouterr().err
+    assert [c.source for c in res.bank.entries] == ["local"] * 4 and p.stats["network_errors"] == 2
+    for r in range(2):  # said at every round
+        assert f"tdc: round {r}: the llm endpoint gave no reply" in err and "come from the local proposer" in err
+    with pytest.raises(ValueError, match="on_unreachable"):
+        LLMProposer(url, "m", on_unreachable="ignore")
 
 
 def test_llm_proposer_config_errors(monkeypatch):

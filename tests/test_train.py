@@ -66,7 +66,7 @@ def _params(model):
 
 
 def test_nan_policy_skip_counts_and_keeps_weights(tmp_path):
-    tr = Trainer(tiny(tmp_path / "r", "engine.nan_policy=skip", "engine.max_nan_skips=2"))
+    tr = Trainer(tiny(tmp_path / "r", "engine.nan_policy=skip", "engine.max_nan_skips=2", "engine.max_skip_share=1"))
     real = tr.objective
     tr.objective = lambda *a, **k: real(*a, **k) * float("nan")
     x, y = next(tr.loader)
@@ -77,7 +77,11 @@ def test_nan_policy_skip_counts_and_keeps_weights(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(ema_before, _params(tr.ema.module)))
     assert tr.curriculum.state_dict()["steps_seen"] == 0  # the curriculum never saw the bad loss
     tr.train_step(x, y)
-    with pytest.raises(NonFiniteLossError, match="3 skipped so far, max_nan_skips=2"):
+    with pytest.raises(
+        NonFiniteLossError,
+        match=r"at step 3: 3 step\(s\) skipped, the first at step 1 \(3 in a row, "
+        "more than engine.max_nan_skips=2",
+    ):
         tr.train_step(x, y)
     tr.objective = real
     tr.train_step(x, y)  # a finite step still trains
@@ -89,7 +93,9 @@ def test_nan_policy_stop(tmp_path):
     real = tr.objective
     tr.objective = lambda *a, **k: real(*a, **k) + float("inf")
     x, y = next(tr.loader)
-    with pytest.raises(NonFiniteLossError, match="non-finite loss at step 0 \\(nan_policy='stop'"):
+    with pytest.raises(
+        NonFiniteLossError, match=r"at step 1: 1 step\(s\) skipped, the first at step 1 \(engine.nan_policy"
+    ):
         tr.train_step(x, y)
 
 
@@ -323,7 +329,7 @@ def test_ddpm_rejects_velocity(tmp_path):
 
 
 def test_non_finite_gradient_with_finite_loss_is_skipped(tmp_path):
-    tr = Trainer(tiny(tmp_path / "r", "optim.grad_clip=1.0"))
+    tr = Trainer(tiny(tmp_path / "r", "optim.grad_clip=1.0", "engine.max_skip_share=1"))
     p0 = next(p for p in tr.model.parameters() if p.requires_grad)
     handle = p0.register_hook(lambda g: g * float("inf"))
     x, y = next(tr.loader)
@@ -352,7 +358,7 @@ def test_edm_sigma_density(tmp_path):
 def test_edm_short_run_samples(tmp_path):
     summary = train(tiny(tmp_path / "run", *EDM, "logging.num_samples=10", "logging.sample_steps=3"))
     assert summary["step"] == 6 and math.isfinite(summary["loss"]) and "samples" in summary
-    with pytest.raises(ValueError, match="diffusion.prediction 'eps' is not a edm target; valid choices: x0"):
+    with pytest.raises(ValueError, match="diffusion.prediction 'eps' is not an edm target; valid choices: x0"):
         tiny(tmp_path / "r", *EDM, "diffusion.prediction=eps")
     with pytest.raises(ValueError, match="diffusion.sigma_min 0.002 must be < diffusion.sigma_max 0.001"):
         tiny(tmp_path / "r", *EDM, "diffusion.sigma_max=0.001")

@@ -6,13 +6,17 @@ Examples::
     diffcurr-fast eval --ckpt runs/digits --num 500 --ref digits --extractor digits
     diffcurr-fast eval --samples samples.npz --ref imagenet256_ref.npz --extractor inception \\
         --inception-weights pt_inception-2015-12-05-6726825d.pth
-    diffcurr-fast eval --ref-images real.npz --save-ref ref_stats.npz --extractor digits   # cache a reference
+    diffcurr-fast eval --ref real.npz --save-ref ref_stats.npz --extractor digits   # cache a reference
+    diffcurr-fast eval --samples latents.npz --vae sd-vae --ref ref.npz --inception-weights W.pth  # latent model
+
+A file named by --save-ref, --json or --digits-cache that exists is refused unless --overwrite (as ``sample``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 
 # The evaluation modules (torch) are imported in run(): `diffcurr-fast eval --help` stays instant. The names of
 # features.EXTRACTORS (a test keeps the two equal):
@@ -44,6 +48,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=int, default=3, help="k of the k-NN manifolds for precision/recall")
     parser.add_argument("--device", default="cpu", help="torch device for feature extraction")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace existing files named by --save-ref, --json and --digits-cache"
+    )
+    parser.add_argument(
+        "--vae",
+        metavar="DIR",
+        default=None,
+        help="--samples of a latent model ('x' latents): decode them with this diffusers "
+        "AutoencoderKL directory first, as `sample --vae` does",
+    )
+    parser.add_argument("--vae-batch", type=int, default=16, help="samples per VAE decode call (default: 16)")
     ckpt = parser.add_argument_group("sampling with --ckpt")
     ckpt.add_argument("--num", type=int, default=1000, help="number of samples")
     ckpt.add_argument("--sampler", default="ddim", help="sampler: ddpm | ddim | heun | euler")
@@ -54,26 +69,55 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ckpt.add_argument("--batch-size", type=int, default=64, help="samples drawn per model batch (default: 64)")
 
 
+def _check_outputs(args: argparse.Namespace) -> None:
+    """The files the command writes by name: an existing one is refused unless ``--overwrite`` (as ``sample``)."""
+    for flag, path in (("--save-ref", args.save_ref), ("--json", args.json)):
+        if path is not None and os.path.exists(path) and not args.overwrite:
+            raise FileExistsError(f"{flag} {path!r} exists; pass --overwrite to replace it")
+    if args.vae is not None and args.samples is None:
+        raise ValueError(
+            "--vae decodes the latents of --samples; with --ckpt, write them first with "
+            "`diffcurr-fast sample --out s.npz` and pass --samples s.npz"
+        )
+    if args.ref not in (None, "digits") and not os.path.isfile(args.ref):
+        raise FileNotFoundError(f"--ref {args.ref!r} not found (a statistics .npz, an images .npz, or 'digits')")
+    if args.samples is not None and not os.path.isfile(args.samples):
+        raise FileNotFoundError(f"--samples {args.samples!r} not found")
+
+
 def run(args: argparse.Namespace) -> int:
     """Evaluate; prints one metric per line with the extractor named first."""
     if args.ref is None:
         raise ValueError("--ref is required: a statistics .npz, an images .npz, or 'digits'")
     if args.samples is None and args.ckpt is None and args.save_ref is None:
         raise ValueError("nothing to do: give --samples or --ckpt to evaluate, and/or --save-ref")
-    from diffcurr_fast.eval.evaluate import evaluate, load_images, load_reference, samples_from_checkpoint
+    _check_outputs(args)  # before the extractor is built (a digits cache trained) or anything written
+    from diffcurr_fast.eval.evaluate import (
+        evaluate,
+        load_images,
+        load_latents,
+        load_reference,
+        samples_from_checkpoint,
+    )
     from diffcurr_fast.eval.features import get_extractor
 
     if args.extractor is None:
         args.extractor = "digits" if args.ref == "digits" else "inception"
     extractor = get_extractor(
         args.extractor, inception_weights=args.inception_weights, digits_cache=args.digits_cache, device=args.device,
-        convert=args.convert,
+        convert=args.convert, overwrite=args.overwrite,
     )  # fmt: skip
     reference = load_reference(args.ref, extractor)
     if args.save_ref is not None:
         reference.save(args.save_ref)
         print(f"reference statistics ({extractor.name}: {extractor.label}) written to {args.save_ref}")
-    if args.samples is not None:
+    if args.samples is not None and args.vae is not None:
+        from diffcurr_fast.cli_sample import decode_latents, load_decoder
+
+        z = load_latents(args.samples)  # (N, C, h, w) unscaled latents
+        images = decode_latents(load_decoder(args.vae, args.device), z, args.vae_batch)  # (N, 3, H, W) in [-1, 1]
+        print(f"decoded {len(images)} latents of {args.samples} with {args.vae}")
+    elif args.samples is not None:
         images = load_images(args.samples)
     elif args.ckpt is not None:
         images = samples_from_checkpoint(
@@ -87,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
     for line in result.lines():
         print(line)
     if args.json is not None:
-        with open(args.json, "w", encoding="utf-8") as f:
+        tmp = f"{args.json}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
             json.dump(result.as_dict(), f, indent=1)
+        os.replace(tmp, args.json)
     return 0

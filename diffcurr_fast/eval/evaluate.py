@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -19,7 +20,40 @@ from diffcurr_fast.eval.metrics import feature_statistics, frechet_distance, inc
 
 def load_images(path: str | os.PathLike) -> torch.Tensor:
     """Images (N, C, H, W) float32 in [-1, 1] from a samples ``.npz``: ``images``, ``x`` (as written by
-    ``diffcurr-fast sample``) or ADM's uint8 ``arr_0`` (N, H, W, C)."""
+    ``diffcurr-fast sample``) or ADM's uint8 ``arr_0`` (N, H, W, C). Latents (``x`` of a latent model: not 1 or 3
+    channels, or values outside [-1, 1]) are refused with the flag that decodes them (``eval --vae``), and NaN or
+    inf values with the first sample holding them."""
+    key, x = _sample_array(path)
+    if key == "arr_0":
+        return x
+    if x.shape[1] not in (1, 3):
+        raise ValueError(
+            f"{path}: '{key}' holds {x.shape[1]}-channel latents, not 1- or 3-channel images; decode "
+            "them with --vae DIR (the diffusers AutoencoderKL of the training data)"
+        )
+    if x.numel() and (float(x.min()) < -1.001 or float(x.max()) > 1.001):
+        raise ValueError(
+            f"{path}: '{key}' must be in [-1, 1], got [{float(x.min()):.3g}, {float(x.max()):.3g}]; latents need "
+            "--vae DIR to decode them"
+        )
+    return x.clamp(-1, 1)
+
+
+def load_latents(path: str | os.PathLike) -> torch.Tensor:
+    """The unscaled latents z (N, C, H, W) float32 of a latent model's samples ``.npz`` (``x``, as
+    ``diffcurr-fast sample`` writes them without ``--vae``), for ``eval --vae`` to decode."""
+    key, x = _sample_array(path)
+    if key != "x":
+        raise ValueError(
+            f"{path}: --vae decodes the latents 'x' (N, C, H, W) of `diffcurr-fast sample`, but this "
+            f"file holds '{key}' images; drop --vae"
+        )
+    return x
+
+
+def _sample_array(path: str | os.PathLike) -> tuple[str, torch.Tensor]:
+    """(key, float32 array (N, C, H, W)) of a samples ``.npz``; ``arr_0`` already converted to [-1, 1]. ValueError
+    naming the file and the first sample for NaN or inf values."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"samples file {path} not found")
     with np.load(path) as f:
@@ -28,17 +62,20 @@ def load_images(path: str | os.PathLike) -> torch.Tensor:
             x = torch.from_numpy(np.asarray(f[key], dtype=np.float32))
             if x.ndim != 4:
                 raise ValueError(f"{path}: '{key}' must be (N, C, H, W), got shape {tuple(x.shape)}")
-            if x.numel() and (float(x.min()) < -1.001 or float(x.max()) > 1.001):
-                raise ValueError(
-                    f"{path}: '{key}' must be in [-1, 1], got [{float(x.min()):.3g}, {float(x.max()):.3g}]"
-                )
-            return x.clamp(-1, 1)
-        if "arr_0" in f:
+        elif "arr_0" in f:
             a = f["arr_0"]
             if a.dtype != np.uint8 or a.ndim != 4:
                 raise ValueError(f"{path}: 'arr_0' must be uint8 (N, H, W, C), got {a.dtype} {a.shape}")
-            return torch.from_numpy(a).permute(0, 3, 1, 2).float() / 127.5 - 1.0  # (N, C, H, W)
-        raise ValueError(f"{path}: expected an array 'images' (N, C, H, W) or 'arr_0', found {sorted(f.files)}")
+            return "arr_0", torch.from_numpy(a).permute(0, 3, 1, 2).float() / 127.5 - 1.0  # (N, C, H, W)
+        else:
+            raise ValueError(f"{path}: expected an array 'images' (N, C, H, W) or 'arr_0', found {sorted(f.files)}")
+    bad = (~torch.isfinite(x)).flatten(1).any(1).nonzero()
+    if len(bad):
+        raise ValueError(
+            f"{path}: sample {int(bad[0])} of '{key}' holds NaN or inf values ({len(bad)} of {len(x)} "
+            "samples); the model that made them is not usable"
+        )
+    return key, x
 
 
 def samples_from_checkpoint(
@@ -75,8 +112,8 @@ def samples_from_checkpoint(
     m = cfg.model
     if m.in_channels not in (1, 3):
         raise ValueError(
-            f"{ckpt}: the model generates {m.in_channels}-channel latents, not images; decode them to an "
-            "images .npz and pass --samples"
+            f"{ckpt}: the model generates {m.in_channels}-channel latents, not images; write them with "
+            "`diffcurr-fast sample --out s.npz` and evaluate with --samples s.npz --vae DIR"
         )
     model = build_model(cfg)
     sd = state["ema"]["module"] if weights == "ema" else state["model"]
@@ -110,9 +147,19 @@ class Reference:
     def save(self, path: str | os.PathLike) -> None:
         """Write as ``.npz`` (pytorch-fid's ``mu``/``sigma`` keys plus ``features``, ``extractor``, ``source``)."""
         extra = {"features": self.features} if self.features is not None else {}
-        np.savez(
-            path, mu=self.mu, sigma=self.sigma, extractor=self.extractor, source=self.source, count=self.count, **extra
-        )
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as fh:  # written as named (np.savez of a name would append .npz), then renamed
+            np.savez(
+                fh,
+                mu=self.mu,
+                sigma=self.sigma,
+                extractor=self.extractor,
+                source=self.source,
+                count=self.count,
+                **extra,
+            )
+        os.replace(tmp, path)
 
 
 def reference_from_images(images: torch.Tensor, extractor: FeatureExtractor, source: str) -> Reference:

@@ -100,19 +100,27 @@ def train_digits_classifier(epochs: int = 12, seed: int = 0, lr: float = 3e-3) -
     return model, acc
 
 
-def digits_classifier(cache: str | os.PathLike | None = None, retrain: bool = False) -> tuple[DigitsCNN, float]:
+def digits_classifier(
+    cache: str | os.PathLike | None = None, retrain: bool = False, overwrite: bool = False
+) -> tuple[DigitsCNN, float]:
     """The digits classifier from ``cache`` (default ``default_cache_dir()/digits_classifier_v1.pt``), trained and
-    saved there first when missing; returns (model, held-out accuracy)."""
+    saved there first when missing; returns (model, held-out accuracy). A file named by ``cache`` that is not a
+    current cache (a user's file) is refused unless ``overwrite``; the default cache is retrained when stale."""
     path = Path(cache) if cache is not None else default_cache_dir() / f"digits_classifier_v{DIGITS_CACHE_VERSION}.pt"
-    if path.is_file() and not retrain:
+    if path.exists() and not retrain:
         try:
             blob = torch.load(path, map_location="cpu", weights_only=True)
             model = DigitsCNN()
             model.load_state_dict(blob["state_dict"])
             if int(blob["version"]) == DIGITS_CACHE_VERSION:
                 return model.eval(), float(blob["accuracy"])
-        except (OSError, RuntimeError, KeyError, ValueError):
-            pass  # unreadable or stale cache: retrain below and overwrite it
+        except Exception:  # torch.load of a foreign file raises any of several types
+            pass  # unreadable or stale cache: retrain below and replace it (only ours, or when asked)
+    if cache is not None and path.exists() and not overwrite:
+        raise FileExistsError(
+            f"--digits-cache {str(path)!r} exists and is not a digits classifier cache (version "
+            f"{DIGITS_CACHE_VERSION}); pass --overwrite to replace it, or name another file"
+        )
     model, acc = train_digits_classifier()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -155,10 +163,14 @@ class DigitsExtractor(FeatureExtractor):
     name, label, dim = "digits", DIGITS_LABEL, 64
 
     def __init__(
-        self, cache: str | os.PathLike | None = None, device: str | torch.device = "cpu", convert: bool = False
+        self,
+        cache: str | os.PathLike | None = None,
+        device: str | torch.device = "cpu",
+        convert: bool = False,
+        overwrite: bool = False,
     ) -> None:
         self.convert = convert
-        self.model, self.accuracy = digits_classifier(cache)
+        self.model, self.accuracy = digits_classifier(cache, overwrite=overwrite)
         self.device = torch.device(device)
         self.model.to(self.device)
 
@@ -206,10 +218,12 @@ def get_extractor(
     digits_cache: str | os.PathLike | None = None,
     device: str | torch.device = "cpu",
     convert: bool = False,
+    overwrite: bool = False,
 ) -> FeatureExtractor:
-    """The feature extractor called ``name`` (one of ``EXTRACTORS``); ``convert``: see ``DigitsExtractor``."""
+    """The feature extractor called ``name`` (one of ``EXTRACTORS``); ``convert``, ``overwrite`` (of a
+    ``digits_cache`` file that is not a cache): see ``DigitsExtractor`` and ``digits_classifier``."""
     if name == "digits":
-        return DigitsExtractor(digits_cache, device, convert)
+        return DigitsExtractor(digits_cache, device, convert, overwrite)
     if name == "inception":
         return InceptionExtractor(inception_weights, device)
     raise ValueError(f"extractor must be one of {EXTRACTORS}, got {name!r}")

@@ -271,7 +271,9 @@ def plot_cluster_loss(spec: StudySpec, study_dir: Path, path: Path) -> Path:
             if recs and recs[-1].get("cluster_loss"):
                 finals.append([math.nan if v is None else v for v in recs[-1]["cluster_loss"]])
         if finals and len({len(f) for f in finals}) == 1:
-            mu = np.nanmean(np.asarray(finals, dtype=np.float64), axis=0)
+            a = np.asarray(finals, dtype=np.float64)  # (seeds, clusters); NaN: a cluster not yet trained
+            seen = np.isfinite(a).sum(0)
+            mu = np.where(seen > 0, np.nansum(a, 0) / np.maximum(seen, 1), np.nan)  # nanmean without its warning
             ax.plot(range(len(mu)), mu, marker=".", lw=1, color=_color(plt, i), label=arm.name)
     ax.set_yscale("log")
     ax.set_xlabel("timestep cluster (0 = lowest t, hardest)")

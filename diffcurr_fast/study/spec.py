@@ -131,7 +131,14 @@ def load_spec(path: str | Path) -> StudySpec:
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"study spec {str(p)!r} does not exist")
-    return check_spec(spec_from_dict(yaml.safe_load(p.read_text()) or {}, str(p)))
+    from diffcurr_fast.train.config import duplicate_keys
+
+    text = p.read_text()
+    dups = duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader))
+    if dups:
+        listed = "; ".join(f"{key!r} at lines {', '.join(map(str, lines))}" for key, lines in dups)
+        raise ValueError(f"study spec {str(p)!r} sets a key more than once (only one would count): {listed}; keep one")
+    return check_spec(spec_from_dict(yaml.safe_load(text) or {}, str(p)))
 
 
 def arm_config(spec: StudySpec, arm: Arm, seed: int, run_dir: str | Path, cpu_threads: int = 0):

@@ -4,9 +4,12 @@ TDC (arXiv 2312.13307, Sec. 3.3) asks GPT-4 for candidate allocations given the 
 whatever the user configures (``url``, ``model``, the *name* of the environment variable holding the API key); no
 request is made unless an ``LLMProposer`` is built and asked to propose. The reply must be a JSON object
 ``{"candidates": [{"heads": [...], "mlp_hidden": [...]}, ...]}`` (optionally inside one ```json fence). Replies are
-parsed strictly: anything else is counted in ``stats`` as a parse error; network errors and timeouts are counted
-too; all three give no proposals, never an exception. The allocations themselves are checked by the search (widths,
-budget, repeats), as those of every proposer.
+parsed strictly: anything else is counted in ``stats`` as a parse error and gives no proposals (the search fills
+the round from its fallback). An endpoint that gives no reply (network error, HTTP error, timeout) is counted too
+and, by default (``on_unreachable="raise"``, ``tdc.llm_fallback`` none), stops the search with
+``ProposerUnavailable``; with ``"report"`` (``tdc.llm_fallback=local``) it gives no proposals and prints, every
+round, that the round's candidates come from the fallback. The allocations themselves are checked by the search
+(widths, budget, repeats), as those of every proposer.
 """
 
 from __future__ import annotations
@@ -14,11 +17,12 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 import urllib.error
 import urllib.request
 from typing import Any
 
-from diffcurr_fast.tdc.search import SearchState
+from diffcurr_fast.tdc.search import ProposerUnavailable, SearchState
 
 __all__ = ["LLMProposer", "SYSTEM_PROMPT", "parse_reply"]
 
@@ -77,6 +81,8 @@ class LLMProposer:
         temperature: sampling temperature sent in the request.
         max_tokens: reply length limit sent in the request.
         bank_entries: how many best memory-bank entries the prompt shows.
+        on_unreachable: ``"raise"`` (``ProposerUnavailable`` when a request gets no reply) or ``"report"`` (no
+            proposals; one line on stderr per round says that the fallback proposes instead).
     """
 
     name = "llm"
@@ -91,7 +97,11 @@ class LLMProposer:
         temperature: float = 0.7,
         max_tokens: int = 2048,
         bank_entries: int = 16,
+        on_unreachable: str = "raise",
     ):
+        if on_unreachable not in ("raise", "report"):
+            raise ValueError(f"on_unreachable must be 'raise' or 'report', got {on_unreachable!r}")
+        self.on_unreachable = on_unreachable
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"url must be an http:// or https:// URL, got {url!r}")
         if not isinstance(model, str) or not model:
@@ -153,6 +163,17 @@ class LLMProposer:
         del rng  # the endpoint samples on its own
         body = self._request(state, n)
         if body is None:
+            if self.on_unreachable == "raise":
+                raise ProposerUnavailable(
+                    f"tdc.proposer 'llm': the endpoint {self.url} gave no reply ({self.last_error}); check tdc.llm_url "
+                    "and rerun with --resume (finished stages are kept), or set tdc.llm_fallback=local to let the "
+                    "local proposer fill such rounds"
+                )
+            msg = (
+                f"tdc: round {state.round}: the llm endpoint gave no reply ({self.last_error}); this round's "
+                "candidates come from the local proposer (tdc.llm_fallback=local)"
+            )
+            print(msg, file=sys.stderr, flush=True)
             return []
         try:
             return [(c["heads"], c["mlp_hidden"]) for c in parse_reply(body)]

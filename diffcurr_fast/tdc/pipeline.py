@@ -292,7 +292,12 @@ def stage1(cfg: TrainConfig, engine: Any, dataset: Any, verbose: bool, resume: b
     trainer = Trainer(cfg, engine, dataset=dataset, **_sub_run(Path(cfg.checkpoint.run_dir), resume))
     if finished:
         done = json.loads(marker.read_text())
-        summary, seconds = done["summary"], float(done["seconds"])
+        was, now = str(done["summary"]["run_dir"]), cfg.checkpoint.run_dir  # differ when the run dir was moved
+        summary = {
+            k: now + v[len(was) :] if isinstance(v, str) and v.startswith(was) else v
+            for k, v in done["summary"].items()
+        }
+        seconds = float(done["seconds"])
     else:
         summary = trainer.fit()
         seconds = time.perf_counter() - t0
@@ -323,13 +328,22 @@ def search_group(
     record (with the search's FLOPs: Taylor importance, forward + backward of the base; each candidate's recovery,
     3 x its FLOPs per sample; held-out scoring, forward only)."""
     t, (search_data, heldout) = cfg.tdc, data
-    _log(verbose, f"tdc: group {g.index} t in [{g.lo}, {g.hi}), budget {g.ratio:.3f} F: proxy search "
-                  f"({t.rounds} x {t.candidates} candidates, proposer {t.proposer!r})")  # fmt: skip
+    fallback = ", falling back to local" if t.proposer == "llm" and t.llm_fallback == "local" else ""
+    _log(
+        verbose,
+        f"tdc: group {g.index} t in [{g.lo}, {g.hi}), budget {g.ratio:.3f} F: proxy search "
+        f"({t.rounds} x {t.candidates} candidates, proposer {t.proposer!r}{fallback})",
+    )
     t0 = time.perf_counter()
     imp_batches = [search_data[i % len(search_data)] for i in range(t.importance_batches)]
     imp = importance_scores(base.model, t.importance, objective=base.objective, group=g, batches=imp_batches,
                             seed=t.seed, engine=engine)  # fmt: skip
-    llm = {"url": t.llm_url, "model": t.llm_model, "api_key_env": t.llm_api_key_env or None}
+    llm = {
+        "url": t.llm_url,
+        "model": t.llm_model,
+        "api_key_env": t.llm_api_key_env or None,
+        "on_unreachable": "report" if t.llm_fallback == "local" else "raise",
+    }
     res = proxy_search(
         base.model, g, g.flops, search_data, heldout, objective=base.objective, importance=imp,
         proposer=make_proposer(t.proposer, **(llm if t.proposer == "llm" else {})), fallback=make_proposer("local"),
@@ -342,9 +356,13 @@ def search_group(
     bsz, n_held = _search_batch_size(cfg), sum(int(x.shape[0]) for x, _ in heldout)
     imp_flops = 3.0 * base.flops * bsz * t.importance_batches if t.importance == "taylor" else 0.0
     cand_flops = sum(3.0 * c.flops * bsz * t.recover_steps + c.flops * n_held for c in res.bank.entries)
-    record = {"group": g.to_dict(), "search": str(gdir / "search.json"), "search_plot": str(gdir / "search.png"),
-              "best": dataclasses.asdict(res.best), "search_flops": imp_flops + cand_flops,
-              "search_s": time.perf_counter() - t0, "finetune_dir": str(gdir / "finetune")}  # fmt: skip
+    record = {
+        "group": g.to_dict(),
+        **_group_paths(gdir),
+        "best": dataclasses.asdict(res.best),
+        "search_flops": imp_flops + cand_flops,
+        "search_s": time.perf_counter() - t0,
+    }
     return res, record
 
 
@@ -422,7 +440,18 @@ def _load_expert(gdir: Path, device: torch.device) -> tuple[torch.nn.Module, dic
 
     with safe_open(str(path), "pt") as fh:
         meta = {k: json.loads(v) for k, v in fh.metadata().items()}
-    return _expert_from_payload(meta["config"], load_file(str(path)), meta["record"], device)
+    # the paths of the record are where the group is now (the run directory may have been moved since)
+    record = {**meta["record"], **_group_paths(gdir)}
+    return _expert_from_payload(meta["config"], load_file(str(path)), record, device)
+
+
+def _group_paths(gdir: Path) -> dict[str, str]:
+    """The files of group directory ``gdir`` that its record names."""
+    return {
+        "search": str(gdir / "search.json"),
+        "search_plot": str(gdir / "search.png"),
+        "finetune_dir": str(gdir / "finetune"),
+    }
 
 
 def accounting(

@@ -36,6 +36,7 @@ __all__ = [
     "Candidate",
     "MemoryBank",
     "Proposer",
+    "ProposerUnavailable",
     "SearchResult",
     "SearchState",
     "plot_history",
@@ -91,6 +92,10 @@ class MemoryBank:
     def to_list(self) -> list[dict[str, Any]]:
         """JSON-serializable entries."""
         return [asdict(c) for c in self.entries]
+
+
+class ProposerUnavailable(ConnectionError):
+    """A proposer that cannot answer at all (e.g. an unreachable LLM endpoint) and is not allowed to fall back."""
 
 
 @dataclass
@@ -231,9 +236,16 @@ def proxy_search(
         start, best_model = _load_state(Path(state_path), model, bank, rng, history, rejected)
     for r in range(start, rounds):
         state = SearchState.for_model(model, budget, importance, bank, r)
-        batch = _propose_round(state, proposer, fallback, n, rng, rejected) if rank == 0 else None
+        batch: Any = None
+        if rank == 0:
+            try:
+                batch = _propose_round(state, proposer, fallback, n, rng, rejected)
+            except ProposerUnavailable as exc:  # every rank stops, not only the one that asked
+                batch = exc
         if world > 1:
             batch, rejected = engine.broadcast_object((batch, rejected))
+        if isinstance(batch, ProposerUnavailable):
+            raise batch
         mine = {}  # candidate index -> (score, recovered model), this rank's share
         for j in range(rank, len(batch), world):
             mine[j] = _score_candidate(model, batch[j], group, train_batches, heldout_batches, objective, importance,

@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
               "engine.max_steps with --resume to train further")  # fmt: skip
         return 0
     from diffcurr_fast.train.engine import create_engine
-    from diffcurr_fast.train.loop import Trainer, TrainingInterrupted
+    from diffcurr_fast.train.loop import GridInterrupted, NonFiniteLossError, Trainer, TrainingInterrupted
 
     engine = create_engine(cfg.engine.kind, cfg.engine.device)
     try:
@@ -97,19 +97,32 @@ def run(args: argparse.Namespace) -> int:
                   f"run dir {trainer.run_dir}", file=sys.stderr)  # fmt: skip
         try:
             summary = trainer.fit()
+        except GridInterrupted as stop:  # training had finished: nothing to resume
+            if engine.is_main:
+                print(f"diffcurr-fast train: {stop}", file=sys.stderr)
+            return stop.exit_code
         except TrainingInterrupted as stop:
             if engine.is_main:
                 print(f"diffcurr-fast train: {stop}; resume with (under the same launcher): "
                       f"{resume_command(args)}", file=sys.stderr)  # fmt: skip
             return stop.exit_code
+        except NonFiniteLossError as exc:  # every rank took the same decision
+            if engine.is_main:
+                print(f"diffcurr-fast train: error: {exc}", file=sys.stderr)
+            return 2
     finally:
         engine.close()
     if engine.is_main:
-        print(f"done: {summary['step']} steps, final loss {summary['loss']:.4f}, {summary['nan_skips']} skipped, "
-              f"curriculum stage {summary['stage']}")  # fmt: skip
+        first = f" (the first at step {summary['first_nan_skip']})" if summary["nan_skips"] else ""
+        print(
+            f"done: {summary['step']} steps, final loss {summary['loss']:.4f}, {summary['nan_skips']} skipped"
+            f"{first}, curriculum stage {summary['stage']}"
+        )
         for key, label in (("samples", "sample grid"), ("cluster_loss_plot", "loss per cluster"),
                            ("curriculum_plot", "curriculum timeline"), ("ema", "EMA weights")):  # fmt: skip
             if key in summary:
                 print(f"  {label}: {summary[key]}")
+            elif key == "samples" and summary.get("no_samples"):
+                print(f"  sample grid: none ({summary['no_samples']})")
         print(f"  metrics: {trainer.run_dir / 'metrics.jsonl'}; checkpoints: {trainer.run_dir / 'checkpoints'}")
     return 0

@@ -60,6 +60,11 @@ LR_SCHEDULES = ("constant", "cosine")  # ``train.loop.lr_at``
 INF = math.inf
 
 
+def _an(word: str) -> str:
+    """``word`` with its indefinite article (``an edm``, ``a flow``)."""
+    return f"{'an' if word[:1] in 'aeiou' else 'a'} {word}"
+
+
 def _f(default: Any, doc: str, choices: tuple | Callable[[], tuple] | None = None, *, lo: float | None = None,
        hi: float = INF, lo_open: bool = False, hi_open: bool = False) -> Any:  # fmt: skip
     """A config field: its default, one-line doc, and its valid values (``choices``, or the range [lo, hi] with
@@ -177,7 +182,7 @@ class DiffusionConfig:
 
         preds = TRAIN_PREDICTIONS[self.formulation]
         if self.prediction not in preds:
-            raise ValueError(f"diffusion.prediction {self.prediction!r} is not a {self.formulation} target; valid "
+            raise ValueError(f"diffusion.prediction {self.prediction!r} is not {_an(self.formulation)} target; valid "
                              f"choices: {', '.join(preds)}")  # fmt: skip
 
 
@@ -268,12 +273,17 @@ class EngineConfig:
     device: str = _f("auto", "auto (cuda when available), cpu or cuda", DEVICES)
     max_steps: int = _pos(1000, "total optimizer steps (attempted steps, skipped ones included)")
     seed: int = _f(0, "global seed (each rank adds its rank)", lo=0, hi=2**63 - 1)
-    precision: str = _f("fp32", "fp32, or bf16 autocast", PRECISIONS)
+    precision: str = _f("fp32", "fp32, bf16 autocast, or auto (bf16 on a GPU that has it, fp32 on CPU)", PRECISIONS)
     tf32: bool = _f(True, "allow TF32 matmuls on GPU")
     compile: bool = _f(False, "torch.compile the model")
     grad_checkpointing: bool = _f(False, "recompute each DiT block in the backward pass")
     nan_policy: str = _f("skip", "on a non-finite loss: skip the step and count it, or stop", NAN_POLICIES)
-    max_nan_skips: int = _pos(100, "stop after this many skipped steps (skip policy)")
+    max_nan_skips: int = _pos(100, "stop after more than this many skipped steps in a row (skip policy)")
+    max_skip_share: float = _unit(
+        0.05,
+        "stop once more than this share of engine.max_steps was skipped (skip "
+        "policy; the error names the first skipped step)",
+    )
     cpu_threads: int = _f(0, "torch intra-op threads on CPU (0 = torch's default)", lo=0, hi=4096)
     retain_host_memory: bool = _f(True, "CPU: keep freed host memory in the process (glibc mallopt) so each step's "
                                   "large tensors reuse mapped pages instead of page-faulting new ones")  # fmt: skip
@@ -345,6 +355,7 @@ FULL_BUDGET_ENDS = ("hardest", "easiest")
 BASE_WEIGHTS = ("ema", "model")
 IMPORTANCE_METHODS = ("taylor", "magnitude")
 PROPOSERS = ("local", "uniform", "llm")
+LLM_FALLBACKS = ("none", "local")
 
 
 @dataclass
@@ -375,6 +386,12 @@ class TDCConfig:
     llm_url: str = _f("", "llm proposer: OpenAI-compatible endpoint (https://host/v1)")
     llm_model: str = _f("", "llm proposer: model name")
     llm_api_key_env: str = _f("", "llm proposer: NAME of the environment variable holding the API key")
+    llm_fallback: str = _f(
+        "none",
+        "llm proposer whose endpoint gives no reply: none (stop with an error) or "
+        "local (the local proposer fills the round, said on the console)",
+        LLM_FALLBACKS,
+    )
     seed: int = _nonneg(0, "seed of the data split, importance and search")
 
     def validate(self) -> None:
@@ -418,7 +435,7 @@ class TrainConfig:
                     )
             for key, sampler in (("logging.sampler", self.logging.sampler), ("eval.sampler", self.eval.sampler)):
                 if sampler not in ("euler", "heun") and (key == "logging.sampler" or self.logging.eval_every):
-                    raise ValueError(f"{key} {sampler!r} cannot sample a {d.formulation} model; valid choices: "
+                    raise ValueError(f"{key} {sampler!r} cannot sample {_an(d.formulation)} model; valid choices: "
                                      "euler, heun")  # fmt: skip
         if self.curriculum.num_clusters > self.diffusion.num_timesteps:
             raise ValueError(
@@ -655,17 +672,44 @@ def find_recipe(name: str | Path) -> Path:
                             f"name: {names})")  # fmt: skip
 
 
+def duplicate_keys(node: yaml.Node | None, prefix: str = "") -> list[tuple[str, list[int]]]:
+    """(dotted key, 1-based lines) of every key set more than once in a mapping of the composed YAML ``node``, at
+    any depth (PyYAML keeps the last one silently)."""
+    out: list[tuple[str, list[int]]] = []
+    if isinstance(node, yaml.MappingNode):
+        lines: dict[str, list[int]] = {}
+        for key, value in node.value:
+            name = f"{prefix}{key.value}" if isinstance(key, yaml.ScalarNode) else f"{prefix}{key.start_mark}"
+            lines.setdefault(name, []).append(key.start_mark.line + 1)
+            out += duplicate_keys(value, name + ".")
+        out = [(k, v) for k, v in lines.items() if len(v) > 1] + out
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            out += duplicate_keys(item, f"{prefix}{i}.")
+    return out
+
+
 def read_recipe(path: str | Path) -> dict[str, Any]:
     """The mapping in a YAML recipe, with the input paths of ``RECIPE_PATH_KEYS`` made relative to its folder;
     ValueError in one line (file, line, column) for malformed YAML."""
     p = find_recipe(path)
+    text = p.read_text()
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        dups = duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader))
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or type(exc).__name__
         raise ValueError(f"recipe {str(p)!r} is not valid YAML{where}: {problem}") from None
+    if dups:
+        listed = "; ".join(f"{key!r} at lines {', '.join(map(str, lines))}" for key, lines in dups)
+        raise ValueError(f"recipe {str(p)!r} sets a key more than once (only one would count): {listed}; keep one")
+    if not data:
+        raise ValueError(
+            f"recipe {str(p)!r} is empty; give its sections (see `diffcurr-fast train --help-config`), "
+            "or run without a recipe for the embedded demo"
+        )
     if not isinstance(data, dict):
         raise ValueError(f"recipe {str(p)!r} must be a mapping of sections, got {type(data).__name__}")
     data = _fix_floats(data)

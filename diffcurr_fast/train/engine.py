@@ -271,7 +271,8 @@ def resolve_deepspeed_config(ds: dict[str, Any], cfg: Any, world_size: int, devi
 
     train_batch_size = data.batch_size, gradient_accumulation_steps = optim.grad_accum_steps,
     train_micro_batch_size_per_gpu = batch_size / (world_size * accum), gradient_clipping = optim.grad_clip,
-    bf16.enabled = (engine.precision == "bf16" on CUDA; CPU runs fp32 master weights with bf16 autocast only).
+    bf16.enabled = (engine.precision bf16, or auto on a GPU with bf16, on CUDA; CPU runs fp32 master weights with
+    bf16 autocast only).
     A JSON value of "auto" (or a missing key) is filled; a concrete value must agree. The trainer owns the
     optimizer (AdamW, ``optim.*``) and the LR schedule: an "optimizer" or "scheduler" section, or fp16, is refused.
     """
@@ -305,9 +306,11 @@ def resolve_deepspeed_config(ds: dict[str, Any], cfg: Any, world_size: int, devi
                 f"sets the learning rate every step (optim.lr, warmup_steps, schedule)"
             )
     if out.get("fp16", {}).get("enabled") not in (None, False, "auto"):
-        raise ValueError("DeepSpeed fp16 is not supported; use engine.precision=bf16 (valid choices: fp32, bf16)")
+        raise ValueError("DeepSpeed fp16 is not supported; use engine.precision=bf16 (valid choices: fp32, bf16, auto)")
     out.pop("fp16", None)
-    bf16 = cfg.engine.precision == "bf16" and device_type == "cuda"
+    from diffcurr_fast.objective import resolve_precision
+
+    bf16 = resolve_precision(cfg.engine.precision, device_type) == "bf16" and device_type == "cuda"
     have = out.get("bf16", {}).get("enabled", "auto")
     if have != "auto" and bool(have) != bf16:
         raise ValueError(

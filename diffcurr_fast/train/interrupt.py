@@ -17,7 +17,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-__all__ = ["StopRequest", "TrainingInterrupted"]
+__all__ = ["GridInterrupted", "StopRequest", "TrainingInterrupted"]
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 REPEAT_GRACE_S = 3.0
@@ -31,6 +31,19 @@ class TrainingInterrupted(Exception):
         self.exit_code = 128 + int(signum)
         name = signal.Signals(signum).name
         super().__init__(f"{name} received: stopped at step {step}, checkpoint {checkpoint}")
+
+
+class GridInterrupted(TrainingInterrupted):
+    """A signal stopped the end-of-run sample grid: training had finished and its last checkpoint is written."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path | None):
+        super().__init__(signum, step, checkpoint)
+        name = signal.Signals(signum).name
+        self.args = (
+            f"{name} received during the end-of-run sample grid: training finished at step {step} "
+            f"(checkpoint {checkpoint}); no grid written (draw one with `diffcurr-fast sample --ckpt "
+            f"{checkpoint} --out samples.png`)",
+        )
 
 
 class StopRequest:

@@ -32,11 +32,11 @@ from diffcurr_fast.train.ema import EMA
 from diffcurr_fast.train.engine import Engine, build_optimizer, create_engine, unwrap
 from diffcurr_fast.train.evaluation import Evaluator, eval_due
 from diffcurr_fast.train.host_memory import retain_host_memory
-from diffcurr_fast.train.interrupt import StopRequest, TrainingInterrupted
+from diffcurr_fast.train.interrupt import GridInterrupted, StopRequest, TrainingInterrupted
 from diffcurr_fast.train.preflight import check_run
 from diffcurr_fast.train.report import MetricsWriter, gpu_stats, plot_cluster_losses, plot_curriculum_timeline
 from diffcurr_fast.train.rundir import open_run_dir
-from diffcurr_fast.train.sampling import build_model, sample_grid
+from diffcurr_fast.train.sampling import SamplingInterrupted, build_model, grid_unavailable, sample_grid
 
 
 class NonFiniteLossError(RuntimeError):
@@ -165,7 +165,9 @@ class Trainer:
             self.net = torch.compile(self.net)
         self.backend = d.ops_backend
         self.step = 0
-        self.nan_skips = 0
+        self.nan_skips = 0  # skipped (non-finite) steps in all, in a row, and the first one (1-based, 0 = none)
+        self.skips_in_a_row = 0
+        self.first_nan_skip = 0
         self._w_src: torch.Tensor | None = None
         self._w_dev: torch.Tensor | None = None
         self.resumed_from: Path | None = latest
@@ -214,6 +216,7 @@ class Trainer:
             self.curriculum.observe_per_timestep(k, per)
             stats["unlocked"] = self.curriculum.observe(self.step, loss.detach())
             stats["loss"] = loss.detach()
+            self.skips_in_a_row = 0
         else:
             self._skipped()
             stats["skipped"] = True
@@ -221,20 +224,40 @@ class Trainer:
         return stats
 
     def _skipped(self) -> None:
-        """Count a skipped (non-finite) step; NonFiniteLossError when the policy says stop."""
+        """Count a skipped (non-finite) step; NonFiniteLossError when the policy says stop: ``nan_policy`` stop,
+        more than ``max_nan_skips`` in a row, or more than ``max_skip_share`` of ``max_steps`` in all."""
+        e, n = self.cfg.engine, self.step + 1  # steps count from 1, as in metrics.jsonl
         self.nan_skips += 1
-        e = self.cfg.engine
-        if e.nan_policy == "stop" or self.nan_skips > e.max_nan_skips:
-            raise NonFiniteLossError(f"non-finite loss at step {self.step} (nan_policy={e.nan_policy!r}, "
-                                     f"{self.nan_skips} skipped so far, max_nan_skips={e.max_nan_skips})")  # fmt: skip
+        self.skips_in_a_row += 1
+        self.first_nan_skip = self.first_nan_skip or n
+        if e.nan_policy == "stop":
+            why = "engine.nan_policy is 'stop'"
+        elif self.skips_in_a_row > e.max_nan_skips:
+            why = f"{self.skips_in_a_row} in a row, more than engine.max_nan_skips={e.max_nan_skips}"
+        elif self.nan_skips > e.max_skip_share * e.max_steps:
+            why = f"more than engine.max_skip_share={e.max_skip_share:g} of the {e.max_steps} steps"
+        else:
+            return
+        raise NonFiniteLossError(
+            f"non-finite loss or gradient at step {n}: {self.nan_skips} step(s) skipped, the first at step "
+            f"{self.first_nan_skip} ({why}); the run diverges: lower optim.lr (now {self.cfg.optim.lr:g}) or set "
+            "optim.grad_clip"
+        )
 
     # ---- the run --------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         """Train to ``engine.max_steps``, checkpointing and logging; then the end-of-run report (rank 0)."""
         cfg, main = self.cfg, self.engine.is_main
         if self.start.mode == "finished":  # resumed at or past max_steps: nothing to train, nothing rewritten
-            return {"step": self.step, "loss": math.nan, "nan_skips": self.nan_skips, "finished": True,
-                    "stage": self.curriculum.stage, "run_dir": str(self.run_dir)}  # fmt: skip
+            return {
+                "step": self.step,
+                "loss": math.nan,
+                "nan_skips": self.nan_skips,
+                "finished": True,
+                "first_nan_skip": self.first_nan_skip,
+                "stage": self.curriculum.stage,
+                "run_dir": str(self.run_dir),
+            }
         writer = MetricsWriter(self.run_dir, cfg.logging.tensorboard) if main else None
         bar = tqdm(total=cfg.engine.max_steps, initial=self.step, disable=not (main and cfg.logging.progress),
                    dynamic_ncols=True)  # fmt: skip
@@ -277,8 +300,14 @@ class Trainer:
             bar.close()
             if writer is not None:
                 writer.close()
-        summary: dict[str, Any] = {"step": self.step, "loss": last_loss, "nan_skips": self.nan_skips,
-                                   "stage": self.curriculum.stage, "run_dir": str(self.run_dir)}  # fmt: skip
+        summary: dict[str, Any] = {
+            "step": self.step,
+            "loss": last_loss,
+            "nan_skips": self.nan_skips,
+            "first_nan_skip": self.first_nan_skip,
+            "stage": self.curriculum.stage,
+            "run_dir": str(self.run_dir),
+        }
         if main:
             summary.update(self.finish())
         self.engine.barrier()
@@ -310,9 +339,23 @@ class Trainer:
         if cfg.checkpoint.export_ema:
             out["ema"] = str(ckpt_io.export_safetensors(self.ema.module.state_dict(), self.run_dir / "ema.safetensors",
                                                         meta))  # fmt: skip
-        grid = sample_grid(self.ema.module, self.schedule, cfg, self.run_dir / "samples.png", self.device)
+        stop = StopRequest()  # Ctrl-C / SIGTERM during the grid: stop it (the final checkpoint is written)
+        try:
+            with stop:
+                grid = sample_grid(
+                    self.ema.module,
+                    self.schedule,
+                    cfg,
+                    self.run_dir / "samples.png",
+                    self.device,
+                    should_stop=lambda: stop.signum,
+                )
+        except SamplingInterrupted as exc:
+            raise GridInterrupted(exc.signum, self.step, ckpt_io.latest_checkpoint(self.run_dir)) from None
         if grid is not None:
             out["samples"] = str(grid)
+        elif cfg.logging.num_samples:  # a grid was asked for: say why there is none
+            out["no_samples"] = grid_unavailable(cfg)
         if cfg.logging.plots:
             from diffcurr_fast.train.report import read_metrics
 
@@ -348,6 +391,7 @@ class Trainer:
             "data": self._data_state(),
             "rng": self.engine.gather_objects(self._rng_state()),
             "nan_skips": self.nan_skips,
+            "nan_skip_run": [self.skips_in_a_row, self.first_nan_skip],
             "world_size": self.engine.world_size,
         }
 
@@ -381,6 +425,7 @@ class Trainer:
         self.loader.load_state_dict(data)
         self.step = int(state["step"])
         self.nan_skips = int(state["nan_skips"])
+        self.skips_in_a_row, self.first_nan_skip = (int(v) for v in state.get("nan_skip_run", (0, 0)))
         rng = state["rng"][self.engine.rank]
         torch.set_rng_state(rng["torch"])
         self.gen.set_state(rng["gen"])
@@ -457,4 +502,4 @@ def train(
             engine.close()
 
 
-__all__ = ["NonFiniteLossError", "Trainer", "TrainingInterrupted", "lr_at", "train", "unwrap"]
+__all__ = ["GridInterrupted", "NonFiniteLossError", "Trainer", "TrainingInterrupted", "lr_at", "train", "unwrap"]

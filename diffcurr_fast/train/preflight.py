@@ -26,6 +26,11 @@ def _device_type(cfg: TrainConfig):
     return "cuda" if cfg.engine.device != "cpu" and torch.cuda.is_available() else "cpu"
 
 
+# The fused ops a run calls without a backend argument (the model's fused adaLN blocks): DIFFCURR_OPS_BACKEND picks
+# theirs. The diffusion ops take ``diffusion.ops_backend``.
+ENV_OPS = ("adaln_modulate_fwd", "gated_residual_fwd")
+
+
 def check_backends(cfg: TrainConfig) -> None:
     """The engine, attention and fused-op backends asked for by name can run here."""
     import torch
@@ -48,6 +53,20 @@ def check_backends(cfg: TrainConfig) -> None:
             if reason is not None:
                 raise ValueError(
                     f"diffusion.ops_backend {d.ops_backend!r} cannot run on {dev.type}: {reason}; use auto or reference"
+                )
+    env = os.environ.get("DIFFCURR_OPS_BACKEND", "")  # ops.ENV_VAR: the backend of the ops called without one
+    if env and env != "auto":
+        from diffcurr_fast.ops._backend import CHOICES, unavailable_reason
+
+        if env not in CHOICES:
+            raise ValueError(
+                f"DIFFCURR_OPS_BACKEND={env!r} is not an ops backend; use one of {', '.join(CHOICES)}, or unset it"
+            )
+        for op in ENV_OPS if m.fused_adaln else ():
+            reason = unavailable_reason(env, op, dev)
+            if reason is not None:
+                raise ValueError(
+                    f"DIFFCURR_OPS_BACKEND={env!r} cannot run {op} on {dev.type}: {reason}; unset it or set it to auto"
                 )
     if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ImportError("logging.tensorboard is true but tensorboard is not installed: pip install tensorboard, "

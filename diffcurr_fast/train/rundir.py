@@ -8,11 +8,12 @@ layout that are left empty, so a user's ``checkpoints/my_best_model.pt`` survive
 
 Two steps, so that nothing is written before a run is known to start:
 
-- ``check_run_dir(run_dir, layout, resume=..., overwrite=..., max_steps=...)`` reads only; it refuses a
-  non-empty directory without ``--resume`` / ``--overwrite`` (except the ``config.yaml`` and empty
-  ``metrics.jsonl`` of a start that failed on its first batch, which the next start replaces), a ``--resume``
-  of a missing directory or of one without a checkpoint, and says when the run has already finished. It
-  returns a ``RunStart``.
+- ``check_run_dir(run_dir, layout, resume=..., overwrite=..., max_steps=...)`` reads only (and probes that the
+  directory can be created and written: ``check_writable``); it refuses a path under a file or on a filesystem
+  that refuses new files, a non-empty directory without ``--resume`` / ``--overwrite`` (except the
+  ``config.yaml`` and empty ``metrics.jsonl`` of a start that failed on its first batch, which the next start
+  replaces), a ``--resume`` of a missing directory or of one without a checkpoint, and says when the run has
+  already finished. It returns a ``RunStart``.
 - ``open_run_dir(start)`` (rank 0) clears the previous run's artifacts on ``--overwrite``, creates the
   directory, and on a resume truncates ``metrics.jsonl`` to the checkpoint's step (the records after it are
   written again by the resumed run).
@@ -24,6 +25,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +35,7 @@ __all__ = [
     "RunLayout",
     "RunStart",
     "check_run_dir",
+    "check_writable",
     "clear_run",
     "open_run_dir",
     "run_artifacts",
@@ -109,6 +112,7 @@ def check_run_dir(
         raise ValueError("--resume and --overwrite exclude each other")
     if run_dir.exists() and not run_dir.is_dir():
         raise FileExistsError(f"run directory {str(run_dir)!r} exists and is not a directory")
+    check_writable(run_dir)
     if resume:
         if not layout.checkpoints:
             raise ValueError(f"this kind of run cannot be resumed ({str(run_dir)!r})")
@@ -135,6 +139,33 @@ def check_run_dir(
             )
         return RunStart(run_dir, layout, "overwrite")
     return RunStart(run_dir, layout, "fresh")
+
+
+def check_writable(run_dir: Path) -> None:
+    """ValueError in one line unless ``run_dir`` can be created and written: every existing part of its path is a
+    directory, and the deepest existing one accepts a new entry (probed with an empty directory removed at once:
+    permissions alone do not tell, e.g. under /sys or on a read-only mount)."""
+    base = run_dir.absolute()
+    while not base.exists() and base != base.parent:
+        if base.is_symlink():  # a dangling link in the path
+            raise ValueError(
+                f"run directory {str(run_dir)!r} cannot be created: {str(base)!r} is a broken link; "
+                "choose another checkpoint.run_dir (--run-dir)"
+            )
+        base = base.parent
+    if not base.is_dir():
+        raise ValueError(
+            f"run directory {str(run_dir)!r} cannot be created: {str(base)!r} is a file, not a "
+            "directory; choose another checkpoint.run_dir (--run-dir)"
+        )
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write-probe-", dir=base))
+    except OSError as exc:
+        raise ValueError(
+            f"run directory {str(run_dir)!r} cannot be written: {str(base)!r} refuses new files "
+            f"({exc.strerror or type(exc).__name__}); choose another checkpoint.run_dir "
+            "(--run-dir)"
+        ) from None
 
 
 def _failed_start(run_dir: Path, layout: RunLayout) -> bool:

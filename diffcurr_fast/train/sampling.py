@@ -11,6 +11,7 @@ embedding accepts.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,7 @@ from diffcurr_fast.diffusion import (
     respace,
 )
 from diffcurr_fast.models import DiT, DTRConfig
+from diffcurr_fast.models.dit import LabelEmbedder
 
 if TYPE_CHECKING:
     from diffcurr_fast.train.config import TrainConfig
@@ -128,9 +130,18 @@ def sample(
         raise ValueError(f"unknown sampler {sampler!r}; choose one of {SAMPLERS}")
     if cfg_scale != 1.0 and not cfg_scale >= 0:
         raise ValueError(f"cfg scale must be >= 0, got {cfg_scale}")
+    if cfg_scale != 1.0 and not has_null_label(model):
+        raise ValueError(
+            f"guidance scale {cfg_scale:g} needs the null label, but this model was trained without label "
+            "dropout (model.class_dropout_prob=0); sample with --cfg 1 (logging.cfg_scale / "
+            "eval.cfg_scale 1), or train with model.class_dropout_prob > 0"
+        )
     if isinstance(schedule, (FlowFormulation, EDMFormulation)) and sampler not in ("euler", "heun"):
         kind = "flow" if isinstance(schedule, FlowFormulation) else "edm"
-        raise ValueError(f"sampler {sampler!r} cannot sample a {kind} model; valid choices: euler, heun")
+        raise ValueError(
+            f"sampler {sampler!r} cannot sample {'an' if kind == 'edm' else 'a'} {kind} model; valid "
+            "choices: euler, heun"
+        )
     if isinstance(schedule, EDMFormulation):
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be a positive int, got {steps!r}")
@@ -175,6 +186,13 @@ def sample(
     return x.clamp(-1, 1) if clip_denoised else x
 
 
+def has_null_label(model: nn.Module) -> bool:
+    """Whether every label embedding of ``model`` has the null label that classifier-free guidance needs (a DiT
+    trained with label dropout; Ho & Salimans 2022)."""
+    tables = [m for m in model.modules() if isinstance(m, LabelEmbedder)]
+    return all(t.embedding_table.num_embeddings > t.num_classes for t in tables)
+
+
 def respaced(schedule: DDPMSchedule, sampler: str, steps: int) -> tuple[DDPMSchedule, torch.Tensor]:
     """The DDPM schedule ``sample`` runs ``sampler`` (ddpm | ddim) on with ``steps`` steps, and its ``timestep_map``
     (the original timesteps the sampler visits)."""
@@ -194,18 +212,64 @@ def grid_sampler(cfg: TrainConfig) -> tuple[str, int]:
     return cfg.logging.sampler, min(cfg.logging.sample_steps, cfg.diffusion.num_timesteps)
 
 
-def sample_grid(model: nn.Module, schedule: Any, cfg: TrainConfig, path: str | Path, device: Any) -> Path | None:
-    """The end-of-run grid of ``cfg.logging`` (sampler, steps, guidance; ``num_samples`` images, labels cycling
-    through the classes) drawn from ``model`` and saved at ``path``; None when the config asks for no grid."""
+def grid_unavailable(cfg: TrainConfig) -> str | None:
+    """Why ``cfg`` gets no end-of-run grid, or None when it gets one."""
     lg, m = cfg.logging, cfg.model
-    if lg.num_samples == 0 or m.in_channels not in (1, 3):
+    if lg.num_samples == 0:
+        return "logging.num_samples is 0"
+    if m.in_channels not in (1, 3):
+        return (
+            f"the model makes {m.in_channels}-channel latents, not images; decode samples with "
+            "`diffcurr-fast sample --vae DIR`, or set logging.num_samples=0"
+        )
+    return None
+
+
+class SamplingInterrupted(Exception):
+    """A signal asked a draw to stop (``sample_grid``'s ``should_stop``); ``signum`` is the signal."""
+
+    def __init__(self, signum: int):
+        self.signum = int(signum)
+        super().__init__(f"signal {self.signum} received while sampling")
+
+
+class _Interruptible(nn.Module):
+    """``model``, raising ``SamplingInterrupted`` before a call when ``should_stop()`` returns a signal number."""
+
+    def __init__(self, model: nn.Module, should_stop: Callable[[], int | None]):
+        super().__init__()
+        self.model, self.should_stop = model, should_stop
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        signum = self.should_stop()
+        if signum is not None:
+            raise SamplingInterrupted(signum)
+        return self.model(*args)
+
+
+def sample_grid(
+    model: nn.Module,
+    schedule: Any,
+    cfg: TrainConfig,
+    path: str | Path,
+    device: Any,
+    should_stop: Callable[[], int | None] | None = None,
+) -> Path | None:
+    """The end-of-run grid of ``cfg.logging`` (sampler, steps, guidance; ``num_samples`` images, labels cycling
+    through the classes) drawn from ``model`` and saved at ``path``, with a progress bar (``logging.progress``);
+    None when there is no grid (``grid_unavailable`` says why). ``should_stop``: asked before every network call; a
+    signal number it returns stops the draw with ``SamplingInterrupted`` (nothing written)."""
+    lg, m = cfg.logging, cfg.model
+    if grid_unavailable(cfg) is not None:
         return None
     sampler, steps = grid_sampler(cfg)
+    net = model if should_stop is None else _Interruptible(model, should_stop)
     x = sample(
-        model, schedule, sampler=sampler, steps=steps,
+        net, schedule, sampler=sampler, steps=steps,
         labels=torch.arange(lg.num_samples) % m.num_classes, channels=m.in_channels, size=m.input_size,
         num_classes=m.num_classes, learn_sigma=cfg.diffusion.learn_sigma, prediction=cfg.diffusion.prediction,
         cfg_scale=lg.cfg_scale, clip_denoised=pixel_range(cfg), seed=cfg.engine.seed, device=device,
+        progress=lg.progress,
     )  # fmt: skip
     nrow = m.num_classes if m.num_classes <= 16 else None
     return save_grid(x / cfg.data.scale, path, nrow=nrow, upscale=max(1, 32 // m.input_size))
@@ -213,11 +277,12 @@ def sample_grid(model: nn.Module, schedule: Any, cfg: TrainConfig, path: str | P
 
 def _euler(den, shape, y, steps, sigma_min, sigma_max, *, num_classes, cfg_scale, seed, device, progress):
     # Euler on dx/dsigma = (x - D(x; sigma)) / sigma (EDM Eq. 3 with sigma(t) = t), Karras grid (EDM Eq. 5).
-    del progress
+    from tqdm.auto import tqdm
+
     gen = make_generator(seed, None, device)
     sigmas = karras_sigmas(steps, sigma_min, sigma_max).tolist()
     x = torch.randn(shape, generator=gen, device=device) * sigmas[0]
-    for s, s_next in zip(sigmas[:-1], sigmas[1:]):
+    for s, s_next in tqdm(list(zip(sigmas[:-1], sigmas[1:])), disable=not progress, desc="euler"):
         vec = torch.full((shape[0],), s, device=device)
         d = (x - guided_model_output(den, x, vec, y, cfg_scale, num_classes, shape[1])) / s
         x = x + (s_next - s) * d
