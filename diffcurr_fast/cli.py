@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "diffcurr_fast.tdc.cli_tdc",
         "TDC training: stage 1, proxy-pruned experts per timestep group, multi-expert bundle",
     ),
-    "analyze": ("diffcurr_fast.curriculum.cli_analyze", "difficulty analysis: kl | convergence | clusters"),
+    "analyze": ("diffcurr_fast.analysis.cli_analyze", "difficulty analysis: kl | convergence | clusters"),
     "extract-latents": ("diffcurr_fast.data.cli_extract", "encode an image dataset to latents with a local VAE"),
     "eval": ("diffcurr_fast.eval.cli_eval", "FD / IS / precision-recall of samples against reference statistics"),
     "recipes": ("diffcurr_fast.train.cli_recipes", "list the shipped recipes (train NAME runs one by name)"),

@@ -107,9 +107,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm.auto import tqdm
 
-    from diffcurr_fast.train.checkpoint import check_finite_weights, load_checkpoint, resolve_checkpoint
-    from diffcurr_fast.train.config import config_from_dict
-    from diffcurr_fast.train.sampling import (
+    from diffcurr_fast.runs.checkpoint import check_finite_weights, load_checkpoint, resolve_checkpoint
+    from diffcurr_fast.runs.config import config_from_dict
+    from diffcurr_fast.runs.sampling import (
         batch_slices,
         build_model,
         build_schedule,

@@ -16,9 +16,9 @@ from diffcurr_fast import cli_sample as sample_cli
 from diffcurr_fast.data.errors import BadDataError
 from diffcurr_fast.data.latents import FastDiTLatents, FastDiTLatentWriter, ShardedLatents, ShardedLatentWriter
 from diffcurr_fast.data.loader import ArrayDataset, load_npz
-from diffcurr_fast.train import checkpoint as ck
+from diffcurr_fast.runs import checkpoint as ck
+from diffcurr_fast.runs.config import list_recipes, load_config, recipes_dir
 from diffcurr_fast.train import cli_train
-from diffcurr_fast.train.config import list_recipes, load_config, recipes_dir
 from diffcurr_fast.train.loop import Trainer
 from diffcurr_fast.train.preflight import check_run
 
@@ -308,7 +308,7 @@ def test_tdc_groups_checked_before_training(tmp_path):
 
 # ---- sampling in batches, over ranks, in the ADM layout -----------------------------------------------------------
 def test_sample_batches_match_and_bound_the_batch(trained, tmp_path, monkeypatch):
-    from diffcurr_fast.train import sampling
+    from diffcurr_fast.runs import sampling
 
     sizes = []
     real = sampling.sample
@@ -355,13 +355,13 @@ def test_cli_parsing_does_not_import_torch(argv):
 
 
 def test_light_parsers_name_the_real_choices():
-    from diffcurr_fast.curriculum import cli_analyze as analyze_cli
+    from diffcurr_fast.analysis import cli_analyze as analyze_cli
     from diffcurr_fast.curriculum.clustering import CLUSTER_METHODS
     from diffcurr_fast.data import cli_extract, extract, latents
 
     assert analyze_cli.CLUSTER_METHODS == CLUSTER_METHODS
     from diffcurr_fast import cli_sample as sample_cli
-    from diffcurr_fast.train import sampling
+    from diffcurr_fast.runs import sampling
 
     assert sample_cli.SAMPLERS == sampling.SAMPLERS
     assert (cli_extract.LAYOUTS, cli_extract.SD_VAE_SCALE, cli_extract.LATENT_DTYPES) == (

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from diffcurr_fast.curriculum import cli_analyze as cli
-from diffcurr_fast.curriculum.difficulty import (
+from diffcurr_fast.analysis import cli_analyze as cli
+from diffcurr_fast.analysis.difficulty import (
     consecutive_kl,
     convergence_by_interval,
     gaussian_consecutive_kl,
@@ -241,7 +241,7 @@ def test_cli_convergence_fd(tmp_path, capsys, monkeypatch):
 
 def test_one_step_x0_is_exact_for_the_true_noise():
     """With a network that returns the true eps, the one-step estimate is x0 itself."""
-    from diffcurr_fast.curriculum.difficulty import one_step_x0
+    from diffcurr_fast.analysis.difficulty import one_step_x0
     from diffcurr_fast.diffusion.ddpm import DDPMSchedule
 
     sched = DDPMSchedule(50, "linear")

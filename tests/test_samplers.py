@@ -352,7 +352,7 @@ class _EDMGaussianF(torch.nn.Module):
 @pytest.mark.parametrize("kind", ["ddpm", "edm"])
 def test_checkpoint_ode_samplers_gaussian(kind, sampler, steps):
     from diffcurr_fast.diffusion import EDMFormulation
-    from diffcurr_fast.train.sampling import sample
+    from diffcurr_fast.runs.sampling import sample
 
     if kind == "ddpm":
         schedule = DDPMSchedule(1000)

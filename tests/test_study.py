@@ -12,11 +12,11 @@ import pytest
 import torch
 import yaml
 
+from diffcurr_fast.runs.config import load_config
 from diffcurr_fast.study.presets import preset_spec
 from diffcurr_fast.study.report import collect, mean_std, paired_t, summarize, write_report
 from diffcurr_fast.study.runner import read_status, run_dir_of, run_study
 from diffcurr_fast.study.spec import load_spec, spec_from_dict
-from diffcurr_fast.train.config import load_config
 from diffcurr_fast.train.loop import Trainer, train
 
 
@@ -38,7 +38,7 @@ def tiny(run_dir, *extra):
 
 
 def _weights(run_dir):
-    from diffcurr_fast.train.checkpoint import latest_checkpoint, load_checkpoint
+    from diffcurr_fast.runs.checkpoint import latest_checkpoint, load_checkpoint
 
     state = load_checkpoint(latest_checkpoint(run_dir), map_location="cpu")
     return state["model"], state["ema"]["module"]

@@ -10,6 +10,9 @@ from safetensors.torch import load_file
 
 from diffcurr_fast import cli_sample
 from diffcurr_fast.models import DiT
+from diffcurr_fast.runs.checkpoint import latest_checkpoint, load_checkpoint
+from diffcurr_fast.runs.config import TDCConfig, load_config
+from diffcurr_fast.runs.sampling import build_schedule, sample
 from diffcurr_fast.tdc import cli_tdc as tdc_cli
 from diffcurr_fast.tdc.accounting import training_flops
 from diffcurr_fast.tdc.experts import MultiExpertDenoiser
@@ -22,10 +25,7 @@ from diffcurr_fast.tdc.pipeline import (
     run_tdc,
     stage2_config,
 )
-from diffcurr_fast.train.checkpoint import latest_checkpoint, load_checkpoint
-from diffcurr_fast.train.config import TDCConfig, load_config
 from diffcurr_fast.train.loop import Trainer
-from diffcurr_fast.train.sampling import build_schedule, sample
 
 TINY = [
     "model.hidden_size=32", "model.depth=2", "model.num_heads=2", "diffusion.num_timesteps=40",
@@ -455,7 +455,7 @@ def test_tdc_end_to_end_per_formulation(tmp_path, name):
     axis, the bundle routes the network input time of every cell of a group (flow t, EDM c_noise, DDPM t) to that
     group's expert, the grid is sampled through the routing and the accounting counts the sampler's evaluations."""
     from diffcurr_fast.objective import Objective
-    from diffcurr_fast.train.sampling import build_schedule
+    from diffcurr_fast.runs.sampling import build_schedule
 
     torch.set_num_threads(1)
     run = tmp_path / "run"

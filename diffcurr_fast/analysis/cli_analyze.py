@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     paths = _prepare_out(Path(args.out), OUTPUTS[args.analysis], args.overwrite)
     if args.analysis == "clusters":
         return _run_clusters(args, schedule, paths[0])
-    from diffcurr_fast.curriculum import difficulty
+    from diffcurr_fast.analysis import difficulty
 
     x, y = difficulty.load_digits_data()
     if args.analysis == "kl":

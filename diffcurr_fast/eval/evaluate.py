@@ -60,9 +60,9 @@ def samples_from_checkpoint(
     weights is refused."""
     from tqdm.auto import tqdm
 
-    from diffcurr_fast.train.checkpoint import check_finite_weights, load_checkpoint, resolve_checkpoint
-    from diffcurr_fast.train.config import config_from_dict
-    from diffcurr_fast.train.sampling import batch_slices, build_model, build_schedule, sample_batch
+    from diffcurr_fast.runs.checkpoint import check_finite_weights, load_checkpoint, resolve_checkpoint
+    from diffcurr_fast.runs.config import config_from_dict
+    from diffcurr_fast.runs.sampling import batch_slices, build_model, build_schedule, sample_batch
 
     if num < 2:
         raise ValueError(f"--num must be >= 2 to evaluate, got {num}")

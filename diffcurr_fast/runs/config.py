@@ -35,7 +35,7 @@ def _owned(module: str, name: str, *, before: tuple = ()) -> Callable[[], tuple]
     return values
 
 
-# Every choice is defined by the module that implements it; the config only refers to it.
+# Every choice of a lower layer is defined by the module that implements it; the config only refers to it.
 MODEL_PRESETS = _owned("diffcurr_fast.models.dit", "DIT_PRESETS", before=("custom",))
 FORMULATIONS = _owned("diffcurr_fast.diffusion", "FORMULATIONS")
 PREDICTIONS = _owned("diffcurr_fast.diffusion", "ALL_PREDICTIONS")
@@ -45,16 +45,18 @@ OPS_BACKENDS = _owned("diffcurr_fast.ops._backend", "BACKENDS", before=("auto",)
 PACINGS = _owned("diffcurr_fast.curriculum.pacing", "PACINGS")
 ORDERS = _owned("diffcurr_fast.curriculum.pacing", "ORDERS")
 CLUSTER_METHODS = _owned("diffcurr_fast.curriculum.clustering", "CLUSTER_METHODS")
-DATASETS = _owned("diffcurr_fast.train.data", "DATASETS")
 DATA_BACKENDS = _owned("diffcurr_fast.data.pipeline", "BACKENDS")
 ON_BAD = _owned("diffcurr_fast.data.errors", "ON_BAD")
 ATTN_BACKENDS = _owned("diffcurr_fast.models.attention", "ATTENTION_BACKENDS")
-ENGINE_KINDS = _owned("diffcurr_fast.train.engine", "ENGINE_KINDS")
-DEVICES = _owned("diffcurr_fast.train.engine", "DEVICES")
 PRECISIONS = _owned("diffcurr_fast.objective", "PRECISIONS")
-SAMPLERS = _owned("diffcurr_fast.train.sampling", "SAMPLERS")
-OPTIM_IMPLS = _owned("diffcurr_fast.train.engine", "OPTIM_IMPLS")
-NAN_POLICIES = ("skip", "stop")  # the trainer's, read from this config only
+SAMPLERS = _owned("diffcurr_fast.runs.sampling", "SAMPLERS")
+# The trainer's choices are defined here, below it (``train`` imports them from this module).
+SHARDED_DATASETS = ("latents", "images")
+DATASETS = ("digits", "npz", *SHARDED_DATASETS)  # data.dataset: built-in, arrays, or through ShardedLoader
+ENGINE_KINDS = ("auto", "single", "ddp", "deepspeed")
+DEVICES = ("auto", "cpu", "cuda")
+OPTIM_IMPLS = ("auto", "torch", "apex")  # AdamW kernels (``train.engine.build_optimizer``)
+NAN_POLICIES = ("skip", "stop")
 LR_SCHEDULES = ("constant", "cosine")  # ``train.loop.lr_at``
 
 INF = math.inf

@@ -35,7 +35,7 @@ from diffcurr_fast.diffusion import (
 from diffcurr_fast.models import DiT, DTRConfig
 
 if TYPE_CHECKING:
-    from diffcurr_fast.train.config import TrainConfig
+    from diffcurr_fast.runs.config import TrainConfig
 
 SAMPLERS = ("ddpm", "ddim", "heun", "euler")
 

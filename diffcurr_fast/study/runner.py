@@ -174,14 +174,14 @@ def run_one(study_dir: str | Path, arm_name: str, seed: int, cpu_threads: int = 
 
 
 def _run_train(cfg: Any, run_dir: Path) -> dict[str, Any]:
+    from diffcurr_fast.runs.checkpoint import latest_checkpoint
     from diffcurr_fast.tdc.flops import dit_flops
-    from diffcurr_fast.train.checkpoint import latest_checkpoint
     from diffcurr_fast.train.loop import train
 
     resume = run_dir.is_dir() and latest_checkpoint(run_dir) is not None
     overwrite = run_dir.is_dir() and not resume  # killed before its first checkpoint: start over
     summary = train(cfg, resume=resume, overwrite=overwrite)
-    from diffcurr_fast.train.sampling import build_model
+    from diffcurr_fast.runs.sampling import build_model
 
     flops = 3.0 * dit_flops(build_model(cfg)) * cfg.data.batch_size * summary["step"]
     return {"steps": summary["step"], "train_flops": flops, "resumed": resume,
@@ -195,7 +195,7 @@ def _run_tdc(cfg: Any, run_dir: Path) -> dict[str, Any]:
     out = run_tdc(cfg, None, run_dir, overwrite=True, verbose=True)
     acc = out["accounting_data"]
     multi, bcfg = load_bundle_with_config(out["bundle"])
-    from diffcurr_fast.train.sampling import build_schedule
+    from diffcurr_fast.runs.sampling import build_schedule
 
     steps = int(acc["training"]["total_steps"])
     final = Evaluator(bcfg, run_dir)(steps, multi, build_schedule(bcfg))

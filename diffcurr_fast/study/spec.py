@@ -137,7 +137,7 @@ def load_spec(path: str | Path) -> StudySpec:
 def arm_config(spec: StudySpec, arm: Arm, seed: int, run_dir: str | Path, cpu_threads: int = 0):
     """The validated ``TrainConfig`` of run (``arm``, ``seed``): the recipe (None: the embedded digits demo) with
     ``spec.overrides`` (a tdc arm's options are its tdc section)."""
-    from diffcurr_fast.train.config import load_config
+    from diffcurr_fast.runs.config import load_config
 
     try:
         return load_config(spec.recipe, spec.overrides(arm, seed, run_dir, cpu_threads))

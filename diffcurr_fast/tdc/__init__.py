@@ -53,7 +53,7 @@ _EXPORTS: dict[str, str] = {
     "plot_history": "diffcurr_fast.tdc.search",
     "proxy_search": "diffcurr_fast.tdc.search",
     "validate_widths": "diffcurr_fast.tdc.search",
-    "TDCConfig": "diffcurr_fast.train.config",
+    "TDCConfig": "diffcurr_fast.runs.config",
 }
 __getattr__ = lazy_exports(__name__, _EXPORTS)
 

@@ -157,7 +157,7 @@ class MultiExpertDenoiser(nn.Module):
 def save_bundle(model: MultiExpertDenoiser, path: str | Path) -> Path:
     """Write ``weights.safetensors`` and ``bundle.json`` into directory ``path`` (created if needed); experts with
     NaN or inf weights are refused (``export_safetensors``)."""
-    from diffcurr_fast.train.checkpoint import export_safetensors
+    from diffcurr_fast.runs.checkpoint import export_safetensors
 
     if not isinstance(model, MultiExpertDenoiser):
         raise ValueError(f"save_bundle expects a MultiExpertDenoiser, got {type(model).__name__}")

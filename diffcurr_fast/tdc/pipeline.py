@@ -47,6 +47,9 @@ from typing import Any
 import torch
 
 from diffcurr_fast.objective import Objective
+from diffcurr_fast.runs.checkpoint import export_safetensors, latest_checkpoint
+from diffcurr_fast.runs.config import TDCConfig, TrainConfig, config_from_dict, load_config, resume_mismatches
+from diffcurr_fast.runs.sampling import build_model, grid_sampler, sample, sample_grid
 from diffcurr_fast.tdc.accounting import sampling_flops, training_flops, visited_input_times, write_json
 from diffcurr_fast.tdc.experts import MultiExpertDenoiser, load_bundle, save_bundle
 from diffcurr_fast.tdc.flops import dit_flops
@@ -55,13 +58,10 @@ from diffcurr_fast.tdc.preflight import check_tdc_run
 from diffcurr_fast.tdc.proposers import make_proposer
 from diffcurr_fast.tdc.prune import importance_scores
 from diffcurr_fast.tdc.search import SearchResult, plot_history, proxy_search
-from diffcurr_fast.train.checkpoint import export_safetensors, latest_checkpoint
-from diffcurr_fast.train.config import TDCConfig, TrainConfig, config_from_dict, load_config, resume_mismatches
 from diffcurr_fast.train.data import SHARDED_DATASETS
 from diffcurr_fast.train.engine import create_engine
 from diffcurr_fast.train.loop import Trainer, build_dataset
 from diffcurr_fast.train.rundir import RunStart, open_run_dir
-from diffcurr_fast.train.sampling import build_model, grid_sampler, sample, sample_grid
 
 __all__ = [
     "TDCOptions",

@@ -18,8 +18,8 @@ __all__ = ["check_groups", "check_tdc_run"]
 def check_groups(cfg: Any, num_groups: int, method: str = "db") -> list[tuple[int, int]]:
     """The [lo, hi) timestep ranges of ``num_groups`` groups on the schedule of ``cfg.diffusion``; ValueError
     naming ``tdc.num_groups`` when they cannot be formed (more groups than timesteps, an empty group)."""
+    from diffcurr_fast.runs.sampling import build_schedule
     from diffcurr_fast.tdc.grouping import group_timesteps
-    from diffcurr_fast.train.sampling import build_schedule
 
     t = cfg.diffusion.num_timesteps  # the cells of the difficulty axis (DDPM: its timesteps)
     if isinstance(num_groups, bool) or not isinstance(num_groups, int) or not 1 <= num_groups <= t:

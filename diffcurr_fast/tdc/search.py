@@ -310,7 +310,7 @@ def _rebuild(like, config: dict, state_dict: dict):
 
 def _save_state(path: Path, next_round: int, bank: MemoryBank, rng: random.Random, history, rejected, best) -> None:
     """The search after a round, written atomically (one file: a crash leaves the previous round's)."""
-    from diffcurr_fast.train.checkpoint import atomic_save
+    from diffcurr_fast.runs.checkpoint import atomic_save
 
     weights = None if best is None else {k: v.detach().cpu() for k, v in best.state_dict().items()}
     state = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from diffcurr_fast.train.config import list_recipes, recipes_dir
+from diffcurr_fast.runs.config import list_recipes, recipes_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from diffcurr_fast.train.config import config_to_yaml, describe_config, load_config
+from diffcurr_fast.runs.config import config_to_yaml, describe_config, load_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -18,11 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-if TYPE_CHECKING:
-    from diffcurr_fast.train.config import TrainConfig
+from diffcurr_fast.runs.config import SHARDED_DATASETS
 
-SHARDED_DATASETS = ("latents", "images")
-DATASETS = ("digits", "npz", *SHARDED_DATASETS)  # data.dataset: built-in, arrays, or through ShardedLoader
+if TYPE_CHECKING:
+    from diffcurr_fast.runs.config import TrainConfig
 
 
 class TrainBatches:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from diffcurr_fast.train.config import TrainConfig
+    from diffcurr_fast.runs.config import TrainConfig
 
 REFERENCE_FILE = "eval_reference.npz"
 
@@ -79,7 +79,7 @@ class Evaluator:
     @torch.no_grad()
     def sample(self, model: torch.nn.Module, schedule: Any) -> torch.Tensor:
         """``eval.num_samples`` images (N, C, H, W) in [-1, 1] from ``model``; the global RNG is left as it was."""
-        from diffcurr_fast.train.sampling import pixel_range, sample
+        from diffcurr_fast.runs.sampling import pixel_range, sample
 
         cfg, e, m = self.cfg, self.cfg.eval, self.cfg.model
         was_training = model.training

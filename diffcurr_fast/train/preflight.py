@@ -12,7 +12,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from diffcurr_fast.train.config import TrainConfig
+from diffcurr_fast.runs.config import TrainConfig
 from diffcurr_fast.train.rundir import TRAIN_LAYOUT, RunLayout, RunStart, check_run_dir
 
 __all__ = ["check_backends", "check_inputs", "check_run"]
