@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from diffcurr_fast import __version__
+
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("diffcurr_fast.train.cli_train", "train a diffusion model (no recipe: the embedded digits demo)"),
@@ -35,8 +37,6 @@ def _command_of(argv: list[str]) -> str | None:
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The parser; only the subcommand named in ``argv`` has its module imported (all of them when ``argv`` is
     None), so ``--help`` and argument errors do not wait for torch."""
-    from diffcurr_fast import __version__
-
     wanted = _command_of(argv) if argv is not None else None
     parser = argparse.ArgumentParser(
         prog="diffcurr-fast",

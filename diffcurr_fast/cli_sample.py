@@ -50,6 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_decoder(path: str, device):
     """The VAE of ``--vae``: a diffusers ``AutoencoderKL`` from a local directory (``diffusers`` imported lazily)."""
+    # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.data import extract
 
     try:
@@ -107,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm.auto import tqdm
 
+    # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.runs.checkpoint import check_finite_weights, load_checkpoint, resolve_checkpoint
     from diffcurr_fast.runs.config import config_from_dict
     from diffcurr_fast.runs.sampling import (
@@ -134,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
     device = dist_device or torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                                          ("cpu" if args.device == "auto" else args.device))  # fmt: skip
     if getattr(args, "bundle", None):  # a TDC bundle holds the experts' (EMA) weights and the training config
+        # imported here, not at the top: keeps --help free of torch
         from diffcurr_fast.tdc.pipeline import load_bundle_with_config
 
         if args.weights != "ema":
@@ -154,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
     vae = load_decoder(args.vae, device) if args.vae else None
     if "model" in state:  # a pruned (heterogeneous) expert's checkpoint records its own architecture
         if "model_config" in state:
+            # imported here, not at the top: keeps --help free of torch
             from diffcurr_fast.models import DiT
 
             model = DiT.from_config(state["model_config"])

@@ -83,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the analysis named by ``args.analysis``; returns 0 on success."""
     import torch
 
+    # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.curriculum.clustering import cluster_timesteps
     from diffcurr_fast.diffusion.ddpm import DDPMSchedule
 
@@ -98,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     paths = _prepare_out(Path(args.out), OUTPUTS[args.analysis], args.overwrite)
     if args.analysis == "clusters":
         return _run_clusters(args, schedule, paths[0])
+    # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.analysis import difficulty
 
     x, y = difficulty.load_digits_data()
@@ -147,6 +149,7 @@ def digits_fd(data: torch.Tensor):
     """images -> Frechet distance of their digits-classifier features to those of ``data`` (N, 1, 8, 8)."""
     import torch
 
+    # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.eval.features import get_extractor
     from diffcurr_fast.eval.metrics import feature_statistics, frechet_distance
 
@@ -163,6 +166,7 @@ def digits_fd(data: torch.Tensor):
 def _run_clusters(args: argparse.Namespace, schedule, path: Path) -> int:
     import torch
 
+    # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.curriculum.clustering import cluster_timesteps
 
     rows = []

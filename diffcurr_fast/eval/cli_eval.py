@@ -60,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--ref is required: a statistics .npz, an images .npz, or 'digits'")
     if args.samples is None and args.ckpt is None and args.save_ref is None:
         raise ValueError("nothing to do: give --samples or --ckpt to evaluate, and/or --save-ref")
+    # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.eval.evaluate import evaluate, load_images, load_reference, samples_from_checkpoint
     from diffcurr_fast.eval.features import get_extractor
 

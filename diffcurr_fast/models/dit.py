@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from diffcurr_fast.models.attention import ATTENTION_BACKENDS, attention, prepare
 from diffcurr_fast.models.dtr import DTRConfig, dtr_mask
+from diffcurr_fast.ops import adaln_modulate, gated_residual, gelu_tanh
 
 __all__ = [
     "DiT",
@@ -97,8 +98,6 @@ class Mlp(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.fc1(x)  # (N, T, hidden)
         if self.fused:
-            from diffcurr_fast.ops import gelu_tanh
-
             return self.fc2(gelu_tanh(x))  # (N, T, D)
         return self.fc2(self.act(x))  # (N, T, D)
 
@@ -260,8 +259,6 @@ class DiTBlock(nn.Module):
         return x
 
     def _fused(self, x, shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp) -> torch.Tensor:
-        from diffcurr_fast.ops import adaln_modulate, gated_residual
-
         dt = torch.promote_types(x.dtype, shift_msa.dtype)
         x = x.to(dt)
         h = self.attn(adaln_modulate(x, shift_msa.to(dt), scale_msa.to(dt), eps=_LN_EPS))  # (N, T, D)

@@ -117,6 +117,7 @@ class ModelConfig:
 
     def validate(self) -> None:
         """A preset fills the dimensions left unset; a set dimension that contradicts it is an error."""
+        # imported here, not at the top: keeps --help free of torch
         from diffcurr_fast.models.dit import DIT_PRESETS
 
         dims = DIT_PRESETS.get(self.preset, CUSTOM_DIMS)
@@ -175,6 +176,7 @@ class DiffusionConfig:
             self.fused_ops = None
         if not self.sigma_min < self.sigma_max:
             raise ValueError(f"diffusion.sigma_min {self.sigma_min} must be < diffusion.sigma_max {self.sigma_max}")
+        # imported here, not at the top: keeps --help free of torch
         from diffcurr_fast.diffusion import TRAIN_PREDICTIONS
 
         preds = TRAIN_PREDICTIONS[self.formulation]

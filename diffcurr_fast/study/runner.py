@@ -28,7 +28,14 @@ from typing import Any
 
 import yaml
 
+from diffcurr_fast.eval.features import digits_classifier
+from diffcurr_fast.runs.checkpoint import latest_checkpoint
+from diffcurr_fast.runs.sampling import build_model, build_schedule
 from diffcurr_fast.study.spec import StudySpec, arm_config, check_spec, spec_from_dict
+from diffcurr_fast.tdc.flops import dit_flops
+from diffcurr_fast.tdc.pipeline import load_bundle_with_config, run_tdc
+from diffcurr_fast.train.evaluation import Evaluator
+from diffcurr_fast.train.loop import train
 
 SPEC_FILE = "study.yaml"
 
@@ -152,8 +159,6 @@ def _gpu_count() -> int:
 def _prepare_features(spec: StudySpec) -> None:
     """Train and cache the digits classifier once, before workers would race to do it."""
     if spec.eval.get("features", "digits") == "digits":
-        from diffcurr_fast.eval.features import digits_classifier
-
         digits_classifier()
 
 
@@ -174,29 +179,18 @@ def run_one(study_dir: str | Path, arm_name: str, seed: int, cpu_threads: int = 
 
 
 def _run_train(cfg: Any, run_dir: Path) -> dict[str, Any]:
-    from diffcurr_fast.runs.checkpoint import latest_checkpoint
-    from diffcurr_fast.tdc.flops import dit_flops
-    from diffcurr_fast.train.loop import train
-
     resume = run_dir.is_dir() and latest_checkpoint(run_dir) is not None
     overwrite = run_dir.is_dir() and not resume  # killed before its first checkpoint: start over
     summary = train(cfg, resume=resume, overwrite=overwrite)
-    from diffcurr_fast.runs.sampling import build_model
-
     flops = 3.0 * dit_flops(build_model(cfg)) * cfg.data.batch_size * summary["step"]
     return {"steps": summary["step"], "train_flops": flops, "resumed": resume,
             "final": last_eval(run_dir / "metrics.jsonl")}  # fmt: skip
 
 
 def _run_tdc(cfg: Any, run_dir: Path) -> dict[str, Any]:
-    from diffcurr_fast.tdc.pipeline import load_bundle_with_config, run_tdc
-    from diffcurr_fast.train.evaluation import Evaluator
-
     out = run_tdc(cfg, None, run_dir, overwrite=True, verbose=True)
     acc = out["accounting_data"]
     multi, bcfg = load_bundle_with_config(out["bundle"])
-    from diffcurr_fast.runs.sampling import build_schedule
-
     steps = int(acc["training"]["total_steps"])
     final = Evaluator(bcfg, run_dir)(steps, multi, build_schedule(bcfg))
     _write_json(final, run_dir / "bundle_eval.json")

@@ -137,6 +137,7 @@ def load_spec(path: str | Path) -> StudySpec:
 def arm_config(spec: StudySpec, arm: Arm, seed: int, run_dir: str | Path, cpu_threads: int = 0):
     """The validated ``TrainConfig`` of run (``arm``, ``seed``): the recipe (None: the embedded digits demo) with
     ``spec.overrides`` (a tdc arm's options are its tdc section)."""
+    # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.runs.config import load_config
 
     try:
@@ -150,6 +151,7 @@ def check_spec(spec: StudySpec) -> StudySpec:
     for arm in spec.arms:
         cfg = arm_config(spec, arm, spec.seeds[0], "study-check")
         if arm.kind == "tdc":
+            # imported here, not at the top: keeps --help free of torch
             from diffcurr_fast.tdc.pipeline import resolve_config
 
             resolve_config(cfg, None)

@@ -82,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         sys.stdout.write(yaml.safe_dump({**cfg.to_dict(), "run_dir": str(run_dir)}, sort_keys=False))
         return 0
+    # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.tdc.pipeline import run_tdc
 
     out = run_tdc(cfg, None, run_dir, overwrite=args.overwrite, resume=args.resume)

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from diffcurr_fast.models import DiT
 from diffcurr_fast.objective import Objective
 from diffcurr_fast.runs.checkpoint import export_safetensors, latest_checkpoint
 from diffcurr_fast.runs.config import TDCConfig, TrainConfig, config_from_dict, load_config, resume_mismatches
@@ -405,8 +406,6 @@ def _expert_payload(expert: torch.nn.Module, record: dict[str, Any]) -> tuple[di
 
 def _expert_from_payload(config: dict, weights: dict, record: dict, device: torch.device):
     """Inverse of ``_expert_payload``: (expert on ``device``, record)."""
-    from diffcurr_fast.models import DiT
-
     expert = DiT.from_config(config)
     expert.load_state_dict(weights, strict=True)
     return expert.to(device).eval(), record

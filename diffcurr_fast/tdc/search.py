@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
+from diffcurr_fast.runs.checkpoint import atomic_save
 from diffcurr_fast.tdc.flops import default_widths, dit_flops, widths_flops
 from diffcurr_fast.tdc.proxy import proxy_loss, recover
 from diffcurr_fast.tdc.prune import Batches, Importance, prune_to_widths, unit_costs
@@ -310,8 +311,6 @@ def _rebuild(like, config: dict, state_dict: dict):
 
 def _save_state(path: Path, next_round: int, bank: MemoryBank, rng: random.Random, history, rejected, best) -> None:
     """The search after a round, written atomically (one file: a crash leaves the previous round's)."""
-    from diffcurr_fast.runs.checkpoint import atomic_save
-
     weights = None if best is None else {k: v.detach().cpu() for k, v in best.state_dict().items()}
     state = {
         "next_round": next_round,

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from diffcurr_fast.runs.checkpoint import list_checkpoints
 from diffcurr_fast.runs.config import DEVICES, ENGINE_KINDS
 
 
@@ -432,8 +433,6 @@ class DeepSpeedEngine(DDPEngine):
         self.ds.save_checkpoint(str(root), tag=tag, save_latest=False)
         self.barrier()
         if self.is_main:  # drop tags whose ckpt_<N>.pt is gone (retention) or was never written (a crash)
-            from diffcurr_fast.runs.checkpoint import list_checkpoints
-
             keep = {s for s, _ in list_checkpoints(run_dir)} | {step}
             for d in root.iterdir():
                 m = _DS_TAG.match(d.name)
