@@ -291,19 +291,19 @@ def test_shipped_recipes_by_name(tmp_path, monkeypatch, capsys):
 
 # ---- TDC: groups checked before stage 1 -------------------------------------------------------------------------
 def test_tdc_groups_checked_before_training(tmp_path):
-    from diffcurr_fast.tdc.pipeline import TDCOptions
+    from diffcurr_fast.runs.config import TDCConfig
     from diffcurr_fast.tdc.preflight import check_groups, check_tdc_run
 
     cfg = tiny(tmp_path / "x", "curriculum.pacing=none")
     with pytest.raises(ValueError, match=r"tdc.num_groups must be an int in \[1, 40\]"):
-        check_tdc_run(cfg, TDCOptions(num_groups=2000), tmp_path / "tdc")
+        check_tdc_run(cfg, TDCConfig(num_groups=2000), tmp_path / "tdc")
     assert not (tmp_path / "tdc").exists()
     assert [hi - lo > 0 for lo, hi in check_groups(cfg, 3)] == [True] * 3
     (tmp_path / "tdc").mkdir()
     (tmp_path / "tdc" / "tdc.json").write_text("{}")
     with pytest.raises(FileExistsError, match="not empty"):
-        check_tdc_run(cfg, TDCOptions(num_groups=3), tmp_path / "tdc")
-    assert check_tdc_run(cfg, TDCOptions(num_groups=3), tmp_path / "tdc", overwrite=True).mode == "overwrite"
+        check_tdc_run(cfg, TDCConfig(num_groups=3), tmp_path / "tdc")
+    assert check_tdc_run(cfg, TDCConfig(num_groups=3), tmp_path / "tdc", overwrite=True).mode == "overwrite"
 
 
 # ---- sampling in batches, over ranks, in the ADM layout -----------------------------------------------------------

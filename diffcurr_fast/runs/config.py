@@ -296,9 +296,6 @@ class LoggingConfig:
     plots: bool = _f(True, "write the per-cluster loss and curriculum timeline plots at the end")
     eval_every: int = _nonneg(0, "steps between evaluations of the EMA weights (FD etc., the eval section; 0 = off)")
 
-    def validate(self) -> None:
-        pass
-
 
 @dataclass
 class CheckpointConfig:
@@ -402,7 +399,8 @@ class TrainConfig:
             section = getattr(self, sec.name)
             for f in dataclasses.fields(section):
                 _check_field(f"{sec.name}.{f.name}", f, getattr(section, f.name), _hints(type(section))[f.name])
-            section.validate()
+            if hasattr(section, "validate"):  # the section's own cross-field rules, where it has any
+                section.validate()
         d = self.diffusion
         if d.formulation in ("flow", "edm"):
             bad = {
@@ -451,13 +449,6 @@ SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fiel
 
 
 # ---- checks -------------------------------------------------------------------------------------------
-def _section_name(section: Any) -> str:
-    for name, cls in SECTIONS.items():
-        if isinstance(section, cls):
-            return name
-    return type(section).__name__
-
-
 _HINTS: dict[type, dict[str, Any]] = {}
 
 

@@ -12,7 +12,8 @@ Study folder::
 A run with a status file is finished and kept. Any other run is started again by a worker process
 (``python -m diffcurr_fast.study.runner STUDY_DIR ARM SEED``): a train run with checkpoints resumes from the newest
 (the trainer's ``--resume``, which repeats the uninterrupted run exactly), one without starts over; a tdc run
-starts over (its pipeline has no resume). ``workers`` runs go at once, each with ``cpu_threads`` = cores // workers
+with its ``tdc.json`` resumes too (``tdc --resume``: stage 1, finished groups and search rounds are kept), one
+without starts over. ``workers`` runs go at once, each with ``cpu_threads`` = cores // workers
 and, on a machine with GPUs, one GPU per worker slot (``CUDA_VISIBLE_DEVICES``).
 """
 
@@ -188,14 +189,16 @@ def _run_train(cfg: Any, run_dir: Path) -> dict[str, Any]:
 
 
 def _run_tdc(cfg: Any, run_dir: Path) -> dict[str, Any]:
-    out = run_tdc(cfg, None, run_dir, overwrite=True, verbose=True)
+    resume = (run_dir / "tdc.json").is_file()
+    overwrite = run_dir.is_dir() and not resume  # killed before tdc.json was written: start over
+    out = run_tdc(cfg, None, run_dir, overwrite=overwrite, resume=resume, verbose=True)
     acc = out["accounting_data"]
     multi, bcfg = load_bundle_with_config(out["bundle"])
     steps = int(acc["training"]["total_steps"])
     final = Evaluator(bcfg, run_dir)(steps, multi, build_schedule(bcfg))
     _write_json(final, run_dir / "bundle_eval.json")
     sampling = {k: v["multi_expert_flops_per_image"] for k, v in acc["sampling"].items()}
-    return {"steps": steps, "train_flops": acc["training"]["tdc_flops"],
+    return {"steps": steps, "train_flops": acc["training"]["tdc_flops"], "resumed": resume,
             "train_flops_with_search": acc["training"]["tdc_flops_with_search"],
             "single_model_flops": acc["training"]["single_model_flops"], "sampling_flops_per_image": sampling,
             "base_sampling_flops_per_image": {k: v["base_flops_per_image"] for k, v in acc["sampling"].items()},

@@ -65,23 +65,12 @@ from diffcurr_fast.train.loop import Trainer, build_dataset
 from diffcurr_fast.train.rundir import RunStart, open_run_dir
 
 __all__ = [
-    "TDCOptions",
     "format_accounting",
     "load_bundle_with_config",
-    "options_from_dict",
     "resolve_config",
     "run_tdc",
     "stage2_config",
 ]
-
-TDCOptions = TDCConfig  # the tdc section of the training config, under its former name
-
-
-def options_from_dict(data: dict[str, Any] | None, base: TDCConfig | None = None) -> TDCConfig:
-    """``TDCConfig`` from ``data`` over ``base`` (default: the defaults), parsed and validated as the ``tdc``
-    section of a training config (unknown keys, wrong types and invalid values raise ValueError)."""
-    cfg = TrainConfig(tdc=copy.deepcopy(base) if base is not None else TDCConfig())
-    return config_from_dict({"tdc": data or {}}, cfg).tdc
 
 
 def resolve_config(cfg: TrainConfig | dict[str, Any] | str | Path, options: TDCConfig | dict | None) -> TrainConfig:
