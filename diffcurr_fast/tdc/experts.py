@@ -23,8 +23,8 @@ import torch
 import torch.nn as nn
 
 from diffcurr_fast.curriculum.clustering import check_clusters
+from diffcurr_fast.diffusion.samplers import guided_forward
 from diffcurr_fast.models import DiT
-from diffcurr_fast.models.dit import guided_forward
 from diffcurr_fast.runs.checkpoint import export_safetensors
 from diffcurr_fast.tdc.flops import dit_flops
 
