@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Bottom-up. A unit (a subpackage, or a top-level module) may import its own modules and units of lower layers only.
 LAYERS: list[tuple[str, ...]] = [
-    ("", "_C", "_lazy", "kernels", "recipes"),  # the face (__version__), the C++ extension, lazy exports, Triton, YAML
+    ("", "_C", "_files", "_lazy", "kernels", "recipes"),  # the face, the C++ extension, JSON files, lazy exports,
+    # Triton kernels, YAML recipes
     ("diffusion", "data", "curriculum"),  # schedules and formulations; datasets and loaders; clustering and pacing
     ("ops",),  # fused ops and their backend dispatch
     ("models", "objective", "timesteps"),  # the DiT; the training objective; timestep strategies

@@ -12,7 +12,8 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import json
+
+from diffcurr_fast._files import write_json
 
 # The evaluation modules (torch) are imported in run(): `diffcurr-fast eval --help` stays instant. The names of
 # features.EXTRACTORS (a test keeps the two equal):
@@ -88,6 +89,5 @@ def run(args: argparse.Namespace) -> int:
     for line in result.lines():
         print(line)
     if args.json is not None:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result.as_dict(), f, indent=1)
+        write_json(result.as_dict(), args.json, indent=1)
     return 0

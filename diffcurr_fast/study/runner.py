@@ -29,6 +29,7 @@ from typing import Any
 
 import yaml
 
+from diffcurr_fast._files import write_json
 from diffcurr_fast.eval.features import digits_classifier
 from diffcurr_fast.runs.checkpoint import latest_checkpoint
 from diffcurr_fast.runs.sampling import build_model, build_schedule
@@ -37,6 +38,7 @@ from diffcurr_fast.tdc.flops import dit_flops
 from diffcurr_fast.tdc.pipeline import load_bundle_with_config, run_tdc
 from diffcurr_fast.train.evaluation import Evaluator
 from diffcurr_fast.train.loop import train
+from diffcurr_fast.train.report import read_metrics
 
 SPEC_FILE = "study.yaml"
 
@@ -52,13 +54,6 @@ def status_path(study_dir: Path, arm: str, seed: int) -> Path:
 def read_status(study_dir: Path, arm: str, seed: int) -> dict[str, Any] | None:
     p = status_path(study_dir, arm, seed)
     return json.loads(p.read_text()) if p.is_file() else None
-
-
-def _write_json(data: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
 
 
 def prepare_study(spec: StudySpec, study_dir: str | Path) -> Path:
@@ -175,7 +170,7 @@ def run_one(study_dir: str | Path, arm_name: str, seed: int, cpu_threads: int = 
     out = _run_tdc(cfg, run_dir) if arm.kind == "tdc" else _run_train(cfg, run_dir)
     status = {"arm": arm.name, "seed": seed, "kind": arm.kind, "run_dir": str(run_dir.relative_to(study_dir)),
               "wall_s": time.perf_counter() - t0, **out}  # fmt: skip
-    _write_json(status, status_path(study_dir, arm.name, seed))
+    write_json(status, status_path(study_dir, arm.name, seed), indent=1)
     return status
 
 
@@ -196,7 +191,7 @@ def _run_tdc(cfg: Any, run_dir: Path) -> dict[str, Any]:
     multi, bcfg = load_bundle_with_config(out["bundle"])
     steps = int(acc["training"]["total_steps"])
     final = Evaluator(bcfg, run_dir)(steps, multi, build_schedule(bcfg))
-    _write_json(final, run_dir / "bundle_eval.json")
+    write_json(final, run_dir / "bundle_eval.json", indent=1)
     sampling = {k: v["multi_expert_flops_per_image"] for k, v in acc["sampling"].items()}
     return {"steps": steps, "train_flops": acc["training"]["tdc_flops"], "resumed": resume,
             "train_flops_with_search": acc["training"]["tdc_flops_with_search"],
@@ -216,21 +211,10 @@ def eval_records(path: Path) -> list[dict[str, Any]]:
     if not Path(path).is_file():
         return []
     by_step: dict[int, dict[str, Any]] = {}
-    for rec in read_records(path):
+    for rec in read_metrics(path):
         if rec.get("eval"):
             by_step[int(rec["step"])] = rec
     return [by_step[s] for s in sorted(by_step)]
-
-
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl; a line cut short by a killed process is skipped."""
-    out = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,6 @@ _EXPORTS: dict[str, str] = {
     "sampling_flops": "diffcurr_fast.tdc.accounting",
     "visited_input_times": "diffcurr_fast.tdc.accounting",
     "training_flops": "diffcurr_fast.tdc.accounting",
-    "write_json": "diffcurr_fast.tdc.accounting",
     "COMPILE_MODES": "diffcurr_fast.tdc.experts",
     "MultiExpertDenoiser": "diffcurr_fast.tdc.experts",
     "load_bundle": "diffcurr_fast.tdc.experts",
@@ -102,5 +101,4 @@ __all__ = [
     "unit_costs",
     "validate_widths",
     "widths_flops",
-    "write_json",
 ]

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from diffcurr_fast._files import write_json
 from diffcurr_fast.curriculum.clustering import check_clusters
 from diffcurr_fast.diffusion.samplers import guided_forward
 from diffcurr_fast.models import DiT
@@ -180,7 +181,7 @@ def save_bundle(model: MultiExpertDenoiser, path: str | Path) -> Path:
         "groups": model.groups,
         "input_edges": None if model.input_edges is None else model.input_edges.tolist(),
     }
-    (path / "bundle.json").write_text(json.dumps(meta, indent=2))
+    write_json(meta, path / "bundle.json")
     return path
 
 

@@ -46,12 +46,13 @@ from typing import Any
 
 import torch
 
+from diffcurr_fast._files import write_json
 from diffcurr_fast.models import DiT
 from diffcurr_fast.objective import Objective
 from diffcurr_fast.runs.checkpoint import export_safetensors, latest_checkpoint
 from diffcurr_fast.runs.config import TDCConfig, TrainConfig, config_from_dict, load_config, resume_mismatches
 from diffcurr_fast.runs.sampling import build_model, grid_sampler, sample, sample_grid
-from diffcurr_fast.tdc.accounting import sampling_flops, training_flops, visited_input_times, write_json
+from diffcurr_fast.tdc.accounting import sampling_flops, training_flops, visited_input_times
 from diffcurr_fast.tdc.experts import MultiExpertDenoiser, load_bundle, save_bundle
 from diffcurr_fast.tdc.flops import dit_flops
 from diffcurr_fast.tdc.grouping import TimestepGroup, make_groups
