@@ -3,6 +3,7 @@ labels, NaN data, corrupt files, backends asked for by name, tensorboard, recipe
 multi-rank sampling, lazy imports. docs/errors.md lists what each input gets."""
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -147,8 +148,9 @@ def test_eval_refuses_mismatched_shapes(tmp_path, capsys):
     base = ["--samples", str(tmp_path / "rgb.npz"), "--ref", "digits", "--digits-cache", str(tmp_path / "d.pt")]
     with pytest.raises(ValueError, match="takes 1x8x8 images, got 3x16x16; pass --convert"):
         cli_eval.run(p.parse_args(base))
-    assert cli_eval.run(p.parse_args([*base, "--convert"])) == 0
+    assert cli_eval.run(p.parse_args([*base, "--convert", "--json", str(tmp_path / "out" / "r.json")])) == 0
     assert "FD: " in capsys.readouterr().out
+    assert "fd" in json.loads((tmp_path / "out" / "r.json").read_text())
 
 
 # ---- item 12: clear errors ---------------------------------------------------------------------------------
