@@ -101,8 +101,9 @@ def run(args: argparse.Namespace) -> int:
         return _run_clusters(args, schedule, paths[0])
     # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.analysis import difficulty
+    from diffcurr_fast.data.builtin import load_digits_tensors
 
-    x, y = difficulty.load_digits_data()
+    x, y = load_digits_tensors()
     if args.analysis == "kl":
         points = min(args.points, args.num_timesteps - 1)
         ts = torch.linspace(0, args.num_timesteps - 2, points).round().long().unique()
