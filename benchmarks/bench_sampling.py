@@ -31,6 +31,7 @@ import common  # noqa: E402
 
 from diffcurr_fast.diffusion import DDPMSchedule, EDMFormulation, FlowFormulation  # noqa: E402
 from diffcurr_fast.models import DiT, create_dit  # noqa: E402
+from diffcurr_fast.runs.sampling import sample  # noqa: E402
 from diffcurr_fast.tdc import (  # noqa: E402
     COMPILE_MODES,
     MultiExpertDenoiser,
@@ -41,7 +42,6 @@ from diffcurr_fast.tdc import (  # noqa: E402
     sampling_flops,
     visited_input_times,
 )
-from diffcurr_fast.train.sampling import sample  # noqa: E402
 
 CSV = common.RESULTS_DIR / "tdc_sampling.csv"
 COLUMNS = ["machine", "date", "torch", "git_rev", "model", "formulation", "sampler", "groups", "k", "steps", "batch"]

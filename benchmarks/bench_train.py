@@ -52,8 +52,8 @@ import common  # noqa: E402
 import step_breakdown as sb  # noqa: E402
 
 from diffcurr_fast.data.loader import ArrayDataset  # noqa: E402
+from diffcurr_fast.runs.config import load_config  # noqa: E402
 from diffcurr_fast.tdc.flops import dit_flops  # noqa: E402
-from diffcurr_fast.train.config import load_config  # noqa: E402
 
 COLUMNS = ["provider", "model", "batch", "precision", "device", "ms_median", "ms_p20", "ms_p80", "img_per_s",
            "model_tflop_s", "mfu_pct", "machine", "date", "torch", "git_rev"]  # fmt: skip
@@ -204,8 +204,8 @@ def compiled_step(args: argparse.Namespace) -> list[dict[str, object]]:
 
     import diffcurr_fast.ops as ops
     from diffcurr_fast.diffusion import DDPMSchedule
+    from diffcurr_fast.runs.sampling import build_model
     from diffcurr_fast.train.host_memory import retain_host_memory
-    from diffcurr_fast.train.sampling import build_model
 
     cfg = load_config(args.recipe, [f"data.batch_size={args.batch}", f"engine.device={args.device}", *args.overrides])
     if cfg.engine.retain_host_memory:

@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from diffcurr_fast import __version__
+
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("diffcurr_fast.train.cli_train", "train a diffusion model (no recipe: the embedded digits demo)"),
@@ -18,7 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "diffcurr_fast.tdc.cli_tdc",
         "TDC training: stage 1, proxy-pruned experts per timestep group, multi-expert bundle",
     ),
-    "analyze": ("diffcurr_fast.curriculum.cli_analyze", "difficulty analysis: kl | convergence | clusters"),
+    "analyze": ("diffcurr_fast.analysis.cli_analyze", "difficulty analysis: kl | convergence | clusters"),
     "extract-latents": ("diffcurr_fast.data.cli_extract", "encode an image dataset to latents with a local VAE"),
     "eval": ("diffcurr_fast.eval.cli_eval", "FD / IS / precision-recall of samples against reference statistics"),
     "recipes": ("diffcurr_fast.train.cli_recipes", "list the shipped recipes (train NAME runs one by name)"),
@@ -35,8 +37,6 @@ def _command_of(argv: list[str]) -> str | None:
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The parser; only the subcommand named in ``argv`` has its module imported (all of them when ``argv`` is
     None), so ``--help`` and argument errors do not wait for torch."""
-    from diffcurr_fast import __version__
-
     wanted = _command_of(argv) if argv is not None else None
     parser = argparse.ArgumentParser(
         prog="diffcurr-fast",

@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-# torch is imported inside the functions, so --help stays instant; the names are train.sampling's (tested)
+# torch is imported inside the functions, so --help stays instant; the names are runs.sampling's (tested)
 SAMPLERS = ("ddpm", "ddim", "heun", "euler")
 
 
@@ -46,32 +46,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--vae", default=None, help="latent models: decode the samples with this diffusers AutoencoderKL directory"
     )
     parser.add_argument("--vae-batch", type=int, default=16, help="samples per VAE decode call (default: 16)")
-
-
-def load_decoder(path: str, device):
-    """The VAE of ``--vae``: a diffusers ``AutoencoderKL`` from a local directory (``diffusers`` imported lazily)."""
-    from diffcurr_fast.data import extract
-
-    try:
-        return extract.load_vae(path, device)
-    except ImportError:
-        raise ImportError("sample --vae needs diffusers to decode latents: pip install diffusers") from None
-
-
-def decode_latents(vae, z, batch: int = 16):
-    """Images (N, 3, 8H, 8W) in [-1, 1] from unscaled latents z (N, C, H, W): ``vae.decode(z).sample``, clipped."""
-    import torch
-
-    if batch < 1:
-        raise ValueError(f"--vae-batch must be >= 1, got {batch}")
-    params = next(iter(vae.parameters()), None) if hasattr(vae, "parameters") else None
-    dev, dt = (params.device, params.dtype) if params is not None else (z.device, z.dtype)
-    outs = []
-    with torch.no_grad():
-        for chunk in z.split(batch):
-            out = vae.decode(chunk.to(dev, dt))
-            outs.append(getattr(out, "sample", out).float().clamp(-1, 1).cpu())  # (b, 3, 8H, 8W)
-    return torch.cat(outs)
 
 
 def _distributed() -> tuple[int, int, Any]:
@@ -107,9 +81,11 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm.auto import tqdm
 
-    from diffcurr_fast.train.checkpoint import check_finite_weights, load_checkpoint, resolve_checkpoint
-    from diffcurr_fast.train.config import config_from_dict
-    from diffcurr_fast.train.sampling import (
+    # imported here, not at the top: keeps --help free of torch
+    from diffcurr_fast.data.extract import decode_latents, load_decoder
+    from diffcurr_fast.runs.checkpoint import check_finite_weights, load_checkpoint, resolve_checkpoint
+    from diffcurr_fast.runs.config import config_from_dict
+    from diffcurr_fast.runs.sampling import (
         batch_slices,
         build_model,
         build_schedule,
@@ -139,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
     device = dist_device or torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                                          ("cpu" if args.device == "auto" else args.device))  # fmt: skip
     if getattr(args, "bundle", None):  # a TDC bundle holds the experts' (EMA) weights and the training config
+        # imported here, not at the top: keeps --help free of torch
         from diffcurr_fast.tdc.pipeline import load_bundle_with_config
 
         if args.weights != "ema":
@@ -159,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
     vae = load_decoder(args.vae, device) if args.vae else None
     if "model" in state:  # a pruned (heterogeneous) expert's checkpoint records its own architecture
         if "model_config" in state:
+            # imported here, not at the top: keeps --help free of torch
             from diffcurr_fast.models import DiT
 
             model = DiT.from_config(state["model_config"])

@@ -19,6 +19,11 @@ from collections.abc import Callable
 
 import torch
 
+from diffcurr_fast import __version__, ops
+from diffcurr_fast.models.attention import available_backends, flash_attn_reason
+from diffcurr_fast.ops import _backend
+from diffcurr_fast.train.engine import apex_fused_adam
+
 # public op -> the name its backends are registered under (diffcurr_fast.ops._backend)
 OPS = {
     "philox_randn": "randn_like",
@@ -50,8 +55,6 @@ def _version(names: tuple[str, ...]) -> str | None:
 
 def versions() -> dict[str, str]:
     """Library versions (``-`` when absent); NVIDIA apex only when it is NVIDIA's (has FusedAdam)."""
-    from diffcurr_fast.train.engine import apex_fused_adam
-
     out = {"python": platform.python_version(), "diffcurr_fast": _pkg_version()}
     for shown, names in PACKAGES.items():
         out[shown] = _version(names) or "-"
@@ -61,8 +64,6 @@ def versions() -> dict[str, str]:
 
 
 def _pkg_version() -> str:
-    from diffcurr_fast import __version__
-
     return __version__
 
 
@@ -84,8 +85,6 @@ def describe_device(device: torch.device) -> str:
 
 def backend_table() -> list[tuple[str, str, str, str]]:
     """(device, op, backend, 'available' or the reason it is not) for every op, device and backend."""
-    from diffcurr_fast.ops import _backend
-
     rows = []
     for device in devices():
         for op, reg in OPS.items():
@@ -121,9 +120,6 @@ def selected_backends() -> tuple[str, list[tuple[str, str, str]]]:
 
 def implementations() -> dict[str, str]:
     """Attention backends and the AdamW implementation the trainer would use."""
-    from diffcurr_fast.models.attention import available_backends, flash_attn_reason
-    from diffcurr_fast.train.engine import apex_fused_adam
-
     reason = flash_attn_reason()
     return {
         "attention": ", ".join(available_backends()) + ("" if reason is None else f" (flash_attn: {reason})"),
@@ -159,8 +155,6 @@ def _run(fn: Callable, args: list[torch.Tensor], grad_out: torch.Tensor | None):
 
 def _cases(device: torch.device, dtype: torch.dtype, backend: str):
     """(op, shape label, fn(backend) -> callable, args, grad_out) of the check; args on ``device``."""
-    from diffcurr_fast import ops
-
     g = torch.Generator().manual_seed(0)
 
     def r(*shape, dt=dtype):
@@ -214,8 +208,6 @@ def check(device_filter: str | None = None) -> tuple[list[tuple], bool]:
     """Run every op on every available non-reference backend of every device against the float64 reference.
 
     Returns (rows (device, op, backend, dtype, shapes, max error / tolerance, status), all passed)."""
-    from diffcurr_fast.ops import _backend
-
     rows, ok = [], True
     for device in devices():
         if device_filter and not str(device).startswith(device_filter):

@@ -10,7 +10,7 @@ For a batch x0 (B, C, H, W), cells k (B,) on the formulation's difficulty axis a
 
 in the spirit of NVlabs/edm ``training/loss.py``: the formulation owns its equations (DDPM, EDM, flow) and this
 module never asks which one it has. The trainer (``train.loop``), TDC (importance, proxy recovery and scoring,
-fine-tuning) and the difficulty analysis (``curriculum.difficulty``) all call it; ``fit_steps`` is the plain
+fine-tuning) and the difficulty analysis (``analysis.difficulty``) all call it; ``fit_steps`` is the plain
 AdamW loop the short fine-tunes share. The fused ops' ``reference`` backend is the pure-torch definition of the
 same computation (``diffusion.ops_backend``), not a separate code path.
 """

@@ -3,6 +3,7 @@ labels, NaN data, corrupt files, backends asked for by name, tensorboard, recipe
 multi-rank sampling, lazy imports. docs/errors.md lists what each input gets."""
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -16,9 +17,9 @@ from diffcurr_fast import cli_sample as sample_cli
 from diffcurr_fast.data.errors import BadDataError
 from diffcurr_fast.data.latents import FastDiTLatents, FastDiTLatentWriter, ShardedLatents, ShardedLatentWriter
 from diffcurr_fast.data.loader import ArrayDataset, load_npz
-from diffcurr_fast.train import checkpoint as ck
+from diffcurr_fast.runs import checkpoint as ck
+from diffcurr_fast.runs.config import list_recipes, load_config, recipes_dir
 from diffcurr_fast.train import cli_train
-from diffcurr_fast.train.config import list_recipes, load_config, recipes_dir
 from diffcurr_fast.train.loop import Trainer
 from diffcurr_fast.train.preflight import check_run
 
@@ -147,8 +148,9 @@ def test_eval_refuses_mismatched_shapes(tmp_path, capsys):
     base = ["--samples", str(tmp_path / "rgb.npz"), "--ref", "digits", "--digits-cache", str(tmp_path / "d.pt")]
     with pytest.raises(ValueError, match="takes 1x8x8 images, got 3x16x16; pass --convert"):
         cli_eval.run(p.parse_args(base))
-    assert cli_eval.run(p.parse_args([*base, "--convert"])) == 0
+    assert cli_eval.run(p.parse_args([*base, "--convert", "--json", str(tmp_path / "out" / "r.json")])) == 0
     assert "FD: " in capsys.readouterr().out
+    assert "fd" in json.loads((tmp_path / "out" / "r.json").read_text())
 
 
 # ---- item 12: clear errors ---------------------------------------------------------------------------------
@@ -291,24 +293,24 @@ def test_shipped_recipes_by_name(tmp_path, monkeypatch, capsys):
 
 # ---- TDC: groups checked before stage 1 -------------------------------------------------------------------------
 def test_tdc_groups_checked_before_training(tmp_path):
-    from diffcurr_fast.tdc.pipeline import TDCOptions
+    from diffcurr_fast.runs.config import TDCConfig
     from diffcurr_fast.tdc.preflight import check_groups, check_tdc_run
 
     cfg = tiny(tmp_path / "x", "curriculum.pacing=none")
     with pytest.raises(ValueError, match=r"tdc.num_groups must be an int in \[1, 40\]"):
-        check_tdc_run(cfg, TDCOptions(num_groups=2000), tmp_path / "tdc")
+        check_tdc_run(cfg, TDCConfig(num_groups=2000), tmp_path / "tdc")
     assert not (tmp_path / "tdc").exists()
     assert [hi - lo > 0 for lo, hi in check_groups(cfg, 3)] == [True] * 3
     (tmp_path / "tdc").mkdir()
     (tmp_path / "tdc" / "tdc.json").write_text("{}")
     with pytest.raises(FileExistsError, match="not empty"):
-        check_tdc_run(cfg, TDCOptions(num_groups=3), tmp_path / "tdc")
-    assert check_tdc_run(cfg, TDCOptions(num_groups=3), tmp_path / "tdc", overwrite=True).mode == "overwrite"
+        check_tdc_run(cfg, TDCConfig(num_groups=3), tmp_path / "tdc")
+    assert check_tdc_run(cfg, TDCConfig(num_groups=3), tmp_path / "tdc", overwrite=True).mode == "overwrite"
 
 
 # ---- sampling in batches, over ranks, in the ADM layout -----------------------------------------------------------
 def test_sample_batches_match_and_bound_the_batch(trained, tmp_path, monkeypatch):
-    from diffcurr_fast.train import sampling
+    from diffcurr_fast.runs import sampling
 
     sizes = []
     real = sampling.sample
@@ -355,13 +357,13 @@ def test_cli_parsing_does_not_import_torch(argv):
 
 
 def test_light_parsers_name_the_real_choices():
-    from diffcurr_fast.curriculum import cli_analyze as analyze_cli
+    from diffcurr_fast.analysis import cli_analyze as analyze_cli
     from diffcurr_fast.curriculum.clustering import CLUSTER_METHODS
     from diffcurr_fast.data import cli_extract, extract, latents
 
     assert analyze_cli.CLUSTER_METHODS == CLUSTER_METHODS
     from diffcurr_fast import cli_sample as sample_cli
-    from diffcurr_fast.train import sampling
+    from diffcurr_fast.runs import sampling
 
     assert sample_cli.SAMPLERS == sampling.SAMPLERS
     assert (cli_extract.LAYOUTS, cli_extract.SD_VAE_SCALE, cli_extract.LATENT_DTYPES) == (

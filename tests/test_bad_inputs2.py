@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from diffcurr_fast import cli
-from diffcurr_fast.train.config import load_config, read_recipe
+from diffcurr_fast.runs.config import load_config, read_recipe
 from diffcurr_fast.train.loop import Trainer
 from diffcurr_fast.train.preflight import check_run
 
@@ -206,7 +206,7 @@ class _FakeVAE(torch.nn.Module):
 
 
 def test_eval_vae_decodes_latents_and_their_absence_is_named(tmp_path, capsys, digits_cache, monkeypatch):
-    from diffcurr_fast import cli_sample
+    from diffcurr_fast.data import extract
 
     z = torch.randn(40, 4, 8, 8, generator=torch.Generator().manual_seed(0)) * 300  # a latent model's 'x'
     np.savez(tmp_path / "lat.npz", x=z.numpy(), y=np.arange(40) % 10)
@@ -219,7 +219,7 @@ def test_eval_vae_decodes_latents_and_their_absence_is_named(tmp_path, capsys, d
     )
     assert rc == 2 and "must be in [-1, 1]" in err and "--vae" in err, err
     seen = {}
-    monkeypatch.setattr(cli_sample, "load_decoder", lambda path, device: seen.setdefault(path, _FakeVAE()))
+    monkeypatch.setattr(extract, "load_decoder", lambda path, device: seen.setdefault(path, _FakeVAE()))
     capsys.readouterr()
     assert cli.main([*base, "--vae", "my_vae", "--json", str(tmp_path / "r.json")]) == 0
     assert "my_vae" in seen and "decoded 40 latents" in capsys.readouterr().out
@@ -314,7 +314,7 @@ def test_guidance_without_a_null_label_says_so(no_dropout_run, tmp_path, capsys)
 
 
 def test_sampler_errors_use_the_right_article():
-    from diffcurr_fast.train.config import demo_config
+    from diffcurr_fast.runs.config import demo_config
 
     with pytest.raises(ValueError, match="is not an edm target"):
         load_config(
@@ -404,7 +404,7 @@ def test_ctrl_c_during_the_grid_stops_it(tmp_path):
 # ---- precision auto: the shipped recipes train in bf16 on a GPU that has it, fp32 on CPU ----------------------
 def test_precision_auto_is_fp32_on_cpu_and_recipes_use_it():
     from diffcurr_fast.objective import Objective, resolve_precision
-    from diffcurr_fast.train.config import list_recipes
+    from diffcurr_fast.runs.config import list_recipes
     from diffcurr_fast.train.engine import resolve_deepspeed_config
 
     assert resolve_precision("auto", "cpu") == "fp32" and resolve_precision("bf16", "cpu") == "bf16"
@@ -424,8 +424,8 @@ def test_precision_auto_is_fp32_on_cpu_and_recipes_use_it():
 
 # ---- small ones ---------------------------------------------------------------------------------------------
 def test_recipes_lists_whole_first_sentences(capsys, tmp_path):
+    from diffcurr_fast.runs.config import list_recipes
     from diffcurr_fast.train import cli_recipes
-    from diffcurr_fast.train.config import list_recipes
 
     rc, _ = _main(capsys, "recipes")
     capsys.readouterr()

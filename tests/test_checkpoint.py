@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from diffcurr_fast.train import checkpoint as ck
-from diffcurr_fast.train.config import load_config
+from diffcurr_fast.runs import checkpoint as ck
+from diffcurr_fast.runs.config import load_config
 from diffcurr_fast.train.loop import Trainer, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -114,7 +114,7 @@ def test_killed_process_leaves_resumable_run(tmp_path):
     train(tiny(run, "engine.max_steps=2", "checkpoint.every=2"))
     code = (
         "import os, torch, sys\n"
-        "from diffcurr_fast.train import checkpoint as ck\n"
+        "from diffcurr_fast.runs import checkpoint as ck\n"
         "orig = torch.save\n"
         "def slow(obj, fh):\n"
         "    fh.write(b'partial'); fh.flush(); os.kill(os.getpid(), 9)\n"

@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from diffcurr_fast.train import cli_train
-from diffcurr_fast.train.config import (
+from diffcurr_fast.runs.config import (
     SECTIONS,
     TrainConfig,
     config_from_dict,
@@ -18,6 +17,7 @@ from diffcurr_fast.train.config import (
     parse_override,
     resume_mismatches,
 )
+from diffcurr_fast.train import cli_train
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
 
@@ -182,7 +182,7 @@ def test_help_config_lists_keys(capsys):
 
 def test_preset_fills_dimensions_and_a_contradiction_is_an_error(tmp_path):
     """The resolved config is the model that is built: a preset fills the dimensions left unset."""
-    from diffcurr_fast.train.sampling import build_model
+    from diffcurr_fast.runs.sampling import build_model
 
     cfg = config_from_dict({"model": {"preset": "DiT-S/8", "input_size": 16}})
     m = cfg.model
@@ -194,7 +194,7 @@ def test_preset_fills_dimensions_and_a_contradiction_is_an_error(tmp_path):
     with pytest.raises(ValueError, match=r"model.depth=1 contradicts model.preset 'DiT-S/8' \(depth 12\)"):
         config_from_dict({"model": {"preset": "DiT-S/8", "depth": 1, "input_size": 16}})
     swapped = config_from_dict({"model": {"preset": "DiT-L/2"}})  # another preset over a resolved one
-    from diffcurr_fast.train.config import _set_field
+    from diffcurr_fast.runs.config import _set_field
 
     _set_field(swapped, "model.preset", "DiT-B/4")
     assert swapped.validate().model.hidden_size == 768 and swapped.model.patch_size == 4

@@ -6,12 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from diffcurr_fast.curriculum import cli_analyze as cli
-from diffcurr_fast.curriculum.difficulty import (
+from diffcurr_fast.analysis import cli_analyze as cli
+from diffcurr_fast.analysis.difficulty import (
     consecutive_kl,
     convergence_by_interval,
     gaussian_consecutive_kl,
-    load_digits_data,
     mixture_log_densities,
     plot_convergence,
     plot_kl,
@@ -19,6 +18,7 @@ from diffcurr_fast.curriculum.difficulty import (
     write_convergence_csv,
     write_kl_csv,
 )
+from diffcurr_fast.data.builtin import load_digits_tensors
 from diffcurr_fast.diffusion import DDPMSchedule
 
 
@@ -73,7 +73,7 @@ def test_kl_gaussian_data_matches_gaussian_closed_form():
 
 
 def test_kl_digits_decreases_with_t():
-    x, _ = load_digits_data()
+    x, _ = load_digits_tensors()
     assert x.shape == (1797, 1, 8, 8) and float(x.min()) == -1.0 and float(x.max()) == 1.0
     sched = DDPMSchedule(1000)
     gen = torch.Generator().manual_seed(0)
@@ -110,7 +110,7 @@ class TinyDenoiser(nn.Module):
 
 
 def test_convergence_by_interval_tiny_net(tmp_path):
-    x, y = load_digits_data()
+    x, y = load_digits_tensors()
     sched = toy_schedule()
     res = convergence_by_interval(
         lambda: TinyDenoiser(20),
@@ -184,7 +184,7 @@ def test_cli_kl(tmp_path, capsys):
     with open(tmp_path / "kl.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert [int(r["t"]) for r in rows] == [0, 24, 48] and {r["num_samples"] for r in rows} == {"20"}
-    x, _ = load_digits_data()  # the same estimate computed directly with the same seed
+    x, _ = load_digits_tensors()  # the same estimate computed directly with the same seed
     want = consecutive_kl(x, DDPMSchedule(50), torch.tensor([0, 24, 48]), 20, 250,
                           generator=torch.Generator().manual_seed(4))  # fmt: skip
     for r, kl, se in zip(rows, want.kl.tolist(), want.stderr.tolist()):
@@ -241,7 +241,7 @@ def test_cli_convergence_fd(tmp_path, capsys, monkeypatch):
 
 def test_one_step_x0_is_exact_for_the_true_noise():
     """With a network that returns the true eps, the one-step estimate is x0 itself."""
-    from diffcurr_fast.curriculum.difficulty import one_step_x0
+    from diffcurr_fast.analysis.difficulty import one_step_x0
     from diffcurr_fast.diffusion.ddpm import DDPMSchedule
 
     sched = DDPMSchedule(50, "linear")

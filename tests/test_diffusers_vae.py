@@ -12,9 +12,9 @@ from PIL import Image
 diffusers = pytest.importorskip("diffusers", reason="diffusers is not installed (pip install diffusers)")
 
 from diffcurr_fast import cli_sample as sample_cli  # noqa: E402
-from diffcurr_fast.data import cli_extract  # noqa: E402
+from diffcurr_fast.data import cli_extract, extract  # noqa: E402
 from diffcurr_fast.data.images import ImageDataset, ImageFolder  # noqa: E402
-from diffcurr_fast.train.config import load_config  # noqa: E402
+from diffcurr_fast.runs.config import load_config  # noqa: E402
 from diffcurr_fast.train.loop import train  # noqa: E402
 
 
@@ -84,9 +84,9 @@ def test_extract_train_and_decode_with_a_real_autoencoder(vae_dir, folder, tmp_p
     common = ["--ckpt", run, "--num", 5, "--steps", 3, "--device", "cpu", "--seed", 3]
     assert sample_cli.run(_parse(sample_cli.add_arguments, [*common, "--out", tmp_path / "z.npz"])) == 0
     z = torch.from_numpy(np.load(tmp_path / "z.npz")["x"])  # (5, 4, 4, 4): unscaled latents
-    from diffcurr_fast.train.checkpoint import latest_checkpoint, load_checkpoint
-    from diffcurr_fast.train.config import config_from_dict
-    from diffcurr_fast.train.sampling import build_model, build_schedule, sample
+    from diffcurr_fast.runs.checkpoint import latest_checkpoint, load_checkpoint
+    from diffcurr_fast.runs.config import config_from_dict
+    from diffcurr_fast.runs.sampling import build_model, build_schedule, sample
 
     state = load_checkpoint(latest_checkpoint(run))
     cfg = config_from_dict(state["config"])
@@ -101,15 +101,15 @@ def test_extract_train_and_decode_with_a_real_autoencoder(vae_dir, folder, tmp_p
     img = np.load(tmp_path / "img.npz")  # decoded images: the ADM layout, uint8 (N, H, W, C) and the labels
     with torch.no_grad():
         ref = vae.decode(z).sample.clamp(-1, 1)
-    from diffcurr_fast.train.sampling import to_uint8_nhwc
+    from diffcurr_fast.runs.sampling import to_uint8_nhwc
 
     assert img["arr_0"].shape == (5, 32, 32, 3) and img["arr_0"].dtype == np.uint8 and img["arr_0"].max() > 0
     assert img["arr_1"].tolist() == (torch.arange(5) % 3).tolist()
     diff = img["arr_0"].astype(np.int16) - to_uint8_nhwc(ref).numpy().astype(np.int16)
     assert np.abs(diff).max() <= 1  # the same decoded images (1: float rounding at a .5 boundary)
-    dec = sample_cli.load_decoder(str(vae_dir), torch.device("cpu"))
+    dec = extract.load_decoder(str(vae_dir), torch.device("cpu"))
     assert isinstance(dec, diffusers.AutoencoderKL) and not dec.training
-    torch.testing.assert_close(sample_cli.decode_latents(dec, z, batch=3), ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(extract.decode_latents(dec, z, batch=3), ref, rtol=1e-4, atol=1e-5)
     argv = [*common, "--out", tmp_path / "g.png", "--vae", vae_dir]
     assert sample_cli.run(_parse(sample_cli.add_arguments, argv)) == 0
     assert Image.open(tmp_path / "g.png").size[0] > 32

@@ -265,3 +265,36 @@ def test_compiled_step_checks_a_tensor_schedule_in_the_graph():
     torch.testing.assert_close(fn(x0, t, torch.linspace(0.9, 0.1, 10)), step(x0, t, torch.linspace(0.9, 0.1, 10)))
     with pytest.raises(RuntimeError, match="alphas_cumprod values must be finite"):
         fn(x0, t, torch.linspace(1.5, 0.1, 10))
+
+
+# ---- a fused DiT block compiles as one graph on every branch of the dispatch ------------------------------
+def _capture_only(graphs):
+    """A torch.compile backend that records each graph and never runs it (the stubbed kernels cannot run here)."""
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        (out,) = [n for n in gm.graph.nodes if n.op == "output"]
+        values = [torch.zeros(v.meta["example_value"].shape) for v in out.args[0]]  # the graph's outputs, as zeros
+        return lambda *args: values
+
+    return backend
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("name", ["reference", "cpu", "triton", "cuda"])
+def test_fused_dit_block_compiles_fullgraph_on_every_branch(monkeypatch, name, mixed):
+    # The block's ops resolve their backend while traced; each resolved name is forced with a stub (a CUDA-present
+    # machine resolves 'cuda', and with mixed dtypes gated_residual then asks whether Triton can take them), so
+    # every branch is traced here, on CPU. Any availability check that runs inside the trace (an import, a cache
+    # lookup) is a graph break, which fullgraph=True turns into an error.
+    from diffcurr_fast.models.dit import DiTBlock
+
+    monkeypatch.delenv(_backend.ENV_VAR, raising=False)
+    monkeypatch.setattr(_backend, "resolve", lambda op, device, backend=None: name)
+    block = DiTBlock(16, 2, mlp_ratio=2.0, fused_adaln=True)
+    x, c = torch.randn(2, 5, 16), torch.randn(2, 16)
+    graphs: list = []
+    compiled = torch.compile(block, fullgraph=True, backend=_capture_only(graphs))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
+        compiled(x, c)
+    assert len(graphs) == 1

@@ -8,9 +8,9 @@ import torch
 
 from diffcurr_fast import cli_sample
 from diffcurr_fast.diffusion import DDPMSchedule
-from diffcurr_fast.train.config import load_config
+from diffcurr_fast.runs.config import load_config
+from diffcurr_fast.runs.sampling import VEDenoiser, grid_image
 from diffcurr_fast.train.loop import train
-from diffcurr_fast.train.sampling import VEDenoiser, grid_image
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +149,7 @@ def test_continuous_checkpoints_sample_with_ode_samplers(tmp_path, form, pred, s
 def distinct_run(run_dir, tmp_path_factory):
     """The run's newest checkpoint with its raw and EMA weights moved apart (3 training steps barely move a DiT
     from its zero-initialised output layer, so every sample would clip to the same +-1 image)."""
-    from diffcurr_fast.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from diffcurr_fast.runs.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
     state = load_checkpoint(latest_checkpoint(run_dir))
     gen = torch.Generator().manual_seed(0)
@@ -168,9 +168,9 @@ def distinct_run(run_dir, tmp_path_factory):
 
 def _direct(ckpt_dir, weights, *, seed, cfg_scale, steps=3, num=6, sampler="ddim"):
     """What the CLI should write: ``sample()`` on the named weights of the newest checkpoint."""
-    from diffcurr_fast.train.checkpoint import latest_checkpoint, load_checkpoint
-    from diffcurr_fast.train.config import config_from_dict
-    from diffcurr_fast.train.sampling import build_model, build_schedule, sample
+    from diffcurr_fast.runs.checkpoint import latest_checkpoint, load_checkpoint
+    from diffcurr_fast.runs.config import config_from_dict
+    from diffcurr_fast.runs.sampling import build_model, build_schedule, sample
 
     state = load_checkpoint(latest_checkpoint(ckpt_dir))
     cfg = config_from_dict(state["config"])
@@ -187,7 +187,7 @@ def _direct(ckpt_dir, weights, *, seed, cfg_scale, steps=3, num=6, sampler="ddim
 def float_npz(monkeypatch):
     """The sample command's float layout (``x``, ``y``, unclipped) for the digits model: its ADM uint8 layout
     would hide the small differences these tests look for."""
-    from diffcurr_fast.train import sampling
+    from diffcurr_fast.runs import sampling
 
     monkeypatch.setattr(sampling, "pixel_range", lambda cfg: False)
 

@@ -308,7 +308,7 @@ def test_sampler_bad_input():
         flow_sample(flow_velocity, (2, 2), t_start=0.2, t_end=0.5)
 
 
-# ---- the checkpoint samplers of train.sampling: heun and euler on DDPM and EDM models -------------------------
+# ---- the checkpoint samplers of runs.sampling: heun and euler on DDPM and EDM models -------------------------
 
 
 class _DDPMGaussianEps(torch.nn.Module):
@@ -352,7 +352,7 @@ class _EDMGaussianF(torch.nn.Module):
 @pytest.mark.parametrize("kind", ["ddpm", "edm"])
 def test_checkpoint_ode_samplers_gaussian(kind, sampler, steps):
     from diffcurr_fast.diffusion import EDMFormulation
-    from diffcurr_fast.train.sampling import sample
+    from diffcurr_fast.runs.sampling import sample
 
     if kind == "ddpm":
         schedule = DDPMSchedule(1000)

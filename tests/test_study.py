@@ -12,11 +12,11 @@ import pytest
 import torch
 import yaml
 
+from diffcurr_fast.runs.config import load_config
 from diffcurr_fast.study.presets import preset_spec
 from diffcurr_fast.study.report import collect, mean_std, paired_t, summarize, write_report
 from diffcurr_fast.study.runner import read_status, run_dir_of, run_study
 from diffcurr_fast.study.spec import load_spec, spec_from_dict
-from diffcurr_fast.train.config import load_config
 from diffcurr_fast.train.loop import Trainer, train
 
 
@@ -38,7 +38,7 @@ def tiny(run_dir, *extra):
 
 
 def _weights(run_dir):
-    from diffcurr_fast.train.checkpoint import latest_checkpoint, load_checkpoint
+    from diffcurr_fast.runs.checkpoint import latest_checkpoint, load_checkpoint
 
     state = load_checkpoint(latest_checkpoint(run_dir), map_location="cpu")
     return state["model"], state["ema"]["module"]
@@ -231,3 +231,26 @@ def test_eval_records_skip_a_cut_line_and_keep_the_last_per_step(tmp_path):
     text = "\n".join(json.dumps(r) for r in lines) + '\n{"step": 15, "ev'  # killed mid-write
     path.write_text(text + "\n" + json.dumps({"step": 10, "eval": True, "fd": 1.5}) + "\n")  # the resumed run
     assert [(r["step"], r["fd"]) for r in eval_records(path)] == [(5, 3.0), (10, 1.5)]
+
+
+def test_tdc_arm_resumes_a_started_run_and_restarts_one_killed_before_it_began(tmp_path, monkeypatch):
+    # a worker killed mid-TDC leaves tdc.json (the run's config): the rerun resumes it; a directory without it
+    # (killed before the run began) is started over, never refused or resumed from nothing.
+    from diffcurr_fast.study import runner
+
+    seen = []
+
+    def fake_run_tdc(cfg, options, run_dir, *, overwrite=False, resume=False, verbose=False):
+        seen.append((overwrite, resume))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(runner, "run_tdc", fake_run_tdc)
+    fresh, started, killed = tmp_path / "fresh", tmp_path / "started", tmp_path / "killed"
+    started.mkdir()
+    (started / "tdc.json").write_text("{}")
+    killed.mkdir()
+    (killed / "stage1").mkdir()
+    for run_dir in (fresh, started, killed):
+        with pytest.raises(RuntimeError, match="stop here"):
+            runner._run_tdc(None, run_dir)
+    assert seen == [(False, False), (False, True), (True, False)]

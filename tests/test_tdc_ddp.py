@@ -15,7 +15,7 @@ SCRIPT = textwrap.dedent(
     import json, sys, torch
     torch.set_num_threads(1)
     from diffcurr_fast.tdc import pipeline
-    from diffcurr_fast.train.config import load_config
+    from diffcurr_fast.runs.config import load_config
     from diffcurr_fast.train.engine import create_engine
 
     run_dir, out = sys.argv[1], sys.argv[2]

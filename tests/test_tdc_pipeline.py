@@ -10,22 +10,20 @@ from safetensors.torch import load_file
 
 from diffcurr_fast import cli_sample
 from diffcurr_fast.models import DiT
+from diffcurr_fast.runs.checkpoint import latest_checkpoint, load_checkpoint
+from diffcurr_fast.runs.config import TDCConfig, config_from_dict, load_config
+from diffcurr_fast.runs.sampling import build_schedule, sample
 from diffcurr_fast.tdc import cli_tdc as tdc_cli
 from diffcurr_fast.tdc.accounting import training_flops
 from diffcurr_fast.tdc.experts import MultiExpertDenoiser
 from diffcurr_fast.tdc.flops import dit_flops
 from diffcurr_fast.tdc.pipeline import (
-    TDCOptions,
     format_accounting,
     load_bundle_with_config,
-    options_from_dict,
     run_tdc,
     stage2_config,
 )
-from diffcurr_fast.train.checkpoint import latest_checkpoint, load_checkpoint
-from diffcurr_fast.train.config import TDCConfig, load_config
 from diffcurr_fast.train.loop import Trainer
-from diffcurr_fast.train.sampling import build_schedule, sample
 
 TINY = [
     "model.hidden_size=32", "model.depth=2", "model.num_heads=2", "diffusion.num_timesteps=40",
@@ -229,12 +227,12 @@ def test_trainer_rejects_mismatched_model(tmp_path):
 )
 def test_options_errors(data, match):
     with pytest.raises(ValueError, match=match):
-        options_from_dict(data)
+        config_from_dict({"tdc": data})
 
 
 def test_options_and_stage2_config(tmp_path):
-    opts = options_from_dict({"k": 1, "finetune_steps": 7, "finetune_lr": 3e-4})
-    assert opts.k == 1.0 and isinstance(opts.k, float) and isinstance(opts, TDCConfig) and TDCOptions is TDCConfig
+    opts = config_from_dict({"tdc": {"k": 1, "finetune_steps": 7, "finetune_lr": 3e-4}}).tdc
+    assert opts.k == 1.0 and isinstance(opts.k, float) and isinstance(opts, TDCConfig)
     base = tiny_cfg(tmp_path, "curriculum.pacing=patience", "optim.warmup_steps=50")
     base.tdc = opts
     cfg = stage2_config(base, tmp_path / "f")
@@ -455,7 +453,7 @@ def test_tdc_end_to_end_per_formulation(tmp_path, name):
     axis, the bundle routes the network input time of every cell of a group (flow t, EDM c_noise, DDPM t) to that
     group's expert, the grid is sampled through the routing and the accounting counts the sampler's evaluations."""
     from diffcurr_fast.objective import Objective
-    from diffcurr_fast.train.sampling import build_schedule
+    from diffcurr_fast.runs.sampling import build_schedule
 
     torch.set_num_threads(1)
     run = tmp_path / "run"

@@ -14,6 +14,7 @@ import torch
 
 from diffcurr_fast.diffusion import DDPMSchedule
 from diffcurr_fast.models import DiT
+from diffcurr_fast.runs.config import load_config
 from diffcurr_fast.tdc import (
     MultiExpertDenoiser,
     dit_flops,
@@ -24,7 +25,6 @@ from diffcurr_fast.tdc import (
     recover,
 )
 from diffcurr_fast.tdc.proposers import make_proposer
-from diffcurr_fast.train.config import load_config
 
 TINY = dict(input_size=4, patch_size=2, in_channels=3, hidden_size=24, depth=2, num_heads=3, mlp_ratio=2.5,
             num_classes=4, num_timesteps=100, attn_backend="math")  # fmt: skip
@@ -179,7 +179,7 @@ def _hand_router(experts):
 @pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
 @pytest.mark.parametrize("sampler", ["ddpm", "ddim", "heun"])
 def test_sampling_routes_each_step_to_its_groups_expert(sampler, cfg_scale):
-    from diffcurr_fast.train.sampling import sample
+    from diffcurr_fast.runs.sampling import sample
 
     experts = _experts()
     multi = MultiExpertDenoiser(experts, RANGES).eval()

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from diffcurr_fast.train.config import load_config
+from diffcurr_fast.runs.config import load_config
 from diffcurr_fast.train.ema import EMA
 from diffcurr_fast.train.loop import NonFiniteLossError, Trainer, lr_at, train
 
@@ -389,7 +389,7 @@ def test_optim_impl_apex_is_a_clear_error_without_nvidia_apex_and_uses_adamw_mod
     import sys
     import types
 
-    from diffcurr_fast.train.config import OptimConfig
+    from diffcurr_fast.runs.config import OptimConfig
     from diffcurr_fast.train.engine import build_optimizer
 
     params = [torch.nn.Parameter(torch.zeros(3))]

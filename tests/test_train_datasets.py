@@ -13,10 +13,10 @@ from torch import nn
 
 from diffcurr_fast import cli_sample
 from diffcurr_fast.data import FastDiTLatentWriter, ShardedLatentWriter
-from diffcurr_fast.train.config import load_config
+from diffcurr_fast.runs.config import load_config
+from diffcurr_fast.runs.sampling import build_model
 from diffcurr_fast.train.data import build_train_batches, load_init_weights, read_init_state
 from diffcurr_fast.train.loop import Trainer, train
-from diffcurr_fast.train.sampling import build_model
 
 HAS_DALI = importlib.util.find_spec("nvidia") is not None and importlib.util.find_spec("nvidia.dali") is not None
 BACKENDS = ["torch", pytest.param("dali", marks=pytest.mark.skipif(not HAS_DALI, reason="DALI not installed"))]
@@ -352,8 +352,10 @@ def test_sample_vae_decodes(tmp_path, latents, monkeypatch):
 
 @pytest.mark.skipif(importlib.util.find_spec("diffusers") is not None, reason="diffusers is installed")
 def test_sample_vae_without_diffusers(tmp_path):
+    from diffcurr_fast.data import extract
+
     with pytest.raises(ImportError, match="sample --vae needs diffusers to decode latents: pip install diffusers"):
-        cli_sample.load_decoder(str(tmp_path), torch.device("cpu"))
+        extract.load_decoder(str(tmp_path), torch.device("cpu"))
 
 
 # ---- recipes ---------------------------------------------------------------------------------------------
@@ -396,7 +398,7 @@ def test_sit_b2_ffhq256_recipe(tmp_path, latents):
 DDP_SCRIPT = """
 import json, sys, torch
 torch.set_num_threads(1)
-from diffcurr_fast.train.config import load_config
+from diffcurr_fast.runs.config import load_config
 from diffcurr_fast.train.engine import create_engine
 from diffcurr_fast.train.loop import Trainer
 

@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
-from diffcurr_fast.train.config import load_config
+from diffcurr_fast.runs.config import load_config
 from diffcurr_fast.train.engine import build_optimizer
 from diffcurr_fast.train.loop import Trainer
 
@@ -174,7 +174,7 @@ def test_trusted_t_skips_only_the_range_checks():
 
 def test_fused_adamw_matches_the_per_parameter_loop():
     """The trainer's AdamW (fused, also on CPU) against torch's per-parameter loop, within float32 rounding."""
-    from diffcurr_fast.train.config import OptimConfig
+    from diffcurr_fast.runs.config import OptimConfig
 
     torch.manual_seed(0)
     shapes = [(37, 5), (64,), (3, 3, 2, 2), (1,)]

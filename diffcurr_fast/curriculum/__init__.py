@@ -1,4 +1,4 @@
-"""Difficulty curriculum over timesteps (Kim et al., ICLR 2025): clustering, pacing, sampling weights, analysis."""
+"""Difficulty curriculum over timesteps (Kim et al., ICLR 2025): clustering, pacing, sampling weights."""
 
 from diffcurr_fast._lazy import lazy_exports
 
@@ -10,9 +10,6 @@ _EXPORTS: dict[str, str] = {
     "cluster_snr": "diffcurr_fast.curriculum.clustering",
     "cluster_timesteps": "diffcurr_fast.curriculum.clustering",
     "uniform_clusters": "diffcurr_fast.curriculum.clustering",
-    "consecutive_kl": "diffcurr_fast.curriculum.difficulty",
-    "convergence_by_interval": "diffcurr_fast.curriculum.difficulty",
-    "load_digits_data": "diffcurr_fast.curriculum.difficulty",
     "ORDERS": "diffcurr_fast.curriculum.pacing",
     "PACINGS": "diffcurr_fast.curriculum.pacing",
     "Curriculum": "diffcurr_fast.curriculum.pacing",
@@ -28,8 +25,5 @@ __all__ = [
     "check_clusters",
     "cluster_snr",
     "cluster_timesteps",
-    "consecutive_kl",
-    "convergence_by_interval",
-    "load_digits_data",
     "uniform_clusters",
 ]

@@ -50,6 +50,7 @@ def _cuda() -> bool:
 
 def run(args: argparse.Namespace) -> int:
     """Run the extraction; prints how many latents the output now holds."""
+    # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.data.extract import extract_latents, load_vae
 
     if args.device is None:

@@ -48,6 +48,28 @@ def load_vae(path: str | os.PathLike, device: str | torch.device = "cpu", dtype:
     return vae.eval().to(device)
 
 
+def load_decoder(path: str, device):
+    """The VAE of ``sample --vae`` / ``eval --vae``: a diffusers ``AutoencoderKL`` from a local directory."""
+    try:
+        return load_vae(path, device)
+    except ImportError:
+        raise ImportError("sample --vae needs diffusers to decode latents: pip install diffusers") from None
+
+
+def decode_latents(vae, z, batch: int = 16):
+    """Images (N, 3, 8H, 8W) in [-1, 1] from unscaled latents z (N, C, H, W): ``vae.decode(z).sample``, clipped."""
+    if batch < 1:
+        raise ValueError(f"--vae-batch must be >= 1, got {batch}")
+    params = next(iter(vae.parameters()), None) if hasattr(vae, "parameters") else None
+    dev, dt = (params.device, params.dtype) if params is not None else (z.device, z.dtype)
+    outs = []
+    with torch.no_grad():
+        for chunk in z.split(batch):
+            out = vae.decode(chunk.to(dev, dt))
+            outs.append(getattr(out, "sample", out).float().clamp(-1, 1).cpu())  # (b, 3, 8H, 8W)
+    return torch.cat(outs)
+
+
 @torch.no_grad()
 def encode_latents(
     vae: LatentEncoder,

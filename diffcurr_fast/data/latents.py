@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from diffcurr_fast._files import write_json
 from diffcurr_fast.data.errors import BadDataReport, check_finite, check_on_bad
 
 SHARDED_FORMAT = "diffcurr-latents"
@@ -377,9 +378,7 @@ class ShardedLatentWriter:
         del self._buf_lat[:n], self._buf_lab[:n]
         self.meta["shards"].append({"latents": lat_name, "labels": lab_name, "count": n})
         self.num_written += n
-        tmp = self.out / "index.json.tmp"
-        tmp.write_text(json.dumps(self.meta, indent=1), encoding="utf-8")
-        os.replace(tmp, self.out / "index.json")
+        write_json(self.meta, self.out / "index.json", indent=1)
 
     def close(self) -> None:
         """Flush the last (possibly short) shard."""

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from diffcurr_fast.data import dali
 from diffcurr_fast.data.images import ImageDataset, ImageFolder
 from diffcurr_fast.data.latents import LatentDataset, open_latents
 from diffcurr_fast.data.order import ShardedOrder
@@ -53,12 +54,10 @@ def resolve_backend(backend: str, on_gpu: bool = False) -> str:
     the CPU, DALI's CPU pipelines are no faster than the DataLoader); an explicit ``"dali"`` must be available."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    from diffcurr_fast.data.dali import dali_available, require_dali
-
     if backend == "auto":
-        return "dali" if on_gpu and dali_available() else "torch"
+        return "dali" if on_gpu and dali.dali_available() else "torch"
     if backend == "dali":
-        require_dali()
+        dali.require_dali()
     return backend
 
 
@@ -209,8 +208,6 @@ class ShardedLoader:
             yield x, y
 
     def _dali_batches(self, idx: np.ndarray, flips: np.ndarray) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        from diffcurr_fast.data import dali
-
         threads = max(1, self.num_workers)
         if self.kind == "images":
             pipe = dali.image_pipeline(

@@ -39,6 +39,7 @@ from diffcurr_fast.diffusion.samplers import (
     flow_euler_step,
     flow_heun_step,
     flow_sample,
+    guided_forward,
     guided_model_output,
     make_generator,
 )
@@ -97,6 +98,7 @@ __all__ = [
     "flow_heun_step",
     "flow_loss",
     "flow_sample",
+    "guided_forward",
     "guided_model_output",
     "hybrid_loss",
     "karras_sigmas",

@@ -114,6 +114,13 @@ class Formulation(ABC):
     # ---- training on G cells of the difficulty axis -------------------------------------------------
     # The curriculum and TDC work on G cells: the T timesteps of DDPM, or G equal cells of a continuous axis
     # (flow t, EDM ln sigma). A training draw picks a cell k and, for a continuous axis, a point inside it.
+    @staticmethod
+    def point_in_cells(k: torch.Tensor, num_cells: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """(B,) float64 (k + u) / G, u ~ U[0, 1) from ``generator``: a uniform point of cells ``k`` of G equal cells
+        of [0, 1), on k's device (u is drawn on the generator's device and moved without a read-back)."""
+        u = torch.rand(k.shape, generator=generator, dtype=torch.float64).to(k.device, non_blocking=True)
+        return (k.to(torch.float64) + u) / num_cells
+
     def cell_grid(self, num_cells: int) -> torch.Tensor | None:
         """(G,) float64 representative ``t`` of each cell (what the curriculum clusters); None: ``t`` = k."""
         return None

@@ -13,6 +13,7 @@ import math
 import torch
 
 from diffcurr_fast.diffusion.axis import Formulation, TrainingTerms, t_trusted
+from diffcurr_fast.diffusion.losses import vb_terms_bpd
 from diffcurr_fast.diffusion.weights import loss_weights
 
 PREDICTIONS = ("eps", "x0", "v")
@@ -204,8 +205,6 @@ class DDPMSchedule(Formulation):
         self, out: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor, prediction: str
     ) -> torch.Tensor:
         """IDDPM's variational term L_vlb (Nichol & Dhariwal Eq. 16) on the learned variance, the mean detached."""
-        from diffcurr_fast.diffusion.losses import vb_terms_bpd
-
         c = x0.shape[1]
         frozen = torch.cat([out[:, :c].detach(), out[:, c:]], dim=1)  # (B, 2C, H, W): trains the variance only
         return vb_terms_bpd(self, frozen, x0, x_t, t, learn_sigma=True, prediction=prediction)["output"]

@@ -221,9 +221,8 @@ class EDMFormulation(Formulation):
         network's target F (EDM Eq. 8), whose plain MSE is the lambda(sigma)-weighted denoiser loss (Eq. 2)."""
         if prediction != "x0" or weighting != "none":
             raise ValueError("EDM trains the denoiser (prediction 'x0') with its own weight lambda(sigma)")
-        u = torch.rand(k.shape, generator=generator, dtype=torch.float64).to(k.device, non_blocking=True)
         lo, hi = math.log(self.sigma_min), math.log(self.sigma_max)
-        sigma = torch.exp(lo + (k.to(torch.float64) + u) / num_cells * (hi - lo))  # (B,) on k's device
+        sigma = torch.exp(lo + self.point_in_cells(k, num_cells, generator) * (hi - lo))  # (B,) on k's device
         pre = self.precond
         with trusted_t():  # sigma > 0 by construction: no read-back
             c_in = pre.c_in(sigma)

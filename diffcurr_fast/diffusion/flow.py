@@ -113,8 +113,7 @@ class FlowFormulation(Formulation):
         """t = (k + u) / G with u ~ U[0, 1); x_t = (1 - t) x0 + t eps and target velocity eps - x0 (SiT); w = 1."""
         if weighting != "none":
             raise ValueError(f"flow training has no {weighting!r} weighting; use 'none'")
-        u = torch.rand(k.shape, generator=generator, dtype=torch.float64).to(k.device, non_blocking=True)
-        t = (k.to(torch.float64) + u) / num_cells  # (B,) in [0, 1), on k's device: no read-back
+        t = self.point_in_cells(k, num_cells, generator)  # (B,) in [0, 1), on k's device: no read-back
         with trusted_t():  # in range by construction
             p, q = self.target_coefficients(t, prediction)
         return TrainingTerms(t=t, t_in=t, a=1.0 - t, c=t, p=p, q=q, w=torch.ones_like(t))

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from diffcurr_fast.diffusion.ddpm import DDPMSchedule
+if TYPE_CHECKING:  # annotations only: ddpm imports this module
+    from diffcurr_fast.diffusion.ddpm import DDPMSchedule
 
 
 def _loss_dtype(*tensors: torch.Tensor) -> torch.dtype:

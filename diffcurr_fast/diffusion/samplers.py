@@ -67,15 +67,30 @@ def guided_model_output(
         raise ValueError(f"cfg_scale={cfg_scale} needs class labels y; pass y or use cfg_scale=1")
     if num_classes is None or num_classes < 1:
         raise ValueError(f"cfg_scale={cfg_scale} needs num_classes (the null label), got {num_classes!r}")
-    n = x.shape[0]
     ch = x.shape[1] if guide_channels is None else guide_channels
     y_null = torch.full_like(y, num_classes)
-    out = model(torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, y_null]))  # (2B, C', ...)
-    if ch < 1 or ch > out.shape[1]:
-        raise ValueError(f"guide_channels must lie in [1, {out.shape[1]}], got {ch}")
-    cond, uncond = out[:n], out[n:]  # (B, C', ...) each
-    guided = uncond[:, :ch] + cfg_scale * (cond[:, :ch] - uncond[:, :ch])  # Ho & Salimans 2022, Eq. 6
-    return torch.cat([guided, cond[:, ch:]], dim=1)
+    # DiT's batch [cond; uncond]; the first half of the result is the guided output (its other channels: cond's)
+    out = guided_forward(model, torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, y_null]), cfg_scale, ch)
+    return out[: x.shape[0]]  # (B, C', ...)
+
+
+def guided_forward(forward, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, cfg_scale: float, n_guided: int):
+    """DiT's batched classifier-free guidance (``forward_with_cfg``) around any ``forward(x, t, y)``: the batch is
+    [conditional half; unconditional half] (y's second half holds the null label) and x's first half is used for
+    both; the first ``n_guided`` output channels of both halves are the guided ones, the others are returned
+    unguided."""
+    if x.shape[0] % 2:
+        raise ValueError(f"forward_with_cfg needs an even batch [cond; uncond], got batch size {x.shape[0]}")
+    half = x[: len(x) // 2]  # (N/2, C, H, W)
+    combined = torch.cat([half, half], dim=0)  # (N, C, H, W)
+    model_out = forward(combined, t, y)  # (N, out_channels, H, W)
+    if not 1 <= n_guided <= model_out.shape[1]:
+        raise ValueError(f"guide_channels must lie in [1, {model_out.shape[1]}], got {n_guided}")
+    eps, rest = model_out[:, :n_guided], model_out[:, n_guided:]
+    cond_eps, uncond_eps = torch.split(eps, len(eps) // 2, dim=0)
+    half_eps = uncond_eps + cfg_scale * (cond_eps - uncond_eps)  # Ho & Salimans 2022, Eq. 6
+    eps = torch.cat([half_eps, half_eps], dim=0)
+    return torch.cat([eps, rest], dim=1)  # (N, out_channels, H, W)
 
 
 def _check_common(shape, y, device) -> tuple[tuple[int, ...], torch.device]:

@@ -15,8 +15,9 @@ A file named by --save-ref, --json or --digits-cache that exists is refused unle
 from __future__ import annotations
 
 import argparse
-import json
 import os
+
+from diffcurr_fast._files import write_json
 
 # The evaluation modules (torch) are imported in run(): `diffcurr-fast eval --help` stays instant. The names of
 # features.EXTRACTORS (a test keeps the two equal):
@@ -92,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
     if args.samples is None and args.ckpt is None and args.save_ref is None:
         raise ValueError("nothing to do: give --samples or --ckpt to evaluate, and/or --save-ref")
     _check_outputs(args)  # before the extractor is built (a digits cache trained) or anything written
+    # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.eval.evaluate import (
         evaluate,
         load_images,
@@ -112,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         reference.save(args.save_ref)
         print(f"reference statistics ({extractor.name}: {extractor.label}) written to {args.save_ref}")
     if args.samples is not None and args.vae is not None:
-        from diffcurr_fast.cli_sample import decode_latents, load_decoder
+        from diffcurr_fast.data.extract import decode_latents, load_decoder
 
         z = load_latents(args.samples)  # (N, C, h, w) unscaled latents
         images = decode_latents(load_decoder(args.vae, args.device), z, args.vae_batch)  # (N, 3, H, W) in [-1, 1]
@@ -131,8 +133,5 @@ def run(args: argparse.Namespace) -> int:
     for line in result.lines():
         print(line)
     if args.json is not None:
-        tmp = f"{args.json}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(result.as_dict(), f, indent=1)
-        os.replace(tmp, args.json)
+        write_json(result.as_dict(), args.json, indent=1)
     return 0

@@ -16,6 +16,9 @@ import torch
 
 from diffcurr_fast.eval.features import FeatureExtractor, load_digits_data
 from diffcurr_fast.eval.metrics import feature_statistics, frechet_distance, inception_score, precision_recall
+from diffcurr_fast.runs.checkpoint import check_finite_weights, load_checkpoint, resolve_checkpoint
+from diffcurr_fast.runs.config import config_from_dict
+from diffcurr_fast.runs.sampling import batch_slices, build_model, build_schedule, sample_batch
 
 
 def load_images(path: str | os.PathLike) -> torch.Tensor:
@@ -96,10 +99,6 @@ def samples_from_checkpoint(
     pixel-space models (1 or 3 channels) qualify: latents would need the VAE decoder. A model with NaN or inf
     weights is refused."""
     from tqdm.auto import tqdm
-
-    from diffcurr_fast.train.checkpoint import check_finite_weights, load_checkpoint, resolve_checkpoint
-    from diffcurr_fast.train.config import config_from_dict
-    from diffcurr_fast.train.sampling import batch_slices, build_model, build_schedule, sample_batch
 
     if num < 2:
         raise ValueError(f"--num must be >= 2 to evaluate, got {num}")

@@ -26,8 +26,10 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from diffcurr_fast.diffusion.samplers import guided_forward
 from diffcurr_fast.models.attention import ATTENTION_BACKENDS, attention, prepare
 from diffcurr_fast.models.dtr import DTRConfig, dtr_mask
+from diffcurr_fast.ops import adaln_modulate, gated_residual, gelu_tanh
 
 __all__ = [
     "DiT",
@@ -97,8 +99,6 @@ class Mlp(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.fc1(x)  # (N, T, hidden)
         if self.fused:
-            from diffcurr_fast.ops import gelu_tanh
-
             return self.fc2(gelu_tanh(x))  # (N, T, D)
         return self.fc2(self.act(x))  # (N, T, D)
 
@@ -260,8 +260,6 @@ class DiTBlock(nn.Module):
         return x
 
     def _fused(self, x, shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp) -> torch.Tensor:
-        from diffcurr_fast.ops import adaln_modulate, gated_residual
-
         dt = torch.promote_types(x.dtype, shift_msa.dtype)
         x = x.to(dt)
         h = self.attn(adaln_modulate(x, shift_msa.to(dt), scale_msa.to(dt), eps=_LN_EPS))  # (N, T, D)
@@ -588,21 +586,6 @@ class DiT(nn.Module):
         (the standard form). The other channels are returned unguided.
         """
         return guided_forward(self.forward, x, t, y, cfg_scale, self.in_channels if guide_all_channels else 3)
-
-
-def guided_forward(forward, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, cfg_scale: float, n_guided: int):
-    """DiT's batched classifier-free guidance around any ``forward(x, t, y)``: x's first half is used for both the
-    conditional and the unconditional half of y; the first ``n_guided`` output channels are guided."""
-    if x.shape[0] % 2:
-        raise ValueError(f"forward_with_cfg needs an even batch [cond; uncond], got batch size {x.shape[0]}")
-    half = x[: len(x) // 2]  # (N/2, C, H, W)
-    combined = torch.cat([half, half], dim=0)  # (N, C, H, W)
-    model_out = forward(combined, t, y)  # (N, out_channels, H, W)
-    eps, rest = model_out[:, :n_guided], model_out[:, n_guided:]
-    cond_eps, uncond_eps = torch.split(eps, len(eps) // 2, dim=0)
-    half_eps = uncond_eps + cfg_scale * (cond_eps - uncond_eps)
-    eps = torch.cat([half_eps, half_eps], dim=0)
-    return torch.cat([eps, rest], dim=1)  # (N, out_channels, H, W)
 
 
 #################################################################################

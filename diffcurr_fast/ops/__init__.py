@@ -1,14 +1,14 @@
 """Fused diffusion ops: forward process, training loss, timestep sampling, Philox noise, DiT block math.
 
-Each op has a pure-torch ``*_ref`` (its definition, see docs/ops.md) and kernels chosen per device by ``_backend``
-(``cuda`` -> ``triton`` -> ``cpu`` -> ``reference``; force one with the ``backend=`` argument or
-``DIFFCURR_OPS_BACKEND``), all registered with ``torch.library`` with fake implementations, so they compose with
-``torch.compile``. ``q_sample`` and ``diffusion_loss`` are ``torch.autograd.Function``s that call the raw C++/CUDA
-kernels (``diffcurr_fast_C::*``) directly, the reference and Triton forwards through the opaque custom ops
-``diffcurr_fast::q_sample`` / ``diffusion_loss`` (under ``torch.compile`` with the noise given they trace their
-plain-torch definition, which inductor fuses: ``_common.traced_under_compile``); the DiT block ops are custom ops
-with autograd registrations; ``gelu_tanh`` (the MLP's activation) is a CPU kernel where it beats torch's, torch's
-own elsewhere.
+Each op has a pure-torch ``*_ref`` (its definition, see docs/ops.md) and one dispatch table (backend name -> function,
+``_backend.table``); ``_backend`` picks the backend per device (``cuda`` -> ``triton`` -> ``cpu`` -> ``reference``;
+force one with the ``backend=`` argument or ``DIFFCURR_OPS_BACKEND``), all registered with ``torch.library`` with fake
+implementations, so they compose with ``torch.compile``. ``q_sample`` and ``diffusion_loss`` are
+``torch.autograd.Function``s that call the raw C++/CUDA kernels (``diffcurr_fast_C::*``) directly, the reference and
+Triton forwards through the opaque custom ops ``diffcurr_fast::q_sample`` / ``diffusion_loss`` (under
+``torch.compile`` with the noise given they trace their plain-torch definition, which inductor fuses:
+``_common.traced_under_compile``); the DiT block ops are custom ops with autograd registrations; ``gelu_tanh`` (the
+MLP's activation) is a CPU kernel where it beats torch's, torch's own elsewhere.
 """
 
 from diffcurr_fast.ops._backend import BACKENDS, available_backends, resolve
@@ -17,6 +17,7 @@ from diffcurr_fast.ops.adaln import (
     adaln_modulate_bwd_ref,
     adaln_modulate_ref,
     gated_residual,
+    gated_residual_bwd_ref,
     gated_residual_ref,
 )
 from diffcurr_fast.ops.diffusion_loss import diffusion_loss, diffusion_loss_coef, diffusion_loss_ref
@@ -36,6 +37,7 @@ __all__ = [
     "diffusion_loss_coef",
     "diffusion_loss_ref",
     "gated_residual",
+    "gated_residual_bwd_ref",
     "gated_residual_ref",
     "gelu_tanh",
     "gelu_tanh_ref",

@@ -10,6 +10,10 @@ Backends, in ``auto`` preference order for a tensor's device:
 
 ``auto`` falls back with one warning per (op, device type) when a faster backend is missing. A backend asked
 for explicitly (``backend=`` argument or ``DIFFCURR_OPS_BACKEND``) raises ``RuntimeError`` when unavailable.
+
+Each op file holds one dispatch ``table`` (backend name -> the function that runs the op there). The choice is
+made outside any traced code: ``resolve`` and ``available`` are constants to ``torch.compile`` (evaluated once
+while tracing), so a compiled graph never breaks on an availability check (an import, a cache lookup).
 """
 
 from __future__ import annotations
@@ -18,11 +22,13 @@ import functools
 import importlib
 import os
 import warnings
+from collections.abc import Callable
 
 import torch
 
 BACKENDS = ("cuda", "triton", "cpu", "reference")
 CHOICES = ("auto",) + BACKENDS
+EXTENSION = ("cuda", "cpu")  # served by diffcurr_fast._C: one function per kernel, dispatched on the device
 ENV_VAR = "DIFFCURR_OPS_BACKEND"
 
 _warned: set[tuple[str, str]] = set()
@@ -90,6 +96,13 @@ def unavailable_reason(backend: str, op: str, device: torch.device) -> str | Non
     raise ValueError(f"unknown backend {backend!r}; choose one of {CHOICES}")
 
 
+@torch.compiler.assume_constant_result
+def available(backend: str, op: str, device: torch.device) -> bool:
+    """Whether ``backend`` can run ``op`` on ``device`` (``unavailable_reason`` is None); a constant under
+    ``torch.compile``, so traced code may ask it."""
+    return unavailable_reason(backend, op, device) is None
+
+
 def requested(backend: str | None) -> str:
     """The backend asked for: ``backend``, or ``DIFFCURR_OPS_BACKEND`` when it is None (default ``auto``); a
     ValueError for an unknown name."""
@@ -147,6 +160,18 @@ def register_raw_fake(op: str, fake) -> None:
     """
     if _ext_error() is None:
         torch.library.register_fake(f"diffcurr_fast_C::{op}")(fake)
+
+
+def table(*, reference: Callable, triton: Callable, ext: Callable) -> dict[str, Callable]:
+    """An op's dispatch table, backend name -> the function that runs it: the pure-torch ``reference``, the
+    ``triton`` launcher, and ``ext`` (the C++/CUDA kernel of ``diffcurr_fast._C``, for both ``cpu`` and ``cuda``).
+    All entries of one table take the same arguments."""
+    return {"cuda": ext, "triton": triton, "cpu": ext, "reference": reference}
+
+
+def contiguous_args(fn: Callable) -> Callable:
+    """``fn`` called with its tensor arguments made contiguous (what the kernels take); other arguments as given."""
+    return lambda *args: fn(*(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args))
 
 
 def ext_ops():

@@ -6,6 +6,7 @@ import torch
 
 from diffcurr_fast.diffusion.ddpm import PREDICTIONS, DDPMSchedule
 from diffcurr_fast.diffusion.weights import WEIGHTINGS, loss_weights
+from diffcurr_fast.ops import _backend
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FLOAT_DTYPES = KERNEL_DTYPES + (torch.float64,)
@@ -192,15 +193,11 @@ def traced_under_compile(noise: torch.Tensor | None, backend: str | None) -> boo
     noise (``seed``) stays in the kernels: traced, it would be inductor's slow CPU ``randn`` or the emulation."""
     if noise is None or not torch.compiler.is_compiling():
         return False
-    from diffcurr_fast.ops import _backend
-
     return _backend.requested(backend) == "auto"
 
 
 def backend_for(op: str, x: torch.Tensor, backend: str | None) -> str:
     """Resolve the backend for ``op`` on x's device; float64 data always runs on the reference."""
-    from diffcurr_fast.ops import _backend
-
     name = _backend.resolve(op, x.device, backend)
     if x.dtype == torch.float64 and name != "reference":
         if backend not in (None, "auto"):

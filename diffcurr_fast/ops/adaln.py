@@ -43,17 +43,64 @@ def gated_residual_ref(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> 
     return (x.to(dt) + gate.to(dt)[:, None, :] * y.to(dt)).to(x.dtype)
 
 
+def gated_residual_bwd_ref(
+    grad_out: torch.Tensor, gate: torch.Tensor, y: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference backward: (grad_gate, grad_y) = (sum_N grad_out * y, grad_out * gate); grad_x is grad_out."""
+    dt = _common.compute_dtype(y.dtype)
+    g = grad_out.to(dt)  # (B, N, D)
+    return (g * y.to(dt)).sum(1).to(gate.dtype), (g * gate.to(dt)[:, None, :]).to(y.dtype)
+
+
+# ---- dispatch tables: backend -> function (_backend.table) ------------------------------------------------
+def _adaln_bwd_reference(grad_y, x, scale, mean, rstd, affine_grads):
+    gx, gshift, gscale = adaln_modulate_bwd_ref(grad_y, x, scale, mean, rstd)
+    return (gx, gshift, gscale) if affine_grads else (gx, scale.new_empty(0), scale.new_empty(0))
+
+
+def _gated_fwd_ext(x, gate, y):
+    # the C++ kernels take one dtype: gate and y are cast to x's (a copy only under mixed precision)
+    return _backend.ext_ops().gated_residual_fwd(
+        x.contiguous(), gate.to(x.dtype).contiguous(), y.to(x.dtype).contiguous()
+    )
+
+
+def _gated_bwd_ext(grad_out, gate, y):
+    dt = grad_out.dtype  # grad_out has x's dtype; the C++ kernels take one dtype
+    args = (grad_out.contiguous(), gate.to(dt).contiguous(), y.to(dt).contiguous())
+    ggate, gy = _backend.ext_ops().gated_residual_bwd(*args)  # grad_x is grad_out: no copy is made
+    return ggate.to(gate.dtype), gy.to(y.dtype)
+
+
+# the kernels write fresh, separate outputs; without affine_grads the backward skips the column sums over N
+_ADALN_FWD = _backend.table(
+    reference=adaln_modulate_ref,
+    triton=_backend.contiguous_args(lambda *a: _backend.kernels("adaln").adaln_modulate_fwd(*a)),
+    ext=_backend.contiguous_args(lambda *a: _backend.ext_ops().adaln_modulate_fwd(*a)),
+)
+_ADALN_BWD = _backend.table(
+    reference=_adaln_bwd_reference,
+    triton=_backend.contiguous_args(lambda *a: _backend.kernels("adaln").adaln_modulate_bwd(*a)),
+    ext=_backend.contiguous_args(lambda *a: _backend.ext_ops().adaln_modulate_bwd(*a)),
+)
+_GATED_FWD = _backend.table(  # Triton reads each input in its own dtype
+    reference=gated_residual_ref,
+    triton=_backend.contiguous_args(lambda *a: _backend.kernels("adaln").gated_residual_fwd(*a)),
+    ext=_gated_fwd_ext,
+)
+_GATED_BWD = _backend.table(
+    reference=gated_residual_bwd_ref,
+    triton=_backend.contiguous_args(lambda *a: _backend.kernels("adaln").gated_residual_bwd(*a)),
+    ext=_gated_bwd_ext,
+)
+
+
 # ---- adaln_modulate ---------------------------------------------------------------------------------------
 @torch.library.custom_op("diffcurr_fast::adaln_modulate", mutates_args=())
 def _adaln_fwd_op(
     x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if backend == "reference":
-        return adaln_modulate_ref(x, shift, scale, eps)
-    args = (x.contiguous(), shift.contiguous(), scale.contiguous(), eps)
-    if backend == "triton":
-        return _backend.kernels("adaln").adaln_modulate_fwd(*args)
-    return _backend.ext_ops().adaln_modulate_fwd(*args)  # fresh, separate outputs
+    return _ADALN_FWD[backend](x, shift, scale, eps)
 
 
 @_adaln_fwd_op.register_fake
@@ -74,16 +121,7 @@ def _adaln_bwd_op(
     affine_grads: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_x, grad_shift, grad_scale); without ``affine_grads`` the last two are empty (0,) tensors."""
-    if backend == "reference":
-        gx, gshift, gscale = adaln_modulate_bwd_ref(grad_y, x, scale, mean, rstd)
-    else:
-        args = (grad_y.contiguous(), x.contiguous(), scale.contiguous(), mean.contiguous(), rstd.contiguous())
-        if backend != "triton":  # C++: fresh, separate outputs; no column sums without affine_grads
-            return _backend.ext_ops().adaln_modulate_bwd(*args, affine_grads)
-        return _backend.kernels("adaln").adaln_modulate_bwd(*args, affine_grads)
-    if not affine_grads:
-        return gx, scale.new_empty(0), scale.new_empty(0)
-    return gx, gshift, gscale
+    return _ADALN_BWD[backend](grad_y, x, scale, mean, rstd, affine_grads)
 
 
 @_adaln_bwd_op.register_fake
@@ -118,14 +156,7 @@ _adaln_fwd_op.register_autograd(_adaln_backward, setup_context=_adaln_setup)
 # ---- gated_residual ---------------------------------------------------------------------------------------
 @torch.library.custom_op("diffcurr_fast::gated_residual", mutates_args=())
 def _gated_fwd_op(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, backend: str) -> torch.Tensor:
-    if backend == "reference":
-        return gated_residual_ref(x, gate, y)
-    if backend == "triton":  # reads each input in its own dtype
-        return _backend.kernels("adaln").gated_residual_fwd(x.contiguous(), gate.contiguous(), y.contiguous())
-    # the C++ kernels take one dtype: gate and y are cast to x's (a copy only under mixed precision)
-    return _backend.ext_ops().gated_residual_fwd(
-        x.contiguous(), gate.to(x.dtype).contiguous(), y.to(x.dtype).contiguous()
-    )
+    return _GATED_FWD[backend](x, gate, y)
 
 
 @_gated_fwd_op.register_fake
@@ -137,16 +168,7 @@ def _(x, gate, y, backend):
 def _gated_bwd_op(
     grad_out: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if backend == "reference":
-        dt = _common.compute_dtype(y.dtype)
-        g = grad_out.to(dt)  # (B, N, D)
-        return (g * y.to(dt)).sum(1).to(gate.dtype), (g * gate.to(dt)[:, None, :]).to(y.dtype)
-    if backend == "triton":
-        return _backend.kernels("adaln").gated_residual_bwd(grad_out.contiguous(), gate.contiguous(), y.contiguous())
-    dt = grad_out.dtype  # grad_out has x's dtype; the C++ kernels take one dtype
-    args = (grad_out.contiguous(), gate.to(dt).contiguous(), y.to(dt).contiguous())
-    ggate, gy = _backend.ext_ops().gated_residual_bwd(*args)  # grad_x is grad_out: no copy is made
-    return ggate.to(gate.dtype), gy.to(y.dtype)
+    return _GATED_BWD[backend](grad_out, gate, y)
 
 
 @_gated_bwd_op.register_fake
@@ -229,7 +251,7 @@ def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, *, back
         name == "cuda"
         and _backend.requested(backend) == "auto"
         and (y.dtype != x.dtype or gate.dtype != x.dtype)
-        and _backend.unavailable_reason("triton", "gated_residual_fwd", x.device) is None
+        and _backend.available("triton", "gated_residual_fwd", x.device)
     ):
         name = "triton"  # auto: the CUDA kernel takes one dtype (it would need a cast copy of y); Triton reads both
     return _gated_fwd_op(x, gate, y, name)

@@ -25,26 +25,39 @@ def diffusion_loss_ref(
     q: torch.Tensor,
     w: torch.Tensor,
     seed: int = 0,
-) -> torch.Tensor:
-    """Reference per-sample loss (B,): w * mean_j (pred - (p x0 + q eps))^2 in float32 (float64 for float64)."""
+    grad_scale: float | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Reference per-sample loss (B,): w * mean_j (pred - (p x0 + q eps))^2 in float32 (float64 for float64), 0
+    for empty samples. With ``grad_scale``: ``(loss, grad_scale * d loss.sum() / d pred)``, the gradient the
+    kernels write (pred's dtype)."""
     dt = _common.compute_dtype(pred.dtype)
     eps = philox_randn_ref(seed, x0.shape, x0.device) if noise is None else noise
     shape = (-1,) + (1,) * (x0.ndim - 1)
-    tgt = p.to(dt).view(shape) * x0.to(dt) + q.to(dt).view(shape) * eps.to(dt)  # p x0 + q eps
-    d = (pred.to(dt) - tgt).flatten(1)
-    return w.to(dt) * d.square().mean(1)
-
-
-def _ref_fwd(pred, x0, noise, seed, p, q, w, with_grad, grad_scale):
-    dt = _common.compute_dtype(pred.dtype)
-    eps = philox_randn_ref(seed, x0.shape, x0.device) if noise is None else noise
-    shape = (-1,) + (1,) * (x0.ndim - 1)
-    d = pred.to(dt) - (p.to(dt).view(shape) * x0.to(dt) + q.to(dt).view(shape) * eps.to(dt))
+    d = pred.to(dt) - (p.to(dt).view(shape) * x0.to(dt) + q.to(dt).view(shape) * eps.to(dt))  # pred - tgt
     M = d[0].numel() if d.shape[0] else 0
     loss = w.to(dt) * d.flatten(1).square().mean(1) if M else torch.zeros(pred.shape[0], dtype=dt, device=pred.device)
-    if not with_grad:
-        return loss, pred.new_empty(0)
+    if grad_scale is None:
+        return loss
     return loss, (w.to(dt).view(shape) * (2.0 / max(M, 1) * grad_scale) * d).to(pred.dtype)
+
+
+def _reference(pred, x0, noise, seed, p, q, w, with_grad, grad_scale):
+    if not with_grad:
+        return diffusion_loss_ref(pred, x0, noise, p, q, w, seed), pred.new_empty(0)
+    return diffusion_loss_ref(pred, x0, noise, p, q, w, seed, grad_scale)
+
+
+def _triton(pred, x0, noise, seed, p, q, w, with_grad, grad_scale):
+    noise = noise.contiguous() if noise is not None else None
+    args = (pred.contiguous(), x0.contiguous(), noise, seed, p, q, w, with_grad, grad_scale)
+    loss, grad = _backend.kernels("diffusion_loss").diffusion_loss_fwd(*args)
+    return loss, grad.view(pred.shape) if with_grad else grad
+
+
+# (loss (B,), grad_scale * d loss / d pred or an empty tensor); p, q, w contiguous (B,)
+_KERNELS = _backend.table(
+    reference=_reference, triton=_triton, ext=lambda *a: _backend.ext_ops().diffusion_loss_fwd(*a)
+)
 
 
 @torch.library.custom_op("diffcurr_fast::diffusion_loss", mutates_args=())
@@ -61,12 +74,7 @@ def _diffusion_loss_op(
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward of the reference and Triton backends as one opaque op (inductor never traces the Philox)."""
-    if backend == "reference":
-        return _ref_fwd(pred, x0, noise, seed, p, q, w, with_grad, grad_scale)
-    noise = noise.contiguous() if noise is not None else None
-    args = (pred.contiguous(), x0.contiguous(), noise, seed, p, q, w, with_grad, grad_scale)
-    loss, grad = _backend.kernels("diffusion_loss").diffusion_loss_fwd(*args)
-    return loss, grad.view(pred.shape) if with_grad else grad
+    return _KERNELS[backend](pred, x0, noise, seed, p, q, w, with_grad, grad_scale)
 
 
 def _fake(pred, x0, noise, seed, p, q, w, with_grad, grad_scale=1.0, backend=None):
@@ -80,9 +88,10 @@ _backend.register_raw_fake("diffusion_loss_fwd", _fake)
 
 
 def diffusion_loss_fwd(pred, x0, noise, seed, p, q, w, with_grad: bool, grad_scale: float, backend: str):
-    """(loss (B,), grad_scale * d loss / d pred or an empty tensor) of a resolved backend; p, q, w contiguous (B,)."""
-    if backend in ("cpu", "cuda"):
-        return _backend.ext_ops().diffusion_loss_fwd(pred, x0, noise, seed, p, q, w, with_grad, grad_scale)
+    """(loss (B,), grad_scale * d loss / d pred or an empty tensor) of a resolved backend; p, q, w contiguous (B,).
+    The C++/CUDA kernels are called directly (their fakes trace), the others through the opaque op."""
+    if backend in _backend.EXTENSION:
+        return _KERNELS[backend](pred, x0, noise, seed, p, q, w, with_grad, grad_scale)
     return _diffusion_loss_op(pred, x0, noise, seed, p, q, w, with_grad, grad_scale, backend)
 
 
@@ -198,6 +207,9 @@ def diffusion_loss(
 ) -> torch.Tensor:
     """DDPM training loss for ``prediction`` in {eps, x0, v}, optionally MinSNR/P2 weighted, fused.
 
+    The drop-in form for DDPM code (diffusers' training scripts): a thin adapter that gathers (p, q, w) at ``t``
+    from the schedule's cached table and calls ``diffusion_loss_coef``.
+
     loss[b] = w_t * mean_j (pred - target)^2 with target eps, x0 or v = sqrt(abar) eps - sqrt(1 - abar) x0
     (Salimans & Ho 2022) and w_t = ``loss_weights(SNR_t, prediction, weighting, gamma)`` (MinSNR: Hang et al.
     Eq. 5), times the optional per-sample ``weights`` (B,) (e.g. the importance from ``sample_timesteps``).
@@ -213,4 +225,4 @@ def diffusion_loss(
     p, q, w = table.index_select(1, t).unbind()  # (3, T) -> (3, B): one gather; each row contiguous
     if weights is not None:
         w = w * _common.per_sample(weights, pred, "weights")
-    return _run(pred, x0, noise, p, q, w, reduction, seed, backend)
+    return diffusion_loss_coef(pred, x0, noise, p, q, w, reduction=reduction, seed=seed, backend=backend)

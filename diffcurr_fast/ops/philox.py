@@ -91,15 +91,18 @@ def philox_randn_ref(seed: int, shape: Sequence[int], device: torch.device | str
     return out.reshape(-1)[:n].reshape(shape)
 
 
+_KERNELS = _backend.table(
+    reference=philox_randn_ref,
+    triton=lambda seed, shape, device: _backend.kernels("philox").philox_randn_fwd(seed, tuple(shape), device),
+    ext=lambda seed, shape, device: _backend.ext_ops().randn_like(
+        torch.empty(shape, dtype=torch.float32, device=device), seed
+    ),
+)
+
+
 @torch.library.custom_op("diffcurr_fast::randn", mutates_args=())
 def _randn_op(seed: int, shape: Sequence[int], device: torch.device, backend: str) -> torch.Tensor:
-    shape = [int(s) for s in shape]
-    if backend == "reference":
-        return philox_randn_ref(seed, shape, device)
-    if backend == "triton":
-        return _backend.kernels("philox").philox_randn_fwd(seed, tuple(shape), device)
-    like = torch.empty(shape, dtype=torch.float32, device=device)
-    return _backend.ext_ops().randn_like(like, seed)
+    return _KERNELS[backend](seed, [int(s) for s in shape], device)
 
 
 @_randn_op.register_fake

@@ -26,15 +26,20 @@ def q_sample_ref(
     return xt.to(x0.dtype)
 
 
+def _triton(x0, a, c, noise, seed):
+    noise = noise.contiguous() if noise is not None else None
+    return _backend.kernels("q_sample").q_sample_fwd(x0.contiguous(), a, c, noise, seed)
+
+
+_KERNELS = _backend.table(reference=q_sample_ref, triton=_triton, ext=lambda *a: _backend.ext_ops().q_sample(*a))
+
+
 @torch.library.custom_op("diffcurr_fast::q_sample", mutates_args=())
 def _q_sample_op(
     x0: torch.Tensor, a: torch.Tensor, c: torch.Tensor, noise: torch.Tensor | None, seed: int, backend: str
 ) -> torch.Tensor:
     """The forward of the reference and Triton backends as one opaque op (inductor never traces the Philox)."""
-    if backend == "reference":
-        return q_sample_ref(x0, a, c, noise, seed)
-    noise = noise.contiguous() if noise is not None else None
-    return _backend.kernels("q_sample").q_sample_fwd(x0.contiguous(), a, c, noise, seed)
+    return _KERNELS[backend](x0, a, c, noise, seed)
 
 
 @_q_sample_op.register_fake
@@ -52,9 +57,10 @@ _backend.register_raw_fake("q_sample", _fake_raw)
 def q_sample_fwd(
     x0: torch.Tensor, a: torch.Tensor, c: torch.Tensor, noise: torch.Tensor | None, seed: int, backend: str
 ) -> torch.Tensor:
-    """x_t of a resolved backend; a, c contiguous compute-dtype (B,). The C++/CUDA kernels are called directly."""
-    if backend in ("cpu", "cuda"):
-        return _backend.ext_ops().q_sample(x0, a, c, noise, seed)
+    """x_t of a resolved backend; a, c contiguous compute-dtype (B,). The C++/CUDA kernels are called directly
+    (their fakes trace), the others through the opaque op."""
+    if backend in _backend.EXTENSION:
+        return _KERNELS[backend](x0, a, c, noise, seed)
     return _q_sample_op(x0, a, c, noise, seed, backend)
 
 
@@ -143,14 +149,16 @@ def q_sample(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """DDPM forward process x_t = sqrt(abar_t) x0 + sqrt(1 - abar_t) eps (Ho et al. Eq. 4), fused.
 
-    ``schedule`` is a ``DDPMSchedule`` or a 1-D ``alphas_cumprod`` tensor; ``t`` int (B,) on x0's device.
-    ``noise`` is used when given; otherwise eps is Philox noise from ``seed`` (pass the same seed to
-    ``diffusion_loss``), drawn from torch's default generator when None. Returns x_t, or ``(x_t, noise)`` when
-    ``return_noise``. ``validate=False`` skips the range check of ``t`` (a host sync).
+    The drop-in form for DDPM code (diffusers' ``add_noise``): a thin adapter that gathers (a, c) at ``t`` from
+    the schedule's cached table and calls ``q_sample_coef``. ``schedule`` is a ``DDPMSchedule`` or a 1-D
+    ``alphas_cumprod`` tensor; ``t`` int (B,) on x0's device. ``noise`` is used when given; otherwise eps is
+    Philox noise from ``seed`` (pass the same seed to ``diffusion_loss``), drawn from torch's default generator
+    when None. Returns x_t, or ``(x_t, noise)`` when ``return_noise``. ``validate=False`` skips the range check
+    of ``t`` (a host sync).
     """
     _common.check_batched(x0, "x0")
     T = _common.num_timesteps(schedule)
     t = _common.check_timesteps(t, x0, T, validate)
     table = _common.schedule_table(schedule, "q_sample", x0.device, _common.compute_dtype(x0.dtype))
     a, c = table.index_select(1, t).unbind()  # (2, T) -> (2, B): one gather; a and c are contiguous rows
-    return _finish(x0, a, c, noise, seed, backend, return_noise)
+    return q_sample_coef(x0, a, c, noise, seed=seed, return_noise=return_noise, backend=backend)

@@ -28,17 +28,24 @@ def sample_timesteps_ref(weights: torch.Tensor, batch_size: int, seed: int) -> t
     return k.to(torch.int64), imp.to(torch.float32)
 
 
+def _ext(weights: torch.Tensor, batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if weights.dtype not in (torch.float32, torch.float64):  # the C++ kernels take float32 or float64 weights
+        weights = weights.float()
+    return _backend.ext_ops().sample_timesteps(weights.contiguous(), batch_size, seed)
+
+
+_KERNELS = _backend.table(
+    reference=sample_timesteps_ref,
+    triton=lambda *a: _backend.kernels("sample_timesteps").sample_timesteps_fwd(*a),
+    ext=_ext,
+)
+
+
 @torch.library.custom_op("diffcurr_fast::sample_timesteps", mutates_args=())
 def _sample_timesteps_op(
     weights: torch.Tensor, batch_size: int, seed: int, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if backend == "reference":
-        return sample_timesteps_ref(weights, batch_size, seed)
-    if backend == "triton":
-        return _backend.kernels("sample_timesteps").sample_timesteps_fwd(weights, batch_size, seed)
-    if weights.dtype not in (torch.float32, torch.float64):
-        weights = weights.float()
-    return _backend.ext_ops().sample_timesteps(weights.contiguous(), batch_size, seed)
+    return _KERNELS[backend](weights, batch_size, seed)
 
 
 @_sample_timesteps_op.register_fake

@@ -18,6 +18,7 @@ import yaml
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``study``."""
+    # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.study.presets import PRESETS
 
     parser.add_argument("spec", nargs="?", default=None,
@@ -32,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.study.report import write_report
 
     if args.spec == "report":
@@ -42,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.folder is not None:
         raise ValueError(f"unexpected argument {args.folder!r} (only 'study report DIR' takes a folder)")
+    # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.study.presets import preset_spec
     from diffcurr_fast.study.runner import run_study
     from diffcurr_fast.study.spec import check_spec, load_spec, spec_from_dict

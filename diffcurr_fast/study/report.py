@@ -21,8 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from diffcurr_fast.study.runner import eval_records, load_study, read_records, read_status, run_dir_of
+from diffcurr_fast.study.runner import eval_records, load_study, read_status, run_dir_of
 from diffcurr_fast.study.spec import METRICS, StudySpec
+from diffcurr_fast.train.report import read_metrics
 
 METRIC_COLUMNS = ("fd", "is", "is_std", "precision", "recall")
 
@@ -225,7 +226,7 @@ def _train_records(study_dir: Path, arm: Any, seed: int) -> list[dict[str, Any]]
     if not p.is_file():
         return []
     by_step = {}
-    for r in read_records(p):
+    for r in read_metrics(p):
         if "loss" in r:
             by_step[r["step"]] = r
     return [by_step[s] for s in sorted(by_step)]

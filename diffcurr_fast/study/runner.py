@@ -12,7 +12,8 @@ Study folder::
 A run with a status file is finished and kept. Any other run is started again by a worker process
 (``python -m diffcurr_fast.study.runner STUDY_DIR ARM SEED``): a train run with checkpoints resumes from the newest
 (the trainer's ``--resume``, which repeats the uninterrupted run exactly), one without starts over; a tdc run
-starts over (its pipeline has no resume). ``workers`` runs go at once, each with ``cpu_threads`` = cores // workers
+with its ``tdc.json`` resumes too (``tdc --resume``: stage 1, finished groups and search rounds are kept), one
+without starts over. ``workers`` runs go at once, each with ``cpu_threads`` = cores // workers
 and, on a machine with GPUs, one GPU per worker slot (``CUDA_VISIBLE_DEVICES``).
 """
 
@@ -28,7 +29,16 @@ from typing import Any
 
 import yaml
 
+from diffcurr_fast._files import write_json
+from diffcurr_fast.eval.features import digits_classifier
+from diffcurr_fast.runs.checkpoint import latest_checkpoint
+from diffcurr_fast.runs.sampling import build_model, build_schedule
 from diffcurr_fast.study.spec import StudySpec, arm_config, check_spec, spec_from_dict
+from diffcurr_fast.tdc.flops import dit_flops
+from diffcurr_fast.tdc.pipeline import load_bundle_with_config, run_tdc
+from diffcurr_fast.train.evaluation import Evaluator
+from diffcurr_fast.train.loop import train
+from diffcurr_fast.train.report import read_metrics
 
 SPEC_FILE = "study.yaml"
 
@@ -44,13 +54,6 @@ def status_path(study_dir: Path, arm: str, seed: int) -> Path:
 def read_status(study_dir: Path, arm: str, seed: int) -> dict[str, Any] | None:
     p = status_path(study_dir, arm, seed)
     return json.loads(p.read_text()) if p.is_file() else None
-
-
-def _write_json(data: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
 
 
 def prepare_study(spec: StudySpec, study_dir: str | Path) -> Path:
@@ -152,8 +155,6 @@ def _gpu_count() -> int:
 def _prepare_features(spec: StudySpec) -> None:
     """Train and cache the digits classifier once, before workers would race to do it."""
     if spec.eval.get("features", "digits") == "digits":
-        from diffcurr_fast.eval.features import digits_classifier
-
         digits_classifier()
 
 
@@ -169,39 +170,30 @@ def run_one(study_dir: str | Path, arm_name: str, seed: int, cpu_threads: int = 
     out = _run_tdc(cfg, run_dir) if arm.kind == "tdc" else _run_train(cfg, run_dir)
     status = {"arm": arm.name, "seed": seed, "kind": arm.kind, "run_dir": str(run_dir.relative_to(study_dir)),
               "wall_s": time.perf_counter() - t0, **out}  # fmt: skip
-    _write_json(status, status_path(study_dir, arm.name, seed))
+    write_json(status, status_path(study_dir, arm.name, seed), indent=1)
     return status
 
 
 def _run_train(cfg: Any, run_dir: Path) -> dict[str, Any]:
-    from diffcurr_fast.tdc.flops import dit_flops
-    from diffcurr_fast.train.checkpoint import latest_checkpoint
-    from diffcurr_fast.train.loop import train
-
     resume = run_dir.is_dir() and latest_checkpoint(run_dir) is not None
     overwrite = run_dir.is_dir() and not resume  # killed before its first checkpoint: start over
     summary = train(cfg, resume=resume, overwrite=overwrite)
-    from diffcurr_fast.train.sampling import build_model
-
     flops = 3.0 * dit_flops(build_model(cfg)) * cfg.data.batch_size * summary["step"]
     return {"steps": summary["step"], "train_flops": flops, "resumed": resume,
             "final": last_eval(run_dir / "metrics.jsonl")}  # fmt: skip
 
 
 def _run_tdc(cfg: Any, run_dir: Path) -> dict[str, Any]:
-    from diffcurr_fast.tdc.pipeline import load_bundle_with_config, run_tdc
-    from diffcurr_fast.train.evaluation import Evaluator
-
-    out = run_tdc(cfg, None, run_dir, overwrite=True, verbose=True)
+    resume = (run_dir / "tdc.json").is_file()
+    overwrite = run_dir.is_dir() and not resume  # killed before tdc.json was written: start over
+    out = run_tdc(cfg, None, run_dir, overwrite=overwrite, resume=resume, verbose=True)
     acc = out["accounting_data"]
     multi, bcfg = load_bundle_with_config(out["bundle"])
-    from diffcurr_fast.train.sampling import build_schedule
-
     steps = int(acc["training"]["total_steps"])
     final = Evaluator(bcfg, run_dir)(steps, multi, build_schedule(bcfg))
-    _write_json(final, run_dir / "bundle_eval.json")
+    write_json(final, run_dir / "bundle_eval.json", indent=1)
     sampling = {k: v["multi_expert_flops_per_image"] for k, v in acc["sampling"].items()}
-    return {"steps": steps, "train_flops": acc["training"]["tdc_flops"],
+    return {"steps": steps, "train_flops": acc["training"]["tdc_flops"], "resumed": resume,
             "train_flops_with_search": acc["training"]["tdc_flops_with_search"],
             "single_model_flops": acc["training"]["single_model_flops"], "sampling_flops_per_image": sampling,
             "base_sampling_flops_per_image": {k: v["base_flops_per_image"] for k, v in acc["sampling"].items()},
@@ -219,21 +211,10 @@ def eval_records(path: Path) -> list[dict[str, Any]]:
     if not Path(path).is_file():
         return []
     by_step: dict[int, dict[str, Any]] = {}
-    for rec in read_records(path):
+    for rec in read_metrics(path):
         if rec.get("eval"):
             by_step[int(rec["step"])] = rec
     return [by_step[s] for s in sorted(by_step)]
-
-
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl; a line cut short by a killed process is skipped."""
-    out = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

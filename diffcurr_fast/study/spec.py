@@ -131,7 +131,7 @@ def load_spec(path: str | Path) -> StudySpec:
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"study spec {str(p)!r} does not exist")
-    from diffcurr_fast.train.config import duplicate_keys
+    from diffcurr_fast.runs.config import duplicate_keys
 
     text = p.read_text()
     dups = duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader))
@@ -144,7 +144,8 @@ def load_spec(path: str | Path) -> StudySpec:
 def arm_config(spec: StudySpec, arm: Arm, seed: int, run_dir: str | Path, cpu_threads: int = 0):
     """The validated ``TrainConfig`` of run (``arm``, ``seed``): the recipe (None: the embedded digits demo) with
     ``spec.overrides`` (a tdc arm's options are its tdc section)."""
-    from diffcurr_fast.train.config import load_config
+    # imported here, not at the top: keeps --help free of torch
+    from diffcurr_fast.runs.config import load_config
 
     try:
         return load_config(spec.recipe, spec.overrides(arm, seed, run_dir, cpu_threads))
@@ -157,6 +158,7 @@ def check_spec(spec: StudySpec) -> StudySpec:
     for arm in spec.arms:
         cfg = arm_config(spec, arm, spec.seeds[0], "study-check")
         if arm.kind == "tdc":
+            # imported here, not at the top: keeps --help free of torch
             from diffcurr_fast.tdc.pipeline import resolve_config
 
             resolve_config(cfg, None)

@@ -8,7 +8,6 @@ _EXPORTS: dict[str, str] = {
     "sampling_flops": "diffcurr_fast.tdc.accounting",
     "visited_input_times": "diffcurr_fast.tdc.accounting",
     "training_flops": "diffcurr_fast.tdc.accounting",
-    "write_json": "diffcurr_fast.tdc.accounting",
     "COMPILE_MODES": "diffcurr_fast.tdc.experts",
     "MultiExpertDenoiser": "diffcurr_fast.tdc.experts",
     "load_bundle": "diffcurr_fast.tdc.experts",
@@ -26,9 +25,7 @@ _EXPORTS: dict[str, str] = {
     "snr_db": "diffcurr_fast.tdc.grouping",
     "LLMProposer": "diffcurr_fast.tdc.llm",
     "parse_reply": "diffcurr_fast.tdc.llm",
-    "TDCOptions": "diffcurr_fast.tdc.pipeline",
     "load_bundle_with_config": "diffcurr_fast.tdc.pipeline",
-    "options_from_dict": "diffcurr_fast.tdc.pipeline",
     "run_tdc": "diffcurr_fast.tdc.pipeline",
     "PROPOSERS": "diffcurr_fast.tdc.proposers",
     "LocalProposer": "diffcurr_fast.tdc.proposers",
@@ -54,7 +51,7 @@ _EXPORTS: dict[str, str] = {
     "plot_history": "diffcurr_fast.tdc.search",
     "proxy_search": "diffcurr_fast.tdc.search",
     "validate_widths": "diffcurr_fast.tdc.search",
-    "TDCConfig": "diffcurr_fast.train.config",
+    "TDCConfig": "diffcurr_fast.runs.config",
 }
 __getattr__ = lazy_exports(__name__, _EXPORTS)
 
@@ -75,7 +72,6 @@ __all__ = [
     "SearchResult",
     "SearchState",
     "TDCConfig",
-    "TDCOptions",
     "TimestepGroup",
     "UniformProposer",
     "block_flops",
@@ -89,7 +85,6 @@ __all__ = [
     "load_bundle_with_config",
     "make_groups",
     "make_proposer",
-    "options_from_dict",
     "parse_reply",
     "plot_history",
     "proxy_loss",
@@ -108,5 +103,4 @@ __all__ = [
     "unit_costs",
     "validate_widths",
     "widths_flops",
-    "write_json",
 ]

@@ -7,7 +7,6 @@ reference is one base-size model trained for the same total number of steps.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -15,15 +14,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["sampling_flops", "training_flops", "visited_input_times", "write_json"]
+from diffcurr_fast._files import write_json
 
-
-def write_json(data: dict[str, Any], path: str | Path) -> Path:
-    """Write ``data`` as indented JSON (parent directories created)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2))
-    return path
+__all__ = ["sampling_flops", "training_flops", "visited_input_times"]
 
 
 def sampling_flops(

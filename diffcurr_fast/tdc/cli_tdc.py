@@ -4,7 +4,7 @@ it (stage 1 and the fine-tunes data-parallel, the proxy search spread over the r
 
 Without a recipe it runs a small TDC run on the built-in digits (``TDC_DEMO``): stage 1 trains the demo DiT for a
 few hundred steps, then N = 3 groups with k = 0.5 are pruned by a 2-round x 3-candidate proxy search and fine-tuned.
-A recipe is a training recipe (the sections of ``diffcurr_fast.train.config``, its ``tdc:`` section included);
+A recipe is a training recipe (the sections of ``diffcurr_fast.runs.config``, its ``tdc:`` section included);
 ``--set tdc.rounds=4`` overrides a TDC option like any training key.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from diffcurr_fast.train.config import (
+from diffcurr_fast.runs.config import (
     DEMO,
     TrainConfig,
     apply_overrides,
@@ -82,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         sys.stdout.write(yaml.safe_dump({**cfg.to_dict(), "run_dir": str(run_dir)}, sort_keys=False))
         return 0
+    # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.tdc.pipeline import run_tdc
 
     out = run_tdc(cfg, None, run_dir, overwrite=args.overwrite, resume=args.resume)

@@ -22,8 +22,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from diffcurr_fast._files import write_json
 from diffcurr_fast.curriculum.clustering import check_clusters
-from diffcurr_fast.models.dit import guided_forward
+from diffcurr_fast.diffusion.samplers import guided_forward
+from diffcurr_fast.models import DiT
+from diffcurr_fast.runs.checkpoint import export_safetensors
 from diffcurr_fast.tdc.flops import dit_flops
 
 __all__ = ["BUNDLE_FORMAT", "COMPILE_MODES", "MultiExpertDenoiser", "load_bundle", "save_bundle"]
@@ -157,8 +160,6 @@ class MultiExpertDenoiser(nn.Module):
 def save_bundle(model: MultiExpertDenoiser, path: str | Path) -> Path:
     """Write ``weights.safetensors`` and ``bundle.json`` into directory ``path`` (created if needed); experts with
     NaN or inf weights are refused (``export_safetensors``)."""
-    from diffcurr_fast.train.checkpoint import export_safetensors
-
     if not isinstance(model, MultiExpertDenoiser):
         raise ValueError(f"save_bundle expects a MultiExpertDenoiser, got {type(model).__name__}")
     path = Path(path)
@@ -180,7 +181,7 @@ def save_bundle(model: MultiExpertDenoiser, path: str | Path) -> Path:
         "groups": model.groups,
         "input_edges": None if model.input_edges is None else model.input_edges.tolist(),
     }
-    (path / "bundle.json").write_text(json.dumps(meta, indent=2))
+    write_json(meta, path / "bundle.json")
     return path
 
 
@@ -188,8 +189,6 @@ def load_bundle(path: str | Path, device: str | torch.device = "cpu", **override
     """Rebuild a ``MultiExpertDenoiser`` saved by ``save_bundle``; ``overrides`` go to every ``DiT.from_config``
     (e.g. ``attn_backend="sdpa"``)."""
     from safetensors.torch import load_file
-
-    from diffcurr_fast.models import DiT
 
     path = Path(path)
     meta_path, weights_path = path / "bundle.json", path / "weights.safetensors"

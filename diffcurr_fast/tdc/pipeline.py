@@ -46,8 +46,13 @@ from typing import Any
 
 import torch
 
+from diffcurr_fast._files import write_json
+from diffcurr_fast.models import DiT
 from diffcurr_fast.objective import Objective
-from diffcurr_fast.tdc.accounting import sampling_flops, training_flops, visited_input_times, write_json
+from diffcurr_fast.runs.checkpoint import export_safetensors, latest_checkpoint
+from diffcurr_fast.runs.config import TDCConfig, TrainConfig, config_from_dict, load_config, resume_mismatches
+from diffcurr_fast.runs.sampling import build_model, grid_sampler, sample, sample_grid
+from diffcurr_fast.tdc.accounting import sampling_flops, training_flops, visited_input_times
 from diffcurr_fast.tdc.experts import MultiExpertDenoiser, load_bundle, save_bundle
 from diffcurr_fast.tdc.flops import dit_flops
 from diffcurr_fast.tdc.grouping import TimestepGroup, make_groups
@@ -55,32 +60,18 @@ from diffcurr_fast.tdc.preflight import check_tdc_run
 from diffcurr_fast.tdc.proposers import make_proposer
 from diffcurr_fast.tdc.prune import importance_scores
 from diffcurr_fast.tdc.search import SearchResult, plot_history, proxy_search
-from diffcurr_fast.train.checkpoint import export_safetensors, latest_checkpoint
-from diffcurr_fast.train.config import TDCConfig, TrainConfig, config_from_dict, load_config, resume_mismatches
 from diffcurr_fast.train.data import SHARDED_DATASETS
 from diffcurr_fast.train.engine import create_engine
 from diffcurr_fast.train.loop import Trainer, build_dataset
 from diffcurr_fast.train.rundir import RunStart, open_run_dir
-from diffcurr_fast.train.sampling import build_model, grid_sampler, sample, sample_grid
 
 __all__ = [
-    "TDCOptions",
     "format_accounting",
     "load_bundle_with_config",
-    "options_from_dict",
     "resolve_config",
     "run_tdc",
     "stage2_config",
 ]
-
-TDCOptions = TDCConfig  # the tdc section of the training config, under its former name
-
-
-def options_from_dict(data: dict[str, Any] | None, base: TDCConfig | None = None) -> TDCConfig:
-    """``TDCConfig`` from ``data`` over ``base`` (default: the defaults), parsed and validated as the ``tdc``
-    section of a training config (unknown keys, wrong types and invalid values raise ValueError)."""
-    cfg = TrainConfig(tdc=copy.deepcopy(base) if base is not None else TDCConfig())
-    return config_from_dict({"tdc": data or {}}, cfg).tdc
 
 
 def resolve_config(cfg: TrainConfig | dict[str, Any] | str | Path, options: TDCConfig | dict | None) -> TrainConfig:
@@ -423,8 +414,6 @@ def _expert_payload(expert: torch.nn.Module, record: dict[str, Any]) -> tuple[di
 
 def _expert_from_payload(config: dict, weights: dict, record: dict, device: torch.device):
     """Inverse of ``_expert_payload``: (expert on ``device``, record)."""
-    from diffcurr_fast.models import DiT
-
     expert = DiT.from_config(config)
     expert.load_state_dict(weights, strict=True)
     return expert.to(device).eval(), record

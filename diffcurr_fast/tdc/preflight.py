@@ -10,6 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from diffcurr_fast.runs.sampling import build_schedule
+from diffcurr_fast.tdc.grouping import group_timesteps
+from diffcurr_fast.train.preflight import check_backends, check_inputs
 from diffcurr_fast.train.rundir import TDC_LAYOUT, RunStart, check_run_dir
 
 __all__ = ["check_groups", "check_tdc_run"]
@@ -18,9 +21,6 @@ __all__ = ["check_groups", "check_tdc_run"]
 def check_groups(cfg: Any, num_groups: int, method: str = "db") -> list[tuple[int, int]]:
     """The [lo, hi) timestep ranges of ``num_groups`` groups on the schedule of ``cfg.diffusion``; ValueError
     naming ``tdc.num_groups`` when they cannot be formed (more groups than timesteps, an empty group)."""
-    from diffcurr_fast.tdc.grouping import group_timesteps
-    from diffcurr_fast.train.sampling import build_schedule
-
     t = cfg.diffusion.num_timesteps  # the cells of the difficulty axis (DDPM: its timesteps)
     if isinstance(num_groups, bool) or not isinstance(num_groups, int) or not 1 <= num_groups <= t:
         raise ValueError(f"tdc.num_groups must be an int in [1, {t}] (diffusion.num_timesteps), got {num_groups!r}")
@@ -40,8 +40,6 @@ def check_tdc_run(
 ) -> RunStart:
     """Validate a whole TDC run before anything is written or trained (module doc); returns how it starts
     (``resume``: a TDC run directory with its ``tdc.json``, continued where it stopped)."""
-    from diffcurr_fast.train.preflight import check_backends, check_inputs
-
     cfg.validate()
     opts.validate()
     check_backends(cfg)

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from diffcurr_fast.objective import batch_loss, default_objective
+from diffcurr_fast.runs.config import IMPORTANCE_METHODS
 from diffcurr_fast.tdc.flops import block_flops, default_widths, widths_flops
-from diffcurr_fast.train.config import IMPORTANCE_METHODS
 
 __all__ = [
     "IMPORTANCE_METHODS",

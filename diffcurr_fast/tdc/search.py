@@ -16,7 +16,6 @@ A proposer is any object with a ``name`` and ``propose(state, n, rng)`` (``Propo
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import random
@@ -28,6 +27,8 @@ from typing import Any, Protocol
 
 import torch
 
+from diffcurr_fast._files import write_json
+from diffcurr_fast.runs.checkpoint import atomic_save
 from diffcurr_fast.tdc.flops import default_widths, dit_flops, widths_flops
 from diffcurr_fast.tdc.proxy import proxy_loss, recover
 from diffcurr_fast.tdc.prune import Batches, Importance, prune_to_widths, unit_costs
@@ -275,8 +276,7 @@ def proxy_search(
         rejected = engine.broadcast_object(stats) if world > 1 else stats
     result = SearchResult(best=bank.best()[0], model=best_model, bank=bank, history=history, rejected=rejected)
     if log_path is not None and rank == 0:
-        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(log_path).write_text(json.dumps(result.to_dict(), indent=2))
+        write_json(result.to_dict(), log_path)
     return result
 
 
@@ -322,8 +322,6 @@ def _rebuild(like, config: dict, state_dict: dict):
 
 def _save_state(path: Path, next_round: int, bank: MemoryBank, rng: random.Random, history, rejected, best) -> None:
     """The search after a round, written atomically (one file: a crash leaves the previous round's)."""
-    from diffcurr_fast.train.checkpoint import atomic_save
-
     weights = None if best is None else {k: v.detach().cpu() for k, v in best.state_dict().items()}
     state = {
         "next_round": next_round,

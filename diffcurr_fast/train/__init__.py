@@ -1,20 +1,9 @@
-"""Training: typed config, engines (single, DDP, DeepSpeed), the loop, EMA, checkpoints, logging, sampling."""
+"""Training: engines (single, DDP, DeepSpeed), the loop, EMA, evaluation during training, run directories, logging."""
 
 from diffcurr_fast._lazy import lazy_exports
 
 # name -> module, imported on first use: importing one submodule does not import the whole package (torch)
 _EXPORTS: dict[str, str] = {
-    "atomic_save": "diffcurr_fast.train.checkpoint",
-    "export_safetensors": "diffcurr_fast.train.checkpoint",
-    "latest_checkpoint": "diffcurr_fast.train.checkpoint",
-    "list_checkpoints": "diffcurr_fast.train.checkpoint",
-    "load_checkpoint": "diffcurr_fast.train.checkpoint",
-    "save_checkpoint": "diffcurr_fast.train.checkpoint",
-    "TrainConfig": "diffcurr_fast.train.config",
-    "config_from_dict": "diffcurr_fast.train.config",
-    "config_to_yaml": "diffcurr_fast.train.config",
-    "demo_config": "diffcurr_fast.train.config",
-    "load_config": "diffcurr_fast.train.config",
     "TrainBatches": "diffcurr_fast.train.data",
     "build_train_batches": "diffcurr_fast.train.data",
     "load_init_weights": "diffcurr_fast.train.data",
@@ -28,10 +17,6 @@ _EXPORTS: dict[str, str] = {
     "Trainer": "diffcurr_fast.train.loop",
     "lr_at": "diffcurr_fast.train.loop",
     "train": "diffcurr_fast.train.loop",
-    "build_model": "diffcurr_fast.train.sampling",
-    "build_schedule": "diffcurr_fast.train.sampling",
-    "sample": "diffcurr_fast.train.sampling",
-    "save_grid": "diffcurr_fast.train.sampling",
 }
 __getattr__ = lazy_exports(__name__, _EXPORTS)
 
@@ -42,26 +27,11 @@ __all__ = [
     "Engine",
     "NonFiniteLossError",
     "TrainBatches",
-    "TrainConfig",
     "Trainer",
-    "atomic_save",
-    "build_model",
-    "build_schedule",
     "build_train_batches",
-    "config_from_dict",
-    "config_to_yaml",
     "create_engine",
-    "demo_config",
-    "export_safetensors",
-    "latest_checkpoint",
-    "list_checkpoints",
-    "load_config",
-    "load_checkpoint",
     "load_init_weights",
     "lr_at",
     "resolve_deepspeed_config",
-    "sample",
-    "save_checkpoint",
-    "save_grid",
     "train",
 ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from diffcurr_fast.train.config import config_to_yaml, describe_config, load_config
+from diffcurr_fast.runs.config import config_to_yaml, describe_config, load_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     if args.run_dir:
         overrides.append(f"checkpoint.run_dir={args.run_dir}")
     cfg = load_config(args.recipe, overrides)
+    # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.train.preflight import check_run
 
     start = check_run(cfg, resume=args.resume, overwrite=args.overwrite)  # everything, before anything is written
@@ -82,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
               f"{start.step}, engine.max_steps {cfg.engine.max_steps}); nothing to do, nothing changed. Raise "
               "engine.max_steps with --resume to train further")  # fmt: skip
         return 0
+    # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.train.engine import create_engine
     from diffcurr_fast.train.loop import GridInterrupted, NonFiniteLossError, Trainer, TrainingInterrupted
 

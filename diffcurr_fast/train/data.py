@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-if TYPE_CHECKING:
-    from diffcurr_fast.train.config import TrainConfig
+from diffcurr_fast.data import ImageFolder, ShardedLatents, ShardedLoader, open_latents, pipeline
+from diffcurr_fast.data.errors import BadDataError
+from diffcurr_fast.runs.config import SHARDED_DATASETS
 
-SHARDED_DATASETS = ("latents", "images")
-DATASETS = ("digits", "npz", *SHARDED_DATASETS)  # data.dataset: built-in, arrays, or through ShardedLoader
+if TYPE_CHECKING:
+    from diffcurr_fast.runs.config import TrainConfig
 
 
 class TrainBatches:
@@ -78,8 +79,6 @@ class TrainBatches:
                                  f"{self.num_classes - 1})")  # fmt: skip
             x = x.float()
             if not bool(torch.isfinite(x).all()):  # readers that bypass the dataset's own check (DALI's numpy reader)
-                from diffcurr_fast.data.errors import BadDataError
-
                 pos = self.loader.state_dict()
                 raise BadDataError(
                     f"{getattr(self.source, 'root', 'the data')}: a batch of epoch {pos.get('epoch')} (ending at "
@@ -107,9 +106,11 @@ class TrainBatches:
 def dali_placement(backend: str, device: torch.device | None, kind: str) -> tuple[int | None, str]:
     """(device_id, decoder_device) of the loader: with DALI on a GPU run the pipeline on that GPU and decode
     JPEGs there (``mixed``); otherwise CPU-only pipelines."""
-    from diffcurr_fast.data.pipeline import resolve_backend
-
-    if device is None or torch.device(device).type != "cuda" or resolve_backend(backend, on_gpu=True) != "dali":
+    if (
+        device is None
+        or torch.device(device).type != "cuda"
+        or pipeline.resolve_backend(backend, on_gpu=True) != "dali"
+    ):
         return None, "cpu"
     index = torch.device(device).index
     return (torch.cuda.current_device() if index is None else index), ("mixed" if kind == "images" else "cpu")
@@ -124,8 +125,6 @@ def build_train_batches(
     with (``index.json``) and are rescaled to ``data.scale``; fast-DiT latents are taken as already scaled by
     ``data.scale`` (fast-DiT stores 0.18215 z); images in [-1, 1] are multiplied by ``data.scale``.
     """
-    from diffcurr_fast.data import ImageFolder, ShardedLatents, ShardedLoader, open_latents
-
     d, m = cfg.data, cfg.model
     if d.dataset not in SHARDED_DATASETS:
         raise ValueError(f"data.dataset {d.dataset!r} is not read by the sharded loader; valid: latents, images")

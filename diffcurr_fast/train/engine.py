@@ -28,9 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-ENGINE_KINDS = ("auto", "single", "ddp", "deepspeed")
-DEVICES = ("auto", "cpu", "cuda")
-OPTIM_IMPLS = ("auto", "torch", "apex")  # AdamW kernels (``build_optimizer``)
+from diffcurr_fast.runs.checkpoint import list_checkpoints
+from diffcurr_fast.runs.config import DEVICES, ENGINE_KINDS
 
 
 def apex_fused_adam():
@@ -446,8 +445,6 @@ class DeepSpeedEngine(DDPEngine):
         self.ds.save_checkpoint(str(root), tag=tag, save_latest=False)
         self.barrier()
         if self.is_main:  # drop tags whose ckpt_<N>.pt is gone (retention) or was never written (a crash)
-            from diffcurr_fast.train.checkpoint import list_checkpoints
-
             keep = {s for s, _ in list_checkpoints(run_dir)} | {step}
             for d in root.iterdir():
                 m = _DS_TAG.match(d.name)

@@ -21,8 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from diffcurr_fast.eval.evaluate import evaluate, load_reference, reference_from_images
+from diffcurr_fast.eval.features import get_extractor
+from diffcurr_fast.runs.sampling import pixel_range, sample
+
 if TYPE_CHECKING:
-    from diffcurr_fast.train.config import TrainConfig
+    from diffcurr_fast.runs.config import TrainConfig
 
 REFERENCE_FILE = "eval_reference.npz"
 
@@ -54,9 +58,6 @@ class Evaluator:
             self._load(Path(run_dir), dataset)
 
     def _load(self, run_dir: Path, dataset: Any) -> None:
-        from diffcurr_fast.eval.evaluate import load_reference, reference_from_images
-        from diffcurr_fast.eval.features import get_extractor
-
         cfg = self.cfg
         e = cfg.eval
         self.extractor = get_extractor(e.features, inception_weights=e.inception_weights or None, device=self.device)
@@ -79,8 +80,6 @@ class Evaluator:
     @torch.no_grad()
     def sample(self, model: torch.nn.Module, schedule: Any) -> torch.Tensor:
         """``eval.num_samples`` images (N, C, H, W) in [-1, 1] from ``model``; the global RNG is left as it was."""
-        from diffcurr_fast.train.sampling import pixel_range, sample
-
         cfg, e, m = self.cfg, self.cfg.eval, self.cfg.model
         was_training = model.training
         model.eval()
@@ -100,8 +99,6 @@ class Evaluator:
     def __call__(self, step: int, model: torch.nn.Module, schedule: Any) -> dict[str, Any]:
         """The metrics record of ``model`` at ``step``: fd, is, is_std, precision, recall (when the reference has
         features), the extractor and the evaluation's wall time."""
-        from diffcurr_fast.eval.evaluate import evaluate
-
         t0 = time.perf_counter()
         res = evaluate(self.sample(model, schedule), self.reference, self.extractor)
         rec: dict[str, Any] = {"step": int(step), "eval": True, "fd": res.fd, "is": res.inception_score,

@@ -25,8 +25,9 @@ from diffcurr_fast.diffusion import build_formulation
 from diffcurr_fast.diffusion.axis import trusted_t
 from diffcurr_fast.objective import Objective, draw_seed
 from diffcurr_fast.ops import sample_timesteps
-from diffcurr_fast.train import checkpoint as ckpt_io
-from diffcurr_fast.train.config import TrainConfig, config_from_dict, config_to_yaml, resume_mismatches
+from diffcurr_fast.runs import checkpoint as ckpt_io
+from diffcurr_fast.runs.config import TrainConfig, config_from_dict, config_to_yaml, resume_mismatches
+from diffcurr_fast.runs.sampling import SamplingInterrupted, build_model, grid_unavailable, sample_grid
 from diffcurr_fast.train.data import SHARDED_DATASETS, TrainBatches, build_train_batches, load_init_weights
 from diffcurr_fast.train.ema import EMA
 from diffcurr_fast.train.engine import Engine, build_optimizer, create_engine, unwrap
@@ -36,7 +37,6 @@ from diffcurr_fast.train.interrupt import GridInterrupted, StopRequest, Training
 from diffcurr_fast.train.preflight import check_run
 from diffcurr_fast.train.report import MetricsWriter, gpu_stats, plot_cluster_losses, plot_curriculum_timeline
 from diffcurr_fast.train.rundir import open_run_dir
-from diffcurr_fast.train.sampling import SamplingInterrupted, build_model, grid_unavailable, sample_grid
 
 
 class NonFiniteLossError(RuntimeError):

@@ -12,7 +12,10 @@ import importlib.util
 import os
 from pathlib import Path
 
-from diffcurr_fast.train.config import TrainConfig
+from diffcurr_fast.models.attention import flash_attn_reason
+from diffcurr_fast.ops._backend import CHOICES, unavailable_reason
+from diffcurr_fast.runs.config import TrainConfig
+from diffcurr_fast.train.engine import load_deepspeed_config
 from diffcurr_fast.train.rundir import TRAIN_LAYOUT, RunLayout, RunStart, check_run_dir
 
 __all__ = ["check_backends", "check_inputs", "check_run"]
@@ -40,14 +43,10 @@ def check_backends(cfg: TrainConfig) -> None:
     if e.kind == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         raise ImportError("engine.kind 'deepspeed' needs the deepspeed package: pip install deepspeed")
     if m.attn_backend == "flash_attn":
-        from diffcurr_fast.models.attention import flash_attn_reason
-
         reason = flash_attn_reason()
         if reason is not None:
             raise ValueError(f"model.attn_backend 'flash_attn' cannot run here: {reason}; use auto, sdpa or math")
     if d.ops_backend not in ("auto", "reference"):
-        from diffcurr_fast.ops._backend import unavailable_reason
-
         for op in ("q_sample", "diffusion_loss_fwd", "sample_timesteps"):  # the names the fused ops resolve
             reason = unavailable_reason(d.ops_backend, op, dev)
             if reason is not None:
@@ -56,8 +55,6 @@ def check_backends(cfg: TrainConfig) -> None:
                 )
     env = os.environ.get("DIFFCURR_OPS_BACKEND", "")  # ops.ENV_VAR: the backend of the ops called without one
     if env and env != "auto":
-        from diffcurr_fast.ops._backend import CHOICES, unavailable_reason
-
         if env not in CHOICES:
             raise ValueError(
                 f"DIFFCURR_OPS_BACKEND={env!r} is not an ops backend; use one of {', '.join(CHOICES)}, or unset it"
@@ -95,8 +92,6 @@ def check_inputs(cfg: TrainConfig) -> None:
     if cfg.model.init_from and not Path(cfg.model.init_from).is_file():
         raise FileNotFoundError(f"model.init_from {cfg.model.init_from!r} does not exist")
     if cfg.engine.kind == "deepspeed":
-        from diffcurr_fast.train.engine import load_deepspeed_config
-
         ds = load_deepspeed_config(cfg.engine.deepspeed_config)
         if not isinstance(ds, dict):
             raise ValueError(f"DeepSpeed config {cfg.engine.deepspeed_config!r} must be a JSON object")

@@ -40,9 +40,15 @@ class MetricsWriter:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Records of a metrics.jsonl file."""
-    with open(path) as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+    """Records of a metrics.jsonl file; a line cut short by a killed process (and followed, in a study's rerun, by
+    the resumed run's records) is skipped."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
 
 
 _NVML: Any = None

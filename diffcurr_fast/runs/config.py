@@ -35,7 +35,7 @@ def _owned(module: str, name: str, *, before: tuple = ()) -> Callable[[], tuple]
     return values
 
 
-# Every choice is defined by the module that implements it; the config only refers to it.
+# Every choice of a lower layer is defined by the module that implements it; the config only refers to it.
 MODEL_PRESETS = _owned("diffcurr_fast.models.dit", "DIT_PRESETS", before=("custom",))
 FORMULATIONS = _owned("diffcurr_fast.diffusion", "FORMULATIONS")
 PREDICTIONS = _owned("diffcurr_fast.diffusion", "ALL_PREDICTIONS")
@@ -45,16 +45,18 @@ OPS_BACKENDS = _owned("diffcurr_fast.ops._backend", "BACKENDS", before=("auto",)
 PACINGS = _owned("diffcurr_fast.curriculum.pacing", "PACINGS")
 ORDERS = _owned("diffcurr_fast.curriculum.pacing", "ORDERS")
 CLUSTER_METHODS = _owned("diffcurr_fast.curriculum.clustering", "CLUSTER_METHODS")
-DATASETS = _owned("diffcurr_fast.train.data", "DATASETS")
 DATA_BACKENDS = _owned("diffcurr_fast.data.pipeline", "BACKENDS")
 ON_BAD = _owned("diffcurr_fast.data.errors", "ON_BAD")
 ATTN_BACKENDS = _owned("diffcurr_fast.models.attention", "ATTENTION_BACKENDS")
-ENGINE_KINDS = _owned("diffcurr_fast.train.engine", "ENGINE_KINDS")
-DEVICES = _owned("diffcurr_fast.train.engine", "DEVICES")
 PRECISIONS = _owned("diffcurr_fast.objective", "PRECISIONS")
-SAMPLERS = _owned("diffcurr_fast.train.sampling", "SAMPLERS")
-OPTIM_IMPLS = _owned("diffcurr_fast.train.engine", "OPTIM_IMPLS")
-NAN_POLICIES = ("skip", "stop")  # the trainer's, read from this config only
+SAMPLERS = _owned("diffcurr_fast.runs.sampling", "SAMPLERS")
+# The trainer's choices are defined here, below it (``train`` imports them from this module).
+SHARDED_DATASETS = ("latents", "images")
+DATASETS = ("digits", "npz", *SHARDED_DATASETS)  # data.dataset: built-in, arrays, or through ShardedLoader
+ENGINE_KINDS = ("auto", "single", "ddp", "deepspeed")
+DEVICES = ("auto", "cpu", "cuda")
+OPTIM_IMPLS = ("auto", "torch", "apex")  # AdamW kernels (``train.engine.build_optimizer``)
+NAN_POLICIES = ("skip", "stop")
 LR_SCHEDULES = ("constant", "cosine")  # ``train.loop.lr_at``
 
 INF = math.inf
@@ -120,6 +122,7 @@ class ModelConfig:
 
     def validate(self) -> None:
         """A preset fills the dimensions left unset; a set dimension that contradicts it is an error."""
+        # imported here, not at the top: keeps --help free of torch
         from diffcurr_fast.models.dit import DIT_PRESETS
 
         dims = DIT_PRESETS.get(self.preset, CUSTOM_DIMS)
@@ -178,6 +181,7 @@ class DiffusionConfig:
             self.fused_ops = None
         if not self.sigma_min < self.sigma_max:
             raise ValueError(f"diffusion.sigma_min {self.sigma_min} must be < diffusion.sigma_max {self.sigma_max}")
+        # imported here, not at the top: keeps --help free of torch
         from diffcurr_fast.diffusion import TRAIN_PREDICTIONS
 
         preds = TRAIN_PREDICTIONS[self.formulation]
@@ -307,9 +311,6 @@ class LoggingConfig:
     plots: bool = _f(True, "write the per-cluster loss and curriculum timeline plots at the end")
     eval_every: int = _nonneg(0, "steps between evaluations of the EMA weights (FD etc., the eval section; 0 = off)")
 
-    def validate(self) -> None:
-        pass
-
 
 @dataclass
 class CheckpointConfig:
@@ -420,7 +421,8 @@ class TrainConfig:
             section = getattr(self, sec.name)
             for f in dataclasses.fields(section):
                 _check_field(f"{sec.name}.{f.name}", f, getattr(section, f.name), _hints(type(section))[f.name])
-            section.validate()
+            if hasattr(section, "validate"):  # the section's own cross-field rules, where it has any
+                section.validate()
         d = self.diffusion
         if d.formulation in ("flow", "edm"):
             bad = {
@@ -469,13 +471,6 @@ SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fiel
 
 
 # ---- checks -------------------------------------------------------------------------------------------
-def _section_name(section: Any) -> str:
-    for name, cls in SECTIONS.items():
-        if isinstance(section, cls):
-            return name
-    return type(section).__name__
-
-
 _HINTS: dict[type, dict[str, Any]] = {}
 
 

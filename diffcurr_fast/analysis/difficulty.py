@@ -28,15 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from diffcurr_fast.data.builtin import load_digits_tensors
+from diffcurr_fast.models.dit import DiT
 from diffcurr_fast.objective import Objective, batch_loss, fit_steps
-
-# ---------------------------------------------------------------------------------------------------------------
-# data
-
-
-# scikit-learn's 8x8 digits as images (N, 1, 8, 8) in [-1, 1] and labels (N,): the built-in dataset's loader.
-load_digits_data = load_digits_tensors
 
 
 def _sqrt_coefficients(schedule: Any, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,8 +190,6 @@ def gaussian_consecutive_kl(schedule: Any, t: int, point: torch.Tensor) -> float
 
 def small_dit(num_classes: int = 10) -> nn.Module:
     """The default analysis model: a 2-block DiT on 8x8 single-channel images (16 tokens of width 64)."""
-    from diffcurr_fast.models.dit import DiT
-
     return DiT(
         input_size=8,
         patch_size=2,

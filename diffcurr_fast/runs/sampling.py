@@ -37,7 +37,7 @@ from diffcurr_fast.models import DiT, DTRConfig
 from diffcurr_fast.models.dit import LabelEmbedder
 
 if TYPE_CHECKING:
-    from diffcurr_fast.train.config import TrainConfig
+    from diffcurr_fast.runs.config import TrainConfig
 
 SAMPLERS = ("ddpm", "ddim", "heun", "euler")
 

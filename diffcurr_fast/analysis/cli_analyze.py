@@ -83,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the analysis named by ``args.analysis``; returns 0 on success."""
     import torch
 
+    # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.curriculum.clustering import cluster_timesteps
     from diffcurr_fast.diffusion.ddpm import DDPMSchedule
 
@@ -98,9 +99,11 @@ def run(args: argparse.Namespace) -> int:
     paths = _prepare_out(Path(args.out), OUTPUTS[args.analysis], args.overwrite)
     if args.analysis == "clusters":
         return _run_clusters(args, schedule, paths[0])
-    from diffcurr_fast.curriculum import difficulty
+    # imported here, not at the top: keeps --help free of torch
+    from diffcurr_fast.analysis import difficulty
+    from diffcurr_fast.data.builtin import load_digits_tensors
 
-    x, y = difficulty.load_digits_data()
+    x, y = load_digits_tensors()
     if args.analysis == "kl":
         points = min(args.points, args.num_timesteps - 1)
         ts = torch.linspace(0, args.num_timesteps - 2, points).round().long().unique()
@@ -147,6 +150,7 @@ def digits_fd(data: torch.Tensor):
     """images -> Frechet distance of their digits-classifier features to those of ``data`` (N, 1, 8, 8)."""
     import torch
 
+    # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.eval.features import get_extractor
     from diffcurr_fast.eval.metrics import feature_statistics, frechet_distance
 
@@ -163,6 +167,7 @@ def digits_fd(data: torch.Tensor):
 def _run_clusters(args: argparse.Namespace, schedule, path: Path) -> int:
     import torch
 
+    # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.curriculum.clustering import cluster_timesteps
 
     rows = []
