@@ -110,7 +110,8 @@ class ModelConfig:
     init_from: str = _f(
         "",
         "fine-tune: initial weights (.pt state dict such as DiT-XL-2-256x256.pt, one of our "
-        "checkpoints, or a .safetensors export); ignored when resuming",
+        "checkpoints, a .safetensors export, or a diffusers DiTTransformer2DModel / DiTPipeline directory); "
+        "ignored when resuming",
     )
 
     def validate(self) -> None:

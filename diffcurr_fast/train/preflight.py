@@ -74,7 +74,11 @@ def check_inputs(cfg: TrainConfig) -> None:
         if not any(f.is_file() for c in classes for f in c.iterdir()):
             raise ValueError(f"data.path {d.path!r} holds no image files (its class folders are empty)")
     if cfg.model.init_from and not Path(cfg.model.init_from).is_file():
-        raise FileNotFoundError(f"model.init_from {cfg.model.init_from!r} does not exist")
+        from diffcurr_fast.models.diffusers_dit import is_diffusers_dir
+
+        if not is_diffusers_dir(cfg.model.init_from):
+            raise FileNotFoundError(f"model.init_from {cfg.model.init_from!r} does not exist (a weights file or a "
+                                    "diffusers DiT directory)")  # fmt: skip
     if cfg.engine.kind == "deepspeed":
         from diffcurr_fast.train.engine import load_deepspeed_config
 
