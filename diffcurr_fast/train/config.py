@@ -295,7 +295,12 @@ class LoggingConfig:
 
     log_every: int = _pos(10, "steps between metrics.jsonl records")
     progress: bool = _f(True, "show a tqdm progress bar")
-    tensorboard: bool = _f(False, "also write TensorBoard scalars (needs the tensorboard package)")
+    tensorboard: bool = _f(False, "also write TensorBoard scalars to tb/ (needs the tensorboard package)")
+    wandb: bool = _f(False, "also log the scalars to Weights & Biases (extra 'wandb'; the run id is kept in "
+                     "wandb_id.txt, so a resume continues the same run)")  # fmt: skip
+    wandb_project: str = _f("diffcurr-fast", "wandb project")
+    wandb_mode: str = _f("offline", "wandb offline (files under wandb/, upload later with `wandb sync`) or online",
+                         ("offline", "online"))  # fmt: skip
     num_samples: int = _nonneg(64, "images in the end-of-run sample grid (0 = no grid)")
     sampler: str = _f("auto", "sampler of the end-of-run grid (auto: ddim for ddpm, heun for flow and edm)", SAMPLERS)
     sample_steps: int = _pos(50, "sampling steps of the end-of-run grid")
