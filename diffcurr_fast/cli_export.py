@@ -35,8 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--to", required=True, choices=("diffusers",), help="target format")
     parser.add_argument("out", metavar="OUT", help="output directory (must not exist unless --overwrite)")
     parser.add_argument("--weights", default="ema", choices=("ema", "model"), help="EMA (default) or raw weights")
-    parser.add_argument("--vae", default=None,
-                        help="latent models: the diffusers AutoencoderKL directory; writes a whole DiTPipeline")  # fmt: skip
+    parser.add_argument(
+        "--vae", default=None, help="latent models: the diffusers AutoencoderKL directory; writes a whole DiTPipeline"
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it is a previous export")
 
 
@@ -56,17 +57,27 @@ def scheduler_config(cfg: Any) -> tuple[str, dict[str, Any]]:
     if d.formulation == "ddpm":
         betas = build_schedule(cfg).betas  # (T,) float64
         return "DDIMScheduler", dict(
-            num_train_timesteps=d.num_timesteps, trained_betas=betas.tolist(),
-            prediction_type=PREDICTION_TYPES[d.prediction], clip_sample=pixel_range(cfg), clip_sample_range=1.0,
-            set_alpha_to_one=True, steps_offset=0, timestep_spacing="leading",
-        )  # fmt: skip
+            num_train_timesteps=d.num_timesteps,
+            trained_betas=betas.tolist(),
+            prediction_type=PREDICTION_TYPES[d.prediction],
+            clip_sample=pixel_range(cfg),
+            clip_sample_range=1.0,
+            set_alpha_to_one=True,
+            steps_offset=0,
+            timestep_spacing="leading",
+        )
     if d.formulation == "flow":  # x_t = (1 - t) x0 + t eps, v = eps - x0: diffusers' flow matching with sigma = t
         return "FlowMatchEulerDiscreteScheduler", dict(num_train_timesteps=d.num_timesteps, shift=1.0)
     if d.formulation == "edm":  # EDM Table 1: c_in, c_skip, c_out, c_noise = ln(sigma) / 4; F is "epsilon" there
         return "EDMEulerScheduler", dict(
-            sigma_min=d.sigma_min, sigma_max=d.sigma_max, sigma_data=d.sigma_data, sigma_schedule="karras",
-            rho=7.0, prediction_type="epsilon", final_sigmas_type="zero",
-        )  # fmt: skip
+            sigma_min=d.sigma_min,
+            sigma_max=d.sigma_max,
+            sigma_data=d.sigma_data,
+            sigma_schedule="karras",
+            rho=7.0,
+            prediction_type="epsilon",
+            final_sigmas_type="zero",
+        )
     raise ValueError(f"diffusion.formulation {d.formulation!r} has no diffusers scheduler")
 
 
@@ -105,12 +116,15 @@ def _check_out(out: Path, overwrite: bool) -> None:
     if not overwrite:
         raise FileExistsError(f"{str(out)!r} exists; pass --overwrite to replace it (a previous export only)")
     if not (out.is_dir() and (out / "transformer" / "config.json").is_file()):
-        raise FileExistsError(f"{str(out)!r} exists and is not a diffusers export (no transformer/config.json); "
-                              "--overwrite replaces only a previous export: choose another OUT")  # fmt: skip
+        raise FileExistsError(
+            f"{str(out)!r} exists and is not a diffusers export (no transformer/config.json); "
+            "--overwrite replaces only a previous export: choose another OUT"
+        )
 
 
-def export_diffusers(source: str, out: str | Path, *, weights: str = "ema", vae: str | None = None,
-                     overwrite: bool = False) -> dict[str, Any]:  # fmt: skip
+def export_diffusers(
+    source: str, out: str | Path, *, weights: str = "ema", vae: str | None = None, overwrite: bool = False
+) -> dict[str, Any]:
     """Write the checkpoint ``source`` as a diffusers model directory ``out`` (see the module doc); returns a
     summary (``out``, ``scheduler``, ``pipeline``: whether a DiTPipeline was written)."""
     out = Path(out)
@@ -118,8 +132,10 @@ def export_diffusers(source: str, out: str | Path, *, weights: str = "ema", vae:
     diffusers = _diffusers()
     model, cfg, path = load_model(source, weights)
     if vae is not None and cfg.diffusion.formulation != "ddpm":
-        raise ValueError(f"DiTPipeline runs DDPM models only; a {cfg.diffusion.formulation} model is written as "
-                         "transformer + scheduler: leave out --vae")  # fmt: skip
+        raise ValueError(
+            f"DiTPipeline runs DDPM models only; a {cfg.diffusion.formulation} model is written as "
+            "transformer + scheduler: leave out --vae"
+        )
     if cfg.data.dataset == "latents" and vae is None and cfg.diffusion.formulation == "ddpm":
         raise ValueError("this is a latent model: pass --vae DIR (its diffusers AutoencoderKL) to write a DiTPipeline")
     if vae is not None and cfg.data.dataset in ("digits", "images"):
@@ -137,9 +153,14 @@ def export_diffusers(source: str, out: str | Path, *, weights: str = "ema", vae:
         else:
             net.save_pretrained(tmp / "transformer")
             scheduler.save_pretrained(tmp / "scheduler")
-        info = {"checkpoint": str(path), "weights": weights, "formulation": cfg.diffusion.formulation,
-                "prediction": cfg.diffusion.prediction, "num_classes": cfg.model.num_classes,
-                "data_scale": cfg.data.scale}  # fmt: skip
+        info = {
+            "checkpoint": str(path),
+            "weights": weights,
+            "formulation": cfg.diffusion.formulation,
+            "prediction": cfg.diffusion.prediction,
+            "num_classes": cfg.model.num_classes,
+            "data_scale": cfg.data.scale,
+        }
         (tmp / "diffcurr_fast.json").write_text(json.dumps(info, indent=1) + "\n")
         if out.exists():
             shutil.rmtree(out)

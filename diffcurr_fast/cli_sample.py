@@ -28,8 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--ckpt", help="checkpoint file, or a run directory (newest checkpoint)")
     src.add_argument("--bundle", help="TDC multi-expert bundle directory (written by `diffcurr-fast tdc`)")
-    parser.add_argument("--sampler", default="auto", choices=("auto", *SAMPLERS),
-                        help="sampler (default auto: the formulation's own, ddim for ddpm, heun for flow and edm)")  # fmt: skip
+    parser.add_argument(
+        "--sampler",
+        default="auto",
+        choices=("auto", *SAMPLERS),
+        help="sampler (default auto: the formulation's own, ddim for ddpm, heun for flow and edm)",
+    )
     parser.add_argument("--steps", type=int, default=50, help="sampling steps (default: 50)")
     parser.add_argument("--cfg", type=float, default=1.0, help="classifier-free guidance scale (1 = off)")
     # --num-samples first: under torchrun, "--num" is taken for an abbreviation of torchrun's own --numa-binding

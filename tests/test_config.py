@@ -78,7 +78,10 @@ def test_overrides_apply_with_int_to_float_widening():
     [
         ("optim.lrr=1", r"unknown config key 'optim.lrr'; valid keys of optim: lr, "),
         ("optimizer.lr=1", r"unknown config section 'optimizer'.*valid sections: model, diffusion"),
-        ("diffusion.prediction=score", r"invalid value 'score' for diffusion.prediction; valid choices: auto, eps, x0, v"),
+        (
+            "diffusion.prediction=score",
+            r"invalid value 'score' for diffusion.prediction; valid choices: auto, eps, x0, v",
+        ),
         ("engine.max_steps=1.5", r"engine.max_steps must be of type int"),
         ("engine.compile=1", r"engine.compile must be of type bool"),
         ("optim.lr=-1", r"optim.lr must be > 0.0, got -1.0"),

@@ -41,8 +41,10 @@ def test_every_recipe_runs_under_each_formulation_with_one_override(recipe, form
     with torch.device("meta"):  # the full-size recipes build without allocating their weights
         model = build_model(cfg)
     assert model.out_channels == cfg.model.in_channels * (2 if sigma else 1)
-    assert type(build_formulation(d)).__name__ == {"ddpm": "DDPMSchedule", "flow": "FlowFormulation",
-                                                   "edm": "EDMFormulation"}[formulation]  # fmt: skip
+    assert (
+        type(build_formulation(d)).__name__
+        == {"ddpm": "DDPMSchedule", "flow": "FlowFormulation", "edm": "EDMFormulation"}[formulation]
+    )
     again = config_from_dict(yaml.safe_load(config_to_yaml(cfg)))  # config.yaml reads back to the same config
     assert again.to_dict() == cfg.to_dict()
 
@@ -55,19 +57,23 @@ def test_demo_config_yaml_says_what_auto_resolved_to():
     assert _comment(text, "diffusion", "weighting") == ("min_snr", "demo")
     flow = config_to_yaml(load_config(None, ["diffusion.formulation=flow"]))
     assert _comment(flow, "diffusion", "weighting") == (
-        "none", "auto: diffusion.formulation 'flow' (--set); 'min_snr' (demo) does not apply to flow")
+        "none",
+        "auto: diffusion.formulation 'flow' (--set); 'min_snr' (demo) does not apply to flow",
+    )
 
 
 @pytest.mark.parametrize(
     "overrides, match",
     [
-        (["diffusion.formulation=flow", "diffusion.weighting=min_snr"],
-         "diffusion.weighting='min_snr' is not supported with diffusion.formulation 'flow'; use 'none'"),
+        (
+            ["diffusion.formulation=flow", "diffusion.weighting=min_snr"],
+            "diffusion.weighting='min_snr' is not supported with diffusion.formulation 'flow'; use 'none'",
+        ),
         (["diffusion.formulation=edm", "diffusion.prediction=eps"], "'eps' is not a edm target; valid choices: x0"),
         (["diffusion.formulation=flow", "logging.sampler=ddim"], "logging.sampler 'ddim' cannot sample a flow model"),
         (["diffusion.formulation=flow", "diffusion.learn_sigma=true"], "diffusion.learn_sigma=True is not supported"),
     ],
-)  # fmt: skip
+)
 def test_an_explicit_invalid_combination_is_still_an_error(overrides, match):
     with pytest.raises(ValueError, match=match):
         load_config(None, overrides)
@@ -117,8 +123,11 @@ def test_a_preset_override_replaces_a_recipe_preset_and_custom_goes_back():
 
 
 def test_a_contradiction_within_one_source_is_still_an_error(tmp_path):
-    with pytest.raises(ValueError, match=r"model.depth=4 contradicts model.preset 'DiT-S/8' \(depth 12\) in the "
-                                         r"same or a later source \(--set\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"model.depth=4 contradicts model.preset 'DiT-S/8' \(depth 12\) in the "
+        r"same or a later source \(--set\)",
+    ):
         load_config(None, ["model.preset=DiT-S/8", "model.depth=4"])
     p = tmp_path / "r.yaml"
     p.write_text("model:\n  preset: DiT-S/8\n  depth: 4\n")
@@ -134,10 +143,21 @@ def test_the_written_run_config_is_the_built_model(tmp_path):
     from diffcurr_fast.train.loop import train
 
     run = tmp_path / "run"
-    cfg = load_config(None, [f"checkpoint.run_dir={run}", "model.preset=DiT-S/8", "model.hidden_size=null",
-                             "engine.max_steps=1", "curriculum.num_clusters=4", "data.batch_size=4",
-                             "logging.progress=false", "logging.num_samples=0", "logging.plots=false",
-                             "checkpoint.export_ema=false"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            f"checkpoint.run_dir={run}",
+            "model.preset=DiT-S/8",
+            "model.hidden_size=null",
+            "engine.max_steps=1",
+            "curriculum.num_clusters=4",
+            "data.batch_size=4",
+            "logging.progress=false",
+            "logging.num_samples=0",
+            "logging.plots=false",
+            "checkpoint.export_ema=false",
+        ],
+    )
     torch.set_num_threads(1)
     train(cfg)
     text = (run / "config.yaml").read_text()

@@ -52,9 +52,19 @@ def _random_(model: DiT, std: float = 0.05, seed: int = 0) -> DiT:
 
 
 def _overrides(run, *extra):
-    return [f"checkpoint.run_dir={run}", "model.input_size=6", "model.patch_size=3", "model.hidden_size=48",
-            "model.depth=2", "model.num_heads=3", "model.num_classes=7", "diffusion.num_timesteps=60",
-            "curriculum.num_clusters=4", "engine.max_steps=1", *extra]  # fmt: skip
+    return [
+        f"checkpoint.run_dir={run}",
+        "model.input_size=6",
+        "model.patch_size=3",
+        "model.hidden_size=48",
+        "model.depth=2",
+        "model.num_heads=3",
+        "model.num_classes=7",
+        "diffusion.num_timesteps=60",
+        "curriculum.num_clusters=4",
+        "engine.max_steps=1",
+        *extra,
+    ]
 
 
 def _checkpoint(tmp_path, *extra, std=0.05):
@@ -62,8 +72,10 @@ def _checkpoint(tmp_path, *extra, std=0.05):
     cfg = load_config(None, _overrides(tmp_path / "run", *extra))
     model = _random_(build_model(cfg), std)
     sd = model.state_dict()
-    path = atomic_save({"config": cfg.to_dict(), "model": sd, "ema": {"module": sd}, "step": 1},
-                       tmp_path / "run" / "checkpoints" / "ckpt_00000001.pt")  # fmt: skip
+    path = atomic_save(
+        {"config": cfg.to_dict(), "model": sd, "ema": {"module": sd}, "step": 1},
+        tmp_path / "run" / "checkpoints" / "ckpt_00000001.pt",
+    )
     return path, cfg, model
 
 
@@ -71,8 +83,18 @@ def _checkpoint(tmp_path, *extra, std=0.05):
 @pytest.mark.parametrize("cfg_scale", [1.0, 2.5])
 def test_exported_transformer_equals_ours(diffusers_time, learn_sigma, cfg_scale):
     torch.manual_seed(0)
-    ours = _random_(DiT(input_size=6, patch_size=3, in_channels=3, hidden_size=48, depth=2, num_heads=3,
-                        num_classes=7, learn_sigma=learn_sigma))  # fmt: skip
+    ours = _random_(
+        DiT(
+            input_size=6,
+            patch_size=3,
+            in_channels=3,
+            hidden_size=48,
+            depth=2,
+            num_heads=3,
+            num_classes=7,
+            learn_sigma=learn_sigma,
+        )
+    )
     theirs = to_diffusers_transformer(ours)
     assert theirs.config.out_channels == (6 if learn_sigma else 3)
     x, t, y = torch.randn(5, 3, 6, 6), torch.tensor([0, 3, 17, 42, 999]), torch.tensor([0, 6, 2, 7, 4])
@@ -91,8 +113,7 @@ def test_exported_transformer_equals_ours(diffusers_time, learn_sigma, cfg_scale
 
 def test_timestep_frequency_gap():
     """The one difference left: the same weights, diffusers' shifted timestep frequencies."""
-    ours = _random_(DiT(input_size=4, patch_size=2, in_channels=1, hidden_size=32, depth=1, num_heads=2,
-                        num_classes=3))  # fmt: skip
+    ours = _random_(DiT(input_size=4, patch_size=2, in_channels=1, hidden_size=32, depth=1, num_heads=2, num_classes=3))
     theirs = to_diffusers_transformer(ours)
     x, t, y = torch.randn(3, 1, 4, 4), torch.tensor([5, 300, 900]), torch.tensor([0, 1, 2])
     with torch.no_grad():
@@ -105,8 +126,9 @@ def test_ddim_loop_through_diffusers_scheduler_equals_ddim_sample(tmp_path, diff
     """Unclipped (npz data): with clipping, ADM's DDIM (ours) recomputes eps from the clipped x0 and diffusers'
     keeps the network's, so the two part where x0 is clipped (``test_export_clips_like_the_run``)."""
     (tmp_path / "d").mkdir()
-    path, cfg, model = _checkpoint(tmp_path, f"diffusion.prediction={prediction}", "data.dataset=npz",
-                                   f"data.path={tmp_path / 'd'}")  # fmt: skip
+    path, cfg, model = _checkpoint(
+        tmp_path, f"diffusion.prediction={prediction}", "data.dataset=npz", f"data.path={tmp_path / 'd'}"
+    )
     out = tmp_path / "export"
     export_diffusers(str(path), out)
     net = diffusers.DiTTransformer2DModel.from_pretrained(out / "transformer").eval()
@@ -119,12 +141,23 @@ def test_ddim_loop_through_diffusers_scheduler_equals_ddim_sample(tmp_path, diff
     with torch.no_grad():
         for t in sched.timesteps:
             tt = t.expand(4)
-            eps = guided_model_output(lambda a, b, c: net(a, timestep=b, class_labels=c).sample, x, tt, labels,
-                                      1.5, 7)[:, :1]  # fmt: skip
+            eps = guided_model_output(lambda a, b, c: net(a, timestep=b, class_labels=c).sample, x, tt, labels, 1.5, 7)[
+                :, :1
+            ]
             x = sched.step(eps, t, x).prev_sample
         sch, tmap = respaced(build_schedule(cfg), "ddim", steps)
-        ours = ddim_sample(model, sch, (4, 1, 6, 6), labels, num_classes=7, cfg_scale=1.5, learn_sigma=True,
-                           prediction=prediction, timestep_map=tmap, noise=noise)  # fmt: skip
+        ours = ddim_sample(
+            model,
+            sch,
+            (4, 1, 6, 6),
+            labels,
+            num_classes=7,
+            cfg_scale=1.5,
+            learn_sigma=True,
+            prediction=prediction,
+            timestep_map=tmap,
+            noise=noise,
+        )
     assert (x - ours).abs().max() < 1e-4, (x - ours).abs().max()
 
 
@@ -137,10 +170,16 @@ def test_export_clips_like_the_run(tmp_path):
 def vae_dir(tmp_path_factory):
     torch.manual_seed(0)
     vae = diffusers.AutoencoderKL(
-        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 8), layers_per_block=1,
-        latent_channels=4, norm_num_groups=4, sample_size=12,
-    )  # fmt: skip
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(8, 8),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=12,
+    )
     path = tmp_path_factory.mktemp("vae") / "tiny-vae"
     vae.save_pretrained(path)
     return path
@@ -151,11 +190,19 @@ def test_latent_pipeline_equals_ours(tmp_path, vae_dir, diffusers_time):
     guidance and VAE decoding included, against ``ddim_sample`` and the same VAE."""
     lat = tmp_path / "lat"
     lat.mkdir()
-    path, cfg, model = _checkpoint(tmp_path, "model.in_channels=4", "model.num_classes=1000", "data.dataset=npz",
-                                   f"data.path={lat}", "data.scale=0.5", "logging.eval_every=0")  # fmt: skip
+    path, cfg, model = _checkpoint(
+        tmp_path,
+        "model.in_channels=4",
+        "model.num_classes=1000",
+        "data.dataset=npz",
+        f"data.path={lat}",
+        "data.scale=0.5",
+        "logging.eval_every=0",
+    )
     cfg.data.dataset = "latents"  # the checkpoint says latents: export then needs the VAE
-    torch.save({"config": cfg.to_dict(), "model": model.state_dict(), "ema": {"module": model.state_dict()},
-                "step": 1}, path)  # fmt: skip
+    torch.save(
+        {"config": cfg.to_dict(), "model": model.state_dict(), "ema": {"module": model.state_dict()}, "step": 1}, path
+    )
     with pytest.raises(ValueError, match="pass --vae DIR"):
         export_diffusers(str(path), tmp_path / "nope")
     out = tmp_path / "pipe"
@@ -163,13 +210,27 @@ def test_latent_pipeline_equals_ours(tmp_path, vae_dir, diffusers_time):
     pipe = diffusers.DiTPipeline.from_pretrained(out)
     assert pipe.vae.config.scaling_factor == 0.5
     labels = [3, 999]
-    images = pipe(class_labels=labels, guidance_scale=2.0, num_inference_steps=6,
-                  generator=torch.Generator().manual_seed(0), output_type="pt").images  # fmt: skip
+    images = pipe(
+        class_labels=labels,
+        guidance_scale=2.0,
+        num_inference_steps=6,
+        generator=torch.Generator().manual_seed(0),
+        output_type="pt",
+    ).images
     noise = torch.randn(2, 4, 6, 6, generator=torch.Generator().manual_seed(0))
     sch, tmap = respaced(build_schedule(cfg), "ddim", 6)
     with torch.no_grad():
-        z = ddim_sample(model, sch, (2, 4, 6, 6), torch.tensor(labels), num_classes=1000, cfg_scale=2.0,
-                        learn_sigma=True, timestep_map=tmap, noise=noise)  # fmt: skip
+        z = ddim_sample(
+            model,
+            sch,
+            (2, 4, 6, 6),
+            torch.tensor(labels),
+            num_classes=1000,
+            cfg_scale=2.0,
+            learn_sigma=True,
+            timestep_map=tmap,
+            noise=noise,
+        )
         ours = ((pipe.vae.decode(z / 0.5).sample / 2 + 0.5).clamp(0, 1)).permute(0, 2, 3, 1)
     images = torch.as_tensor(images)
     images = images if images.shape[-1] == 3 else images.permute(0, 2, 3, 1)
@@ -190,8 +251,17 @@ def test_round_trip_export_then_init_from_is_bitwise(tmp_path):
     for k, v in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[k], v), k
     # a training run fine-tunes from it: its first checkpoint starts from these weights
-    cfg2 = load_config(None, _overrides(tmp_path / "ft", *digits, f"model.init_from={out}",
-                                        "logging.progress=false", "logging.num_samples=0", "logging.plots=false"))
+    cfg2 = load_config(
+        None,
+        _overrides(
+            tmp_path / "ft",
+            *digits,
+            f"model.init_from={out}",
+            "logging.progress=false",
+            "logging.num_samples=0",
+            "logging.plots=false",
+        ),
+    )
     from diffcurr_fast.train.loop import Trainer
 
     tr = Trainer(cfg2)
@@ -232,8 +302,9 @@ def test_export_refuses_existing_out_and_non_exports(tmp_path, capsys):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".fresh.")]  # no temporary left behind
 
 
-@pytest.mark.parametrize("extra, match", [(("model.dtr=true",), "Denoising Task Routing"),
-                                          (("model.mlp_ratio=3.0",), "mlp_ratio is 3.0")])  # fmt: skip
+@pytest.mark.parametrize(
+    "extra, match", [(("model.dtr=true",), "Denoising Task Routing"), (("model.mlp_ratio=3.0",), "mlp_ratio is 3.0")]
+)
 def test_export_refuses_what_diffusers_cannot_hold(tmp_path, extra, match):
     path, _, _ = _checkpoint(tmp_path, *extra)
     with pytest.raises(ValueError, match=match):
@@ -259,9 +330,15 @@ def test_flow_export_euler_loop_equals_flow_sample(tmp_path):
     with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
         from diffusers.models.embeddings import get_timestep_embedding
 
-        mp.setattr(dit_module.TimestepEmbedder, "timestep_embedding", staticmethod(
-            lambda t, dim, max_period=10000, dtype=torch.float32: get_timestep_embedding(
-                t, dim, flip_sin_to_cos=True, downscale_freq_shift=1).to(dtype)))  # fmt: skip
+        mp.setattr(
+            dit_module.TimestepEmbedder,
+            "timestep_embedding",
+            staticmethod(
+                lambda t, dim, max_period=10000, dtype=torch.float32: get_timestep_embedding(
+                    t, dim, flip_sin_to_cos=True, downscale_freq_shift=1
+                ).to(dtype)
+            ),
+        )
         ours = flow_sample(model, (3, 1, 6, 6), labels, num_steps=steps, method="euler", noise=noise)
     assert (x - ours).abs().max() < 1e-4, (x - ours).abs().max()
 

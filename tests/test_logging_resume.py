@@ -12,12 +12,28 @@ from diffcurr_fast.train.report import WANDB_ID, read_metrics
 
 
 def _cfg(run, *extra):
-    return load_config(None, [
-        f"checkpoint.run_dir={run}", "model.hidden_size=32", "model.depth=1", "model.num_heads=2",
-        "diffusion.num_timesteps=40", "curriculum.num_clusters=4", "data.batch_size=8", "engine.max_steps=6",
-        "logging.log_every=1", "checkpoint.every=4", "checkpoint.keep_last=5", "logging.progress=false",
-        "logging.num_samples=0", "logging.plots=false", "checkpoint.export_ema=false", "engine.cpu_threads=1", *extra,
-    ])  # fmt: skip
+    return load_config(
+        None,
+        [
+            f"checkpoint.run_dir={run}",
+            "model.hidden_size=32",
+            "model.depth=1",
+            "model.num_heads=2",
+            "diffusion.num_timesteps=40",
+            "curriculum.num_clusters=4",
+            "data.batch_size=8",
+            "engine.max_steps=6",
+            "logging.log_every=1",
+            "checkpoint.every=4",
+            "checkpoint.keep_last=5",
+            "logging.progress=false",
+            "logging.num_samples=0",
+            "logging.plots=false",
+            "checkpoint.export_ema=false",
+            "engine.cpu_threads=1",
+            *extra,
+        ],
+    )
 
 
 def _crash_after_step_6(run):
@@ -46,8 +62,11 @@ def test_tensorboard_after_resume_holds_each_step_once(tmp_path):
 
 def test_missing_wandb_is_a_clean_error_naming_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
-    with pytest.raises(ImportError, match=r"logging.wandb is true but wandb is not installed: pip install "
-                                          r"'diffcurr-fast\[wandb\]', or set logging.wandb=false"):  # fmt: skip
+    with pytest.raises(
+        ImportError,
+        match=r"logging.wandb is true but wandb is not installed: pip install "
+        r"'diffcurr-fast\[wandb\]', or set logging.wandb=false",
+    ):
         train(_cfg(tmp_path / "run", "logging.wandb=true"))
 
 

@@ -44,8 +44,11 @@ _EMB = {  # ours -> the per-block embedder copy of diffusers (norm1.emb.<...>)
     "t_embedder.mlp.0": "timestep_embedder.linear_1",
     "t_embedder.mlp.2": "timestep_embedder.linear_2",
 }
-_TOP = {"x_embedder.proj": "pos_embed.proj", "final_layer.adaLN_modulation.1": "proj_out_1",
-        "final_layer.linear": "proj_out_2"}  # fmt: skip
+_TOP = {
+    "x_embedder.proj": "pos_embed.proj",
+    "final_layer.adaLN_modulation.1": "proj_out_1",
+    "final_layer.linear": "proj_out_2",
+}
 
 
 def diffusers_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -134,9 +137,11 @@ def from_diffusers_state(state: dict[str, torch.Tensor], own: dict[str, torch.Te
         out[ours] = take(f"transformer_blocks.0.{theirs}")
         for i in range(1, depth):
             if not torch.equal(take(f"transformer_blocks.{i}.{theirs}"), out[ours]):
-                raise ValueError(f"transformer_blocks.{i}.{theirs} differs from block 0's copy; the DiT release "
-                                 "has one timestep / label embedder shared by all blocks, so this model does not map "
-                                 "to it")  # fmt: skip
+                raise ValueError(
+                    f"transformer_blocks.{i}.{theirs} differs from block 0's copy; the DiT release "
+                    "has one timestep / label embedder shared by all blocks, so this model does not map "
+                    "to it"
+                )
     key, table = "y_embedder.embedding_table.weight", out["y_embedder.embedding_table.weight"]
     rows = own[key].shape[0] if key in own else table.shape[0]
     if table.shape[0] == rows + 1 and not table[-1].any():  # a padded null row (exported without label dropout)
@@ -176,8 +181,9 @@ def read_diffusers_dir(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[
         raise ValueError(f"{str(cfg_file)!r} describes a {config.get('_class_name')!r}, not a {DIFFUSERS_CLASS}")
     weights = next((p / w for w in _WEIGHTS if (p / w).is_file()), None)
     if weights is None:
-        raise FileNotFoundError(f"{str(p)!r} holds no weights ({' or '.join(_WEIGHTS)}); sharded or variant "
-                                "files are not read")  # fmt: skip
+        raise FileNotFoundError(
+            f"{str(p)!r} holds no weights ({' or '.join(_WEIGHTS)}); sharded or variant files are not read"
+        )
     if weights.suffix == ".safetensors":
         from safetensors.torch import load_file
 

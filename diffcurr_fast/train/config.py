@@ -159,10 +159,18 @@ class DiffusionConfig:
     )
     num_timesteps: int = _pos(1000, "T: DDPM timesteps, or the number of flow-t / EDM-sigma cells for the curriculum")
     beta_schedule: str = _f("linear", "beta schedule", BETA_SCHEDULES)
-    prediction: str = _f("auto", "network target: eps, x0 or v (ddpm); velocity (flow); x0 (edm denoiser); auto: eps "
-                         "(ddpm), velocity (flow), x0 (edm)", PREDICTIONS)  # fmt: skip
-    learn_sigma: bool | str = _f("auto", "learn the variance with the IDDPM hybrid loss (network outputs 2C channels); "
-                                 "auto: true for ddpm, false for flow and edm", LEARN_SIGMA)  # fmt: skip
+    prediction: str = _f(
+        "auto",
+        "network target: eps, x0 or v (ddpm); velocity (flow); x0 (edm denoiser); auto: eps "
+        "(ddpm), velocity (flow), x0 (edm)",
+        PREDICTIONS,
+    )
+    learn_sigma: bool | str = _f(
+        "auto",
+        "learn the variance with the IDDPM hybrid loss (network outputs 2C channels); "
+        "auto: true for ddpm, false for flow and edm",
+        LEARN_SIGMA,
+    )
     weighting: str = _f("auto", "per-timestep loss weighting of the MSE term (ddpm; auto: none)", WEIGHTINGS)
     min_snr_gamma: float = _f(5.0, "gamma of the MinSNR weighting", lo=0.0, lo_open=True)
     fused_ops: bool | None = _f(
@@ -296,11 +304,15 @@ class LoggingConfig:
     log_every: int = _pos(10, "steps between metrics.jsonl records")
     progress: bool = _f(True, "show a tqdm progress bar")
     tensorboard: bool = _f(False, "also write TensorBoard scalars to tb/ (needs the tensorboard package)")
-    wandb: bool = _f(False, "also log the scalars to Weights & Biases (extra 'wandb'; the run id is kept in "
-                     "wandb_id.txt, so a resume continues the same run)")  # fmt: skip
+    wandb: bool = _f(
+        False,
+        "also log the scalars to Weights & Biases (extra 'wandb'; the run id is kept in "
+        "wandb_id.txt, so a resume continues the same run)",
+    )
     wandb_project: str = _f("diffcurr-fast", "wandb project")
-    wandb_mode: str = _f("offline", "wandb offline (files under wandb/, upload later with `wandb sync`) or online",
-                         ("offline", "online"))  # fmt: skip
+    wandb_mode: str = _f(
+        "offline", "wandb offline (files under wandb/, upload later with `wandb sync`) or online", ("offline", "online")
+    )
     num_samples: int = _nonneg(64, "images in the end-of-run sample grid (0 = no grid)")
     sampler: str = _f("auto", "sampler of the end-of-run grid (auto: ddim for ddpm, heun for flow and edm)", SAMPLERS)
     sample_steps: int = _pos(50, "sampling steps of the end-of-run grid")
@@ -485,8 +497,11 @@ class TrainConfig:
     def sources(self) -> dict[str, str]:
         """``section.field`` -> the source that set it (a recipe, the demo, --set, a preset, auto), for the fields
         not left at their defaults."""
-        return {f"{sec.name}.{k}": label for sec in dataclasses.fields(self)
-                for k, (_, label) in _sources(getattr(self, sec.name)).items()}  # fmt: skip
+        return {
+            f"{sec.name}.{k}": label
+            for sec in dataclasses.fields(self)
+            for k, (_, label) in _sources(getattr(self, sec.name)).items()
+        }
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Plain nested dict (YAML/JSON-serialisable)."""
@@ -495,9 +510,14 @@ class TrainConfig:
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(TrainConfig)}  # type: ignore
 # The fields whose ``auto`` follows diffusion.formulation -> their key in ``diffusion.FORMULATION_DEFAULTS``.
-FORMULATION_FIELDS = {("diffusion", "prediction"): "prediction", ("diffusion", "learn_sigma"): "learn_sigma",
-                      ("diffusion", "weighting"): "weighting", ("logging", "sampler"): "sampler",
-                      ("eval", "sampler"): "sampler", ("model", "dtr"): "dtr"}  # fmt: skip
+FORMULATION_FIELDS = {
+    ("diffusion", "prediction"): "prediction",
+    ("diffusion", "learn_sigma"): "learn_sigma",
+    ("diffusion", "weighting"): "weighting",
+    ("logging", "sampler"): "sampler",
+    ("eval", "sampler"): "sampler",
+    ("model", "dtr"): "dtr",
+}
 
 
 # ---- sources: which part of the command line set a field --------------------------------------------------------

@@ -176,8 +176,9 @@ def read_init_state(path: str | Path, own: dict[str, torch.Tensor] | None = None
     p = Path(path)
     if is_diffusers_dir(p):
         if own is None or "pos_embed" not in own:
-            raise ValueError(f"model.init_from {str(p)!r} is a diffusers directory; reading it needs the DiT's own "
-                             "state dict")  # fmt: skip
+            raise ValueError(
+                f"model.init_from {str(p)!r} is a diffusers directory; reading it needs the DiT's own state dict"
+            )
         try:
             return from_diffusers_state(read_diffusers_dir(p)[0], own)
         except ValueError as exc:

@@ -77,8 +77,9 @@ def check_inputs(cfg: TrainConfig) -> None:
         from diffcurr_fast.models.diffusers_dit import is_diffusers_dir
 
         if not is_diffusers_dir(cfg.model.init_from):
-            raise FileNotFoundError(f"model.init_from {cfg.model.init_from!r} does not exist (a weights file or a "
-                                    "diffusers DiT directory)")  # fmt: skip
+            raise FileNotFoundError(
+                f"model.init_from {cfg.model.init_from!r} does not exist (a weights file or a diffusers DiT directory)"
+            )
     if cfg.engine.kind == "deepspeed":
         from diffcurr_fast.train.engine import load_deepspeed_config
 

@@ -8,7 +8,6 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-
 WANDB_ID = "wandb_id.txt"  # the run's wandb id, kept in the run directory so that a resume continues the same run
 
 
@@ -23,8 +22,14 @@ class MetricsWriter:
     the id kept in ``run_dir/wandb_id.txt``, so the resumed run continues the same wandb run.
     """
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = False, *, resume_step: int | None = None,
-                 wandb: dict[str, Any] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        run_dir: str | Path,
+        tensorboard: bool = False,
+        *,
+        resume_step: int | None = None,
+        wandb: dict[str, Any] | None = None,
+    ):
         """``wandb``: None (off), or the keyword arguments of ``wandb.init`` to add (project, mode, config)."""
         run_dir = Path(run_dir)
         self.path = run_dir / "metrics.jsonl"
@@ -39,8 +44,10 @@ class MetricsWriter:
             try:
                 import wandb as wandb_module
             except ImportError:
-                raise ImportError("logging.wandb is true but wandb is not installed: pip install "
-                                  "'diffcurr-fast[wandb]', or set logging.wandb=false") from None  # fmt: skip
+                raise ImportError(
+                    "logging.wandb is true but wandb is not installed: pip install "
+                    "'diffcurr-fast[wandb]', or set logging.wandb=false"
+                ) from None
         self._fh = open(self.path, "a")
         if tensorboard:
             purge = None if resume_step is None else resume_step + 1
@@ -58,8 +65,11 @@ class MetricsWriter:
         if self._tb is None and self._wandb is None:
             return
         step = int(record.get("step", 0))
-        scalars = {k: v for k, v in record.items()
-                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}  # fmt: skip
+        scalars = {
+            k: v
+            for k, v in record.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        }
         if self._tb is not None:
             for k, v in scalars.items():
                 self._tb.add_scalar(k, v, step)
