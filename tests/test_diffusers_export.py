@@ -16,13 +16,19 @@ diffusers = pytest.importorskip("diffusers", reason="diffusers is not installed 
 
 from diffcurr_fast import cli  # noqa: E402
 from diffcurr_fast.cli_export import export_diffusers, scheduler_config, to_diffusers_transformer  # noqa: E402
-from diffcurr_fast.diffusion import ddim_sample, flow_sample  # noqa: E402
+from diffcurr_fast.diffusion import ddim_sample, flow_sample, make_generator  # noqa: E402
 from diffcurr_fast.models import DiT  # noqa: E402
 from diffcurr_fast.models import dit as dit_module  # noqa: E402
 from diffcurr_fast.train.checkpoint import atomic_save  # noqa: E402
 from diffcurr_fast.train.config import load_config  # noqa: E402
 from diffcurr_fast.train.data import load_init_weights  # noqa: E402
-from diffcurr_fast.train.sampling import build_model, build_schedule, guided_model_output, respaced  # noqa: E402
+from diffcurr_fast.train.sampling import (  # noqa: E402
+    build_model,
+    build_schedule,
+    guided_model_output,
+    respaced,
+    sample,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -343,14 +349,41 @@ def test_flow_export_euler_loop_equals_flow_sample(tmp_path):
     assert (x - ours).abs().max() < 1e-4, (x - ours).abs().max()
 
 
-def test_edm_export_writes_its_scheduler(tmp_path):
-    path, cfg, _ = _checkpoint(tmp_path, "diffusion.formulation=edm", "diffusion.sigma_max=40.0")
+def test_edm_export_euler_loop_equals_our_edm_euler(tmp_path, diffusers_time):
+    """EDM: ``EDMEulerScheduler`` preconditions as EDM Table 1 (c_in, c_skip, c_out, c_noise) on the same Karras
+    grid; started from noise * sigma_max as EDM Alg. 1 (diffusers' ``init_noise_sigma`` is sqrt(sigma_max^2 + 1))."""
+    path, cfg, model = _checkpoint(tmp_path, "diffusion.formulation=edm", "diffusion.sigma_max=20.0", std=0.02)
     name, conf = scheduler_config(cfg)
-    assert name == "EDMEulerScheduler" and conf["sigma_max"] == 40.0 and conf["sigma_data"] == 0.5
+    assert name == "EDMEulerScheduler" and conf["sigma_max"] == 20.0 and conf["sigma_data"] == 0.5
     out = tmp_path / "edm"
     export_diffusers(str(path), out)
+    net = diffusers.DiTTransformer2DModel.from_pretrained(out / "transformer").eval()
     sched = diffusers.EDMEulerScheduler.from_pretrained(out / "scheduler")
-    sched.set_timesteps(5)
-    assert float(sched.sigmas[0]) == pytest.approx(40.0) and float(sched.init_noise_sigma) > 40.0
+    steps, labels, seed = 7, torch.tensor([1, 3, 5]), 4
+    sched.set_timesteps(steps)
+    noise = torch.randn(3, 1, 6, 6, generator=make_generator(seed))  # our sampler's first draw
+    x = noise * sched.sigmas[0]
+    with torch.no_grad():
+        for t in sched.timesteps:
+            inp = sched.scale_model_input(x, t)
+            x = sched.step(net(inp, timestep=t.expand(3), class_labels=labels).sample, t, x).prev_sample
+        ours = sample(
+            model,
+            build_schedule(cfg),
+            sampler="euler",
+            steps=steps,
+            labels=labels,
+            channels=1,
+            size=6,
+            num_classes=7,
+            learn_sigma=False,
+            prediction="x0",
+            seed=seed,
+        )
+    assert (x - ours).abs().max() < 1e-4, (x - ours).abs().max()
+
+
+def test_edm_export_has_no_pipeline(tmp_path):
+    path, _, _ = _checkpoint(tmp_path, "diffusion.formulation=edm")
     with pytest.raises(ValueError, match="DiTPipeline runs DDPM models only"):
         export_diffusers(str(path), tmp_path / "edm2", vae=str(tmp_path))
