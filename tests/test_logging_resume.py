@@ -61,7 +61,17 @@ def test_tensorboard_after_resume_holds_each_step_once(tmp_path):
 
 
 def test_missing_wandb_is_a_clean_error_naming_the_extra(tmp_path, monkeypatch):
+    import importlib.util
+
+    from diffcurr_fast.train.preflight import check_run
+
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ImportError, match=r"logging.wandb is true but wandb is not installed"):
+        check_run(_cfg(tmp_path / "run", "logging.wandb=true"))  # the start's checks: nothing is written
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setattr(importlib.util, "find_spec", real)
     with pytest.raises(
         ImportError,
         match=r"logging.wandb is true but wandb is not installed: pip install "

@@ -52,6 +52,11 @@ def check_backends(cfg: TrainConfig) -> None:
     if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ImportError("logging.tensorboard is true but tensorboard is not installed: pip install tensorboard, "
                           "or set logging.tensorboard=false")  # fmt: skip
+    if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
+        raise ImportError(
+            "logging.wandb is true but wandb is not installed: pip install 'diffcurr-fast[wandb]', or set "
+            "logging.wandb=false"
+        )
 
 
 def check_inputs(cfg: TrainConfig) -> None:
