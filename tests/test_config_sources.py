@@ -169,3 +169,21 @@ def test_the_written_run_config_is_the_built_model(tmp_path):
     assert f"blocks.{depth[0] - 1}.attn.qkv.weight" in built and f"blocks.{depth[0]}.attn.qkv.weight" not in built
     assert built["blocks.0.attn.qkv.weight"] == (3 * hidden[0], hidden[0])
     assert built["x_embedder.proj.weight"][2:] == (8, 8)
+
+
+@pytest.mark.parametrize("formulation, sampler", [("ddpm", "ddim"), ("flow", "heun"), ("edm", "heun")])
+def test_sample_command_defaults_to_the_formulations_sampler(tmp_path, capsys, formulation, sampler):
+    import argparse
+
+    from diffcurr_fast import cli_sample
+    from diffcurr_fast.train.checkpoint import atomic_save
+
+    tiny = ["model.hidden_size=16", "model.depth=1", "model.num_heads=2", "diffusion.num_timesteps=20"]
+    cfg = load_config(None, [f"diffusion.formulation={formulation}", *tiny, "curriculum.num_clusters=2"])
+    sd = build_model(cfg).state_dict()
+    ckpt = atomic_save({"config": cfg.to_dict(), "model": sd, "ema": {"module": sd}, "step": 1}, tmp_path / "c.pt")
+    p = argparse.ArgumentParser()
+    cli_sample.add_arguments(p)
+    out = tmp_path / "s.npz"
+    assert cli_sample.run(p.parse_args(["--ckpt", str(ckpt), "--steps", "2", "--num", "3", "--out", str(out)])) == 0
+    assert f"wrote 3 samples ({sampler}, 2 steps" in capsys.readouterr().out
