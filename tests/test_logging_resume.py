@@ -87,6 +87,7 @@ def test_wandb_offline_resume_continues_the_same_run(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
     monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb-cache"))
+    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb-data"))
     run = tmp_path / "run"
     n = torch.get_num_threads()
     train(_cfg(run, "logging.wandb=true"))

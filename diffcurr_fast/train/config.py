@@ -488,7 +488,7 @@ class TrainConfig:
             else:  # learn_sigma, weighting, dtr: DDPM only
                 fits = form == "ddpm" or value == own[default_key]
             yields = not fits and _source_of(section, key)[0] < rank and value != "auto" and key not in filled
-            if value == "auto" or (key in filled and key != "dtr") or yields:
+            if value == "auto" or key in filled or yields:
                 note = f"; {value!r} ({_source_of(section, key)[1]}) does not apply to {form}" if yields else ""
                 setattr(section, key, own[default_key])
                 filled.add(key)
