@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -145,6 +146,9 @@ def export_diffusers(
     scheduler = getattr(diffusers, sched_name)(**sched_cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))  # written whole, then moved into place
+    mask = os.umask(0o022)
+    os.umask(mask)
+    os.chmod(tmp, 0o777 & ~mask)  # mkdtemp makes it 0700; the export gets a directory's usual mode
     try:
         if vae is not None:
             autoencoder = diffusers.AutoencoderKL.from_pretrained(vae, local_files_only=True)
