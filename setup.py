@@ -93,10 +93,13 @@ setup(
         "dali": ["nvidia-dali-cuda130"],  # needs a CUDA 13 driver
         "dali-cuda12": ["nvidia-dali-cuda120"],  # for CUDA 12 drivers
         "diffusers": ["diffusers"],
+        # neither pulls torch (checked with pip install --dry-run); wandb is tested in offline mode when installed
+        "tensorboard": ["tensorboard"],
+        "wandb": ["wandb"],
         "flash": ["flash-attn"],
         # diffusers pulls neither torch nor torchvision (checked with pip install --dry-run); the tests run a
         # tiny real AutoencoderKL through extract-latents and sample --vae.
-        "dev": ["pytest>=8", "pytest-xdist", "ruff", "scikit-learn", "scipy", "ninja", "diffusers"],
+        "dev": ["pytest>=8", "pytest-xdist", "ruff", "scikit-learn", "scipy", "ninja", "diffusers", "tensorboard"],
         "mutation": ["mutmut>=3.3"],
     },
     entry_points={"console_scripts": ["diffcurr-fast=diffcurr_fast.cli:main"]},

@@ -16,6 +16,7 @@ from diffcurr_fast import __version__
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("diffcurr_fast.train.cli_train", "train a diffusion model (no recipe: the embedded digits demo)"),
     "sample": ("diffcurr_fast.cli_sample", "sample a grid or an .npz from a checkpoint"),
+    "export": ("diffcurr_fast.cli_export", "write a checkpoint as a diffusers DiT (--to diffusers OUT)"),
     "tdc": (
         "diffcurr_fast.tdc.cli_tdc",
         "TDC training: stage 1, proxy-pruned experts per timestep group, multi-expert bundle",

@@ -1,4 +1,4 @@
-"""``diffcurr-fast sample --ckpt RUN_OR_FILE --sampler ddpm|ddim|heun|euler --steps N --cfg S --num-samples N --out F``.
+"""``diffcurr-fast sample --ckpt RUN --sampler auto|ddpm|ddim|heun|euler --steps N --cfg S --num-samples N --out F``.
 
 Loads a training checkpoint (a ``ckpt_*.pt`` or a run directory: its newest checkpoint), rebuilds the model from
 the config stored in it, and draws ``--num`` samples in batches of ``--batch-size`` (a progress bar per batch).
@@ -28,7 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--ckpt", help="checkpoint file, or a run directory (newest checkpoint)")
     src.add_argument("--bundle", help="TDC multi-expert bundle directory (written by `diffcurr-fast tdc`)")
-    parser.add_argument("--sampler", default="ddim", choices=SAMPLERS, help="sampler (default: ddim)")
+    parser.add_argument(
+        "--sampler",
+        default="auto",
+        choices=("auto", *SAMPLERS),
+        help="sampler (default auto: the formulation's own, ddim for ddpm, heun for flow and edm)",
+    )
     parser.add_argument("--steps", type=int, default=50, help="sampling steps (default: 50)")
     parser.add_argument("--cfg", type=float, default=1.0, help="classifier-free guidance scale (1 = off)")
     # --num-samples first: under torchrun, "--num" is taken for an abbreviation of torchrun's own --numa-binding
@@ -128,6 +133,10 @@ def run(args: argparse.Namespace) -> int:
         state = load_checkpoint(path)
         cfg = config_from_dict(state["config"])
     m = cfg.model
+    if args.sampler == "auto":
+        from diffcurr_fast.diffusion import FORMULATION_DEFAULTS
+
+        args.sampler = FORMULATION_DEFAULTS[cfg.diffusion.formulation]["sampler"]
     if args.vae and cfg.data.dataset in ("digits", "images"):
         raise ValueError(f"--vae decodes latents, but this model was trained on data.dataset {cfg.data.dataset!r}")
     if out.suffix == ".png" and m.in_channels not in (1, 3) and not args.vae:

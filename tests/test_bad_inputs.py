@@ -234,11 +234,13 @@ def test_corrupt_checkpoint_names_the_previous_intact_one(trained, tmp_path):
 
 
 # ---- item 14: tensorboard asked for but missing -------------------------------------------------------------
-def test_tensorboard_missing_is_an_error(tmp_path):
+def test_tensorboard_missing_is_an_error(tmp_path, monkeypatch):
     import importlib.util
 
-    if importlib.util.find_spec("tensorboard") is not None:
-        pytest.skip("tensorboard is installed")
+    real = importlib.util.find_spec  # tensorboard hidden, whether it is installed or not
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     with pytest.raises(ImportError, match="logging.tensorboard is true but tensorboard is not installed"):
         check_run(tiny(tmp_path / "run", "logging.tensorboard=true"))
     from diffcurr_fast.train.report import MetricsWriter

@@ -334,6 +334,7 @@ def test_sampler_errors_use_the_right_article():
                 "diffusion.learn_sigma=false",
                 "diffusion.prediction=x0",
                 "diffusion.weighting=none",
+                "logging.sampler=ddim",
             ],
         )
     assert demo_config().logging.sampler == "ddim"

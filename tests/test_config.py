@@ -78,14 +78,16 @@ def test_overrides_apply_with_int_to_float_widening():
     [
         ("optim.lrr=1", r"unknown config key 'optim.lrr'; valid keys of optim: lr, "),
         ("optimizer.lr=1", r"unknown config section 'optimizer'.*valid sections: model, diffusion"),
-        ("diffusion.prediction=score", r"invalid value 'score' for diffusion.prediction; valid choices: eps, x0, v"),
+        (
+            "diffusion.prediction=score",
+            r"invalid value 'score' for diffusion.prediction; valid choices: auto, eps, x0, v",
+        ),
         ("engine.max_steps=1.5", r"engine.max_steps must be of type int"),
         ("engine.compile=1", r"engine.compile must be of type bool"),
         ("optim.lr=-1", r"optim.lr must be > 0.0, got -1.0"),
         ("optim.lr=.inf", r"optim.lr must be a finite number, got inf"),
         ("diffusion.min_snr_gamma=nan", r"diffusion.min_snr_gamma must be a finite number"),
         ("diffusion.P_mean=-inf", r"diffusion.P_mean must be a finite number"),
-        ("model.preset=DiT-S/8", r"model.depth=4 contradicts model.preset 'DiT-S/8' \(depth 12\); unset it"),
         ("curriculum.ema=1.0", r"curriculum.ema must lie in \[0.0, 1.0\)"),
         ("data.batch_size=0", r"data.batch_size must be >= 1"),
         ("lr=1", r"section.field"),

@@ -24,11 +24,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("eval",),  # metrics and feature extractors, samples from a checkpoint
     ("train",),  # engines, the loop, EMA, evaluation during training, run directories
     ("tdc", "analysis"),  # TDC training; the offline difficulty analysis
-    ("study", "cli_sample", "info"),  # ablation studies; the sample and info commands
+    ("study", "cli_sample", "cli_export", "info"),  # ablation studies; the sample, export and info commands
     ("cli",),  # the command line: it names every command
 ]
 RANK = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 _MODULE = re.compile(r"diffcurr_fast(\.\w+)+")
+_FILE_SUFFIXES = {"json", "yaml", "yml", "txt", "pt", "safetensors", "npz", "png"}
 
 
 def unit_of(module: str) -> str:
@@ -70,7 +71,8 @@ def imported_modules(path: Path, module: str) -> list[tuple[int, str]]:
                 sub = target == "diffcurr_fast" and not a.name.startswith("__")
                 found.append((node.lineno, f"{target}.{a.name}" if sub else target))
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _MODULE.fullmatch(node.value):
-            found.append((node.lineno, node.value))
+            if node.value.rpartition(".")[2] not in _FILE_SUFFIXES:  # "diffcurr_fast.json" names a file
+                found.append((node.lineno, node.value))
     return sorted({(line, m) for line, m in found if m == "diffcurr_fast" or m.startswith("diffcurr_fast.")})
 
 

@@ -89,7 +89,10 @@ def test_eval_config_errors():
         load_config(None, ["eval.features=clip"])
     with pytest.raises(ValueError, match="eval.sampler 'ddim' cannot sample a flow model"):
         load_config(None, ["diffusion.formulation=flow", "diffusion.prediction=velocity", "diffusion.learn_sigma=false",
-                           "diffusion.weighting=none", "logging.sampler=euler", "logging.eval_every=5"])  # fmt: skip
+                           "diffusion.weighting=none", "logging.sampler=euler", "logging.eval_every=5",
+                           "eval.sampler=ddim"])  # fmt: skip
+    flow = load_config(None, ["diffusion.formulation=flow", "logging.eval_every=5"])  # auto: the formulation's own
+    assert flow.eval.sampler == "heun"
 
 
 # ---- statistics -----------------------------------------------------------------------------------------------

@@ -49,6 +49,15 @@ from diffcurr_fast.diffusion.weights import WEIGHTINGS, loss_weights
 FORMULATIONS = ("ddpm", "flow", "edm")
 TRAIN_PREDICTIONS = {"ddpm": PREDICTIONS, "flow": ("velocity",), "edm": ("x0",)}
 ALL_PREDICTIONS = tuple(dict.fromkeys(p for preds in TRAIN_PREDICTIONS.values() for p in preds))
+# Each formulation's own choices, which ``auto`` in the config stands for: DDPM trains eps with the IDDPM learned
+# variance and samples with DDIM; flow trains the velocity (SiT) and EDM its preconditioned denoiser (x0), both
+# without learned variance or an extra loss weighting, and both sample their ODE with Heun (EDM Alg. 1 on its
+# Karras sigma grid; for flow SiT's second-order ODE step). Denoising Task Routing (``dtr``) routes DDPM timesteps.
+FORMULATION_DEFAULTS = {
+    "ddpm": {"prediction": "eps", "learn_sigma": True, "weighting": "none", "sampler": "ddim", "dtr": False},
+    "flow": {"prediction": "velocity", "learn_sigma": False, "weighting": "none", "sampler": "heun", "dtr": False},
+    "edm": {"prediction": "x0", "learn_sigma": False, "weighting": "none", "sampler": "heun", "dtr": False},
+}
 
 
 def build_formulation(d) -> Formulation:
@@ -67,6 +76,7 @@ __all__ = [
     "BETA_SCHEDULES",
     "ALL_PREDICTIONS",
     "FORMULATIONS",
+    "FORMULATION_DEFAULTS",
     "TRAIN_PREDICTIONS",
     "TrainingTerms",
     "build_formulation",

@@ -38,9 +38,9 @@ def _owned(module: str, name: str, *, before: tuple = ()) -> Callable[[], tuple]
 # Every choice of a lower layer is defined by the module that implements it; the config only refers to it.
 MODEL_PRESETS = _owned("diffcurr_fast.models.dit", "DIT_PRESETS", before=("custom",))
 FORMULATIONS = _owned("diffcurr_fast.diffusion", "FORMULATIONS")
-PREDICTIONS = _owned("diffcurr_fast.diffusion", "ALL_PREDICTIONS")
+PREDICTIONS = _owned("diffcurr_fast.diffusion", "ALL_PREDICTIONS", before=("auto",))
 BETA_SCHEDULES = _owned("diffcurr_fast.diffusion.ddpm", "BETA_SCHEDULES")
-WEIGHTINGS = _owned("diffcurr_fast.diffusion.weights", "WEIGHTINGS")
+WEIGHTINGS = _owned("diffcurr_fast.diffusion.weights", "WEIGHTINGS", before=("auto",))
 OPS_BACKENDS = _owned("diffcurr_fast.ops._backend", "BACKENDS", before=("auto",))
 PACINGS = _owned("diffcurr_fast.curriculum.pacing", "PACINGS")
 ORDERS = _owned("diffcurr_fast.curriculum.pacing", "ORDERS")
@@ -49,7 +49,8 @@ DATA_BACKENDS = _owned("diffcurr_fast.data.pipeline", "BACKENDS")
 ON_BAD = _owned("diffcurr_fast.data.errors", "ON_BAD")
 ATTN_BACKENDS = _owned("diffcurr_fast.models.attention", "ATTENTION_BACKENDS")
 PRECISIONS = _owned("diffcurr_fast.objective", "PRECISIONS")
-SAMPLERS = _owned("diffcurr_fast.runs.sampling", "SAMPLERS")
+SAMPLERS = _owned("diffcurr_fast.runs.sampling", "SAMPLERS", before=("auto",))
+LEARN_SIGMA = ("auto", True, False)
 # The trainer's choices are defined here, below it (``train`` imports them from this module).
 SHARDED_DATASETS = ("latents", "images")
 DATASETS = ("digits", "npz", *SHARDED_DATASETS)  # data.dataset: built-in, arrays, or through ShardedLoader
@@ -117,25 +118,33 @@ class ModelConfig:
     init_from: str = _f(
         "",
         "fine-tune: initial weights (.pt state dict such as DiT-XL-2-256x256.pt, one of our "
-        "checkpoints, or a .safetensors export); ignored when resuming",
+        "checkpoints, a .safetensors export, or a diffusers DiTTransformer2DModel / DiTPipeline directory); "
+        "ignored when resuming",
     )
 
     def validate(self) -> None:
-        """A preset fills the dimensions left unset; a set dimension that contradicts it is an error."""
+        """A preset fills the dimensions left unset, and replaces those set by an earlier source (the recipe when
+        the preset is an override); a dimension set in the preset's own source or a later one that contradicts it
+        is an error."""
         # imported here, not at the top: keeps --help free of torch
         from diffcurr_fast.models.dit import DIT_PRESETS
 
         dims = DIT_PRESETS.get(self.preset, CUSTOM_DIMS)
-        filled = self.__dict__.setdefault("_filled", set())  # dimensions this method filled (not the user's)
+        filled = _filled(self)
+        rank, where = _source_of(self, "preset")
+        by = f"model.preset {self.preset!r} ({where})" if self.preset != "custom" else "custom default"
         for name, value in dims.items():
             have = getattr(self, name)
-            if have is None or name in filled:
+            earlier = self.preset != "custom" and _source_of(self, name)[0] < rank
+            if have is None or name in filled or (earlier and have != value):
                 setattr(self, name, value)
                 filled.add(name)
+                _sources(self)[name] = (rank, by)
             elif self.preset != "custom" and have != value:
                 raise ValueError(
-                    f"model.{name}={have!r} contradicts model.preset {self.preset!r} ({name} {value}); unset it "
-                    f"(model.{name}=null) to take the preset's value, or use model.preset=custom"
+                    f"model.{name}={have!r} contradicts model.preset {self.preset!r} ({name} {value}) in the same "
+                    f"or a later source ({_source_of(self, name)[1]}); unset it (model.{name}=null) to take the "
+                    "preset's value, or use model.preset=custom"
                 )
         if self.input_size % self.patch_size:
             raise ValueError(f"model.input_size {self.input_size} is not divisible by model.patch_size "
@@ -158,9 +167,19 @@ class DiffusionConfig:
     )
     num_timesteps: int = _pos(1000, "T: DDPM timesteps, or the number of flow-t / EDM-sigma cells for the curriculum")
     beta_schedule: str = _f("linear", "beta schedule", BETA_SCHEDULES)
-    prediction: str = _f("eps", "network target: eps, x0 or v (ddpm); velocity (flow); x0 (edm denoiser)", PREDICTIONS)
-    learn_sigma: bool = _f(True, "learn the variance with the IDDPM hybrid loss (network outputs 2C channels)")
-    weighting: str = _f("none", "per-timestep loss weighting of the MSE term", WEIGHTINGS)
+    prediction: str = _f(
+        "auto",
+        "network target: eps, x0 or v (ddpm); velocity (flow); x0 (edm denoiser); auto: eps "
+        "(ddpm), velocity (flow), x0 (edm)",
+        PREDICTIONS,
+    )
+    learn_sigma: bool | str = _f(
+        "auto",
+        "learn the variance with the IDDPM hybrid loss (network outputs 2C channels); "
+        "auto: true for ddpm, false for flow and edm",
+        LEARN_SIGMA,
+    )
+    weighting: str = _f("auto", "per-timestep loss weighting of the MSE term (ddpm; auto: none)", WEIGHTINGS)
     min_snr_gamma: float = _f(5.0, "gamma of the MinSNR weighting", lo=0.0, lo_open=True)
     fused_ops: bool | None = _f(
         None, "deprecated alias, kept for one release: false means ops_backend 'reference' (unset: ops_backend)"
@@ -303,9 +322,18 @@ class LoggingConfig:
 
     log_every: int = _pos(10, "steps between metrics.jsonl records")
     progress: bool = _f(True, "show a tqdm progress bar")
-    tensorboard: bool = _f(False, "also write TensorBoard scalars (needs the tensorboard package)")
+    tensorboard: bool = _f(False, "also write TensorBoard scalars to tb/ (needs the tensorboard package)")
+    wandb: bool = _f(
+        False,
+        "also log the scalars to Weights & Biases (extra 'wandb'; the run id is kept in "
+        "wandb_id.txt, so a resume continues the same run)",
+    )
+    wandb_project: str = _f("diffcurr-fast", "wandb project")
+    wandb_mode: str = _f(
+        "offline", "wandb offline (files under wandb/, upload later with `wandb sync`) or online", ("offline", "online")
+    )
     num_samples: int = _nonneg(64, "images in the end-of-run sample grid (0 = no grid)")
-    sampler: str = _f("ddim", "sampler of the end-of-run grid", SAMPLERS)
+    sampler: str = _f("auto", "sampler of the end-of-run grid (auto: ddim for ddpm, heun for flow and edm)", SAMPLERS)
     sample_steps: int = _pos(50, "sampling steps of the end-of-run grid")
     cfg_scale: float = _nonneg(1.0, "classifier-free guidance scale of the end-of-run grid")
     plots: bool = _f(True, "write the per-cluster loss and curriculum timeline plots at the end")
@@ -335,7 +363,7 @@ class EvalConfig:
 
     num_samples: int = _f(500, "images sampled per evaluation (labels cycle through the classes)", lo=2)
     steps: int = _pos(50, "sampling steps")
-    sampler: str = _f("ddim", "sampler", SAMPLERS)
+    sampler: str = _f("auto", "sampler (auto: ddim for ddpm, heun for flow and edm)", SAMPLERS)
     cfg_scale: float = _nonneg(1.0, "classifier-free guidance scale")
     features: str = _f("digits", "feature extractor: digits (built-in data only) or inception (FID)", EVAL_FEATURES)
     inception_weights: str = _f("", "inception: local pytorch-fid weights file (never downloaded)")
@@ -416,7 +444,9 @@ class TrainConfig:
     tdc: TDCConfig = field(default_factory=TDCConfig)
 
     def validate(self) -> TrainConfig:
-        """Check every field (types, choices, ranges) and the cross-section rules; returns self."""
+        """Resolve ``auto`` (``resolve_auto``), check every field (types, choices, ranges) and the cross-section
+        rules; returns self."""
+        self.resolve_auto()
         for sec in dataclasses.fields(self):
             section = getattr(self, sec.name)
             for f in dataclasses.fields(section):
@@ -462,12 +492,84 @@ class TrainConfig:
                 )
         return self
 
+    def resolve_auto(self) -> None:
+        """The fields of ``FORMULATION_FIELDS`` that are ``auto`` take the formulation's own choice
+        (``diffusion.FORMULATION_DEFAULTS``). One set by an earlier source than ``diffusion.formulation`` (the recipe
+        when the formulation is an override) that does not apply to that formulation yields to it as well; set in
+        the same source or a later one, it stays, and ``validate`` says why it cannot be used."""
+        from diffcurr_fast.diffusion import FORMULATION_DEFAULTS, TRAIN_PREDICTIONS
+
+        form = self.diffusion.formulation
+        rank, where = _source_of(self.diffusion, "formulation")
+        own = FORMULATION_DEFAULTS[form]
+        for (sec, key), default_key in FORMULATION_FIELDS.items():
+            section = getattr(self, sec)
+            value, filled = getattr(section, key), _filled(section)
+            if key == "prediction":
+                fits = value in TRAIN_PREDICTIONS[form]
+            elif key == "sampler":
+                fits = form == "ddpm" or value in ("euler", "heun")
+            else:  # learn_sigma, weighting, dtr: DDPM only
+                fits = form == "ddpm" or value == own[default_key]
+            yields = not fits and _source_of(section, key)[0] < rank and value != "auto" and key not in filled
+            if value == "auto" or key in filled or yields:
+                note = f"; {value!r} ({_source_of(section, key)[1]}) does not apply to {form}" if yields else ""
+                setattr(section, key, own[default_key])
+                filled.add(key)
+                _sources(section)[key] = (rank, f"auto: diffusion.formulation {form!r} ({where}){note}")
+
+    def sources(self) -> dict[str, str]:
+        """``section.field`` -> the source that set it (a recipe, the demo, --set, a preset, auto), for the fields
+        not left at their defaults."""
+        return {
+            f"{sec.name}.{k}": label
+            for sec in dataclasses.fields(self)
+            for k, (_, label) in _sources(getattr(self, sec.name)).items()
+        }
+
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Plain nested dict (YAML/JSON-serialisable)."""
         return dataclasses.asdict(self)
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(TrainConfig)}  # type: ignore
+# The fields whose ``auto`` follows diffusion.formulation -> their key in ``diffusion.FORMULATION_DEFAULTS``.
+FORMULATION_FIELDS = {
+    ("diffusion", "prediction"): "prediction",
+    ("diffusion", "learn_sigma"): "learn_sigma",
+    ("diffusion", "weighting"): "weighting",
+    ("logging", "sampler"): "sampler",
+    ("eval", "sampler"): "sampler",
+    ("model", "dtr"): "dtr",
+}
+
+
+# ---- sources: which part of the command line set a field --------------------------------------------------------
+# Each section records, per field, (rank, label) of the source that set it: rank 0 the defaults, then one rank per
+# source in the order they were applied (the demo or a recipe, then the --set list), so that a later source can
+# win over an earlier one (a preset override replaces the recipe's dimensions, a formulation override the recipe's
+# formulation-specific choices). Values filled in by ``validate`` (a preset's dimensions, auto) are kept in
+# ``_filled`` so that they are filled again when what they follow changes.
+DEFAULT_SOURCE = (0, "default")
+
+
+def _sources(section: Any) -> dict[str, tuple[int, str]]:
+    return section.__dict__.setdefault("_sources", {})
+
+
+def _filled(section: Any) -> set[str]:
+    return section.__dict__.setdefault("_filled", set())
+
+
+def _source_of(section: Any, key: str) -> tuple[int, str]:
+    return _sources(section).get(key, DEFAULT_SOURCE)
+
+
+def _new_source(cfg: TrainConfig, label: str) -> tuple[int, str]:
+    """The next source applied to ``cfg``: (its rank, ``label``)."""
+    rank = cfg.__dict__.get("_rank", 0) + 1
+    cfg.__dict__["_rank"] = rank
+    return rank, label
 
 
 # ---- checks -------------------------------------------------------------------------------------------
@@ -536,9 +638,13 @@ def _check_field(key: str, f: dataclasses.Field, value: Any, tp: Any) -> None:
 
 
 # ---- building ------------------------------------------------------------------------------------------
-def config_from_dict(data: dict[str, Any] | None, base: TrainConfig | None = None) -> TrainConfig:
-    """Build (and validate) a config from a nested dict over ``base`` (defaults); unknown keys are errors."""
+def config_from_dict(
+    data: dict[str, Any] | None, base: TrainConfig | None = None, source: str = "config"
+) -> TrainConfig:
+    """Build (and validate) a config from a nested dict over ``base`` (defaults); unknown keys are errors. The dict
+    is one source, named ``source`` in the recorded provenance (``TrainConfig.sources``)."""
     cfg = base if base is not None else TrainConfig()
+    src = _new_source(cfg, source)
     data = data or {}
     if not isinstance(data, dict):
         raise ValueError(f"a config must be a mapping of sections, got {type(data).__name__}")
@@ -550,11 +656,11 @@ def config_from_dict(data: dict[str, Any] | None, base: TrainConfig | None = Non
         if not isinstance(values, dict):
             raise ValueError(f"config section {sec_name!r} must be a mapping, got {values!r}")
         for key, value in values.items():
-            _set_field(cfg, f"{sec_name}.{key}", value)
+            _set_field(cfg, f"{sec_name}.{key}", value, src)
     return cfg.validate()
 
 
-def _set_field(cfg: TrainConfig, dotted: str, value: Any) -> None:
+def _set_field(cfg: TrainConfig, dotted: str, value: Any, source: tuple[int, str] = DEFAULT_SOURCE) -> None:
     parts = dotted.split(".")
     if len(parts) != 2 or not all(parts):
         raise ValueError(f"config keys look like section.field, got {dotted!r}; sections: {', '.join(SECTIONS)}")
@@ -569,7 +675,11 @@ def _set_field(cfg: TrainConfig, dotted: str, value: Any) -> None:
     value = _coerce(dotted, value, _hints(type(section))[key])
     _check_field(dotted, f, value, _hints(type(section))[key])
     setattr(section, key, value)
-    section.__dict__.get("_filled", set()).discard(key)  # set by the user now, not filled from a preset
+    _filled(section).discard(key)  # set by the user now, not filled from a preset or auto
+    if value is None or value == "auto":  # back to what validate fills in
+        _sources(section).pop(key, None)
+    else:
+        _sources(section)[key] = source
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -615,15 +725,14 @@ def _fix_floats(obj: Any) -> Any:
 DEMO: dict[str, dict[str, Any]] = {
     "model": {"preset": "custom", "input_size": 8, "in_channels": 1, "num_classes": 10, "patch_size": 2,
               "hidden_size": 64, "depth": 4, "num_heads": 4, "fused_adaln": True},
-    "diffusion": {"num_timesteps": 1000, "beta_schedule": "cosine", "prediction": "eps", "learn_sigma": True,
-                  "weighting": "min_snr", "min_snr_gamma": 5.0},
+    "diffusion": {"num_timesteps": 1000, "beta_schedule": "cosine", "weighting": "min_snr", "min_snr_gamma": 5.0},
     "curriculum": {"pacing": "patience", "method": "snr", "num_clusters": 10, "patience": 4, "eval_every": 10,
                    "ema": 0.5, "min_delta": 0.02},
     "data": {"dataset": "digits", "batch_size": 64},
     "optim": {"lr": 1e-3, "warmup_steps": 100, "schedule": "cosine", "min_lr": 1e-5, "grad_clip": 1.0,
               "ema_decay": 0.999},
     "engine": {"max_steps": 3000, "cpu_threads": 2},
-    "logging": {"log_every": 25, "num_samples": 100, "sampler": "ddim", "sample_steps": 100, "cfg_scale": 2.0},
+    "logging": {"log_every": 25, "num_samples": 100, "sample_steps": 100, "cfg_scale": 2.0},
     "checkpoint": {"run_dir": "runs/demo", "every": 1000, "keep_last": 2},
 }  # fmt: skip
 
@@ -722,20 +831,33 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     embedded demo when ``path`` is None), then ``overrides`` (``a.b=value``); validated. Relative input paths in
     the recipe are relative to its folder (``read_recipe``)."""
     data: dict[str, Any] = DEMO if path is None else read_recipe(path)
-    return apply_overrides(config_from_dict(data), overrides)
+    label = "demo" if path is None else f"recipe {Path(path).name}"
+    return apply_overrides(config_from_dict(data, source=label), overrides)
 
 
 def apply_overrides(cfg: TrainConfig, overrides: list[str] | None) -> TrainConfig:
-    """``cfg`` with the ``a.b=value`` overrides applied in order; validated."""
+    """``cfg`` with the ``a.b=value`` overrides applied in order (one source, later than the recipe); validated."""
+    src = _new_source(cfg, "--set")
     for text in overrides or []:
         key, value = parse_override(text)
-        _set_field(cfg, key, value)
+        _set_field(cfg, key, value, src)
     return cfg.validate()
 
 
 def config_to_yaml(cfg: TrainConfig) -> str:
-    """The resolved config as YAML (sections in their declared order)."""
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False)
+    """The resolved config as YAML (sections in their declared order); a field not left at its default carries a
+    comment naming the source that set it (``TrainConfig.sources``)."""
+    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False, width=math.inf)
+    sources, lines, sec = cfg.sources(), [], ""
+    for line in text.splitlines():
+        if line and not line.startswith(" "):
+            sec = line.rstrip(":")
+        elif line.startswith("  ") and not line.startswith(("   ", "  - ")) and ":" in line:
+            label = sources.get(f"{sec}.{line.strip().split(':', 1)[0]}")
+            if label:
+                line = f"{line}  # {label}"
+        lines.append(line)
+    return "\n".join(lines) + "\n"
 
 
 def describe_config() -> str:

@@ -164,11 +164,24 @@ def build_train_batches(
 
 
 # ---- fine-tuning: initial weights ------------------------------------------------------------------------
-def read_init_state(path: str | Path) -> dict[str, torch.Tensor]:
+def read_init_state(path: str | Path, own: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The state dict stored at ``path``: a ``.safetensors`` file, a plain ``.pt`` state dict (official DiT
-    release), or a training checkpoint with ``ema`` / ``model`` entries (ours or DiT's ``train.py``; the EMA
-    weights are taken). Loaded with ``weights_only=True``."""
+    release), a training checkpoint with ``ema`` / ``model`` entries (ours or DiT's ``train.py``; the EMA
+    weights are taken), or a diffusers ``DiTTransformer2DModel`` directory (or a ``DiTPipeline`` directory holding
+    one), mapped back to the release's keys for the model whose state dict is ``own`` (its fixed sin-cos
+    ``pos_embed``, which diffusers does not store, is filled in). Loaded with ``weights_only=True`` or safetensors."""
+    from diffcurr_fast.models.diffusers_dit import from_diffusers_state, is_diffusers_dir, read_diffusers_dir
+
     p = Path(path)
+    if is_diffusers_dir(p):
+        if own is None or "pos_embed" not in own:
+            raise ValueError(
+                f"model.init_from {str(p)!r} is a diffusers directory; reading it needs the DiT's own state dict"
+            )
+        try:
+            return from_diffusers_state(read_diffusers_dir(p)[0], own)
+        except ValueError as exc:
+            raise ValueError(f"model.init_from {str(p)!r}: {exc}") from None
     if not p.is_file():
         raise FileNotFoundError(f"model.init_from {str(p)!r} does not exist")
     if p.suffix == ".safetensors":
@@ -196,8 +209,8 @@ def read_init_state(path: str | Path) -> dict[str, torch.Tensor]:
 
 def load_init_weights(model: torch.nn.Module, path: str | Path) -> None:
     """Load ``read_init_state(path)`` into ``model`` strictly; ValueError naming the first mismatches."""
-    state = read_init_state(path)
     own = model.state_dict()
+    state = read_init_state(path, own)
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
     shapes = [f"{k} {tuple(state[k].shape)} vs model {tuple(v.shape)}" for k, v in own.items()

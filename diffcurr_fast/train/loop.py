@@ -258,7 +258,10 @@ class Trainer:
                 "stage": self.curriculum.stage,
                 "run_dir": str(self.run_dir),
             }
-        writer = MetricsWriter(self.run_dir, cfg.logging.tensorboard) if main else None
+        lg = cfg.logging
+        wandb = dict(project=lg.wandb_project, mode=lg.wandb_mode, config=cfg.to_dict()) if lg.wandb else None
+        resumed = self.start.step if self.start.mode == "resume" else None
+        writer = MetricsWriter(self.run_dir, lg.tensorboard, resume_step=resumed, wandb=wandb) if main else None
         bar = tqdm(total=cfg.engine.max_steps, initial=self.step, disable=not (main and cfg.logging.progress),
                    dynamic_ncols=True)  # fmt: skip
         self.model.train()

@@ -68,6 +68,11 @@ def check_backends(cfg: TrainConfig) -> None:
     if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ImportError("logging.tensorboard is true but tensorboard is not installed: pip install tensorboard, "
                           "or set logging.tensorboard=false")  # fmt: skip
+    if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
+        raise ImportError(
+            "logging.wandb is true but wandb is not installed: pip install 'diffcurr-fast[wandb]', or set "
+            "logging.wandb=false"
+        )
 
 
 def check_inputs(cfg: TrainConfig) -> None:
@@ -90,7 +95,12 @@ def check_inputs(cfg: TrainConfig) -> None:
         if not any(f.is_file() for c in classes for f in c.iterdir()):
             raise ValueError(f"data.path {d.path!r} holds no image files (its class folders are empty)")
     if cfg.model.init_from and not Path(cfg.model.init_from).is_file():
-        raise FileNotFoundError(f"model.init_from {cfg.model.init_from!r} does not exist")
+        from diffcurr_fast.models.diffusers_dit import is_diffusers_dir
+
+        if not is_diffusers_dir(cfg.model.init_from):
+            raise FileNotFoundError(
+                f"model.init_from {cfg.model.init_from!r} does not exist (a weights file or a diffusers DiT directory)"
+            )
     if cfg.engine.kind == "deepspeed":
         ds = load_deepspeed_config(cfg.engine.deepspeed_config)
         if not isinstance(ds, dict):

@@ -4,39 +4,84 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 from pathlib import Path
 from typing import Any
 
+WANDB_ID = "wandb_id.txt"  # the run's wandb id, kept in the run directory so that a resume continues the same run
+
 
 class MetricsWriter:
-    """Appends one JSON object per line to ``metrics.jsonl``; mirrors scalars to TensorBoard when asked."""
+    """Appends one JSON object per line to ``metrics.jsonl``; mirrors the scalars to TensorBoard and to Weights &
+    Biases when asked.
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = False):
-        self.path = Path(run_dir) / "metrics.jsonl"
-        self._fh = open(self.path, "a")
-        self._tb = None
+    ``resume_step``: the checkpoint step a resumed run continues from. ``metrics.jsonl`` has already been cut to it
+    (``truncate_metrics``); TensorBoard is reopened with ``purge_step = resume_step + 1``, so readers drop the
+    events of the steps after the checkpoint that the interrupted run had written. wandb (``wandb_mode`` offline:
+    files under ``run_dir/wandb`` for ``wandb sync``; online: streamed) is initialised with ``resume="allow"`` and
+    the id kept in ``run_dir/wandb_id.txt``, so the resumed run continues the same wandb run.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        tensorboard: bool = False,
+        *,
+        resume_step: int | None = None,
+        wandb: dict[str, Any] | None = None,
+    ):
+        """``wandb``: None (off), or the keyword arguments of ``wandb.init`` to add (project, mode, config)."""
+        run_dir = Path(run_dir)
+        self.path = run_dir / "metrics.jsonl"
+        self._tb = self._wandb = None
         if tensorboard:  # asked for by name: a missing package is an error, not a silent no-op
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                self._fh.close()
                 raise ImportError("logging.tensorboard is true but tensorboard is not installed: pip install "
                                   "tensorboard, or set logging.tensorboard=false") from None  # fmt: skip
-            self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
+        if wandb is not None:
+            try:
+                import wandb as wandb_module
+            except ImportError:
+                raise ImportError(
+                    "logging.wandb is true but wandb is not installed: pip install "
+                    "'diffcurr-fast[wandb]', or set logging.wandb=false"
+                ) from None
+        self._fh = open(self.path, "a")
+        if tensorboard:
+            purge = None if resume_step is None else resume_step + 1
+            self._tb = SummaryWriter(str(run_dir / "tb"), purge_step=purge)
+        if wandb is not None:
+            id_file = run_dir / WANDB_ID
+            run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
+            if not id_file.is_file():
+                id_file.write_text(run_id + "\n")
+            self._wandb = wandb_module.init(dir=str(run_dir), id=run_id, resume="allow", name=run_dir.name, **wandb)
 
     def write(self, record: dict[str, Any]) -> None:
         self._fh.write(json.dumps(record, allow_nan=True) + "\n")
         self._fh.flush()
+        if self._tb is None and self._wandb is None:
+            return
+        step = int(record.get("step", 0))
+        scalars = {
+            k: v
+            for k, v in record.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        }
         if self._tb is not None:
-            step = int(record.get("step", 0))
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
 
     def close(self) -> None:
         self._fh.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

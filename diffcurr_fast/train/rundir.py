@@ -62,9 +62,9 @@ TRAIN_LAYOUT = RunLayout(
     files=(
         r"config\.yaml", r"metrics\.jsonl", r"samples\.png", r"cluster_loss\.png", r"curriculum\.png",
         r"ema\.safetensors", r"(ema\.safetensors|metrics\.jsonl)\.tmp", r"checkpoints/ckpt_\d{8,}\.pt(\.tmp)?",
-        r"tb/events\.out\.tfevents\..+", r"eval_reference\.npz(\.tmp)?",
+        r"tb/events\.out\.tfevents\..+", r"eval_reference\.npz(\.tmp)?", r"wandb_id\.txt",
     ),
-    owned_dirs=(r"checkpoints/deepspeed/step_\d{8,}",),
+    owned_dirs=(r"checkpoints/deepspeed/step_\d{8,}", r"wandb"),
     checkpoints="checkpoints",
 )  # fmt: skip
 

@@ -1,0 +1,389 @@
+"""diffusers interop both ways, offline with tiny models: ``export --to diffusers`` (transformer, scheduler, the
+latent ``DiTPipeline`` with its VAE) against our forward and our samplers, and ``model.init_from`` reading a
+diffusers directory back bitwise. Skipped, with the reason, when diffusers is not installed.
+
+diffusers' DiT embeds the timestep at frequencies 10000^(-i / (half - 1)), the release at 10000^(-i / half)
+(``models/diffusers_dit.py``). The output comparisons therefore run our DiT with diffusers' timestep features
+(``diffusers_time``, from diffusers' own ``get_timestep_embedding``): every weight and every other op is then the
+same, and ``test_timestep_frequency_gap`` pins the one difference that is left."""
+
+import json
+
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers", reason="diffusers is not installed (pip install diffusers)")
+
+from diffcurr_fast import cli  # noqa: E402
+from diffcurr_fast.cli_export import export_diffusers, scheduler_config, to_diffusers_transformer  # noqa: E402
+from diffcurr_fast.diffusion import ddim_sample, flow_sample, make_generator  # noqa: E402
+from diffcurr_fast.models import DiT  # noqa: E402
+from diffcurr_fast.models import dit as dit_module  # noqa: E402
+from diffcurr_fast.runs.checkpoint import atomic_save  # noqa: E402
+from diffcurr_fast.runs.config import load_config  # noqa: E402
+from diffcurr_fast.runs.sampling import (  # noqa: E402
+    build_model,
+    build_schedule,
+    guided_model_output,
+    respaced,
+    sample,
+)
+from diffcurr_fast.train.data import load_init_weights  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture
+def diffusers_time(monkeypatch):
+    """Our DiT with diffusers' timestep features (``Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=1)``)."""
+    from diffusers.models.embeddings import get_timestep_embedding
+
+    def embed(t, dim, max_period=10000, dtype=torch.float32):
+        return get_timestep_embedding(t, dim, flip_sin_to_cos=True, downscale_freq_shift=1).to(dtype)
+
+    monkeypatch.setattr(dit_module.TimestepEmbedder, "timestep_embedding", staticmethod(embed))
+
+
+def _random_(model: DiT, std: float = 0.05, seed: int = 0) -> DiT:
+    """Every trainable weight drawn at random (the zero-initialised adaLN and output layers would hide a mix-up)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model.eval()
+
+
+def _overrides(run, *extra):
+    return [
+        f"checkpoint.run_dir={run}",
+        "model.input_size=6",
+        "model.patch_size=3",
+        "model.hidden_size=48",
+        "model.depth=2",
+        "model.num_heads=3",
+        "model.num_classes=7",
+        "diffusion.num_timesteps=60",
+        "curriculum.num_clusters=4",
+        "engine.max_steps=1",
+        *extra,
+    ]
+
+
+def _checkpoint(tmp_path, *extra, std=0.05):
+    """A hand-made checkpoint of a random-weight model of the config ``_overrides(...extra)``: (path, cfg, model)."""
+    cfg = load_config(None, _overrides(tmp_path / "run", *extra))
+    model = _random_(build_model(cfg), std)
+    sd = model.state_dict()
+    path = atomic_save(
+        {"config": cfg.to_dict(), "model": sd, "ema": {"module": sd}, "step": 1},
+        tmp_path / "run" / "checkpoints" / "ckpt_00000001.pt",
+    )
+    return path, cfg, model
+
+
+@pytest.mark.parametrize("learn_sigma", [True, False])
+@pytest.mark.parametrize("cfg_scale", [1.0, 2.5])
+def test_exported_transformer_equals_ours(diffusers_time, learn_sigma, cfg_scale):
+    torch.manual_seed(0)
+    ours = _random_(
+        DiT(
+            input_size=6,
+            patch_size=3,
+            in_channels=3,
+            hidden_size=48,
+            depth=2,
+            num_heads=3,
+            num_classes=7,
+            learn_sigma=learn_sigma,
+        )
+    )
+    theirs = to_diffusers_transformer(ours)
+    assert theirs.config.out_channels == (6 if learn_sigma else 3)
+    x, t, y = torch.randn(5, 3, 6, 6), torch.tensor([0, 3, 17, 42, 999]), torch.tensor([0, 6, 2, 7, 4])
+
+    def diffusers_forward(xx, tt, yy):
+        return theirs(xx, timestep=tt, class_labels=yy).sample
+
+    with torch.no_grad():
+        a = guided_model_output(ours, x, t, y[:5].clamp(max=6), cfg_scale, 7)
+        b = guided_model_output(diffusers_forward, x, t, y[:5].clamp(max=6), cfg_scale, 7)
+        null = ours(x, t, torch.full((5,), 7)), diffusers_forward(x, t, torch.full((5,), 7))  # the null label
+    assert a.shape == b.shape == (5, 6 if learn_sigma else 3, 6, 6)
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(null[1], null[0], rtol=1e-5, atol=1e-5)
+
+
+def test_timestep_frequency_gap():
+    """The one difference left: the same weights, diffusers' shifted timestep frequencies."""
+    ours = _random_(DiT(input_size=4, patch_size=2, in_channels=1, hidden_size=32, depth=1, num_heads=2, num_classes=3))
+    theirs = to_diffusers_transformer(ours)
+    x, t, y = torch.randn(3, 1, 4, 4), torch.tensor([5, 300, 900]), torch.tensor([0, 1, 2])
+    with torch.no_grad():
+        gap = (ours(x, t, y) - theirs(x, timestep=t, class_labels=y).sample).abs().max()
+    assert gap > 1e-4  # if diffusers adopts the release's frequencies, the docs' note on the gap must go
+
+
+@pytest.mark.parametrize("prediction, kind", [("eps", "epsilon"), ("v", "v_prediction"), ("x0", "sample")])
+def test_ddim_loop_through_diffusers_scheduler_equals_ddim_sample(tmp_path, diffusers_time, prediction, kind):
+    """Unclipped (npz data): with clipping, ADM's DDIM (ours) recomputes eps from the clipped x0 and diffusers'
+    keeps the network's, so the two part where x0 is clipped (``test_export_clips_like_the_run``)."""
+    (tmp_path / "d").mkdir()
+    path, cfg, model = _checkpoint(
+        tmp_path, f"diffusion.prediction={prediction}", "data.dataset=npz", f"data.path={tmp_path / 'd'}"
+    )
+    out = tmp_path / "export"
+    export_diffusers(str(path), out)
+    net = diffusers.DiTTransformer2DModel.from_pretrained(out / "transformer").eval()
+    sched = diffusers.DDIMScheduler.from_pretrained(out / "scheduler")
+    assert sched.config.prediction_type == kind and not sched.config.clip_sample
+    steps, labels = 10, torch.tensor([1, 5, 0, 6])
+    noise = torch.randn(4, 1, 6, 6, generator=torch.Generator().manual_seed(3))
+    sched.set_timesteps(steps)
+    x = noise.clone()
+    with torch.no_grad():
+        for t in sched.timesteps:
+            tt = t.expand(4)
+            eps = guided_model_output(lambda a, b, c: net(a, timestep=b, class_labels=c).sample, x, tt, labels, 1.5, 7)[
+                :, :1
+            ]
+            x = sched.step(eps, t, x).prev_sample
+        sch, tmap = respaced(build_schedule(cfg), "ddim", steps)
+        ours = ddim_sample(
+            model,
+            sch,
+            (4, 1, 6, 6),
+            labels,
+            num_classes=7,
+            cfg_scale=1.5,
+            learn_sigma=True,
+            prediction=prediction,
+            timestep_map=tmap,
+            noise=noise,
+        )
+    assert (x - ours).abs().max() < 1e-4, (x - ours).abs().max()
+
+
+def test_export_clips_like_the_run(tmp_path):
+    _, cfg, _ = _checkpoint(tmp_path)  # digits lie in [-1, 1]: our samplers clip x0, so does the scheduler
+    assert scheduler_config(cfg)[1]["clip_sample"] is True
+
+
+@pytest.fixture(scope="module")
+def vae_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(8, 8),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=12,
+    )
+    path = tmp_path_factory.mktemp("vae") / "tiny-vae"
+    vae.save_pretrained(path)
+    return path
+
+
+def test_latent_pipeline_equals_ours(tmp_path, vae_dir, diffusers_time):
+    """A latent model (1000 classes: DiTPipeline's null label is 1000) through ``DiTPipeline.from_pretrained``,
+    guidance and VAE decoding included, against ``ddim_sample`` and the same VAE."""
+    lat = tmp_path / "lat"
+    lat.mkdir()
+    path, cfg, model = _checkpoint(
+        tmp_path,
+        "model.in_channels=4",
+        "model.num_classes=1000",
+        "data.dataset=npz",
+        f"data.path={lat}",
+        "data.scale=0.5",
+        "logging.eval_every=0",
+    )
+    cfg.data.dataset = "latents"  # the checkpoint says latents: export then needs the VAE
+    torch.save(
+        {"config": cfg.to_dict(), "model": model.state_dict(), "ema": {"module": model.state_dict()}, "step": 1}, path
+    )
+    with pytest.raises(ValueError, match="pass --vae DIR"):
+        export_diffusers(str(path), tmp_path / "nope")
+    out = tmp_path / "pipe"
+    export_diffusers(str(path), out, vae=str(vae_dir))
+    pipe = diffusers.DiTPipeline.from_pretrained(out)
+    assert pipe.vae.config.scaling_factor == 0.5
+    labels = [3, 999]
+    images = pipe(
+        class_labels=labels,
+        guidance_scale=2.0,
+        num_inference_steps=6,
+        generator=torch.Generator().manual_seed(0),
+        output_type="pt",
+    ).images
+    noise = torch.randn(2, 4, 6, 6, generator=torch.Generator().manual_seed(0))
+    sch, tmap = respaced(build_schedule(cfg), "ddim", 6)
+    with torch.no_grad():
+        z = ddim_sample(
+            model,
+            sch,
+            (2, 4, 6, 6),
+            torch.tensor(labels),
+            num_classes=1000,
+            cfg_scale=2.0,
+            learn_sigma=True,
+            timestep_map=tmap,
+            noise=noise,
+        )
+        ours = ((pipe.vae.decode(z / 0.5).sample / 2 + 0.5).clamp(0, 1)).permute(0, 2, 3, 1)
+    images = torch.as_tensor(images)
+    images = images if images.shape[-1] == 3 else images.permute(0, 2, 3, 1)
+    assert images.shape == ours.shape == (2, 12, 12, 3)
+    assert (images - ours).abs().max() < 1e-4
+
+
+def test_round_trip_export_then_init_from_is_bitwise(tmp_path):
+    digits = ("model.input_size=8", "model.patch_size=2", "model.num_classes=10", "model.class_dropout_prob=0.0")
+    path, cfg, model = _checkpoint(tmp_path, *digits)
+    out = tmp_path / "export"
+    assert cli.main(["export", str(tmp_path / "run"), "--to", "diffusers", str(out)]) == 0
+    info = json.loads((out / "diffcurr_fast.json").read_text())
+    assert info["formulation"] == "ddpm" and info["weights"] == "ema"
+    fresh = build_model(cfg)
+    load_init_weights(fresh, out)  # the transformer/ folder of an export
+    load_init_weights(fresh, out / "transformer")
+    for k, v in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+    # a training run fine-tunes from it: its first checkpoint starts from these weights
+    cfg2 = load_config(
+        None,
+        _overrides(
+            tmp_path / "ft",
+            *digits,
+            f"model.init_from={out}",
+            "logging.progress=false",
+            "logging.num_samples=0",
+            "logging.plots=false",
+        ),
+    )
+    from diffcurr_fast.train.loop import Trainer
+
+    tr = Trainer(cfg2)
+    for k, v in model.state_dict().items():
+        assert torch.equal(tr.model.state_dict()[k].cpu(), v), k
+
+
+def test_init_from_diffusers_mismatch_and_split_embedders(tmp_path):
+    path, cfg, model = _checkpoint(tmp_path)
+    out = tmp_path / "export"
+    export_diffusers(str(path), out)
+    other = build_model(load_config(None, _overrides(tmp_path / "x", "model.depth=3")))
+    with pytest.raises(ValueError, match="does not fit the model: 10 missing keys: blocks.2.attn.qkv"):
+        load_init_weights(other, out)
+    # a diffusers model whose blocks' embedder copies were trained apart has no release counterpart
+    net = diffusers.DiTTransformer2DModel.from_pretrained(out / "transformer")
+    with torch.no_grad():
+        net.transformer_blocks[1].norm1.emb.timestep_embedder.linear_1.bias.add_(1.0)
+    net.save_pretrained(out / "transformer")
+    with pytest.raises(ValueError, match="transformer_blocks.1.norm1.emb.timestep_embedder.linear_1.bias differs"):
+        load_init_weights(build_model(cfg), out)
+
+
+def test_export_refuses_existing_out_and_non_exports(tmp_path, capsys):
+    path, _, _ = _checkpoint(tmp_path)
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "mine.txt").write_text("keep")
+    assert cli.main(["export", str(path), "--to", "diffusers", str(out)]) == 2
+    assert "exists; pass --overwrite" in capsys.readouterr().err
+    assert cli.main(["export", str(path), "--to", "diffusers", str(out), "--overwrite"]) == 2
+    assert "is not a diffusers export" in capsys.readouterr().err and (out / "mine.txt").read_text() == "keep"
+    fresh = tmp_path / "fresh"
+    assert cli.main(["export", str(path), "--to", "diffusers", str(fresh)]) == 0
+    stamp = (fresh / "transformer" / "config.json").stat().st_mtime_ns
+    assert cli.main(["export", str(path), "--to", "diffusers", str(fresh), "--overwrite"]) == 0
+    assert (fresh / "transformer" / "config.json").stat().st_mtime_ns >= stamp
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".fresh.")]  # no temporary left behind
+
+
+@pytest.mark.parametrize(
+    "extra, match", [(("model.dtr=true",), "Denoising Task Routing"), (("model.mlp_ratio=3.0",), "mlp_ratio is 3.0")]
+)
+def test_export_refuses_what_diffusers_cannot_hold(tmp_path, extra, match):
+    path, _, _ = _checkpoint(tmp_path, *extra)
+    with pytest.raises(ValueError, match=match):
+        export_diffusers(str(path), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_flow_export_euler_loop_equals_flow_sample(tmp_path):
+    """Flow: the same interpolant as diffusers' flow matching (sigma = t); the transformer takes t = sigma."""
+    path, cfg, model = _checkpoint(tmp_path, "diffusion.formulation=flow", std=0.02)
+    out = tmp_path / "flow"
+    export_diffusers(str(path), out)
+    net = diffusers.DiTTransformer2DModel.from_pretrained(out / "transformer").eval()
+    sched = diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(out / "scheduler")
+    steps, labels = 8, torch.tensor([2, 4, 6])
+    noise = torch.randn(3, 1, 6, 6, generator=torch.Generator().manual_seed(1))
+    sched.set_timesteps(sigmas=torch.linspace(1, 0, steps + 1)[:-1].tolist())
+    x = noise.clone()
+    with torch.no_grad():
+        for i, t in enumerate(sched.timesteps):
+            sigma = sched.sigmas[i].expand(3)
+            x = sched.step(net(x, timestep=sigma, class_labels=labels).sample, t, x).prev_sample
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        from diffusers.models.embeddings import get_timestep_embedding
+
+        mp.setattr(
+            dit_module.TimestepEmbedder,
+            "timestep_embedding",
+            staticmethod(
+                lambda t, dim, max_period=10000, dtype=torch.float32: get_timestep_embedding(
+                    t, dim, flip_sin_to_cos=True, downscale_freq_shift=1
+                ).to(dtype)
+            ),
+        )
+        ours = flow_sample(model, (3, 1, 6, 6), labels, num_steps=steps, method="euler", noise=noise)
+    assert (x - ours).abs().max() < 1e-4, (x - ours).abs().max()
+
+
+def test_edm_export_euler_loop_equals_our_edm_euler(tmp_path, diffusers_time):
+    """EDM: ``EDMEulerScheduler`` preconditions as EDM Table 1 (c_in, c_skip, c_out, c_noise) on the same Karras
+    grid; started from noise * sigma_max as EDM Alg. 1 (diffusers' ``init_noise_sigma`` is sqrt(sigma_max^2 + 1))."""
+    path, cfg, model = _checkpoint(tmp_path, "diffusion.formulation=edm", "diffusion.sigma_max=20.0", std=0.02)
+    name, conf = scheduler_config(cfg)
+    assert name == "EDMEulerScheduler" and conf["sigma_max"] == 20.0 and conf["sigma_data"] == 0.5
+    out = tmp_path / "edm"
+    export_diffusers(str(path), out)
+    net = diffusers.DiTTransformer2DModel.from_pretrained(out / "transformer").eval()
+    sched = diffusers.EDMEulerScheduler.from_pretrained(out / "scheduler")
+    steps, labels, seed = 7, torch.tensor([1, 3, 5]), 4
+    sched.set_timesteps(steps)
+    noise = torch.randn(3, 1, 6, 6, generator=make_generator(seed))  # our sampler's first draw
+    x = noise * sched.sigmas[0]
+    with torch.no_grad():
+        for t in sched.timesteps:
+            inp = sched.scale_model_input(x, t)
+            x = sched.step(net(inp, timestep=t.expand(3), class_labels=labels).sample, t, x).prev_sample
+        ours = sample(
+            model,
+            build_schedule(cfg),
+            sampler="euler",
+            steps=steps,
+            labels=labels,
+            channels=1,
+            size=6,
+            num_classes=7,
+            learn_sigma=False,
+            prediction="x0",
+            seed=seed,
+        )
+    assert (x - ours).abs().max() < 1e-4, (x - ours).abs().max()
+
+
+def test_edm_export_has_no_pipeline(tmp_path):
+    path, _, _ = _checkpoint(tmp_path, "diffusion.formulation=edm")
+    with pytest.raises(ValueError, match="DiTPipeline runs DDPM models only"):
+        export_diffusers(str(path), tmp_path / "edm2", vae=str(tmp_path))
