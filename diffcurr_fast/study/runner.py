@@ -145,7 +145,8 @@ def run_study(spec: StudySpec, study_dir: str | Path, workers: int = 1, *, verbo
                     continue
                 fh.close()
                 running.remove(item)
-                (ran if proc.returncode == 0 else failed).append((arm, seed))
+                if (arm, seed) != STEPTIME or proc.returncode:  # "ran" lists runs; a failed measurement fails
+                    (ran if proc.returncode == 0 else failed).append((arm, seed))
                 if verbose and (arm, seed) == STEPTIME:
                     ok = proc.returncode == 0
                     print(f"  done  official step time: {'step_time.json' if ok else 'FAILED (logs/step-time.log)'}",
