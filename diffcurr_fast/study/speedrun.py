@@ -185,8 +185,9 @@ def markdown(spec: Any, res: dict[str, Any]) -> list[str]:
     lines.append("")
     if st and st.get("official_s"):
         lines.append(f"Official arm `{res['official_arm']}`: its time axis is its steps x the official DiT step "
-                     f"({1e3 * st['official_s']:.2f} ms median, facebookresearch/DiT at {st.get('checkout', '?')}), "
-                     f"measured in this study on the same model, data, batch and {st.get('threads')} threads; our "
+                     f"({1e3 * st['official_s']:.2f} ms median; facebookresearch/DiT checkout "
+                     f"`{st.get('checkout', '?')}` at commit {st.get('commit') or 'unknown'}), measured in this study "
+                     f"on the same model, data and batch with {st.get('threads')} CPU threads; our "
                      f"step at the same recipe measured beside it: {1e3 * st['ours_s']:.2f} ms "
                      f"(official / ours = {st['official_s'] / st['ours_s']:.3f}).")  # fmt: skip
     else:
@@ -330,7 +331,19 @@ def measure_step_times(cfg: Any, peer_dit: str | Path, *, rounds: int = 3, reps:
             "official_p20_p80": [float(np.percentile(times["official"], q)) for q in (20, 80)],
             "ours_p20_p80": [float(np.percentile(times["ours"], q)) for q in (20, 80)],
             "steps_each": rounds * reps, "batch": cfg.data.batch_size, "threads": torch.get_num_threads(),
-            "checkout": str(Path(peer_dit).resolve()), "timm_stubbed": bool(info["timm_stubbed"])}  # fmt: skip
+            "checkout": Path(peer_dit).resolve().name, "commit": _git_commit(peer_dit),
+            "timm_stubbed": bool(info["timm_stubbed"])}  # fmt: skip
+
+
+def _git_commit(path: str | Path) -> str:
+    """The checked-out commit of a git checkout ('' when it is not one); the report names the peer by it."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
 
 
 def main(argv: list[str] | None = None) -> int:
