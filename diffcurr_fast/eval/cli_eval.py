@@ -21,7 +21,7 @@ from diffcurr_fast._files import write_json
 
 # The evaluation modules (torch) are imported in run(): `diffcurr-fast eval --help` stays instant. The names of
 # features.EXTRACTORS (a test keeps the two equal):
-EXTRACTORS = ("digits", "inception")
+EXTRACTORS = ("digits", "mnist5k", "inception")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,14 +31,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--ckpt", help="training checkpoint (file or run directory) to sample from")
     parser.add_argument(
         "--ref",
-        help="reference: statistics .npz (mu, sigma[, features]), an images .npz, or 'digits' (built-in data)",
+        help="reference: statistics .npz (mu, sigma[, features]), an images .npz, 'digits' (built-in data) or "
+        "'mnist5k' (its held-out split)",
     )
     parser.add_argument("--save-ref", metavar="PATH", help="write the reference statistics (+ features) to PATH")
     parser.add_argument(
         "--extractor",
         choices=EXTRACTORS,
         default=None,
-        help="feature extractor (default: digits with --ref digits, else inception)",
+        help="feature extractor (default: digits / mnist5k with --ref digits / mnist5k, else inception)",
     )
     parser.add_argument("--inception-weights", metavar="PATH", help="pytorch-fid pt_inception-2015-12-05 weights")
     parser.add_argument("--digits-cache", metavar="PATH", help="digits classifier cache file (trained if missing)")
@@ -89,7 +90,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     """Evaluate; prints one metric per line with the extractor named first."""
     if args.ref is None:
-        raise ValueError("--ref is required: a statistics .npz, an images .npz, or 'digits'")
+        raise ValueError("--ref is required: a statistics .npz, an images .npz, 'digits' or 'mnist5k'")
     if args.samples is None and args.ckpt is None and args.save_ref is None:
         raise ValueError("nothing to do: give --samples or --ckpt to evaluate, and/or --save-ref")
     _check_outputs(args)  # before the extractor is built (a digits cache trained) or anything written
@@ -104,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     from diffcurr_fast.eval.features import get_extractor
 
     if args.extractor is None:
-        args.extractor = "digits" if args.ref == "digits" else "inception"
+        args.extractor = args.ref if args.ref in ("digits", "mnist5k") else "inception"
     extractor = get_extractor(
         args.extractor, inception_weights=args.inception_weights, digits_cache=args.digits_cache, device=args.device,
         convert=args.convert, overwrite=args.overwrite,

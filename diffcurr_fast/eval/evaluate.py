@@ -2,7 +2,8 @@
 
 Sample files: ``.npz`` with ``images`` (N, C, H, W) float in [-1, 1], or ADM's ``arr_0`` (N, H, W, C) uint8.
 Reference files: ``.npz`` with ``mu``, ``sigma`` and (optional, needed for precision/recall) ``features``,
-plus the ``extractor`` that produced them; or the keyword ``digits`` for the built-in digits data.
+plus the ``extractor`` that produced them; or the keyword ``digits`` / ``mnist5k`` for the built-in data (mnist5k:
+its held-out split).
 """
 
 from __future__ import annotations
@@ -169,10 +170,16 @@ def reference_from_images(images: torch.Tensor, extractor: FeatureExtractor, sou
 
 
 def load_reference(spec: str, extractor: FeatureExtractor) -> Reference:
-    """A reference: ``"digits"`` (all 1,797 built-in digits) or a ``.npz`` of statistics or of images."""
+    """A reference: ``"digits"`` (all 1,797 built-in digits), ``"mnist5k"`` (the 1,000 images of its held-out
+    split) or a ``.npz`` of statistics or of images."""
     if spec == "digits":
         xtr, _, xte, _ = load_digits_data()
         return reference_from_images(torch.cat([xtr, xte]), extractor, "sklearn digits (1797 images)")
+    if spec == "mnist5k":
+        from diffcurr_fast.data.builtin import load_mnist5k_tensors
+
+        x, _ = load_mnist5k_tensors("heldout")
+        return reference_from_images(x, extractor, f"mnist5k held-out split ({len(x)} images)")
     if not os.path.isfile(spec):
         raise FileNotFoundError(f"reference {spec} not found (a statistics .npz, an images .npz, or 'digits')")
     with np.load(spec) as f:

@@ -1,10 +1,14 @@
-"""Pluggable feature extractors for the metrics: the FID Inception (user-supplied weights) and a digits CNN.
+"""Pluggable feature extractors for the metrics: the FID Inception (user-supplied weights) and two small CNNs.
 
 * ``"inception"``: ``FIDInceptionV3`` with pytorch-fid's weights file; pool3 features (2048) and 1008-way
   class probabilities. This is the extractor whose Frechet distance is FID.
 * ``"digits"``: a small CNN trained on scikit-learn's 8x8 digits (``load_digits``, scaled to [-1, 1]) and cached
   to a file; penultimate features (64) and 10-way probabilities. For the built-in digits data only: its
   numbers are labelled ``DIGITS_LABEL`` everywhere and are not comparable with Inception FID.
+* ``"mnist5k"``: the same kind of CNN for the built-in 28x28 MNIST (``data.dataset=mnist5k``), trained once on its
+  4,000-image training split (never on the held-out split the evaluator's reference comes from), its accuracy
+  measured on the held-out 1,000, cached beside the digits one; penultimate features (64). Labelled
+  ``MNIST5K_LABEL``.
 """
 
 from __future__ import annotations
@@ -20,13 +24,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffcurr_fast.data.builtin import load_digits_tensors
+from diffcurr_fast.data.builtin import load_digits_tensors, load_mnist5k_tensors
 from diffcurr_fast.eval.inception import load_fid_inception
 
-EXTRACTORS = ("digits", "inception")
+EXTRACTORS = ("digits", "mnist5k", "inception")
 DIGITS_LABEL = "digits-classifier features: not Inception FID"
+MNIST5K_LABEL = "mnist5k-classifier features: not Inception FID"
 INCEPTION_LABEL = "FID Inception-v3 pool3 features (pytorch-fid weights)"
 DIGITS_CACHE_VERSION = 2
+MNIST5K_CACHE_VERSION = 1
 
 
 def default_cache_dir() -> Path:
@@ -100,33 +106,96 @@ def train_digits_classifier(epochs: int = 12, seed: int = 0, lr: float = 3e-3) -
     return model, acc
 
 
-def digits_classifier(
-    cache: str | os.PathLike | None = None, retrain: bool = False, overwrite: bool = False
-) -> tuple[DigitsCNN, float]:
-    """The digits classifier from ``cache`` (default ``default_cache_dir()/digits_classifier_v1.pt``), trained and
-    saved there first when missing; returns (model, held-out accuracy). A file named by ``cache`` that is not a
-    current cache (a user's file) is refused unless ``overwrite``; the default cache is retrained when stale."""
-    path = Path(cache) if cache is not None else default_cache_dir() / f"digits_classifier_v{DIGITS_CACHE_VERSION}.pt"
+class MnistCNN(nn.Module):
+    """Small CNN for 28x28 MNIST: features (N, 64) from ``features``, logits (N, 10) from ``forward``."""
+
+    def __init__(self, width: int = 16, feature_dim: int = 64, num_classes: int = 10) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, width, 3, padding=1)
+        self.conv2 = nn.Conv2d(width, 2 * width, 3, padding=1)
+        self.proj = nn.Linear(2 * width * 49, feature_dim)
+        self.head = nn.Linear(feature_dim, num_classes)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.max_pool2d(F.relu(self.conv1(x)), 2)  # (N, w, 14, 14)
+        h = F.max_pool2d(F.relu(self.conv2(h)), 2)  # (N, 2w, 7, 7)
+        return F.relu(self.proj(h.flatten(1)))  # (N, feature_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))  # (N, num_classes)
+
+
+def train_mnist5k_classifier(epochs: int = 6, seed: int = 0, lr: float = 3e-3) -> tuple[MnistCNN, float]:
+    """Train ``MnistCNN`` on mnist5k's training split; returns (model in eval mode, accuracy on the held-out split)."""
+    xtr, ytr = load_mnist5k_tensors("train")
+    xte, yte = load_mnist5k_tensors("heldout")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = MnistCNN()
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, epochs)
+    with single_thread():
+        for _ in range(epochs):
+            model.train()
+            perm = torch.randperm(len(xtr), generator=gen)
+            for s in range(0, len(xtr), 64):
+                b = perm[s : s + 64]
+                loss = F.cross_entropy(model(xtr[b]), ytr[b])
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+            sched.step()
+        model.eval()
+        with torch.no_grad():
+            acc = float((model(xte).argmax(1) == yte).float().mean())
+    return model, acc
+
+
+def _cached_classifier(
+    name: str, version: int, build, train, cache, retrain: bool, overwrite: bool = False
+) -> tuple[nn.Module, float]:
+    """The classifier ``name`` from ``cache`` (default ``default_cache_dir()/<name>_classifier_v<version>.pt``),
+    trained (``train()``) and saved there atomically first when missing or stale; (model, held-out accuracy). A
+    file named by ``cache`` that is not a current cache (a user's file) is refused unless ``overwrite``; the default
+    cache is retrained when stale."""
+    path = Path(cache) if cache is not None else default_cache_dir() / f"{name}_classifier_v{version}.pt"
     if path.exists() and not retrain:
         try:
             blob = torch.load(path, map_location="cpu", weights_only=True)
-            model = DigitsCNN()
+            model = build()
             model.load_state_dict(blob["state_dict"])
-            if int(blob["version"]) == DIGITS_CACHE_VERSION:
+            if int(blob["version"]) == version:
                 return model.eval(), float(blob["accuracy"])
         except Exception:  # torch.load of a foreign file raises any of several types
             pass  # unreadable or stale cache: retrain below and replace it (only ours, or when asked)
     if cache is not None and path.exists() and not overwrite:
         raise FileExistsError(
-            f"--digits-cache {str(path)!r} exists and is not a digits classifier cache (version "
-            f"{DIGITS_CACHE_VERSION}); pass --overwrite to replace it, or name another file"
+            f"--{name}-cache {str(path)!r} exists and is not a {name} classifier cache (version "
+            f"{version}); pass --overwrite to replace it, or name another file"
         )
-    model, acc = train_digits_classifier()
+    model, acc = train()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save({"version": DIGITS_CACHE_VERSION, "accuracy": acc, "state_dict": model.state_dict()}, tmp)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    torch.save({"version": version, "accuracy": acc, "state_dict": model.state_dict()}, tmp)
     os.replace(tmp, path)
     return model, acc
+
+
+def digits_classifier(
+    cache: str | os.PathLike | None = None, retrain: bool = False, overwrite: bool = False
+) -> tuple[DigitsCNN, float]:
+    """The digits classifier from ``cache`` (default ``default_cache_dir()/digits_classifier_v2.pt``), trained and
+    saved there first when missing; returns (model, held-out accuracy). ``overwrite``: see ``_cached_classifier``."""
+    return _cached_classifier(
+        "digits", DIGITS_CACHE_VERSION, DigitsCNN, train_digits_classifier, cache, retrain, overwrite
+    )
+
+
+def mnist5k_classifier(cache: str | os.PathLike | None = None, retrain: bool = False) -> tuple[MnistCNN, float]:
+    """The mnist5k classifier from ``cache`` (default ``default_cache_dir()/mnist5k_classifier_v1.pt``), trained on
+    the training split and saved there first when missing; returns (model, held-out accuracy)."""
+    return _cached_classifier("mnist5k", MNIST5K_CACHE_VERSION, MnistCNN, train_mnist5k_classifier, cache, retrain)
 
 
 class FeatureExtractor(abc.ABC):
@@ -192,6 +261,31 @@ class DigitsExtractor(FeatureExtractor):
         return f, self.model.head(f)
 
 
+class Mnist5kExtractor(FeatureExtractor):
+    """mnist5k-classifier features of 1x28x28 images (other shapes are refused)."""
+
+    name, label, dim = "mnist5k", MNIST5K_LABEL, 64
+
+    def __init__(self, cache: str | os.PathLike | None = None, device: str | torch.device = "cpu") -> None:
+        self.model, self.accuracy = mnist5k_classifier(cache)
+        self.device = torch.device(device)
+        self.model.to(self.device)
+
+    def __call__(self, images: torch.Tensor | np.ndarray, batch_size: int = 256) -> tuple[np.ndarray, np.ndarray]:
+        if self.device.type != "cpu":
+            return super().__call__(images, batch_size)
+        with single_thread():
+            return super().__call__(images, batch_size)
+
+    def _forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if tuple(images.shape[1:]) != (1, 28, 28):
+            c, h, w = images.shape[1:]
+            raise ValueError(f"the mnist5k extractor takes 1x28x28 images, got {c}x{h}x{w} (use --extractor "
+                             "inception for other images)")  # fmt: skip
+        f = self.model.features(images)  # (N, 64)
+        return f, self.model.head(f)
+
+
 class InceptionExtractor(FeatureExtractor):
     """FID Inception pool3 features and 1008-way probabilities from a user-supplied weights file."""
 
@@ -224,6 +318,8 @@ def get_extractor(
     ``digits_cache`` file that is not a cache): see ``DigitsExtractor`` and ``digits_classifier``."""
     if name == "digits":
         return DigitsExtractor(digits_cache, device, convert, overwrite)
+    if name == "mnist5k":
+        return Mnist5kExtractor(None, device)
     if name == "inception":
         return InceptionExtractor(inception_weights, device)
     raise ValueError(f"extractor must be one of {EXTRACTORS}, got {name!r}")

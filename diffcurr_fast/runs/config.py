@@ -53,7 +53,7 @@ SAMPLERS = _owned("diffcurr_fast.runs.sampling", "SAMPLERS", before=("auto",))
 LEARN_SIGMA = ("auto", True, False)
 # The trainer's choices are defined here, below it (``train`` imports them from this module).
 SHARDED_DATASETS = ("latents", "images")
-DATASETS = ("digits", "npz", *SHARDED_DATASETS)  # data.dataset: built-in, arrays, or through ShardedLoader
+DATASETS = ("digits", "mnist5k", "npz", *SHARDED_DATASETS)  # data.dataset: built-in, arrays, or ShardedLoader
 ENGINE_KINDS = ("auto", "single", "ddp", "deepspeed")
 DEVICES = ("auto", "cpu", "cuda")
 OPTIM_IMPLS = ("auto", "torch", "apex")  # AdamW kernels (``train.engine.build_optimizer``)
@@ -235,8 +235,8 @@ class DataConfig:
 
     dataset: str = _f(
         "digits",
-        "digits (built in, 8x8), npz (arrays x (N, C, H, W) and y (N,)), latents (a fast-DiT or sharded latent "
-        "directory) or images (an ImageNet-layout folder)",
+        "digits (built in, 8x8), mnist5k (built in, 28x28, the mnist extra), npz (arrays x (N, C, H, W) and y "
+        "(N,)), latents (a fast-DiT or sharded latent directory) or images (an ImageNet-layout folder)",
         DATASETS,
     )
     path: str = _f("", "npz: a .npz file or a directory of x.npy and y.npy; latents / images: the directory")
@@ -258,9 +258,9 @@ class DataConfig:
         if self.dataset in ("npz", "latents", "images") and not self.path:
             what = {"npz": "a .npz file or a directory", "latents": "a latent directory", "images": "an image folder"}
             raise ValueError(f"data.path is required when data.dataset is {self.dataset!r} ({what[self.dataset]})")
-        if self.dataset == "digits" and self.path:
-            raise ValueError(f"data.path {self.path!r} is set but data.dataset is 'digits' (built in, reads no file); "
-                             "set data.dataset to npz, latents or images to train on it")  # fmt: skip
+        if self.dataset in ("digits", "mnist5k") and self.path:
+            raise ValueError(f"data.path {self.path!r} is set but data.dataset is {self.dataset!r} (built in, reads no "
+                             "file); set data.dataset to npz, latents or images to train on it")  # fmt: skip
 
 
 @dataclass
@@ -354,7 +354,7 @@ class CheckpointConfig:
             raise ValueError("checkpoint.run_dir must be a non-empty path")
 
 
-EVAL_FEATURES = ("digits", "inception")  # ``diffcurr_fast.eval.features.EXTRACTORS``
+EVAL_FEATURES = ("digits", "mnist5k", "inception")  # ``diffcurr_fast.eval.features.EXTRACTORS``
 
 
 @dataclass
@@ -365,9 +365,11 @@ class EvalConfig:
     steps: int = _pos(50, "sampling steps")
     sampler: str = _f("auto", "sampler (auto: ddim for ddpm, heun for flow and edm)", SAMPLERS)
     cfg_scale: float = _nonneg(1.0, "classifier-free guidance scale")
-    features: str = _f("digits", "feature extractor: digits (built-in data only) or inception (FID)", EVAL_FEATURES)
+    features: str = _f("digits", "feature extractor: digits / mnist5k (classifiers of those built-in data) or "
+                       "inception (FID)", EVAL_FEATURES)  # fmt: skip
     inception_weights: str = _f("", "inception: local pytorch-fid weights file (never downloaded)")
-    reference: str = _f("", "reference statistics or images .npz ('' = the training data; 'digits' = all digits)")
+    reference: str = _f("", "reference statistics or images .npz ('' = the training data; digits / mnist5k "
+                        "data: all digits / mnist5k's held-out split)")  # fmt: skip
     num_reference: int = _f(10000, "'' reference: training images used (at most)", lo=2)
     seed: int = _f(0, "seed of the evaluation samples (the same noise at every evaluation)", lo=0, hi=2**63 - 1)
 
@@ -483,6 +485,9 @@ class TrainConfig:
         if self.logging.eval_every and m.in_channels not in (1, 3):
             raise ValueError(f"logging.eval_every needs images (model.in_channels 1 or 3), got {m.in_channels} "
                              "channels (latents would need the VAE decoder); set logging.eval_every=0")  # fmt: skip
+        if self.logging.eval_every and self.data.dataset == "mnist5k" and self.eval.features == "digits":
+            raise ValueError("eval.features 'digits' scores 8x8 digits, but data.dataset is 'mnist5k'; set "
+                             "eval.features=mnist5k (its own classifier)")  # fmt: skip
         if self.data.dataset == "images":
             size = self.data.image_size or m.input_size
             if (m.in_channels, m.input_size) != (3, size):

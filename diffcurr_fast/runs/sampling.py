@@ -204,7 +204,7 @@ def respaced(schedule: DDPMSchedule, sampler: str, steps: int) -> tuple[DDPMSche
 
 def pixel_range(cfg: TrainConfig) -> bool:
     """Whether the data lies in [-1, 1] (digits; images at scale 1), so samples may be clipped to it."""
-    return cfg.data.dataset == "digits" or (cfg.data.dataset == "images" and cfg.data.scale == 1.0)
+    return cfg.data.dataset in ("digits", "mnist5k") or (cfg.data.dataset == "images" and cfg.data.scale == 1.0)
 
 
 def grid_sampler(cfg: TrainConfig) -> tuple[str, int]:

@@ -1,10 +1,15 @@
-"""``diffcurr-fast study [SPEC.yaml | --preset curriculum|tdc] [--recipe R] [--workers N] [--out DIR]`` and
-``diffcurr-fast study report DIR``.
+"""``diffcurr-fast study [SPEC.yaml | --preset NAME] [--recipe R] [--workers N] [--out DIR] [--peer-dit PATH]
+[--screen DIR]`` and ``diffcurr-fast study report DIR``.
 
 Runs every (arm, seed) of a study as an ordinary run directory under ``--out`` (a rerun keeps the finished runs
 and resumes the others), then writes results.csv, report.md and the plots. ``--recipe`` replaces a preset's base
 recipe (e.g. ``recipes/dit_b2_curriculum.yaml`` for the paper's setting on a GPU cluster; the preset's digits
 sizes are then dropped, see ``diffcurr_fast.study.presets``). ``--print-spec`` writes the resolved spec and exits.
+
+A speedrun (``--preset speedrun``) takes ``--peer-dit PATH``, a local checkout of facebookresearch/DiT whose own
+training step is timed in the study to give the official arm its time axis (without it the report flags that the
+official arm keeps our step's time); ``--preset speedrun_mnist5k --screen DIR`` picks its arms from the finished
+digits screening at DIR.
 """
 
 from __future__ import annotations
@@ -30,6 +35,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None, help="study folder (default studies/<name>)")
     parser.add_argument("--no-report", action="store_true", help="run only; write the report later with 'report'")
     parser.add_argument("--print-spec", action="store_true", help="print the resolved spec and exit")
+    parser.add_argument("--peer-dit", default=None, metavar="PATH",
+                        help="speedrun: a local facebookresearch/DiT checkout; its own training step is timed in the "
+                        "study (same model, data, batch, threads) and gives the official arm its time axis. Without "
+                        "it the official arm keeps our step's time and the report flags it")  # fmt: skip
+    parser.add_argument("--screen", default=None, metavar="DIR",
+                        help="speedrun_mnist5k: the finished digits screening (study folder) it takes its best arms "
+                        "from")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,15 +62,17 @@ def run(args: argparse.Namespace) -> int:
     from diffcurr_fast.study.spec import check_spec, load_spec, spec_from_dict
 
     if (args.spec is None) == (args.preset is None):
-        raise ValueError("give a spec file or --preset curriculum|tdc (one of them)")
-    spec = preset_spec(args.preset, args.recipe) if args.preset else load_spec(args.spec)
+        raise ValueError("give a spec file or --preset NAME (one of them)")
+    if args.screen and not args.preset:
+        raise ValueError("--screen picks the arms of --preset speedrun_mnist5k; a spec file lists its own arms")
+    spec = preset_spec(args.preset, args.recipe, args.screen) if args.preset else load_spec(args.spec)
     if args.recipe and not args.preset:
         spec = check_spec(spec_from_dict({**spec.to_dict(), "recipe": args.recipe}))
     if args.print_spec:
         sys.stdout.write(yaml.safe_dump(spec.to_dict(), sort_keys=False))
         return 0
     out = args.out or Path("studies") / spec.name
-    res = run_study(spec, out, args.workers)
+    res = run_study(spec, out, args.workers, peer_dit=args.peer_dit)
     if not args.no_report:
         for name, path in write_report(out).items():
             print(f"  {name}: {path}")

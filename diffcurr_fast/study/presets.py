@@ -1,4 +1,5 @@
-"""Built-in studies (``diffcurr-fast study --preset NAME``): ``curriculum`` and ``tdc``, on the built-in digits.
+"""Built-in studies (``diffcurr-fast study --preset NAME``): ``curriculum`` and ``tdc`` on the built-in digits, and
+the time-to-quality benchmark ``speedrun`` (digits, every arm) with its second stage ``speedrun_mnist5k``.
 
 The settings below were fixed before any of their results were seen; they are what the committed digits study
 ran (docs/results/). Sizes are chosen so both presets finish in about an hour on two CPU cores (two
@@ -27,6 +28,37 @@ compute: stage 1 of 1,000 steps, then N = 3 groups (k = 0.5) with 2 x 3 candidat
 fine-tuning steps per expert (expert FLOPs 2/3, 5/6 and 1 of the base's: 1,000 + 250 x 2.5 = 1,625 base-step
 equivalents, reported exactly in the report with the proxy search counted separately, and the sampling FLOPs).
 
+``speedrun`` and ``speedrun_mnist5k`` (time to quality against the official DiT recipe; the definitions of the
+threshold, smoothing, interval and plateau rule are in ``diffcurr_fast.study.speedrun``). A screening design:
+``speedrun`` runs every arm on the digits with 5 seeds; ``speedrun_mnist5k --screen DIR`` runs the official arm, the
+4 arms with the largest wall-time speed-up in the finished screening at ``DIR`` (``speedrun.best_arms``) and the
+plain-step twin of the best of them on the 28x28 mnist5k with 3 seeds. Settings:
+
+* the official arm (facebookresearch/DiT ``train.py`` as its users run it): uniform t over 1,000 linear-beta
+  steps, eps prediction with learned sigma (the hybrid loss), no weighting, AdamW at a constant 1e-4 with weight
+  decay 0, no clipping, no warmup, EMA updated every step. Its time axis is the official code's step time
+  (``study --peer-dit PATH``);
+* our arms start from the embedded demo (cosine betas, AdamW 1e-3 after a 100-step warmup with cosine decay to
+  1e-5, clip 1, the fused blocks): vanilla (uniform t, no weighting); MinSNR-5; the SNR curriculum (the demo's
+  patience pacing, N = 10) alone and with MinSNR (the demo default); the anti-curriculum; the adaptive pacing; the
+  timestep samplers lognormal, importance, SpeeD (with its weighting) and the CVPR 2025 adaptive sampler (anuts),
+  when the config has their ``timesteps`` section (left out, and said in the notes, otherwise); and vanilla on our
+  plain step (``model.fused_adaln=false``, ``diffusion.ops_backend=reference``; the same math) so that the report
+  splits the speed-up into step speed and sample efficiency;
+* one scaling rule for every arm: the model and batch are the dataset's (below), and the EMA decay keeps the
+  official recipe's half-life as a share of the run: 0.9999 has a half-life of ln 0.5 / ln 0.9999 = 6,931 steps,
+  1.73% of the 400k steps of the DiT paper's comparisons, so a run of S steps uses 0.5^(1 / (0.0173 S))
+  (``ema_decay_for``), without the EMA warmup (the official EMA starts as a copy and updates every step);
+* digits: the demo DiT (patch 2, width 64, depth 4, 16 tokens), batch 64, 12,000 steps, FD (digits classifier)
+  every 400 steps on 400 samples of 10 DDIM steps at guidance 2;
+* mnist5k: a DiT of patch 4 (49 tokens), width 64, depth 4, 4 heads, batch 64, 10,000 steps, FD (its own
+  classifier, against the held-out split) every 500 steps with the same sampling. Width 96 and depth 6 measured
+  about 4.3x the step time of this size (2 threads, busy machine), too slow for 18 runs on two cores. Measured with
+  nice on a busy machine (load about 17 on 2 cores, 1 thread): 1.53 s per step (ours), 1.56 s (official); digits
+  vanilla 235 ms (ours), 285 ms (official): load-bound figures, the study measures its own;
+* speedrun: threshold = the official arm's worst final smoothed FD over its seeds, a trailing 3-evaluation moving
+  average, plateau = the last 20% of the official arm's evaluations improve by < 3%.
+
 ``--recipe R`` keeps a preset's arms and regimes but trains from ``R`` instead of the digits sizes: the digits
 model, data, step and evaluation sizes are dropped (the recipe's own apply), so e.g. ``recipes/dit_b2_curriculum.yaml``
 gives the paper's setting; set the evaluation features to inception with ``eval.inception_weights`` in the recipe.
@@ -34,6 +66,7 @@ gives the paper's setting; set the evaluation features to inception with ``eval.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from diffcurr_fast.study.spec import StudySpec, check_spec, spec_from_dict
@@ -108,16 +141,121 @@ def tdc_preset() -> dict[str, Any]:
     }
 
 
-PRESETS = {"curriculum": curriculum_preset, "tdc": tdc_preset}
+# ---- speedrun ---------------------------------------------------------------------------------------------------
+HALF_LIFE_SHARE = math.log(0.5) / math.log(0.9999) / 400_000  # the official EMA's half-life / the DiT paper's run
+
+
+def ema_decay_for(steps: int) -> float:
+    """The EMA decay whose half-life is ``HALF_LIFE_SHARE`` of a run of ``steps`` steps (rounded to 6 digits)."""
+    return round(0.5 ** (1.0 / (HALF_LIFE_SHARE * steps)), 6)
+
+
+SR_SHARED = ["data.batch_size=64", "optim.ema_warmup=false", "diffusion.num_timesteps=1000", "diffusion.prediction=eps",
+             "diffusion.learn_sigma=true", "curriculum.num_clusters=10", "logging.num_samples=100",
+             "logging.sample_steps=25", "logging.log_every=50", "checkpoint.every=2000", "checkpoint.keep_last=1",
+             "model.preset=custom"]  # fmt: skip
+SR_DIGITS_STEPS, SR_DIGITS_EVERY, SR_MNIST_STEPS, SR_MNIST_EVERY = 12_000, 400, 10_000, 500
+SR_DIGITS = ["data.dataset=digits", "model.input_size=8", "model.patch_size=2", "model.hidden_size=64",
+             "model.depth=4", "model.num_heads=4", f"engine.max_steps={SR_DIGITS_STEPS}",
+             f"optim.ema_decay={ema_decay_for(SR_DIGITS_STEPS)}"]  # fmt: skip
+SR_MNIST = ["data.dataset=mnist5k", "model.input_size=28", "model.patch_size=4", "model.hidden_size=64",
+            "model.depth=4", "model.num_heads=4", f"engine.max_steps={SR_MNIST_STEPS}",
+            f"optim.ema_decay={ema_decay_for(SR_MNIST_STEPS)}"]  # fmt: skip
+SR_EVAL = {"num_samples": 400, "steps": 10, "sampler": "ddim", "cfg_scale": 2.0}
+OFFICIAL = ["diffusion.beta_schedule=linear", "diffusion.weighting=none", "curriculum.pacing=none", "optim.lr=1e-4",
+            "optim.schedule=constant", "optim.warmup_steps=0", "optim.min_lr=0", "optim.weight_decay=0",
+            "optim.grad_clip=0"]  # fmt: skip
+VANILLA = ["curriculum.pacing=none", "diffusion.weighting=none"]
+MINSNR = ["diffusion.weighting=min_snr", "diffusion.min_snr_gamma=5.0"]
+CL = ["curriculum.pacing=patience", "curriculum.method=snr"]
+PLAIN = ["model.fused_adaln=false", "diffusion.ops_backend=reference"]
+TIMESTEP_ARMS = {"lognormal": ["timesteps.sampler=lognormal"], "importance": ["timesteps.sampler=importance"],
+                 "speed": ["timesteps.sampler=speed", "diffusion.weighting=speed"],
+                 "anuts": ["timesteps.sampler=anuts"]}  # fmt: skip
+SPEEDRUN = {"official_arm": "official", "threshold": "reference", "smooth": 3, "plateau_share": 0.2,
+            "plateau_tol": 0.03}  # fmt: skip
+
+
+def has_timesteps_section() -> bool:
+    """Whether this build's config has the ``timesteps`` section the timestep-sampler arms set."""
+    from diffcurr_fast.runs.config import SECTIONS
+
+    return "timesteps" in SECTIONS
+
+
+def speedrun_arms(timesteps: bool | None = None) -> list[dict[str, Any]]:
+    """Every arm of the screening (the timestep-sampler arms only with a ``timesteps`` config section)."""
+    timesteps = has_timesteps_section() if timesteps is None else timesteps
+    arms = [
+        _arm("official", OFFICIAL),
+        _arm("vanilla", VANILLA),
+        _arm("vanilla_plain", VANILLA, PLAIN),
+        _arm("minsnr", VANILLA, MINSNR),
+        _arm("cl", VANILLA, CL),
+        _arm("cl_minsnr", VANILLA, CL, MINSNR),
+        _arm("anti_cl", VANILLA, CL, ["curriculum.order=hard_to_easy"]),
+        _arm("adaptive_pacing", VANILLA, ["curriculum.pacing=adaptive", "curriculum.method=snr"]),
+    ]
+    if timesteps:
+        arms += [_arm(name, VANILLA, sets) for name, sets in TIMESTEP_ARMS.items()]
+    return [{**a, "reference": "official"} for a in arms]
+
+
+def _speedrun_notes(dataset: str, timesteps: bool) -> str:
+    left = "" if timesteps else (" The timestep-sampler arms (lognormal, importance, speed, anuts) are left out: this "
+                                 "build's config has no timesteps section.")  # fmt: skip
+    return (f"Time to quality on {dataset} against the official DiT recipe (settings: diffcurr_fast.study.presets; "
+            f"definitions: diffcurr_fast.study.speedrun).{left}")  # fmt: skip
+
+
+def speedrun_preset(timesteps: bool | None = None) -> dict[str, Any]:
+    timesteps = has_timesteps_section() if timesteps is None else timesteps
+    return {
+        "name": "speedrun", "recipe": None, "set": SR_SHARED + SR_DIGITS, "seeds": [0, 1, 2, 3, 4], "metric": "fd",
+        "reference": "official", "eval_every": SR_DIGITS_EVERY, "eval": {**SR_EVAL, "features": "digits"},
+        "arms": speedrun_arms(timesteps), "notes": _speedrun_notes("the built-in digits", timesteps),
+        "speedrun": dict(SPEEDRUN),
+    }  # fmt: skip
+
+
+def speedrun_mnist5k_preset(screen: str | None = None, timesteps: bool | None = None) -> dict[str, Any]:
+    """The second stage: the official arm, the best 4 arms of the screening at ``screen`` and the plain-step twin
+    of the best (its fused/plain pair splits the speed-up), on mnist5k with 3 seeds."""
+    from diffcurr_fast.study.speedrun import best_arms
+
+    if screen is None:
+        raise ValueError("preset speedrun_mnist5k runs the best arms of the digits screening: pass --screen DIR (a "
+                         "finished 'study --preset speedrun' folder with its report)")  # fmt: skip
+    every = {a["name"]: a for a in speedrun_arms(timesteps)}
+    best = best_arms(screen, 4)
+    unknown = [n for n in best if n not in every]
+    if unknown:
+        raise ValueError(f"the screening at {screen!r} has arms {unknown} that this build does not define")
+    top = every[best[0]]
+    plain = [] if "_plain" in top["name"] else [{**top, "name": f"{top['name']}_plain", "set": top["set"] + PLAIN}]
+    arms = [every["official"], *(every[n] for n in best), *plain]
+    return {
+        "name": "speedrun_mnist5k", "recipe": None, "set": SR_SHARED + SR_MNIST, "seeds": [0, 1, 2], "metric": "fd",
+        "reference": "official", "eval_every": SR_MNIST_EVERY, "eval": {**SR_EVAL, "features": "mnist5k"},
+        "arms": arms, "notes": _speedrun_notes("the built-in mnist5k", True) + f" Arms screened from {screen}.",
+        "speedrun": dict(SPEEDRUN),
+    }  # fmt: skip
+
+
+PRESETS = {"curriculum": curriculum_preset, "tdc": tdc_preset, "speedrun": speedrun_preset,
+           "speedrun_mnist5k": speedrun_mnist5k_preset}  # fmt: skip
 DIGITS_ONLY = ("diffusion.weighting", "optim.lr", "optim.warmup_steps", "optim.ema_decay", "data.", "engine.max_steps",
                "logging.", "checkpoint.", "model.", "curriculum.num_clusters")  # fmt: skip
 
 
-def preset_spec(name: str, recipe: str | None = None) -> StudySpec:
-    """The preset ``name`` as a checked spec; with ``recipe``, trained from that recipe (module doc)."""
+def preset_spec(name: str, recipe: str | None = None, screen: str | None = None) -> StudySpec:
+    """The preset ``name`` as a checked spec; with ``recipe``, trained from that recipe (module doc); ``screen``:
+    the finished screening a second-stage preset picks its arms from."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
-    data = PRESETS[name]()
+    if screen is not None and name != "speedrun_mnist5k":
+        raise ValueError(f"--screen picks the arms of preset speedrun_mnist5k, not of {name!r}")
+    data = PRESETS[name](screen) if name == "speedrun_mnist5k" else PRESETS[name]()
     if recipe is not None:
         data["recipe"] = recipe
         data["set"] = [s for s in data["set"] if not s.startswith(DIGITS_ONLY)]

@@ -1,6 +1,10 @@
 """The study's results: results.csv, report.md with error bars and paired comparisons, and the plots.
 
-* ``results.csv``: one row per evaluation: arm, seed, step, every metric (fd, is, is_std, precision, recall).
+* ``results.csv``: one row per evaluation: arm, seed, step, every metric (fd, is, is_std, precision, recall), the
+  cumulative training wall time (``train_s``, evaluations excluded; our step's) and training FLOPs (3 x forward
+  FLOPs x batch x step; known once the run finished).
+* a spec with ``speedrun``: the time-to-quality section of ``report.md``, ``speedrun.json``, ``fd_vs_wall.png`` and
+  ``fd_vs_step.png`` (``diffcurr_fast.study.speedrun``).
 * ``report.md``: per arm the final metrics as mean +- std over seeds (sample std, n - 1) and the per-seed values;
   for the spec's metric, the paired difference arm - reference over the seeds both finished, with a 95%
   confidence interval from the paired t distribution (mean +- t_{0.975, n-1} s_d / sqrt(n)) and how many seeds
@@ -26,6 +30,7 @@ from diffcurr_fast.study.spec import METRICS, StudySpec
 from diffcurr_fast.train.report import read_metrics
 
 METRIC_COLUMNS = ("fd", "is", "is_std", "precision", "recall")
+CLOCK_COLUMNS = ("train_s", "train_flops")
 
 
 @dataclass
@@ -78,15 +83,18 @@ def collect(study_dir: str | Path) -> tuple[StudySpec, list[dict[str, Any]], dic
                 status[(arm.name, seed)] = st
                 if arm.kind == "tdc":
                     recs = [r for r in recs if r["step"] < st["steps"]] + [st["final"]]
+            per_step = st["train_flops"] / st["steps"] if st and arm.kind == "train" and st["steps"] else None
             for r in recs:
+                flops = per_step * int(r["step"]) if per_step is not None else None
                 rows.append({"arm": arm.name, "seed": seed, "step": int(r["step"]),
-                             **{k: r.get(k) for k in METRIC_COLUMNS}})  # fmt: skip
+                             **{k: r.get(k) for k in METRIC_COLUMNS}, "train_s": r.get("train_s"),
+                             "train_flops": flops})  # fmt: skip
     return spec, rows, status
 
 
 def write_csv(rows: list[dict[str, Any]], path: Path) -> Path:
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["arm", "seed", "step", *METRIC_COLUMNS])
+        w = csv.DictWriter(f, fieldnames=["arm", "seed", "step", *METRIC_COLUMNS, *CLOCK_COLUMNS])
         w.writeheader()
         for r in rows:
             w.writerow({k: ("" if v is None else (f"{v:.6g}" if isinstance(v, float) else v)) for k, v in r.items()})
@@ -298,7 +306,22 @@ def write_report(study_dir: str | Path) -> dict[str, Path]:
     out["timelines"] = plot_timelines(spec, study_dir, study_dir / "curriculum_timelines.png")
     out["cluster_loss"] = plot_cluster_loss(spec, study_dir, study_dir / "cluster_loss.png")
     out["samples"] = copy_samples(spec, study_dir)
+    if spec.speedrun:
+        out.update(write_speedrun(spec, rows, study_dir))
     return out
+
+
+def write_speedrun(spec: StudySpec, rows: list[dict[str, Any]], study_dir: Path) -> dict[str, Path]:
+    """The time-to-quality section (appended to report.md), speedrun.json and the two FD plots."""
+    from diffcurr_fast.study import speedrun
+
+    st_path = study_dir / speedrun.STEP_TIME_FILE
+    res = speedrun.analyse(spec, rows, json.loads(st_path.read_text()) if st_path.is_file() else None)
+    report = study_dir / "report.md"
+    report.write_text(report.read_text() + "\n" + "\n".join(speedrun.markdown(spec, res)) + "\n")
+    plots = speedrun.plot(spec, rows, res, study_dir)
+    return {"speedrun": speedrun.write_json(res, study_dir / "speedrun.json"), "fd_vs_wall": plots["wall_s"],
+            "fd_vs_step": plots["step"]}  # fmt: skip
 
 
 def copy_samples(spec: StudySpec, study_dir: Path) -> Path:

@@ -7,6 +7,8 @@ Study folder::
     status/<arm>-seed<k>.json   written when the run finished: kind, steps, training FLOPs, final metrics and the
                                 wall time of the attempt that finished it (a resumed run: since its resume)
     logs/<arm>-seed<k>.log      the worker's output
+    step_time.json              a speedrun with ``peer_dit``: the official DiT step's time and ours (a worker
+                                measures it first, beside the first runs; kept on a rerun)
     results.csv, report.md, *.png   ``study report``
 
 A run with a status file is finished and kept. Any other run is started again by a worker process
@@ -30,7 +32,7 @@ from typing import Any
 import yaml
 
 from diffcurr_fast._files import write_json
-from diffcurr_fast.eval.features import digits_classifier
+from diffcurr_fast.eval.features import digits_classifier, mnist5k_classifier
 from diffcurr_fast.runs.checkpoint import latest_checkpoint
 from diffcurr_fast.runs.sampling import build_model, build_schedule
 from diffcurr_fast.study.spec import StudySpec, arm_config, check_spec, spec_from_dict
@@ -88,11 +90,24 @@ def pending(spec: StudySpec, study_dir: Path) -> list[tuple[str, int]]:
     return [(a, s) for a, s in jobs(spec) if read_status(study_dir, a, s) is None]
 
 
-def run_study(spec: StudySpec, study_dir: str | Path, workers: int = 1, *, verbose: bool = True) -> dict[str, Any]:
+STEPTIME = ("step-time", -1)  # the queue's job that measures the official step (not an arm: '-' + seed -1)
+
+
+def run_study(spec: StudySpec, study_dir: str | Path, workers: int = 1, *, verbose: bool = True,
+              peer_dit: str | Path | None = None) -> dict[str, Any]:  # fmt: skip
     """Run every unfinished (arm, seed) of ``spec`` in ``study_dir`` with ``workers`` processes at once; returns
-    {"ran": [...], "failed": [...], "kept": n}. Failed runs are listed, not retried (a rerun resumes them)."""
+    {"ran": [...], "failed": [...], "kept": n}. Failed runs are listed, not retried (a rerun resumes them).
+    ``peer_dit`` (a speedrun): a facebookresearch/DiT checkout whose step time is measured first (module doc)."""
+    from diffcurr_fast.study.speedrun import STEP_TIME_FILE
+
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
+    if peer_dit is not None:
+        if not spec.speedrun:
+            raise ValueError(f"--peer-dit times the official arm of a speedrun; study {spec.name!r} has no speedrun")
+        from diffcurr_fast.study.peer_dit import check_checkout
+
+        check_checkout(peer_dit)
     check_spec(spec)
     study_dir = prepare_study(spec, study_dir)
     todo = pending(spec, study_dir)
@@ -105,15 +120,19 @@ def run_study(spec: StudySpec, study_dir: str | Path, workers: int = 1, *, verbo
     if verbose:
         print(f"study {spec.name}: {len(todo)} runs to do, {kept} finished kept, {workers} workers x {threads} "
               f"threads; folder {study_dir}", flush=True)  # fmt: skip
-    queue = list(todo)
+    measure = peer_dit is not None and not (study_dir / STEP_TIME_FILE).is_file()
+    queue = [STEPTIME] * measure + list(todo)
     try:
         while queue or running:
             while queue and len(running) < workers:
                 arm, seed = queue.pop(0)
-                log = study_dir / "logs" / f"{arm}-seed{seed}.log"
+                log = study_dir / "logs" / (f"{arm}.log" if seed < 0 else f"{arm}-seed{seed}.log")
                 log.parent.mkdir(parents=True, exist_ok=True)
                 fh = open(log, "a")
                 cmd = [sys.executable, "-m", "diffcurr_fast.study.runner", str(study_dir), arm, str(seed), str(threads)]
+                if (arm, seed) == STEPTIME:
+                    cmd = [sys.executable, "-m", "diffcurr_fast.study.speedrun", str(study_dir), str(peer_dit),
+                           str(threads)]  # fmt: skip
                 env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
                 slot = min(set(range(workers)) - {r[3] for r in running})
                 if gpus:  # one run per GPU: worker slot i sees GPU i mod #GPUs only
@@ -121,7 +140,7 @@ def run_study(spec: StudySpec, study_dir: str | Path, workers: int = 1, *, verbo
                 proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
                 running.append(((arm, seed), proc, fh, slot))
                 if verbose:
-                    print(f"  start {arm} seed {seed}", flush=True)
+                    print("  start official step time" if seed < 0 else f"  start {arm} seed {seed}", flush=True)
             time.sleep(0.2)
             for item in list(running):
                 (arm, seed), proc, fh, _ = item
@@ -129,8 +148,13 @@ def run_study(spec: StudySpec, study_dir: str | Path, workers: int = 1, *, verbo
                     continue
                 fh.close()
                 running.remove(item)
-                (ran if proc.returncode == 0 else failed).append((arm, seed))
-                if verbose:
+                if (arm, seed) != STEPTIME or proc.returncode:  # "ran" lists runs; a failed measurement fails
+                    (ran if proc.returncode == 0 else failed).append((arm, seed))
+                if verbose and (arm, seed) == STEPTIME:
+                    ok = proc.returncode == 0
+                    print(f"  done  official step time: {'step_time.json' if ok else 'FAILED (logs/step-time.log)'}",
+                          flush=True)  # fmt: skip
+                elif verbose:
                     st = read_status(study_dir, arm, seed)
                     if proc.returncode == 0 and st:
                         msg = f"{spec.metric} {st['final'].get(spec.metric, float('nan')):.4g}, {st['wall_s']:.0f} s"
@@ -153,9 +177,10 @@ def _gpu_count() -> int:
 
 
 def _prepare_features(spec: StudySpec) -> None:
-    """Train and cache the digits classifier once, before workers would race to do it."""
-    if spec.eval.get("features", "digits") == "digits":
-        digits_classifier()
+    """Train and cache the digits / mnist5k classifier once, before workers would race to do it."""
+    features = spec.eval.get("features", "digits")
+    if features in ("digits", "mnist5k"):
+        (digits_classifier if features == "digits" else mnist5k_classifier)()
 
 
 # ---- one run (the worker process) ---------------------------------------------------------------------------

@@ -14,6 +14,11 @@ A spec is a YAML mapping::
       - {name: vanilla, set: [curriculum.pacing=none]}
       - {name: e2h_snr, set: [curriculum.pacing=patience, curriculum.method=snr]}
       - {name: tdc, kind: tdc, set: [tdc.finetune_steps=200], reference: base}
+    speedrun: {official_arm: official, threshold: reference, smooth: 3}   # optional: time to quality
+
+``speedrun`` (optional) makes the report a time-to-quality benchmark (``diffcurr_fast.study.speedrun``): its keys
+are ``SPEEDRUN_KEYS`` with the defaults of ``SPEEDRUN_DEFAULTS``; ``official_arm`` names the arm whose time axis is
+the official DiT step's (measured with ``study --peer-dit PATH``).
 
 ``kind`` is ``train`` (an ordinary ``diffcurr-fast train`` run) or ``tdc`` (``diffcurr-fast tdc``: stage 1, experts,
 bundle; its final metric is the bundle's). ``load_spec`` checks every arm's config before anything runs.
@@ -29,7 +34,14 @@ import yaml
 
 KINDS = ("train", "tdc")
 METRICS = {"fd": "lower", "is": "higher", "precision": "higher", "recall": "higher"}
-SPEC_KEYS = ("name", "recipe", "set", "seeds", "metric", "reference", "eval_every", "eval", "arms", "notes")
+SPEC_KEYS = ("name", "recipe", "set", "seeds", "metric", "reference", "eval_every", "eval", "arms", "notes",
+             "speedrun")  # fmt: skip
+# threshold: 'reference' (the worst final smoothed metric over the official arm's seeds) or a number; smooth: the
+# trailing window (evaluations) of the moving average; plateau: the official arm's last plateau_share of evaluations
+# improve its smoothed mean curve by less than plateau_tol (relative)
+SPEEDRUN_DEFAULTS: dict[str, Any] = {"official_arm": "", "threshold": "reference", "smooth": 3, "plateau_share": 0.2,
+                                     "plateau_tol": 0.03}  # fmt: skip
+SPEEDRUN_KEYS = tuple(SPEEDRUN_DEFAULTS)
 ARM_KEYS = ("name", "kind", "set", "reference")
 
 
@@ -57,6 +69,7 @@ class StudySpec:
     eval_every: int = 0
     eval: dict[str, Any] = field(default_factory=dict)
     notes: str = ""
+    speedrun: dict[str, Any] = field(default_factory=dict)
 
     def arm(self, name: str) -> Arm:
         for a in self.arms:
@@ -116,14 +129,41 @@ def spec_from_dict(data: dict[str, Any], source: str = "spec") -> StudySpec:
         set=[str(s) for s in data.get("set") or []], metric=str(data.get("metric", "fd")),
         reference=str(data.get("reference") or names[0]), eval_every=int(data.get("eval_every", 0)),
         eval=dict(data.get("eval") or {}), notes=str(data.get("notes") or ""),
+        speedrun=_speedrun(data.get("speedrun"), names, source),
     )  # fmt: skip
     if spec.metric not in METRICS:
         raise ValueError(f"{source}: metric {spec.metric!r}; valid metrics: {', '.join(METRICS)}")
+    if spec.speedrun and METRICS[spec.metric] != "lower":
+        raise ValueError(f"{source}: a speedrun needs a lower-is-better metric (fd), got {spec.metric!r}")
     for a in arms:
         spec.arm(spec.reference_of(a))  # every reference names an arm
     if spec.eval_every < 1:
         raise ValueError(f"{source}: eval_every must be >= 1 (the study compares evaluated metrics)")
     return spec
+
+
+def _speedrun(data: Any, arms: list[str], source: str) -> dict[str, Any]:
+    """The checked ``speedrun`` mapping with its defaults filled ({} when absent)."""
+    if not data:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: speedrun must be a mapping, got {data!r}")
+    bad = sorted(set(data) - set(SPEEDRUN_KEYS))
+    if bad:
+        raise ValueError(f"{source}: unknown speedrun keys {bad}; valid keys: {', '.join(SPEEDRUN_KEYS)}")
+    out = {**SPEEDRUN_DEFAULTS, **data}
+    if out["official_arm"] not in arms:
+        raise ValueError(f"{source}: speedrun.official_arm {out['official_arm']!r} must name an arm: {arms}")
+    thr = out["threshold"]
+    if thr != "reference" and (isinstance(thr, bool) or not isinstance(thr, (int, float)) or not thr > 0):
+        raise ValueError(f"{source}: speedrun.threshold must be 'reference' or a number > 0, got {thr!r}")
+    if isinstance(out["smooth"], bool) or not isinstance(out["smooth"], int) or out["smooth"] < 1:
+        raise ValueError(f"{source}: speedrun.smooth must be an int >= 1 (evaluations averaged), got {out['smooth']!r}")
+    for key in ("plateau_share", "plateau_tol"):
+        v = out[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1:
+            raise ValueError(f"{source}: speedrun.{key} must lie in (0, 1), got {v!r}")
+    return out
 
 
 def load_spec(path: str | Path) -> StudySpec:
@@ -165,5 +205,5 @@ def check_spec(spec: StudySpec) -> StudySpec:
     return spec
 
 
-__all__ = ["ARM_KEYS", "Arm", "KINDS", "METRICS", "SPEC_KEYS", "StudySpec", "arm_config", "check_spec", "load_spec",
-           "spec_from_dict"]  # fmt: skip
+__all__ = ["ARM_KEYS", "Arm", "KINDS", "METRICS", "SPEC_KEYS", "SPEEDRUN_KEYS", "StudySpec", "arm_config",
+           "check_spec", "load_spec", "spec_from_dict"]  # fmt: skip

@@ -56,7 +56,7 @@ def describe_model(cfg, num_params: int | None = None) -> str:
 
 def describe_data(cfg) -> str:
     d, m = cfg.data, cfg.model
-    src = "built-in digits" if d.dataset == "digits" else f"{d.dataset} {d.path}"
+    src = f"built-in {d.dataset}" if d.dataset in ("digits", "mnist5k") else f"{d.dataset} {d.path}"
     return f"{src} ({m.in_channels}x{m.input_size}x{m.input_size}, {m.num_classes} classes)"
 
 

@@ -65,7 +65,7 @@ class Evaluator:
         if path.is_file():
             self.reference = load_reference(str(path), self.extractor)
         else:
-            spec = e.reference or ("digits" if cfg.data.dataset == "digits" else "")
+            spec = e.reference or (cfg.data.dataset if cfg.data.dataset in ("digits", "mnist5k") else "")
             if spec:
                 self.reference = load_reference(spec, self.extractor)
             else:

@@ -57,13 +57,13 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 def build_dataset(cfg: TrainConfig):
     """The training dataset of ``cfg.data``, checked against the model's input shape and classes."""
-    from diffcurr_fast.data.builtin import load_builtin
+    from diffcurr_fast.data.builtin import BUILTIN_DATASETS, load_builtin
     from diffcurr_fast.data.loader import ArrayDataset, load_npz
 
     d, m = cfg.data, cfg.model
-    if d.dataset == "digits":
-        x, y = load_builtin("digits")
-        ds = ArrayDataset(x, y, d.scale, source="built-in digits")
+    if d.dataset in BUILTIN_DATASETS:  # mnist5k: its training split (the held-out one is the evaluator's)
+        x, y = load_builtin(d.dataset)
+        ds = ArrayDataset(x, y, d.scale, source=f"built-in {d.dataset}")
     else:
         ds = load_npz(d.path, d.scale)
     c, h, w = (int(s) for s in ds.x.shape[1:])
@@ -168,6 +168,7 @@ class Trainer:
         self.nan_skips = 0  # skipped (non-finite) steps in all, in a row, and the first one (1-based, 0 = none)
         self.skips_in_a_row = 0
         self.first_nan_skip = 0
+        self.train_s, self._clock = 0.0, None  # training wall time without evaluations (train_time); checkpointed
         self._w_src: torch.Tensor | None = None
         self._w_dev: torch.Tensor | None = None
         self.resumed_from: Path | None = latest
@@ -270,6 +271,7 @@ class Trainer:
         stop = StopRequest()
         try:
             stop.__enter__()
+            self._clock = time.perf_counter()
             while self.step < cfg.engine.max_steps:
                 x0, y = next(self.loader)
                 x0 = x0.to(self.device, non_blocking=True)
@@ -291,14 +293,17 @@ class Trainer:
                     win_loss.zero_()
                     win_n, seen, t0 = 0, 0, time.perf_counter()
                 if main and eval_due(self.step, cfg):  # own RNG: the training stream is unchanged
+                    self.train_s, self._clock = self.train_time(), None  # the clock stops while it evaluates
                     evaluator = evaluator or Evaluator(cfg, self.run_dir, self.dataset, self.device)
-                    writer.write(evaluator(self.step, self.ema.module, self.schedule))
+                    writer.write({**evaluator(self.step, self.ema.module, self.schedule), "train_s": self.train_s})
+                    self._clock = time.perf_counter()
                 if stop.should_stop(self.engine):  # SIGINT / SIGTERM on any rank: checkpoint this step, then stop
                     raise TrainingInterrupted(stop.vote_signal(), self.step, self.save())
                 if self.step % cfg.checkpoint.every == 0 and self.step < cfg.engine.max_steps:
                     self.save()
             self.save()
         finally:
+            self.train_s, self._clock = self.train_time(), None
             stop.__exit__()
             bar.close()
             if writer is not None:
@@ -315,6 +320,10 @@ class Trainer:
             summary.update(self.finish())
         self.engine.barrier()
         return summary
+
+    def train_time(self) -> float:
+        """Seconds this run has trained (``fit``'s loop, resumed attempts added, evaluation time left out)."""
+        return self.train_s + (time.perf_counter() - self._clock if self._clock is not None else 0.0)
 
     def _record(self, loss: float, img_per_s: float, stats: dict[str, Any]) -> dict[str, Any]:
         cl = self.curriculum.cluster_losses().tolist()
@@ -395,6 +404,7 @@ class Trainer:
             "rng": self.engine.gather_objects(self._rng_state()),
             "nan_skips": self.nan_skips,
             "nan_skip_run": [self.skips_in_a_row, self.first_nan_skip],
+            "train_s": self.train_time(),
             "world_size": self.engine.world_size,
         }
 
@@ -429,6 +439,7 @@ class Trainer:
         self.step = int(state["step"])
         self.nan_skips = int(state["nan_skips"])
         self.skips_in_a_row, self.first_nan_skip = (int(v) for v in state.get("nan_skip_run", (0, 0)))
+        self.train_s = float(state.get("train_s", 0.0))  # checkpoints from before it was kept: 0
         rng = state["rng"][self.engine.rank]
         torch.set_rng_state(rng["torch"])
         self.gen.set_state(rng["gen"])

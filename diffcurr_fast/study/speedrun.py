@@ -1,0 +1,367 @@
+"""Time to quality (``study --preset speedrun``): the steps, training wall time and training FLOPs each arm needs
+until its smoothed FD first falls to a threshold, over seeds, and the speed-up over the official DiT recipe.
+
+The definitions (fixed before any result; ``tests/test_study_speedrun.py`` checks them against a hand computation):
+
+* **smoothing**: the trailing moving average of the last ``smooth`` evaluations of a run (fewer at its start);
+* **threshold**: ``reference`` = the largest final smoothed FD over the official arm's seeds (so every one of its
+  seeds reaches it, at its end at the latest), or a stated number;
+* **reached**: at the first evaluation i whose smoothed FD is <= the threshold; between evaluation i - 1 and i the
+  position is interpolated linearly in the smoothed FD, and the step, the wall time and the FLOPs are read at that
+  position (each linear between the two evaluations). A run that never gets there has not reached it;
+* **per arm**: mean and 95% interval (mean +- t_{0.975, n-1} s / sqrt(n)) over the seeds that reached it;
+* **speed-up** of an arm over the official arm, per axis: the ratio of geometric means T_official / T_arm, with the
+  95% Welch interval of the difference of mean logs, exp(d +- t_{0.975, nu} sqrt(s_o^2 / n_o + s_a^2 / n_a))
+  (nu: Welch-Satterthwaite). Only when every seed of both arms reached the threshold; otherwise n/a;
+* **plateau**: on the official arm's mean smoothed FD curve over seeds, the last ``plateau_share`` of its
+  evaluations (at least two) improve it by (f_first - f_last) / f_first; it has stopped falling when that is below
+  ``plateau_tol``;
+* **time axes**: an arm of ours: the cumulative training wall time its trainer records at each evaluation
+  (``train_s``: the loop's time, evaluations left out). The official arm is trained by our trainer with the
+  official recipe (the same math), and its time axis is its steps times the official code's own median step time,
+  measured by the study on the same model, data, batch, threads and machine (``study --peer-dit PATH``, a
+  facebookresearch/DiT checkout; ``step_time.json``). Without it the official arm keeps our step's time and the
+  report says so;
+* **FLOPs**: 3 x forward FLOPs x batch per step (the convention of ``diffcurr_fast.tdc.accounting``), cumulative.
+
+``python -m diffcurr_fast.study.speedrun STUDY_DIR PEER_DIT_PATH [THREADS]`` measures the step times (a study
+worker runs it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+STEP_TIME_FILE = "step_time.json"
+AXES = ("step", "wall_s", "train_flops")
+
+
+# ---- the arithmetic ---------------------------------------------------------------------------------------------
+def smooth(values: list[float], window: int) -> list[float]:
+    """Trailing moving average: element i is the mean of values[max(0, i - window + 1) : i + 1]."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    return [float(np.mean(values[max(0, i - window + 1) : i + 1])) for i in range(len(values))]
+
+
+def crossing(points: list[dict[str, float]], threshold: float, window: int) -> dict[str, float] | None:
+    """Where the smoothed ``fd`` of one run's evaluations ``points`` (dicts with ``fd`` and the ``AXES``, sorted by
+    step) first falls to ``threshold``: the axes interpolated there (module doc), or None when it never does."""
+    sm = smooth([p["fd"] for p in points], window)
+    for i, f in enumerate(sm):
+        if f <= threshold:
+            if i == 0:
+                return {a: float(points[0][a]) for a in AXES}
+            frac = (sm[i - 1] - threshold) / (sm[i - 1] - f)  # in (0, 1]: sm[i - 1] > threshold >= f
+            return {a: float(points[i - 1][a] + frac * (points[i][a] - points[i - 1][a])) for a in AXES}
+    return None
+
+
+def mean_ci(values: list[float], level: float = 0.95) -> tuple[float, float, float]:
+    """(mean, lo, hi): mean +- t_{(1 + level) / 2, n - 1} s / sqrt(n) (NaN interval for fewer than two)."""
+    from scipy import stats
+
+    a = np.asarray(values, dtype=np.float64)
+    if a.size == 0:
+        return math.nan, math.nan, math.nan
+    m = float(a.mean())
+    if a.size < 2:
+        return m, math.nan, math.nan
+    half = float(stats.t.ppf(0.5 + level / 2, a.size - 1)) * float(a.std(ddof=1)) / math.sqrt(a.size)
+    return m, m - half, m + half
+
+
+def speedup(reference: list[float], arm: list[float], level: float = 0.95) -> tuple[float, float, float]:
+    """(ratio, lo, hi) of geometric means reference / arm with the Welch interval on the logs (module doc)."""
+    from scipy import stats
+
+    r, a = np.log(np.asarray(reference, dtype=np.float64)), np.log(np.asarray(arm, dtype=np.float64))
+    if r.size == 0 or a.size == 0:
+        return math.nan, math.nan, math.nan
+    d = float(r.mean() - a.mean())
+    if r.size < 2 or a.size < 2:
+        return math.exp(d), math.nan, math.nan
+    vr, va = float(r.var(ddof=1)) / r.size, float(a.var(ddof=1)) / a.size
+    se = math.sqrt(vr + va)
+    if se == 0.0:
+        return math.exp(d), math.exp(d), math.exp(d)
+    nu = (vr + va) ** 2 / (vr**2 / (r.size - 1) + va**2 / (a.size - 1))  # Welch-Satterthwaite
+    half = float(stats.t.ppf(0.5 + level / 2, nu)) * se
+    return math.exp(d), math.exp(d - half), math.exp(d + half)
+
+
+def plateau(curve: list[tuple[int, float]], share: float, tol: float) -> dict[str, Any]:
+    """The plateau rule on a (step, smoothed fd) curve: the relative improvement over its last ``share`` of
+    evaluations (at least 2), and whether it is below ``tol``."""
+    if len(curve) < 2:
+        return {"improvement": math.nan, "plateaued": False, "from_step": None, "to_step": None}
+    k = max(2, math.ceil(share * len(curve)))
+    (s0, f0), (s1, f1) = curve[-k], curve[-1]
+    imp = (f0 - f1) / f0 if f0 else math.nan
+    return {"improvement": imp, "plateaued": bool(imp < tol), "from_step": s0, "to_step": s1, "evaluations": k}
+
+
+# ---- the study's numbers ----------------------------------------------------------------------------------------
+def run_points(rows: list[dict[str, Any]], arm: str, seed: int, official_s: float | None) -> list[dict[str, float]]:
+    """The evaluations of (arm, seed) with fd, step, wall_s and train_flops, by step. ``official_s``: this arm's
+    time axis is steps x the official step time."""
+    out = []
+    for r in sorted((r for r in rows if r["arm"] == arm and r["seed"] == seed), key=lambda r: r["step"]):
+        if r.get("fd") is None or r.get("train_flops") is None:
+            continue
+        wall = r["step"] * official_s if official_s else r.get("train_s")
+        if wall is None:
+            continue
+        out.append({"fd": float(r["fd"]), "step": float(r["step"]), "wall_s": float(wall),
+                    "train_flops": float(r["train_flops"])})  # fmt: skip
+    return out
+
+
+def analyse(spec: Any, rows: list[dict[str, Any]], step_time: dict[str, Any] | None) -> dict[str, Any]:
+    """Threshold, plateau, per-(arm, seed) crossings, per-arm means and speed-ups (module doc)."""
+    sr = spec.speedrun
+    window, official = int(sr["smooth"]), sr["official_arm"]
+    official_s = (step_time or {}).get("official_s")
+    points = {(a.name, s): run_points(rows, a.name, s, official_s if a.name == official else None)
+              for a in spec.arms for s in spec.seeds}  # fmt: skip
+    points = {k: v for k, v in points.items() if v}
+    ref_runs = [v for (a, _), v in points.items() if a == official]
+    finals = [smooth([p["fd"] for p in v], window)[-1] for v in ref_runs]
+    if sr["threshold"] == "reference":
+        threshold = max(finals) if finals else math.nan
+        thr_rule = f"the official arm's worst final smoothed FD over its {len(finals)} seeds"
+    else:
+        threshold, thr_rule = float(sr["threshold"]), "stated in the spec"
+    curve: list[tuple[int, float]] = []
+    if ref_runs:
+        by_step: dict[float, list[float]] = {}
+        for v in ref_runs:
+            for p, f in zip(v, smooth([p["fd"] for p in v], window)):
+                by_step.setdefault(p["step"], []).append(f)
+        curve = [(int(s), float(np.mean(f))) for s, f in sorted(by_step.items()) if len(f) == len(ref_runs)]
+    cross = {k: crossing(v, threshold, window) for k, v in points.items()} if math.isfinite(threshold) else {}
+    arms: dict[str, Any] = {}
+    for a in spec.arms:
+        seeds = [s for s in spec.seeds if (a.name, s) in points]
+        hit = {s: cross[(a.name, s)] for s in seeds if cross.get((a.name, s))}
+        arms[a.name] = {"seeds": seeds, "reached": sorted(hit),
+                        "axes": {ax: mean_ci([h[ax] for h in hit.values()]) for ax in AXES},
+                        "per_seed": {s: h for s, h in hit.items()}}  # fmt: skip
+    ref = arms.get(official, {"seeds": [], "reached": []})
+    for name, a in arms.items():
+        complete = bool(a["seeds"]) and len(a["reached"]) == len(a["seeds"])
+        ref_complete = bool(ref["seeds"]) and len(ref["reached"]) == len(ref["seeds"])
+        a["speedup"] = {ax: speedup([ref["per_seed"][s][ax] for s in ref["reached"]],
+                                    [a["per_seed"][s][ax] for s in a["reached"]])
+                        if complete and ref_complete and name != official else None
+                        for ax in AXES}  # fmt: skip
+    return {"threshold": threshold, "threshold_rule": thr_rule, "smooth": window, "official_arm": official,
+            "plateau": plateau(curve, sr["plateau_share"], sr["plateau_tol"]), "official_curve": curve,
+            "step_time": step_time, "arms": arms}  # fmt: skip
+
+
+def _f(v: float | None, digits: int = 3) -> str:
+    return "n/a" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{v:.{digits}g}"
+
+
+def markdown(spec: Any, res: dict[str, Any]) -> list[str]:
+    """The report's time-to-quality section."""
+    sr, st, pl = spec.speedrun, res["step_time"], res["plateau"]
+    lines = ["## Time to quality", ""]
+    lines.append(f"Threshold FD {_f(res['threshold'], 4)} ({res['threshold_rule']}); reached when the trailing "
+                 f"{res['smooth']}-evaluation moving average of FD first falls to it, interpolated linearly between "
+                 "evaluations. Mean and 95% t interval over the seeds that reached it; speed-up = ratio of geometric "
+                 "means over the official arm with a 95% Welch interval on the logs (only when every seed of both "
+                 "arms reached it). Wall time: training only (evaluations excluded); FLOPs: 3 x forward x batch "
+                 "per step.")  # fmt: skip
+    lines.append("")
+    if st and st.get("official_s"):
+        lines.append(f"Official arm `{res['official_arm']}`: its time axis is its steps x the official DiT step "
+                     f"({1e3 * st['official_s']:.2f} ms median; facebookresearch/DiT checkout "
+                     f"`{st.get('checkout', '?')}` at commit {st.get('commit') or 'unknown'}), measured in this study "
+                     f"on the same model, data and batch with {st.get('threads')} CPU threads; our "
+                     f"step at the same recipe measured beside it: {1e3 * st['ours_s']:.2f} ms "
+                     f"(official / ours = {st['official_s'] / st['ours_s']:.3f}).")  # fmt: skip
+    else:
+        lines.append(f"**Flag: the official step time was not measured (no `--peer-dit`): the official arm "
+                     f"`{res['official_arm']}` uses our step's time, so its wall-time speed-ups omit the step-speed "
+                     "difference.**")  # fmt: skip
+    lines.append("")
+    k = pl.get("evaluations")
+    verdict = "stopped falling" if pl["plateaued"] else "**still falling: the budget is too short for the rule**"
+    lines.append(f"Plateau rule (the official arm's mean smoothed FD over its last {sr['plateau_share']:.0%} of "
+                 f"evaluations, {k} evaluations from step {pl['from_step']} to {pl['to_step']}, must improve by "
+                 f"< {sr['plateau_tol']:.0%}): improved {_f(100 * pl['improvement'], 3)}%: {verdict}.")  # fmt: skip
+    lines += ["", "| arm | reached | steps (95% CI) | wall s (95% CI) | FLOPs (95% CI) | speed-up steps | "
+              "speed-up wall | speed-up FLOPs |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name, a in res["arms"].items():
+        cells = [f"{_f(m)} [{_f(lo)}, {_f(hi)}]" for m, lo, hi in (a["axes"][ax] for ax in AXES)]
+        ups = [("-" if name == res["official_arm"] else "n/a") if v is None else f"x{_f(v[0])} [{_f(v[1])}, "
+               f"{_f(v[2])}]" for v in (a["speedup"][ax] for ax in AXES)]  # fmt: skip
+        lines.append(f"| {name} | {len(a['reached'])}/{len(a['seeds'])} | " + " | ".join(cells + ups) + " |")
+    lines += ["", "![FD vs wall time](fd_vs_wall.png)", "", "![FD vs steps](fd_vs_step.png)", ""]
+    return lines
+
+
+def plot(spec: Any, rows: list[dict[str, Any]], res: dict[str, Any], study_dir: Path) -> dict[str, Path]:
+    """FD against wall time and against steps: per arm the mean over seeds with a +- std band, the threshold."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    official_s = (res["step_time"] or {}).get("official_s")
+    out = {}
+    for axis, fname, label in (("wall_s", "fd_vs_wall.png", "training wall time (s)"),
+                               ("step", "fd_vs_step.png", "training step")):  # fmt: skip
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for i, arm in enumerate(spec.arms):
+            runs = [run_points(rows, arm.name, s, official_s if arm.name == res["official_arm"] else None)
+                    for s in spec.seeds]  # fmt: skip
+            runs = [r for r in runs if r]
+            if not runs:
+                continue
+            n = min(len(r) for r in runs)
+            x = np.mean([[p[axis] for p in r[:n]] for r in runs], axis=0)
+            f = np.asarray([[p["fd"] for p in r[:n]] for r in runs])
+            mu, sd = f.mean(0), f.std(0, ddof=1) if len(runs) > 1 else np.zeros(n)
+            color = plt.get_cmap("tab20")((2 * i) % 20 + (2 * i // 20) % 2)
+            ax.plot(x, mu, color=color, lw=1.2, marker=".", label=arm.name)
+            ax.fill_between(x, mu - sd, mu + sd, color=color, alpha=0.15)
+        if math.isfinite(res["threshold"]):
+            ax.axhline(res["threshold"], color="k", ls="--", lw=0.8, label="threshold")
+        ax.set_xlabel(label + (" (mean over seeds)" if axis == "wall_s" else ""))
+        ax.set_ylabel("FD")
+        ax.set_yscale("log")
+        ax.set_title(f"{spec.name}: FD of the EMA weights (mean +- std over seeds)")
+        ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        fig.savefig(study_dir / fname, dpi=120)
+        plt.close(fig)
+        out[axis] = study_dir / fname
+    return out
+
+
+def write_json(res: dict[str, Any], path: Path) -> Path:
+    """``speedrun.json``: the analysis (the screening's input to the second stage)."""
+    arms = {n: {"seeds": a["seeds"], "reached": a["reached"], "axes": a["axes"], "speedup": a["speedup"]}
+            for n, a in res["arms"].items()}  # fmt: skip
+    data = {k: v for k, v in res.items() if k != "arms"} | {"arms": arms}
+    path.write_text(json.dumps(data, indent=1, default=float))
+    return path
+
+
+def best_arms(path: str | Path, count: int) -> list[str]:
+    """The ``count`` arms of a finished screening (its ``speedrun.json``) with the largest wall-time speed-up over
+    its official arm (arms without one rank last, by mean wall time to the threshold; the official arm is left out)."""
+    p = Path(path)
+    p = p / "speedrun.json" if p.is_dir() else p
+    if not p.is_file():
+        raise FileNotFoundError(f"{str(p)!r} does not exist: run the screening study and its report first")
+    data = json.loads(p.read_text())
+
+    def key(item: tuple[str, dict]) -> tuple[int, float]:
+        up, wall = item[1]["speedup"].get("wall_s"), item[1]["axes"]["wall_s"][0]
+        if up and math.isfinite(up[0]):
+            return 0, -up[0]
+        return 1, wall if wall is not None and math.isfinite(wall) else math.inf
+
+    ranked = sorted(((n, a) for n, a in data["arms"].items() if n != data["official_arm"]), key=key)
+    return [n for n, _ in ranked[:count]]
+
+
+# ---- the step times ---------------------------------------------------------------------------------------------
+def _time_steps(step: Any, reps: int) -> list[float]:
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        step()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def measure_step_times(cfg: Any, peer_dit: str | Path, *, rounds: int = 3, reps: int = 20,
+                       warmup: int = 5) -> dict[str, Any]:  # fmt: skip
+    """Median step time of the official DiT step (the checkout at ``peer_dit``) and of ours, both at ``cfg``'s
+    model, batch and threads on its training data, measured in alternating blocks of ``reps`` steps."""
+    import torch
+
+    from diffcurr_fast.study.peer_dit import official_step
+    from diffcurr_fast.train.loop import Trainer
+
+    m = cfg.model
+    if cfg.engine.cpu_threads:
+        torch.set_num_threads(cfg.engine.cpu_threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg.checkpoint.run_dir = str(Path(tmp) / "run")
+        tr = Trainer(cfg)
+        batches = [next(tr.loader) for _ in range(4)]
+        dims = {"patch_size": m.patch_size, "hidden_size": m.hidden_size, "depth": m.depth, "num_heads": m.num_heads,
+                "mlp_ratio": m.mlp_ratio, "class_dropout_prob": m.class_dropout_prob}  # fmt: skip
+        official, info = official_step(peer_dit, preset=m.preset, input_size=m.input_size, in_channels=m.in_channels,
+                                       num_classes=m.num_classes, seed=cfg.engine.seed,
+                                       dims=dims if m.preset == "custom" else None,
+                                       ema_decay=cfg.optim.ema_decay)  # fmt: skip
+        state = {"i": 0}
+
+        def ours() -> None:
+            x, y = batches[state["i"] % 4]
+            state["i"] += 1
+            tr.train_step(x, y)
+
+        def theirs() -> None:
+            x, y = batches[state["i"] % 4]
+            state["i"] += 1
+            official(x, y)
+
+        times: dict[str, list[float]] = {"ours": [], "official": []}
+        for _ in range(rounds):
+            for name, fn in (("ours", ours), ("official", theirs)):
+                _time_steps(fn, warmup)
+                times[name] += _time_steps(fn, reps)
+    return {"official_s": float(np.median(times["official"])), "ours_s": float(np.median(times["ours"])),
+            "official_p20_p80": [float(np.percentile(times["official"], q)) for q in (20, 80)],
+            "ours_p20_p80": [float(np.percentile(times["ours"], q)) for q in (20, 80)],
+            "steps_each": rounds * reps, "batch": cfg.data.batch_size, "threads": torch.get_num_threads(),
+            "checkout": Path(peer_dit).resolve().name, "commit": _git_commit(peer_dit),
+            "timm_stubbed": bool(info["timm_stubbed"])}  # fmt: skip
+
+
+def _git_commit(path: str | Path) -> str:
+    """The checked-out commit of a git checkout ('' when it is not one); the report names the peer by it."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The worker: ``python -m diffcurr_fast.study.speedrun STUDY_DIR PEER_DIT_PATH [THREADS]``."""
+    from diffcurr_fast.study.runner import _write_json, load_study
+    from diffcurr_fast.study.spec import arm_config
+
+    argv = sys.argv[1:] if argv is None else argv
+    study_dir, peer = Path(argv[0]), argv[1]
+    threads = int(argv[2]) if len(argv) > 2 else 0
+    spec = load_study(study_dir)
+    arm = spec.arm(spec.speedrun["official_arm"])
+    cfg = arm_config(spec, arm, spec.seeds[0], study_dir / "steptime-run", threads)
+    res = measure_step_times(cfg, peer)
+    _write_json(res, study_dir / STEP_TIME_FILE)
+    print(json.dumps(res), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,294 @@
+"""Time to quality: the threshold arithmetic by hand, the training clock of the evaluation records, a tiny
+speedrun end to end (with a stand-in DiT checkout for the official step), and the presets."""
+
+import json
+import math
+import os
+import textwrap
+import time
+
+import pytest
+import yaml
+
+from diffcurr_fast.study import speedrun as sr
+from diffcurr_fast.study.presets import ema_decay_for, has_timesteps_section, preset_spec, speedrun_arms
+from diffcurr_fast.study.report import collect, write_report
+from diffcurr_fast.study.runner import run_study
+from diffcurr_fast.study.spec import check_spec, load_spec, spec_from_dict
+
+
+@pytest.fixture(autouse=True)
+def _shared_cache(one_thread, tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("DIFFCURR_FAST_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+# ---- the arithmetic against a hand computation -------------------------------------------------------------------
+def test_smoothing_and_the_first_crossing_by_hand():
+    assert sr.smooth([10, 8, 6, 2], 3) == pytest.approx([10, 9, 8, 16 / 3])
+    assert sr.smooth([10, 8, 6, 2], 1) == [10, 8, 6, 2]
+    cols = ([10, 8, 6, 2], [100, 200, 300, 400], [1.0, 2.5, 3.0, 5.0], [10, 20, 30, 40])
+    pts = [{"fd": f, "step": s, "wall_s": w, "train_flops": fl} for f, s, w, fl in zip(*cols)]
+    # smoothed 10, 9, 8, 5.333: threshold 7 is first met at the 4th evaluation; between the 3rd (8) and the 4th
+    # (16/3) the fraction is (8 - 7) / (8 - 16/3) = 0.375
+    hit = sr.crossing(pts, 7.0, 3)
+    assert hit == pytest.approx({"step": 337.5, "wall_s": 3.75, "train_flops": 33.75})
+    assert sr.crossing(pts, 10.0, 3) == {"step": 100.0, "wall_s": 1.0, "train_flops": 10.0}  # met at once
+    assert sr.crossing(pts, 8.0, 3) == pytest.approx({"step": 300.0, "wall_s": 3.0, "train_flops": 30.0})  # exact
+    assert sr.crossing(pts, 5.0, 3) is None  # the raw FD reaches 2, the smoothed one never 5
+    assert sr.crossing(pts, 5.0, 1) == pytest.approx({"step": 325.0, "wall_s": 3.5, "train_flops": 32.5})  # (6-5)/(6-2)
+
+
+def test_interval_and_speedup_by_hand():
+    m, lo, hi = sr.mean_ci([2.0, 4.0, 6.0])
+    half = 4.302652729749462 * 2.0 / math.sqrt(3)  # t_{0.975, 2} s / sqrt(n), s = 2
+    assert (m, lo, hi) == pytest.approx((4.0, 4.0 - half, 4.0 + half))
+    assert sr.mean_ci([3.0])[0] == 3.0 and math.isnan(sr.mean_ci([3.0])[1])
+    # geometric means sqrt(100 * 120) / sqrt(50 * 40) = sqrt(6); Welch on the logs: nu = 1.92357, t = 4.47072
+    up, lo, hi = sr.speedup([100.0, 120.0], [50.0, 40.0])
+    assert up == pytest.approx(math.sqrt(6))
+    assert (lo, hi) == pytest.approx((1.2862701074, 4.6646501115), rel=1e-8)
+    assert sr.speedup([10.0, 10.0], [5.0, 5.0]) == pytest.approx((2.0, 2.0, 2.0))  # no spread: a point
+
+
+def test_plateau_rule_by_hand():
+    curve = [(100, 10.0), (200, 8.0), (300, 7.0), (400, 6.9), (500, 6.85)]
+    p = sr.plateau(curve, 0.2, 0.03)  # the last 20% of 5 evaluations, at least 2: 6.9 -> 6.85
+    assert p["improvement"] == pytest.approx(0.05 / 6.9) and p["plateaued"] and p["from_step"] == 400
+    assert sr.plateau(curve, 0.6, 0.03)["improvement"] == pytest.approx(0.15 / 7.0)
+    p = sr.plateau(curve, 0.8, 0.03)  # 8 -> 6.85: still falling
+    assert p["improvement"] == pytest.approx(1.15 / 8.0) and not p["plateaued"]
+
+
+def _rows(arm, seed, fds, every=100, per_step_s=0.01, flops=2.0):
+    return [{"arm": arm, "seed": seed, "step": every * (i + 1), "fd": f, "train_s": per_step_s * every * (i + 1),
+             "train_flops": flops * every * (i + 1)} for i, f in enumerate(fds)]  # fmt: skip
+
+
+def test_analyse_threshold_time_axes_and_flag_by_hand():
+    spec = spec_from_dict({"name": "s", "seeds": [0, 1], "eval_every": 100, "reference": "official",
+                           "arms": [{"name": "official"}, {"name": "fast"}],
+                           "speedrun": {"official_arm": "official", "smooth": 1}})  # fmt: skip
+    rows = _rows("official", 0, [9, 7, 5, 4]) + _rows("official", 1, [9, 8, 6, 5])
+    rows += _rows("fast", 0, [8, 5, 3, 2], per_step_s=0.02) + _rows("fast", 1, [7, 5, 4, 3], per_step_s=0.02)
+    res = sr.analyse(spec, rows, None)
+    assert res["threshold"] == 5  # the worst final FD of the official seeds (4 and 5)
+    off, fast = res["arms"]["official"], res["arms"]["fast"]
+    # official: seed 0 meets 5 at step 300, seed 1 at 400; fast: seed 0 at 200, seed 1 at 200
+    assert off["per_seed"][0]["step"] == 300 and off["per_seed"][1]["step"] == 400
+    assert fast["per_seed"][0]["step"] == 200 and fast["per_seed"][1]["step"] == 200
+    assert fast["speedup"]["step"][0] == pytest.approx(math.sqrt(300 * 400) / 200)
+    # wall: no step_time.json, so the official arm keeps its train_s (0.01 s per step), ours 0.02 s per step
+    assert fast["speedup"]["wall_s"][0] == pytest.approx(math.sqrt(3 * 4) / 4)
+    text = "\n".join(sr.markdown(spec, res))
+    assert "was not measured" in text
+    # with the official step measured at 0.005 s, its axis is steps x 0.005
+    res = sr.analyse(spec, rows, {"official_s": 0.005, "ours_s": 0.01, "threads": 1})
+    assert res["arms"]["official"]["per_seed"][1]["wall_s"] == pytest.approx(2.0)
+    assert res["arms"]["fast"]["speedup"]["wall_s"][0] == pytest.approx(math.sqrt(1.5 * 2.0) / 4)
+    assert "was not measured" not in "\n".join(sr.markdown(spec, res))
+    # an arm with a seed that never gets there has no speed-up
+    rows2 = rows + _rows("slow", 0, [9, 9, 9, 9]) + _rows("slow", 1, [9, 6, 5, 4])
+    spec2 = spec_from_dict({**spec.to_dict(), "arms": [*spec.to_dict()["arms"], {"name": "slow"}]})
+    slow = sr.analyse(spec2, rows2, None)["arms"]["slow"]
+    assert slow["reached"] == [1] and slow["speedup"]["step"] is None
+
+
+def test_speedrun_spec_errors():
+    base = {"name": "s", "eval_every": 10, "arms": [{"name": "official"}]}
+    with pytest.raises(ValueError, match="unknown speedrun keys"):
+        spec_from_dict({**base, "speedrun": {"official_arm": "official", "window": 3}})
+    with pytest.raises(ValueError, match="must name an arm"):
+        spec_from_dict({**base, "speedrun": {"official_arm": "nope"}})
+    with pytest.raises(ValueError, match="threshold must be 'reference' or a number"):
+        spec_from_dict({**base, "speedrun": {"official_arm": "official", "threshold": "final"}})
+    with pytest.raises(ValueError, match="lower-is-better"):
+        spec_from_dict({**base, "metric": "is", "speedrun": {"official_arm": "official"}})
+
+
+# ---- the training clock -----------------------------------------------------------------------------------------
+TINY = ["model.hidden_size=32", "model.depth=1", "model.num_heads=2", "diffusion.num_timesteps=60",
+        "curriculum.num_clusters=4", "curriculum.pacing=none", "data.batch_size=16", "logging.log_every=4",
+        "logging.progress=false", "logging.num_samples=0", "logging.plots=false", "checkpoint.export_ema=false",
+        "eval.num_samples=16", "eval.steps=3", "engine.cpu_threads=1"]  # fmt: skip
+
+
+def test_eval_records_carry_the_training_time_without_evaluations(tmp_path, monkeypatch):
+    from diffcurr_fast.runs.config import load_config
+    from diffcurr_fast.train.evaluation import Evaluator
+    from diffcurr_fast.train.loop import train
+
+    call, clock, skip = Evaluator.__call__, time.perf_counter, [0.0]
+
+    def slow(self, *a, **k):  # every evaluation takes 1000 s more on the clock (not in its own eval_s)
+        skip[0] += 1000.0
+        return call(self, *a, **k)
+
+    monkeypatch.setattr(Evaluator, "__call__", slow)
+    monkeypatch.setattr(time, "perf_counter", lambda: clock() + skip[0])
+    run = tmp_path / "r"
+    cfg = load_config(None, [*TINY, f"checkpoint.run_dir={run}", "engine.max_steps=24", "logging.eval_every=8",
+                             "checkpoint.every=16"])  # fmt: skip
+    t0 = clock()
+    train(cfg)
+    elapsed = clock() - t0  # the real time
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in recs if r.get("eval")]
+    ts = [r["train_s"] for r in evals]
+    assert [r["step"] for r in evals] == [8, 16, 24] and ts == sorted(ts) and ts[0] > 0
+    assert ts[-1] < elapsed < 1000  # none of the evaluations' 3 x 1000 s is training time
+    # a resumed run continues the clock from its checkpoint (the final one, step 24)
+    from diffcurr_fast.runs.checkpoint import latest_checkpoint, load_checkpoint
+
+    saved = load_checkpoint(latest_checkpoint(run), map_location="cpu")["train_s"]
+    assert ts[2] <= saved < ts[2] + elapsed
+    cfg2 = load_config(None, [*TINY, f"checkpoint.run_dir={run}", "engine.max_steps=32", "logging.eval_every=8",
+                              "checkpoint.every=16"])  # fmt: skip
+    train(cfg2, resume=True)
+    last = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
+    assert last["step"] == 32 and saved < last["train_s"] < 1000
+
+
+# ---- a tiny speedrun end to end ---------------------------------------------------------------------------------
+# A stand-in for a facebookresearch/DiT checkout (models.DiT, diffusion.create_diffusion): the real one is not
+# available offline; test_official_step_time_with_a_real_checkout runs it when DIFFCURR_FAST_PEER_DIT names one.
+FAKE_MODELS = """
+import torch
+from torch import nn
+
+
+class DiT(nn.Module):
+    def __init__(self, input_size=32, patch_size=2, in_channels=4, hidden_size=1152, depth=28, num_heads=16,
+                 mlp_ratio=4.0, class_dropout_prob=0.1, num_classes=1000, learn_sigma=True):
+        super().__init__()
+        self.dims = dict(input_size=input_size, patch_size=patch_size, hidden_size=hidden_size, depth=depth)
+        self.net = nn.Conv2d(in_channels, 2 * in_channels, 1)
+
+    def forward(self, x, t, y):
+        return self.net(x)
+
+
+DiT_models = {}
+"""
+FAKE_DIFFUSION = """
+import torch
+
+
+class _Diffusion:
+    num_timesteps = 1000
+
+    def q_sample(self, x, t, noise=None):
+        return x
+
+    def training_losses(self, model, x, t, model_kwargs):
+        out = model(x, t, **model_kwargs)
+        return {"loss": ((out[:, : x.shape[1]] - x) ** 2).mean(dim=(1, 2, 3))}
+
+
+def create_diffusion(timestep_respacing=""):
+    return _Diffusion()
+"""
+
+
+def _fake_checkout(root):
+    (root / "diffusion").mkdir(parents=True)
+    (root / "models.py").write_text(textwrap.dedent(FAKE_MODELS))
+    (root / "diffusion" / "__init__.py").write_text(textwrap.dedent(FAKE_DIFFUSION))
+    return root
+
+
+SPEEDRUN_SPEC = {
+    "name": "tinyrun",
+    "set": [*TINY, "engine.max_steps=24", "checkpoint.every=24", "optim.ema_warmup=false", "optim.ema_decay=0.9"],
+    "seeds": [0],
+    "metric": "fd",
+    "reference": "official",
+    "eval_every": 6,
+    "eval": {"num_samples": 16, "steps": 3},
+    "arms": [{"name": "official", "set": ["optim.lr=1e-4", "optim.warmup_steps=0", "optim.schedule=constant"]},
+             {"name": "fast", "set": ["optim.lr=3e-3"]}],
+    "speedrun": {"official_arm": "official", "threshold": "reference", "smooth": 2},
+}  # fmt: skip
+
+
+def test_tiny_speedrun_end_to_end(tmp_path):
+    peer = _fake_checkout(tmp_path / "DiT")
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(SPEEDRUN_SPEC))
+    spec = load_spec(tmp_path / "spec.yaml")
+    out = tmp_path / "study"
+    res = run_study(spec, out, workers=2, verbose=False, peer_dit=peer)
+    assert res == {"ran": [("official", 0), ("fast", 0)], "failed": [], "kept": 0}
+    step_time = json.loads((out / "step_time.json").read_text())
+    assert step_time["official_s"] > 0 and step_time["ours_s"] > 0 and step_time["checkout"] == "DiT"
+    files = write_report(out)
+    for name in ("speedrun.json", "fd_vs_wall.png", "fd_vs_step.png"):
+        assert (out / name).is_file(), name
+    header = (out / "results.csv").read_text().splitlines()[0].split(",")
+    assert header[-2:] == ["train_s", "train_flops"]
+    # the report's threshold and the official arm's crossings, by hand from the runs' own records
+    _, rows, status = collect(out)
+    fd = [r["fd"] for r in sorted((r for r in rows if r["arm"] == "official"), key=lambda r: r["step"])]
+    assert len(fd) == 4
+    data = json.loads((out / "speedrun.json").read_text())
+    assert data["threshold"] == pytest.approx((fd[-2] + fd[-1]) / 2)  # its final 2-evaluation mean
+    assert data["arms"]["official"]["reached"] == [0]  # the official arm reaches its own final FD by its end
+    flops = status[("official", 0)]["train_flops"] / 24
+    r0 = [r for r in rows if r["arm"] == "official" and r["seed"] == 0 and r["step"] == 24][0]
+    assert r0["train_flops"] == pytest.approx(flops * 24)
+    text = files["report"].read_text()
+    assert "## Time to quality" in text and f"{1e3 * step_time['official_s']:.2f} ms median" in text
+    assert "| official | 1/1 |" in text
+    assert run_study(spec, out, workers=2, verbose=False, peer_dit=peer)["kept"] == 2  # measured once: kept
+
+
+@pytest.mark.skipif(not os.environ.get("DIFFCURR_FAST_PEER_DIT"), reason="set DIFFCURR_FAST_PEER_DIT to a "
+                    "facebookresearch/DiT checkout to time its own step")  # fmt: skip
+def test_official_step_time_with_a_real_checkout(tmp_path):
+    from diffcurr_fast.runs.config import load_config
+
+    cfg = load_config(None, [*TINY, f"checkpoint.run_dir={tmp_path / 'r'}", "diffusion.num_timesteps=1000"])
+    res = sr.measure_step_times(cfg, os.environ["DIFFCURR_FAST_PEER_DIT"], rounds=1, reps=5, warmup=2)
+    assert res["official_s"] > 0 and res["ours_s"] > 0
+
+
+# ---- the presets ------------------------------------------------------------------------------------------------
+def test_speedrun_preset_settings():
+    spec = preset_spec("speedrun")
+    assert len(spec.seeds) == 5 and spec.speedrun["official_arm"] == "official"
+    names = [a.name for a in spec.arms]
+    assert {"official", "vanilla", "vanilla_plain", "minsnr", "cl", "cl_minsnr", "anti_cl", "adaptive_pacing"} <= set(
+        names
+    )
+    official = set(spec.arm("official").set)
+    assert {"diffusion.beta_schedule=linear", "diffusion.weighting=none", "curriculum.pacing=none", "optim.lr=1e-4",
+            "optim.schedule=constant", "optim.weight_decay=0"} <= official  # fmt: skip
+    assert "diffusion.learn_sigma=true" in spec.set and "optim.ema_warmup=false" in spec.set
+    # the EMA rule: the half-life is the official recipe's share of the run, ln 0.5 / ln 0.9999 of 400k steps
+    steps = 12_000
+    d = ema_decay_for(steps)
+    assert math.log(0.5) / math.log(d) == pytest.approx(steps * (math.log(0.5) / math.log(0.9999)) / 400_000, rel=1e-3)
+    assert f"optim.ema_decay={d}" in spec.set
+    assert all(spec.reference_of(a) == "official" for a in spec.arms)
+
+
+def test_every_arm_of_the_speedrun_builds():
+    if not has_timesteps_section():
+        pytest.skip("the timestep-sampler arms need the config's timesteps section, which this build does not have")
+    spec = spec_from_dict({**preset_spec("speedrun").to_dict(), "arms": speedrun_arms(timesteps=True)})
+    check_spec(spec)
+    assert {"lognormal", "importance", "speed", "anuts"} <= {a.name for a in spec.arms}
+
+
+def test_mnist_stage_takes_the_best_arms_of_the_screening(tmp_path):
+    with pytest.raises(ValueError, match="--screen DIR"):
+        preset_spec("speedrun_mnist5k")
+    arms = {"official": None, "vanilla": 1.1, "minsnr": 2.0, "cl": None, "cl_minsnr": 3.0, "anti_cl": 0.5,
+            "adaptive_pacing": 1.5}  # fmt: skip
+    data = {"official_arm": "official", "arms": {
+        n: {"seeds": [0], "reached": [0], "axes": {"wall_s": [10.0 if up is None else 5.0, 0, 0]},
+            "speedup": {"wall_s": None if up is None else [up, up, up]}} for n, up in arms.items()}}  # fmt: skip
+    (tmp_path / "speedrun.json").write_text(json.dumps(data))
+    assert sr.best_arms(tmp_path, 4) == ["cl_minsnr", "minsnr", "adaptive_pacing", "vanilla"]
+    spec = preset_spec("speedrun_mnist5k", screen=str(tmp_path))
+    assert [a.name for a in spec.arms] == ["official", "cl_minsnr", "minsnr", "adaptive_pacing", "vanilla",
+                                           "cl_minsnr_plain"]  # fmt: skip
+    assert "data.dataset=mnist5k" in spec.set and spec.eval["features"] == "mnist5k" and len(spec.seeds) == 3
