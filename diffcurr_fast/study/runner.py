@@ -13,7 +13,9 @@ A run with a status file is finished and kept. Any other run is started again by
 (``python -m diffcurr_fast.study.runner STUDY_DIR ARM SEED``): a train run with checkpoints resumes from the newest
 (the trainer's ``--resume``, which repeats the uninterrupted run exactly), one without starts over; a tdc run
 starts over (its pipeline has no resume). ``workers`` runs go at once, each with ``cpu_threads`` = cores // workers
-and, on a machine with GPUs, one GPU per worker slot (``CUDA_VISIBLE_DEVICES``).
+and, on a machine with GPUs, one GPU per worker slot (``CUDA_VISIBLE_DEVICES``). A worker launched by hand under
+``torchrun`` trains its run data-parallel (``engine.kind`` auto); rank 0 alone evaluates a tdc bundle and writes the
+status.
 """
 
 from __future__ import annotations
@@ -158,8 +160,14 @@ def _prepare_features(spec: StudySpec) -> None:
 
 
 # ---- one run (the worker process) ---------------------------------------------------------------------------
+def _rank() -> int:
+    """This process's rank under torchrun (0 otherwise)."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def run_one(study_dir: str | Path, arm_name: str, seed: int, cpu_threads: int = 0) -> dict[str, Any]:
-    """Run (or resume) (arm, seed) of the study in ``study_dir`` in this process and write its status file."""
+    """Run (or resume) (arm, seed) of the study in ``study_dir`` in this process and write its status file (rank
+    0 under torchrun)."""
     study_dir = Path(study_dir)
     spec = load_study(study_dir)
     arm = spec.arm(arm_name)
@@ -169,7 +177,8 @@ def run_one(study_dir: str | Path, arm_name: str, seed: int, cpu_threads: int = 
     out = _run_tdc(cfg, run_dir) if arm.kind == "tdc" else _run_train(cfg, run_dir)
     status = {"arm": arm.name, "seed": seed, "kind": arm.kind, "run_dir": str(run_dir.relative_to(study_dir)),
               "wall_s": time.perf_counter() - t0, **out}  # fmt: skip
-    _write_json(status, status_path(study_dir, arm.name, seed))
+    if _rank() == 0:
+        _write_json(status, status_path(study_dir, arm.name, seed))
     return status
 
 
@@ -198,8 +207,10 @@ def _run_tdc(cfg: Any, run_dir: Path) -> dict[str, Any]:
     from diffcurr_fast.train.sampling import build_schedule
 
     steps = int(acc["training"]["total_steps"])
-    final = Evaluator(bcfg, run_dir)(steps, multi, build_schedule(bcfg))
-    _write_json(final, run_dir / "bundle_eval.json")
+    final: dict[str, Any] = {}
+    if _rank() == 0:
+        final = Evaluator(bcfg, run_dir)(steps, multi, build_schedule(bcfg))
+        _write_json(final, run_dir / "bundle_eval.json")
     sampling = {k: v["multi_expert_flops_per_image"] for k, v in acc["sampling"].items()}
     return {"steps": steps, "train_flops": acc["training"]["tdc_flops"],
             "train_flops_with_search": acc["training"]["tdc_flops_with_search"],
@@ -242,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     study_dir, arm, seed = argv[0], argv[1], int(argv[2])
     threads = int(argv[3]) if len(argv) > 3 else 0
     status = run_one(study_dir, arm, seed, threads)
-    print(json.dumps({k: v for k, v in status.items() if k != "final"}), flush=True)
+    if _rank() == 0:
+        print(json.dumps({k: v for k, v in status.items() if k != "final"}), flush=True)
     return 0
 
 
