@@ -65,7 +65,8 @@ MUTATION_JOBS ?= 2
 
 mutation: setup
 	@$(PY) -c "import mutmut" 2>/dev/null || $(PY) -m pip install "mutmut>=3.3"  # the `mutation` extra
-	nice -n 10 $(PY) -m mutmut run --max-children $(MUTATION_JOBS) $(MUTANTS)
+	# PYTHONPATH: a test's subprocesses (the CLI, torchrun) import the mutated copy too, not an installed package
+	PYTHONPATH=$(CURDIR)/mutants nice -n 10 $(PY) -m mutmut run --max-children $(MUTATION_JOBS) $(MUTANTS)
 	$(PY) tests/mutation_report.py
 
 clean:
