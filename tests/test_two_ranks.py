@@ -106,9 +106,23 @@ def test_eval_two_ranks_match_one_process(checkpoint, tmp_path, monkeypatch, one
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count("sampled 7 images") == 1 and "2 ranks" in r.stdout  # rank 0 alone reports
+    assert "| 2/2 [" in r.stderr and "| 4/4 [" not in r.stderr  # rank 0 drew batches 0 and 2 of the 4
     one, two = (json.loads((tmp_path / n).read_text()) for n in ("one.json", "two.json"))
     assert one == two  # the same samples: every metric bitwise equal
 
+
+STUDY_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    from diffcurr_fast.study import runner
+
+    writes, real = [], runner._write_json
+    runner._write_json = lambda data, path: writes.append(str(path)) or real(data, path)
+    runner.main(sys.argv[1:-1])
+    with open(f"{sys.argv[-1]}.{os.environ['RANK']}.json", "w") as fh:
+        json.dump({"writes": writes}, fh)
+    """
+)
 
 STUDY = {"name": "ranks", "metric": "fd", "seeds": [0], "set": [*BASE, "engine.max_steps=4"], "eval_every": 4,
          "eval": {"num_samples": 8, "steps": 2}, "arms": [{"name": "plain"}]}  # fmt: skip
@@ -123,14 +137,9 @@ def test_study_worker_two_ranks_write_one_status_with_one_process_steps_and_flop
     spec = spec_from_dict(yaml.safe_load(yaml.safe_dump(STUDY)), "test")
     one, two = prepare_study(spec, tmp_path / "one"), prepare_study(spec, tmp_path / "two")
     a = run_one(one, "plain", 0)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
-           "diffcurr_fast.study.runner", str(two), "plain", "0", "1"]  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
-    assert r.returncode == 0, r.stderr[-2000:]
+    w0, w1 = run_torchrun2(tmp_path, STUDY_SCRIPT, two, "plain", 0, 1)
     b = read_status(two, "plain", 0)
-    assert r.stdout.count('"arm": "plain"') == 1  # rank 0 alone reports and writes the status
-    assert sorted(p.name for p in (two / "status").iterdir()) == ["plain-seed0.json"]
+    assert w0["writes"] == [str(two / "status" / "plain-seed0.json")] and w1["writes"] == []  # rank 0 alone writes
     # docs/study.md: the global batch is the same, so the steps and training FLOPs are those of one process
     assert (b["steps"], b["train_flops"], b["final"]["step"]) == (a["steps"], a["train_flops"], a["final"]["step"])
     assert b["final"]["fd"] > 0 and b["final"]["fd"] != a["final"]["fd"]  # DDP ranks draw their own noise
