@@ -65,7 +65,9 @@ MUTATION_JOBS ?= 2
 
 mutation: setup
 	@$(PY) -c "import mutmut" 2>/dev/null || $(PY) -m pip install "mutmut>=3.3"  # the `mutation` extra
-	nice -n 10 $(PY) -m mutmut run --max-children $(MUTATION_JOBS) $(MUTANTS)
+	# PYTHONPATH: a test's subprocesses (the CLI, torchrun) import this checkout's unmutated code, not whatever
+	# checkout the package was installed from (the mutated copy would need mutmut's state, which they do not have)
+	PYTHONPATH=$(CURDIR) nice -n 10 $(PY) -m mutmut run --max-children $(MUTATION_JOBS) $(MUTANTS)
 	$(PY) tests/mutation_report.py
 
 clean:

@@ -117,14 +117,12 @@ template <class W>
 void sample_timesteps_impl(const W* w, int64_t T, int64_t batch, uint64_t seed, int64_t* t_out, float* imp_out) {
   std::vector<double> cdf(static_cast<size_t>(T));
   double acc = 0.0;
-  int64_t last_nonzero = -1;
   for (int64_t k = 0; k < T; ++k) {
     const double v = static_cast<double>(w[k]);
     TORCH_CHECK(std::isfinite(v) && v >= 0.0, "diffcurr_fast_C::sample_timesteps: weights must be finite and >= 0, got ",
                 v, " at index ", k);
     acc += v;
     cdf[static_cast<size_t>(k)] = acc;
-    if (v > 0.0) last_nonzero = k;
   }
   TORCH_CHECK(acc > 0.0, "diffcurr_fast_C::sample_timesteps: weights must have a positive sum, got ", acc);
   const double total = acc;
@@ -135,9 +133,8 @@ void sample_timesteps_impl(const W* w, int64_t T, int64_t batch, uint64_t seed, 
       philox4x32_10(static_cast<uint32_t>(b), static_cast<uint32_t>(static_cast<uint64_t>(b) >> 32), 0u, 0u,
                     static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32), r);
       const double target = static_cast<double>(uniform01(r[0])) * total;
-      // t_b = smallest k with cdf[k] > u_b * cdf[T-1]
-      int64_t k = std::upper_bound(cdf.begin(), cdf.end(), target) - cdf.begin();
-      if (k >= T) k = last_nonzero;
+      // t_b = smallest k with cdf[k] > u_b * cdf[T-1]: k < T with w[k] > 0, since u_b <= 1 - 2^-24
+      const int64_t k = std::upper_bound(cdf.begin(), cdf.end(), target) - cdf.begin();
       t_out[b] = k;
       imp_out[b] = static_cast<float>(mean_w / static_cast<double>(w[k]));  // imp_b = (cdf[T-1] / T) / w[t_b]
     }

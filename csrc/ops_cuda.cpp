@@ -88,9 +88,8 @@ std::tuple<at::Tensor, at::Tensor> sample_timesteps_cuda(const at::Tensor& weigh
   at::Tensor t = at::empty({batch_size}, weights.options().dtype(at::kLong));
   at::Tensor imp = at::empty({batch_size}, weights.options().dtype(at::kFloat));
   at::Tensor cdf = at::empty({T}, weights.options().dtype(at::kDouble));
-  at::Tensor last = at::empty({1}, weights.options().dtype(at::kInt));
   DC_CUDA_OK(op, cuda::sample_timesteps(weights.scalar_type() == at::kDouble, weights.const_data_ptr(), T,
-                                        cdf.mutable_data_ptr<double>(), last.mutable_data_ptr<int>(), batch_size,
+                                        cdf.mutable_data_ptr<double>(), batch_size,
                                         static_cast<uint64_t>(seed), t.mutable_data_ptr<int64_t>(),
                                         imp.mutable_data_ptr<float>(), stream_of(weights)));
   return {t, imp};

@@ -12,9 +12,7 @@ BLOCK = 256
 
 
 @triton.jit(do_not_specialize=["seed"])
-def _sample_timesteps_fwd_kernel(
-    cdf_ptr, w_ptr, last_ptr, t_ptr, imp_ptr, seed, B, T, N_ITER: tl.constexpr, BLOCK: tl.constexpr
-):
+def _sample_timesteps_fwd_kernel(cdf_ptr, w_ptr, t_ptr, imp_ptr, seed, B, T, N_ITER: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < B
@@ -36,10 +34,11 @@ def _sample_timesteps_fwd_kernel(
         go_right = v <= thr
         lo = tl.where(active & go_right, mid + 1, lo)
         hi = tl.where(active & (~go_right), mid, hi)
-    k = tl.minimum(lo, tl.load(last_ptr))  # u rounds to 1.0 in float32 for the top 64 words: keep a positive-weight k
-    wk = tl.load(w_ptr + k, mask=mask, other=1.0)
+    # lo < T has a positive weight: u <= 1 - 2**-24 (the top words give float32(2**31) * UNIFORM_SCALE, below 1),
+    # so thr < cdf[T-1], and a zero weight repeats the cdf value below it
+    wk = tl.load(w_ptr + lo, mask=mask, other=1.0)
     imp = (total / T) / wk  # uniform density over sampled density
-    tl.store(t_ptr + offs, k, mask=mask)
+    tl.store(t_ptr + offs, lo, mask=mask)
     tl.store(imp_ptr + offs, imp.to(tl.float32), mask=mask)
 
 
@@ -49,7 +48,6 @@ def sample_timesteps_fwd(weights: torch.Tensor, batch_size: int, seed: int) -> t
     w64 = weights.to(torch.float64).contiguous()
     cdf = torch.cumsum(w64, 0)
     T = w64.shape[0]
-    last = (T - 1 - torch.argmax(torch.flip(w64 > 0, (0,)).to(torch.int8))).to(torch.int64).reshape(1)
     t = torch.empty(batch_size, dtype=torch.int64, device=device)
     imp = torch.empty(batch_size, dtype=torch.float32, device=device)
     if batch_size == 0:
@@ -57,7 +55,7 @@ def sample_timesteps_fwd(weights: torch.Tensor, batch_size: int, seed: int) -> t
     n_iter = max(1, int(T).bit_length())
     with device_guard(w64):
         _sample_timesteps_fwd_kernel[(triton.cdiv(batch_size, BLOCK),)](
-            cdf, w64, last, t, imp, seed, batch_size, T, N_ITER=n_iter, BLOCK=BLOCK
+            cdf, w64, t, imp, seed, batch_size, T, N_ITER=n_iter, BLOCK=BLOCK
         )
     return t, imp
 
@@ -70,7 +68,6 @@ def aot_launches(dtypes, fast: bool = False) -> list:
     args = {
         "cdf_ptr": "*fp64",
         "w_ptr": "*fp64",
-        "last_ptr": "*i64",
         "t_ptr": "*i64",
         "imp_ptr": "*fp32",
         "seed": "i64",

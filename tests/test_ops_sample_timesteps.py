@@ -90,6 +90,30 @@ def test_single_positive_weight_and_uniform_top_word():
     torch.testing.assert_close(imp, torch.full((64,), 0.1))
 
 
+# (seed, b) whose first Philox word is among the 128 that give the largest uniform, float32(2**31) * UNIFORM_SCALE
+TOP_DRAWS = [(71991, 223), (12173, 881)]
+U_MAX = 1 - 2**-24  # 0.99999994: UNIFORM_SCALE rounds to the float32 below 2**-31, so u never reaches 1
+
+
+def test_largest_uniform_is_below_one():
+    top = torch.tensor([2**31 - 64, 2**31 - 1, 2**31, 2**31 + 63, 2**32 - 1], dtype=torch.int64)
+    assert uniform_from_uint32(top).tolist() == [U_MAX, U_MAX, U_MAX, U_MAX, 0.0]
+    for seed, b in TOP_DRAWS:
+        assert uniform_from_uint32(philox_words(seed, torch.tensor([b]))[0]).item() == U_MAX
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.float64])
+def test_largest_uniform_with_trailing_zero_weights_draws_the_last_positive_weight(backend, wdtype):
+    """No clamp is needed: thr = u * cdf[T-1] < cdf[T-1] for every draw, so t < T and w[t] > 0."""
+    _need(backend)
+    w = torch.tensor([1.0, 1.0, 0.0, 0.0], dtype=wdtype)  # cdf 1, 2, 2, 2: the top draw's thr 2 (1 - 2**-24) -> t 1
+    for seed, b in TOP_DRAWS:
+        t, imp = sample_timesteps(b + 1, w, seed=seed, return_importance=True, backend=backend)
+        assert t[b].item() == 1 and imp[b].item() == 0.5  # (2 / 4) / w[1]
+        assert set(t.tolist()) == {0, 1} and bool((imp == 0.5).all())
+
+
 def test_validation():
     for bad, msg in [
         (torch.tensor([1.0, -0.5, 2.0]), "non-negative"),

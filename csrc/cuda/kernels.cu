@@ -270,24 +270,16 @@ __global__ void loss_finish_kernel(const float* __restrict__ partial, const floa
 // ---------------------------------------------------------------- sample_timesteps
 // One block: inclusive scan of the weights in float64 (thread-contiguous chunks + a block scan of chunk sums).
 template <class W>
-__global__ void cdf_kernel(const W* __restrict__ w, int64_t T, double* __restrict__ cdf, int* __restrict__ last) {
+__global__ void cdf_kernel(const W* __restrict__ w, int64_t T, double* __restrict__ cdf) {
   __shared__ double sums[1024];
-  __shared__ int last_nz;
   const int tid = threadIdx.x, nt = blockDim.x;
   const int64_t chunk = (T + nt - 1) / nt;
   const int64_t k0 = tid * chunk;
   const int64_t k1 = (k0 + chunk < T) ? k0 + chunk : T;
-  if (tid == 0) last_nz = -1;
   double s = 0.0;
-  int my_last = -1;
-  for (int64_t k = k0; k < k1; ++k) {
-    const double v = static_cast<double>(w[k]);
-    s += v;
-    if (v > 0.0) my_last = static_cast<int>(k);
-  }
+  for (int64_t k = k0; k < k1; ++k) s += static_cast<double>(w[k]);
   sums[tid] = s;
   __syncthreads();
-  if (my_last >= 0) atomicMax(&last_nz, my_last);
   // Hillis-Steele inclusive scan of the chunk sums.
   for (int off = 1; off < nt; off *= 2) {
     const double add = tid >= off ? sums[tid - off] : 0.0;
@@ -300,18 +292,16 @@ __global__ void cdf_kernel(const W* __restrict__ w, int64_t T, double* __restric
     run += static_cast<double>(w[k]);
     cdf[k] = run;  // cdf[k] = sum_{j <= k} w[j]
   }
-  if (tid == 0) *last = last_nz;
 }
 
 template <class W>
 __global__ void sample_kernel(const W* __restrict__ w, int64_t T, const double* __restrict__ cdf,
-                              const int* __restrict__ last, int64_t batch, uint64_t seed, int64_t* __restrict__ t,
+                              int64_t batch, uint64_t seed, int64_t* __restrict__ t,
                               float* __restrict__ imp) {
   const double total = cdf[T - 1];
-  const int last_nz = *last;
   for (int64_t b = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; b < batch;
        b += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    if (last_nz < 0 || !(total > 0.0)) {
+    if (!(total > 0.0)) {  // no positive weight
       t[b] = -1;
       imp[b] = __int_as_float(0x7fc00000);
       continue;
@@ -320,7 +310,8 @@ __global__ void sample_kernel(const W* __restrict__ w, int64_t T, const double* 
     philox4x32_10(static_cast<uint32_t>(b), static_cast<uint32_t>(static_cast<uint64_t>(b) >> 32), 0u, 0u,
                   static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32), r);
     const double target = static_cast<double>(uniform01(r[0])) * total;
-    // t_b = smallest k with cdf[k] > u_b * cdf[T-1]
+    // t_b = smallest k with cdf[k] > u_b * cdf[T-1]: lo < T with w[lo] > 0, since u_b <= 1 - 2^-24 (the scan's
+    // rounding, about T * 2^-53 of cdf[T-1], is far below that margin)
     int64_t lo = 0, hi = T;
     while (lo < hi) {
       const int64_t mid = (lo + hi) / 2;
@@ -330,7 +321,6 @@ __global__ void sample_kernel(const W* __restrict__ w, int64_t T, const double* 
         lo = mid + 1;
       }
     }
-    if (lo >= T) lo = last_nz;
     t[b] = lo;
     imp[b] = static_cast<float>((total / static_cast<double>(T)) / static_cast<double>(w[lo]));  // (cdf/T) / w[t]
   }
@@ -695,20 +685,20 @@ int loss_fwd(int dt, const void* pred, const void* x0, int noise_dt, const void*
   return finish();
 }
 
-int sample_timesteps(bool w_double, const void* w, int64_t T, double* cdf, int* last_nonzero, int64_t batch,
+int sample_timesteps(bool w_double, const void* w, int64_t T, double* cdf, int64_t batch,
                      uint64_t seed, int64_t* t, float* imp, void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
   const int64_t blocks = blocks_for(batch, kThreads);
   if (w_double) {
-    cdf_kernel<double><<<1, 1024, 0, s>>>(static_cast<const double*>(w), T, cdf, last_nonzero);
+    cdf_kernel<double><<<1, 1024, 0, s>>>(static_cast<const double*>(w), T, cdf);
     if (batch > 0) {
-      sample_kernel<double><<<blocks, kThreads, 0, s>>>(static_cast<const double*>(w), T, cdf, last_nonzero, batch,
+      sample_kernel<double><<<blocks, kThreads, 0, s>>>(static_cast<const double*>(w), T, cdf, batch,
                                                         seed, t, imp);
     }
   } else {
-    cdf_kernel<float><<<1, 1024, 0, s>>>(static_cast<const float*>(w), T, cdf, last_nonzero);
+    cdf_kernel<float><<<1, 1024, 0, s>>>(static_cast<const float*>(w), T, cdf);
     if (batch > 0) {
-      sample_kernel<float><<<blocks, kThreads, 0, s>>>(static_cast<const float*>(w), T, cdf, last_nonzero, batch,
+      sample_kernel<float><<<blocks, kThreads, 0, s>>>(static_cast<const float*>(w), T, cdf, batch,
                                                        seed, t, imp);
     }
   }

@@ -28,8 +28,8 @@ int loss_fwd(int dt, const void* pred, const void* x0, int noise_dt, const void*
              int64_t M, uint64_t seed, void* stream);
 
 // t[b], imp[b] for b < batch from weights w (T,) (float64 if w_double else float32). Scratch: cdf (T doubles)
-// and one int. No host synchronisation: weights with no positive entry give t = -1 and imp = NaN.
-int sample_timesteps(bool w_double, const void* w, int64_t T, double* cdf, int* last_nonzero, int64_t batch,
+// only. No host synchronisation: weights with no positive entry give t = -1 and imp = NaN.
+int sample_timesteps(bool w_double, const void* w, int64_t T, double* cdf, int64_t batch,
                      uint64_t seed, int64_t* t, float* imp, void* stream);
 
 // adaLN-Zero modulate of x (B, N, D) with float32 shift/scale (B, D); mean/rstd (B, N) float32.

@@ -10,6 +10,10 @@ Examples::
     diffcurr-fast eval --samples latents.npz --vae sd-vae --ref ref.npz --inception-weights W.pth  # latent model
 
 A file named by --save-ref, --json or --digits-cache that exists is refused unless --overwrite (as ``sample``).
+
+Under ``torchrun`` with ``--ckpt`` every rank draws its share of the batches (as ``diffcurr-fast sample`` does,
+so the samples and the metrics are those of one process) and rank 0 evaluates and writes; without ``--ckpt``
+rank 0 does everything.
 """
 
 from __future__ import annotations
@@ -62,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--vae-batch", type=int, default=16, help="samples per VAE decode call (default: 16)")
     ckpt = parser.add_argument_group("sampling with --ckpt")
-    ckpt.add_argument("--num", type=int, default=1000, help="number of samples")
+    # --num-samples first: under torchrun, "--num" is taken for an abbreviation of torchrun's own --numa-binding
+    ckpt.add_argument("--num-samples", "--num", dest="num", type=int, default=1000, help="number of samples")
     ckpt.add_argument("--sampler", default="ddim", help="sampler: ddpm | ddim | heun | euler")
     ckpt.add_argument("--steps", type=int, default=50, help="sampling steps")
     ckpt.add_argument("--cfg", type=float, default=1.0, help="classifier-free guidance scale")
@@ -94,6 +99,35 @@ def run(args: argparse.Namespace) -> int:
     if args.samples is None and args.ckpt is None and args.save_ref is None:
         raise ValueError("nothing to do: give --samples or --ckpt to evaluate, and/or --save-ref")
     _check_outputs(args)  # before the extractor is built (a digits cache trained) or anything written
+    rank, world = _ranks(args) if args.ckpt is not None else (int(os.environ.get("RANK", "0")), 1)
+    try:
+        return _run(args, rank, world)
+    finally:
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _ranks(args: argparse.Namespace) -> tuple[int, int]:
+    """(rank, world) under torchrun, with the process group started and ``args.device`` this rank's GPU; else
+    (0, 1)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return 0, 1
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        args.device = str(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _run(args: argparse.Namespace, rank: int, world: int) -> int:
     # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.eval.evaluate import (
         evaluate,
@@ -104,6 +138,17 @@ def run(args: argparse.Namespace) -> int:
     )
     from diffcurr_fast.eval.features import get_extractor
 
+    def draw():  # under torchrun: this rank's share of the batches, then all of them
+        return samples_from_checkpoint(
+            args.ckpt, args.num, sampler=args.sampler, steps=args.steps, cfg_scale=args.cfg, seed=args.seed,
+            weights=args.weights, device=args.device, batch_size=args.batch_size, progress=rank == 0, rank=rank,
+            world=world,
+        )  # fmt: skip
+
+    if rank != 0:  # a worker rank only draws its share of the samples
+        if args.ckpt is not None:
+            draw()
+        return 0
     if args.extractor is None:
         args.extractor = args.ref if args.ref in ("digits", "mnist5k") else "inception"
     extractor = get_extractor(
@@ -123,11 +168,9 @@ def run(args: argparse.Namespace) -> int:
     elif args.samples is not None:
         images = load_images(args.samples)
     elif args.ckpt is not None:
-        images = samples_from_checkpoint(
-            args.ckpt, args.num, sampler=args.sampler, steps=args.steps, cfg_scale=args.cfg, seed=args.seed,
-            weights=args.weights, device=args.device, batch_size=args.batch_size, progress=True,
-        )  # fmt: skip
-        print(f"sampled {len(images)} images from {args.ckpt} ({args.sampler}, {args.steps} steps)")
+        images = draw()
+        ranks = f", {world} ranks" if world > 1 else ""
+        print(f"sampled {len(images)} images from {args.ckpt} ({args.sampler}, {args.steps} steps{ranks})")
     else:
         return 0
     result = evaluate(images, reference, extractor, splits=args.splits, k=args.k)

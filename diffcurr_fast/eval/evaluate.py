@@ -94,18 +94,21 @@ def samples_from_checkpoint(
     device: str | torch.device = "cpu",
     batch_size: int = 64,
     progress: bool = False,
+    rank: int = 0,
+    world: int = 1,
 ) -> torch.Tensor:
     """Images (N, C, H, W) in [-1, 1] sampled from a training checkpoint (file or run directory), labels cycled
     over the classes, in batches of ``batch_size`` (seeded as ``diffcurr-fast sample`` seeds them). Only
     pixel-space models (1 or 3 channels) qualify: latents would need the VAE decoder. A model with NaN or inf
-    weights is refused."""
+    weights is refused. With ``world`` > 1 (a running process group) rank ``rank`` draws its share of the batches
+    and every rank returns all N images: the same as one process draws."""
     from tqdm.auto import tqdm
 
     if num < 2:
         raise ValueError(f"--num must be >= 2 to evaluate, got {num}")
     if weights not in ("ema", "model"):
         raise ValueError(f"weights must be 'ema' or 'model', got {weights!r}")
-    slices = batch_slices(num, batch_size)
+    slices = batch_slices(num, batch_size, rank, world)
     path = resolve_checkpoint(ckpt)
     state = load_checkpoint(path)
     cfg = config_from_dict(state["config"])
@@ -121,7 +124,7 @@ def samples_from_checkpoint(
     model.load_state_dict(sd)
     model = model.to(device).eval()
     labels = torch.arange(num, dtype=torch.long) % m.num_classes
-    schedule, out = build_schedule(cfg), []
+    schedule, parts = build_schedule(cfg), {}
     for b, sl in tqdm(slices, desc="sampling", unit="batch", disable=not progress, dynamic_ncols=True):
         x = sample_batch(
             model, schedule, labels=labels[sl], batch=b, seed=seed, sampler=sampler, steps=steps,
@@ -129,8 +132,14 @@ def samples_from_checkpoint(
             learn_sigma=cfg.diffusion.learn_sigma, prediction=cfg.diffusion.prediction, cfg_scale=cfg_scale,
             clip_denoised=True, device=device,
         )  # fmt: skip
-        out.append((x / cfg.data.scale).clamp(-1, 1).float().cpu())
-    return torch.cat(out)  # (N, C, H, W)
+        parts[b] = (x / cfg.data.scale).clamp(-1, 1).float().cpu()
+    if world > 1:  # every rank gets every rank's batches
+        import torch.distributed as dist
+
+        shares: list[dict[int, torch.Tensor] | None] = [None] * world
+        dist.all_gather_object(shares, parts)
+        parts = {b: x for share in shares for b, x in share.items()}
+    return torch.cat([parts[b] for b in sorted(parts)])  # (N, C, H, W)
 
 
 @dataclass

@@ -21,9 +21,8 @@ def sample_timesteps_ref(weights: torch.Tensor, batch_size: int, seed: int) -> t
     r0 = philox_words(seed, torch.arange(batch_size, dtype=torch.int64, device=weights.device))[0]
     u = uniform_from_uint32(r0).to(torch.float64)
     thr = u * cdf[-1]
-    k = torch.searchsorted(cdf, thr, right=True)  # smallest k with cdf[k] > thr
-    last = T - 1 - torch.argmax(torch.flip(w64 > 0, (0,)).to(torch.int8))  # last positive weight
-    k = torch.minimum(k, last)  # u can round to 1.0 in float32
+    # smallest k with cdf[k] > thr: a positive-weight k < T, since u <= 1 - 2**-24 keeps thr below cdf[T-1]
+    k = torch.searchsorted(cdf, thr, right=True)
     imp = (cdf[-1] / T) / w64[k]  # uniform density over sampled density
     return k.to(torch.int64), imp.to(torch.float32)
 

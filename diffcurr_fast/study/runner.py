@@ -17,6 +17,8 @@ A run with a status file is finished and kept. Any other run is started again by
 with its ``tdc.json`` resumes too (``tdc --resume``: stage 1, finished groups and search rounds are kept), one
 without starts over. ``workers`` runs go at once, each with ``cpu_threads`` = cores // workers
 and, on a machine with GPUs, one GPU per worker slot (``CUDA_VISIBLE_DEVICES``).
+A worker launched by hand under ``torchrun`` trains its run data-parallel (``engine.kind`` auto); rank 0 alone
+evaluates a tdc bundle and writes the status.
 """
 
 from __future__ import annotations
@@ -184,8 +186,14 @@ def _prepare_features(spec: StudySpec) -> None:
 
 
 # ---- one run (the worker process) ---------------------------------------------------------------------------
+def _rank() -> int:
+    """This process's rank under torchrun (0 otherwise)."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def run_one(study_dir: str | Path, arm_name: str, seed: int, cpu_threads: int = 0) -> dict[str, Any]:
-    """Run (or resume) (arm, seed) of the study in ``study_dir`` in this process and write its status file."""
+    """Run (or resume) (arm, seed) of the study in ``study_dir`` in this process and write its status file (rank
+    0 under torchrun)."""
     study_dir = Path(study_dir)
     spec = load_study(study_dir)
     arm = spec.arm(arm_name)
@@ -195,7 +203,8 @@ def run_one(study_dir: str | Path, arm_name: str, seed: int, cpu_threads: int = 
     out = _run_tdc(cfg, run_dir) if arm.kind == "tdc" else _run_train(cfg, run_dir)
     status = {"arm": arm.name, "seed": seed, "kind": arm.kind, "run_dir": str(run_dir.relative_to(study_dir)),
               "wall_s": time.perf_counter() - t0, **out}  # fmt: skip
-    write_json(status, status_path(study_dir, arm.name, seed), indent=1)
+    if _rank() == 0:
+        write_json(status, status_path(study_dir, arm.name, seed), indent=1)
     return status
 
 
@@ -215,8 +224,10 @@ def _run_tdc(cfg: Any, run_dir: Path) -> dict[str, Any]:
     acc = out["accounting_data"]
     multi, bcfg = load_bundle_with_config(out["bundle"])
     steps = int(acc["training"]["total_steps"])
-    final = Evaluator(bcfg, run_dir)(steps, multi, build_schedule(bcfg))
-    write_json(final, run_dir / "bundle_eval.json", indent=1)
+    final: dict[str, Any] = {}
+    if _rank() == 0:
+        final = Evaluator(bcfg, run_dir)(steps, multi, build_schedule(bcfg))
+        write_json(final, run_dir / "bundle_eval.json", indent=1)
     sampling = {k: v["multi_expert_flops_per_image"] for k, v in acc["sampling"].items()}
     return {"steps": steps, "train_flops": acc["training"]["tdc_flops"], "resumed": resume,
             "train_flops_with_search": acc["training"]["tdc_flops_with_search"],
@@ -248,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     study_dir, arm, seed = argv[0], argv[1], int(argv[2])
     threads = int(argv[3]) if len(argv) > 3 else 0
     status = run_one(study_dir, arm, seed, threads)
-    print(json.dumps({k: v for k, v in status.items() if k != "final"}), flush=True)
+    if _rank() == 0:
+        print(json.dumps({k: v for k, v in status.items() if k != "final"}), flush=True)
     return 0
 
 
