@@ -75,7 +75,7 @@ def test_nan_policy_skip_counts_and_keeps_weights(tmp_path):
     assert stats.get("skipped") and tr.nan_skips == 1 and tr.step == 1
     assert all(torch.equal(a, b) for a, b in zip(before, _params(tr.model)))
     assert all(torch.equal(a, b) for a, b in zip(ema_before, _params(tr.ema.module)))
-    assert tr.curriculum.state_dict()["steps_seen"] == 0  # the curriculum never saw the bad loss
+    assert tr.curriculum.state_dict()["win_count"] == 0  # the curriculum never saw the bad loss
     tr.train_step(x, y)
     with pytest.raises(NonFiniteLossError, match="3 skipped so far, max_nan_skips=2"):
         tr.train_step(x, y)

@@ -98,25 +98,16 @@ class Curriculum:
     ) -> None:
         self.clusters = check_clusters(clusters, num_timesteps)
         self.num_timesteps = num_timesteps
+        # The config's field check covers the ranges of a run's values; a direct caller still gets the rules that
+        # would otherwise fail later or silently: the choices, and the stage length that ``fixed`` pacing needs.
         if pacing not in PACINGS:
             raise ValueError(f"unknown pacing {pacing!r}; choose one of {PACINGS}")
         if order not in ORDERS:
             raise ValueError(f"unknown order {order!r}; choose one of {ORDERS}")
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
-            raise ValueError(f"patience must be a non-negative int, got {patience!r}")
-        if not (isinstance(ema, (int, float)) and 0.0 <= ema < 1.0):
-            raise ValueError(f"ema must be a float in [0, 1), got {ema!r}")
-        if not (isinstance(min_delta, (int, float)) and min_delta >= 0.0 and math.isfinite(min_delta)):
-            raise ValueError(f"min_delta must be a finite float >= 0, got {min_delta!r}")
-        if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1:
+        if pacing == "fixed" and not (isinstance(stage_iters, int) and stage_iters >= 1):
+            raise ValueError(f"pacing='fixed' needs stage_iters, a positive int; got {stage_iters!r}")
+        if not (isinstance(eval_every, int) and eval_every >= 1):
             raise ValueError(f"eval_every must be a positive int, got {eval_every!r}")
-        if pacing == "fixed":
-            if isinstance(stage_iters, bool) or not isinstance(stage_iters, int) or stage_iters < 1:
-                raise ValueError(f"pacing='fixed' needs stage_iters, a positive int; got {stage_iters!r}")
-        elif stage_iters is not None and (not isinstance(stage_iters, int) or stage_iters < 1):
-            raise ValueError(f"stage_iters must be a positive int or None, got {stage_iters!r}")
-        if not (isinstance(adaptive_floor, (int, float)) and 0.0 <= adaptive_floor <= 1.0):
-            raise ValueError(f"adaptive_floor must be a float in [0, 1], got {adaptive_floor!r}")
         self.pacing = pacing
         self.order = order
         self.patience = patience
@@ -136,13 +127,10 @@ class Curriculum:
         # ---- decision state (all of it goes into state_dict) ----
         self._stage = n - 1 if pacing == "none" else 0
         self.history: list[int] = []
-        self._steps_seen = 0
         self._steps_in_stage = 0
         self._monitor: float | None = None  # EMA of window means in the current stage
         self._best = math.inf
         self._bad_evals = 0
-        self._evals = 0
-        self._last_step: int | None = None
         # ---- device accumulators of the current window ----
         self._win_sum: torch.Tensor | None = None  # 0-d float32
         self._win_count = 0
@@ -153,17 +141,6 @@ class Curriculum:
         self._cl_fast = [math.nan] * n
         self._cl_slow = [math.nan] * n
         self._weights: torch.Tensor | None = None
-
-    # ---- construction helpers ------------------------------------------------------------------------
-    @classmethod
-    def from_schedule(
-        cls, schedule: Any, num_clusters: int = 20, method: str = "snr", *, grid: torch.Tensor | None = None, **kw
-    ) -> Curriculum:
-        """Cluster ``schedule`` with ``cluster_timesteps`` and build a curriculum over the result."""
-        from diffcurr_fast.curriculum.clustering import cluster_timesteps
-
-        clusters = cluster_timesteps(schedule, num_clusters, method, grid=grid)
-        return cls(clusters, clusters[-1][1], **kw)
 
     def __repr__(self) -> str:
         return (
@@ -246,18 +223,6 @@ class Curriculum:
             self._weights = (w / w.sum()).to(torch.float32)
         return self._weights
 
-    def sample(
-        self,
-        batch_size: int,
-        generator: torch.Generator | None = None,
-        device: torch.device | str | None = None,
-    ) -> torch.Tensor:
-        """Draw ``batch_size`` int64 timesteps from ``timestep_weights()`` (with replacement)."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        t = torch.multinomial(self.timestep_weights(), batch_size, replacement=True, generator=generator)
-        return t if device is None else t.to(device)
-
     # ---- observing the training loss -----------------------------------------------------------------
     def observe(self, step: int, loss: float | torch.Tensor) -> bool:
         """Record the training loss of ``step``; returns True when this call unlocked a cluster.
@@ -284,9 +249,7 @@ class Curriculum:
             torch.full_like(self._bad_step, step),
         )
         self._win_count += 1
-        self._steps_seen += 1
         self._steps_in_stage += 1
-        self._last_step = step
         unlocked = False
         if self.pacing == "fixed" and not self.finished and self._steps_in_stage >= self.stage_iters:
             self._unlock(step)
@@ -366,7 +329,6 @@ class Curriculum:
         self._cl_sum.zero_()
         self._cl_count.zero_()
         self._win_count = 0
-        self._evals += 1
         self._update_cluster_emas(cl_sum, cl_count)
         # Kim et al. pacing function (max patience tau): count evaluations without improvement of the monitored loss.
         self._monitor = mean if self._monitor is None else self.ema * self._monitor + (1.0 - self.ema) * mean
@@ -428,13 +390,10 @@ class Curriculum:
             "config": self._config(),
             "stage": self._stage,
             "history": list(self.history),
-            "steps_seen": self._steps_seen,
             "steps_in_stage": self._steps_in_stage,
             "monitor": self._monitor,
             "best": self._best,
             "bad_evals": self._bad_evals,
-            "evals": self._evals,
-            "last_step": self._last_step,
             "win_count": self._win_count,
             "win_sum": None if self._win_sum is None else self._win_sum.detach().cpu().clone(),
             "bad_step": None if self._bad_step is None else self._bad_step.detach().cpu().clone(),
@@ -453,13 +412,10 @@ class Curriculum:
             raise ValueError(f"curriculum state was saved with a different configuration (differs in {diff})")
         self._stage = int(state["stage"])
         self.history = [int(s) for s in state["history"]]
-        self._steps_seen = int(state["steps_seen"])
         self._steps_in_stage = int(state["steps_in_stage"])
         self._monitor = None if state["monitor"] is None else float(state["monitor"])
         self._best = float(state["best"])
         self._bad_evals = int(state["bad_evals"])
-        self._evals = int(state["evals"])
-        self._last_step = state["last_step"]
         self._win_count = int(state["win_count"])
         self._win_sum = None if state["win_sum"] is None else state["win_sum"].clone()
         self._bad_step = None if state["bad_step"] is None else state["bad_step"].clone()

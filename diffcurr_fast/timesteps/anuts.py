@@ -31,6 +31,7 @@ probe samples are the batch's first ``probe_batch``. The policy is updated on th
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -146,7 +147,7 @@ class ANUTS(TimestepSampler):
     def state_dict(self) -> dict[str, Any]:
         return {
             "theta": self.theta.detach().clone(),
-            "opt": self.opt.state_dict(),
+            "opt": copy.deepcopy(self.opt.state_dict()),
             "baseline": self.baseline,
             "rows": [r.clone() for r in self.rows],
             "selected": self.selected.clone(),
@@ -157,7 +158,7 @@ class ANUTS(TimestepSampler):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with torch.no_grad():
             self.theta.copy_(state["theta"])
-        self.opt.load_state_dict(state["opt"])
+        self.opt.load_state_dict(copy.deepcopy(state["opt"]))
         self.baseline = state["baseline"]
         self.rows = [r.clone() for r in state["rows"]]
         self.selected = state["selected"].clone()

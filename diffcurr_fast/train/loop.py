@@ -189,7 +189,7 @@ class Trainer:
         for i, (xi, yi, ki, wi) in enumerate(chunks):  # micro-batches
             with self.engine.accumulate(self.net, boundary=i == acc - 1), trusted_t():  # t from the sampler
                 per = self.objective(self.net, xi, yi, ki, seed=seed + i, generator=self.gen)  # (m,)
-                self.engine.backward(self.objective.mean(per, None if lw is None else wi), acc)
+                self.engine.backward(Objective.mean(per, None if lw is None else wi), acc)
             pers.append(per.detach())
         per = torch.cat(pers)  # (b,)
         loss = per.mean()
