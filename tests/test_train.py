@@ -287,7 +287,7 @@ def test_edm_sigma_density(tmp_path):
     tr = Trainer(tiny(tmp_path / "r", *EDM, "diffusion.num_timesteps=50", "curriculum.pacing=none"))
     lo, hi = math.log(0.002), math.log(80.0)
     # vanilla pacing: sampled ln(sigma) follows EDM's N(P_mean, P_std^2) restricted to the cells
-    w = tr._timestep_weights().double()
+    w = tr.timesteps.weights().double()
     centres = (torch.arange(50, dtype=torch.float64) + 0.5) / 50 * (hi - lo) + lo
     mean = float((w * centres).sum() / w.sum())
     assert abs(mean - (-1.2)) < 0.05 and int(w.argmax()) == int((centres + 1.2).abs().argmin())
