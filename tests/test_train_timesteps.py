@@ -126,9 +126,9 @@ DDP_SCRIPT = textwrap.dedent(
 
     run_dir, out = sys.argv[1], sys.argv[2]
     base = [f"checkpoint.run_dir={run_dir}", "model.hidden_size=32", "model.depth=1", "model.num_heads=2",
-            "diffusion.num_timesteps=40", "curriculum.pacing=none", "data.batch_size=18", "logging.progress=false",
+            "diffusion.num_timesteps=20", "curriculum.pacing=none", "data.batch_size=18", "logging.progress=false",
             "logging.num_samples=0", "logging.plots=false", "checkpoint.export_ema=false", "checkpoint.every=1000",
-            "engine.kind=ddp", "engine.device=cpu", "engine.max_steps=8", "timesteps.importance_history=1",
+            "engine.kind=ddp", "engine.device=cpu", "engine.max_steps=12", "timesteps.importance_history=1",
             "timesteps.anuts_every=2", "timesteps.anuts_candidates=5", "timesteps.anuts_probes=2"]
     engine = create_engine("ddp", "cpu")
     res = {}
@@ -136,7 +136,7 @@ DDP_SCRIPT = textwrap.dedent(
         tr = Trainer(load_config(None, base + [f"timesteps.sampler={sampler}"]), engine, overwrite=True)
         x0, y = next(tr.loader)
         ws, ks = [], []
-        for _ in range(8):
+        for _ in range(12):
             ks.append(tr.train_step(x0, y)["k"].tolist())
             ws.append(tr.timesteps.weights().double().tolist())
         res[sampler] = {"w": ws, "k": ks}
@@ -155,4 +155,5 @@ def test_two_gloo_ranks_hold_the_same_weights_every_step(tmp_path):
     for sampler in ("importance", "anuts"):
         assert r0[sampler]["k"] != r1[sampler]["k"]  # the ranks draw different cells
         assert r0[sampler]["w"] == r1[sampler]["w"], sampler  # and hold the same distribution at every step
-        assert r0[sampler]["w"][0] != r0[sampler]["w"][-1], sampler  # which moved
+        moved = [w != r0[sampler]["w"][0] for w in r0[sampler]["w"]]
+        assert sum(moved) >= 4, sampler  # it moved (importance: warmed up) for several steps
