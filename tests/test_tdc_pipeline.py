@@ -188,8 +188,8 @@ def test_trainer_timestep_range_errors(tmp_path, rng, extra, match):
 
 def test_trainer_curriculum_inside_a_timestep_range(tmp_path):
     """A curriculum composes with a TDC range: its clusters partition [lo, hi) and unlock there, easiest first."""
-    cfg = tiny_cfg(tmp_path / "r", "curriculum.pacing=fixed", "curriculum.stage_iters=2", "curriculum.num_clusters=3",
-                   "logging.num_samples=0")  # fmt: skip
+    extra = ("curriculum.pacing=fixed", "curriculum.stage_iters=2", "curriculum.num_clusters=3")
+    cfg = tiny_cfg(tmp_path / "r", *extra, "logging.num_samples=0")
     tr = Trainer(cfg, timestep_range=(10, 31))
     assert tr.curriculum.num_timesteps == 21
     x0, y = next(tr.loader)

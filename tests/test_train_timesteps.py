@@ -18,24 +18,49 @@ from diffcurr_fast.train.loop import Trainer, train
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 G = 60
-FLOW = ("diffusion.formulation=flow", "diffusion.prediction=velocity", "diffusion.learn_sigma=false",
-        "diffusion.weighting=none", "logging.sampler=euler")  # fmt: skip
-EDM = ("diffusion.formulation=edm", "diffusion.prediction=x0", "diffusion.learn_sigma=false",
-       "diffusion.weighting=none", "logging.sampler=heun")  # fmt: skip
-ANUTS = ("timesteps.anuts_every=3", "timesteps.anuts_candidates=6", "timesteps.anuts_probes=2",
-         "timesteps.anuts_probe_batch=2")  # fmt: skip
+FLOW = (
+    "diffusion.formulation=flow",
+    "diffusion.prediction=velocity",
+    "diffusion.learn_sigma=false",
+    "diffusion.weighting=none",
+    "logging.sampler=euler",
+)
+EDM = (
+    "diffusion.formulation=edm",
+    "diffusion.prediction=x0",
+    "diffusion.learn_sigma=false",
+    "diffusion.weighting=none",
+    "logging.sampler=heun",
+)
+ANUTS = (
+    "timesteps.anuts_every=3",
+    "timesteps.anuts_candidates=6",
+    "timesteps.anuts_probes=2",
+    "timesteps.anuts_probe_batch=2",
+)
 
 
 def tiny(run_dir, *extra):
     return load_config(
         None,
         [
-            f"checkpoint.run_dir={run_dir}", "model.hidden_size=32", "model.depth=1", "model.num_heads=2",
-            f"diffusion.num_timesteps={G}", "curriculum.num_clusters=4", "data.batch_size=17",
-            "engine.max_steps=6", "logging.progress=false", "logging.num_samples=0", "logging.plots=false",
-            "checkpoint.export_ema=false", "checkpoint.every=1000", "checkpoint.keep_last=5", *extra,
+            f"checkpoint.run_dir={run_dir}",
+            "model.hidden_size=32",
+            "model.depth=1",
+            "model.num_heads=2",
+            f"diffusion.num_timesteps={G}",
+            "curriculum.num_clusters=4",
+            "data.batch_size=17",
+            "engine.max_steps=6",
+            "logging.progress=false",
+            "logging.num_samples=0",
+            "logging.plots=false",
+            "checkpoint.export_ema=false",
+            "checkpoint.every=1000",
+            "checkpoint.keep_last=5",
+            *extra,
         ],
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("formulation", [(), FLOW, EDM], ids=["ddpm", "flow", "edm"])
@@ -43,8 +68,14 @@ def tiny(run_dir, *extra):
 def test_trainer_draws_only_from_the_composed_sampler(tmp_path, monkeypatch, sampler, formulation):
     """Every draw is ``ops.sample_timesteps`` on the composed sampler's current weights; the cells drawn have positive
     weight (so lie in the curriculum's unlocked clusters); the importance correction reaches the loss."""
-    cfg = tiny(tmp_path / "r", *formulation, f"timesteps.sampler={sampler}", *ANUTS, "curriculum.pacing=fixed",
-               "curriculum.stage_iters=1")  # fmt: skip
+    cfg = tiny(
+        tmp_path / "r",
+        *formulation,
+        f"timesteps.sampler={sampler}",
+        *ANUTS,
+        "curriculum.pacing=fixed",
+        "curriculum.stage_iters=1",
+    )
     tr = Trainer(cfg)
     draws, means = [], []
     real_draw, real_mean = loop.sample_timesteps, Objective.mean
@@ -77,8 +108,15 @@ def test_trainer_draws_only_from_the_composed_sampler(tmp_path, monkeypatch, sam
 
 @pytest.mark.parametrize("sampler", ["importance", "anuts"])
 def test_resume_mid_warm_up_and_mid_curriculum_is_bit_identical(tmp_path, sampler):
-    extra = (f"timesteps.sampler={sampler}", *ANUTS, "timesteps.importance_history=3", "curriculum.pacing=fixed",
-             "curriculum.stage_iters=3", "engine.max_steps=9", "checkpoint.every=4")  # fmt: skip
+    extra = (
+        f"timesteps.sampler={sampler}",
+        *ANUTS,
+        "timesteps.importance_history=3",
+        "curriculum.pacing=fixed",
+        "curriculum.stage_iters=3",
+        "engine.max_steps=9",
+        "checkpoint.every=4",
+    )
     full = tmp_path / "full"
     train(tiny(full, *extra))
     state4 = ck.load_checkpoint(full / ck.CKPT_DIR / "ckpt_00000004.pt")

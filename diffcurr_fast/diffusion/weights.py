@@ -20,6 +20,7 @@ def loss_weights(
     *,
     p2_k: float = 1.0,
     p2_gamma: float = 1.0,
+    schedule: bool = False,
 ) -> torch.Tensor:
     """Loss weight per sample for ``weighting`` in {"none", "min_snr", "p2", "speed"}.
 
@@ -30,9 +31,10 @@ def loss_weights(
     - ``speed`` (SpeeD's change-aware weighting, Wang et al. 2024, arXiv 2405.17403, Sec. 4): a weight on the eps
       loss that grows with how fast the noise variance 1 - abar = 1 / (1 + SNR) changes along t: g = |d(1 - abar) /
       dt|, rescaled to [0, 1] (min-max) and mapped to [1 - lambda, 1 + lambda] (lambda = ``SPEED_LAMBDA``); carried
-      to x0 and v as ``p2``. It needs the whole (T,) SNR table in timestep order (the formulations and the ops pass
-      it so). Choices made here: the rescaled interval is centred on 1 (the loss keeps its scale) with lambda 0.5;
-      the official code's weighting is P2's, and the paper's exact rescaling could not be read.
+      to x0 and v as ``p2``. It needs the whole (T,) SNR table in timestep order, said by ``schedule=True`` (the
+      DDPM formulation and the ops tables pass it so). Choices made here: the rescaled interval is centred on 1
+      (the loss keeps its scale) with lambda 0.5; the official code's weighting is P2's, and the paper's exact
+      rescaling could not be read.
 
     Returns a tensor with ``snr``'s shape and floating dtype (float32 for integer input).
     """
@@ -72,8 +74,11 @@ def loss_weights(
             return torch.where(inf, limit, finite / (p2_k + finite) ** p2_gamma)
         return torch.where(inf, torch.zeros_like(snr), w_eps * finite / (finite + 1.0))
     if weighting == "speed":
-        if snr.ndim != 1 or snr.numel() < 2:
-            raise ValueError("the speed weighting needs the whole (T,) SNR table in timestep order")
+        if not schedule or snr.ndim != 1 or snr.numel() < 2:
+            raise ValueError(
+                "the speed weighting is a function of the whole schedule: pass its (T,) SNR table in "
+                "timestep order with schedule=True"
+            )
         finite = snr.where(~inf, torch.zeros_like(snr))
         var = torch.where(inf, torch.zeros_like(snr), 1.0 / (1.0 + finite))  # 1 - abar_t
         g = torch.gradient(var)[0].abs()
