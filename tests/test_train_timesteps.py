@@ -195,3 +195,30 @@ def test_two_gloo_ranks_hold_the_same_weights_every_step(tmp_path):
         assert r0[sampler]["w"] == r1[sampler]["w"], sampler  # and hold the same distribution at every step
         moved = [w != r0[sampler]["w"][0] for w in r0[sampler]["w"]]
         assert sum(moved) >= 4, sampler  # it moved (importance: warmed up) for several steps
+
+
+def test_resume_from_a_checkpoint_of_before_the_timesteps_section(tmp_path):
+    """A checkpoint without the ``timesteps`` state and config section (and with the curriculum's old write-only
+    fields) resumes as the default uniform strategy."""
+    run = tmp_path / "run"
+    train(tiny(run, "engine.max_steps=4", "checkpoint.every=4"))
+    path = run / ck.CKPT_DIR / "ckpt_00000004.pt"
+    state = torch.load(path, weights_only=True)
+    del state["timesteps"], state["config"]["timesteps"]
+    state["curriculum"].update(steps_seen=4, evals=0, last_step=3)
+    state["lr_schedule"] = {"step": 4}
+    torch.save(state, path)
+    tr = Trainer(tiny(run, "engine.max_steps=6"), resume=True)
+    assert tr.step == 4 and tr.fit()["step"] == 6
+    with pytest.raises(ValueError, match="timesteps.sampler: checkpoint 'uniform' vs now 'importance'"):
+        Trainer(tiny(run, "engine.max_steps=8", "timesteps.sampler=importance"), resume=True)
+
+
+def test_help_config_lists_the_timesteps_section():
+    from diffcurr_fast.train.config import describe_config
+
+    text = describe_config()
+    assert "timesteps:" in text and "sampler: 'uniform'" in text
+    assert "one of uniform, lognormal, importance, speed, anuts" in text
+    for key in ("lognormal_std", "importance_history", "speed_k", "anuts_every", "anuts_entropy"):
+        assert f"  {key}:" in text
