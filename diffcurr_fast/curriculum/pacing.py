@@ -4,7 +4,8 @@ Clusters are half-open ranges in ascending ``t`` (see ``clustering.py``); the ea
 ``t`` (lowest SNR). Training samples ``t`` uniformly from the *union* of unlocked clusters; after the last unlock
 every timestep is live, which is ordinary uniform training (``finished``).
 
-Pacing rules:
+Pacing rules (each a small class, chosen by name from ``PACING_RULES``: ``PatiencePacing``, ``FixedPacing``,
+``Pacing`` for none, ``AdaptivePacing``):
 
 - ``patience`` (the paper's adaptive pacing): every ``eval_every`` steps the mean loss of that window (all-reduced
   across ranks) updates an EMA, the monitored loss. An evaluation *improves* when the EMA drops below the best
@@ -44,7 +45,54 @@ import torch.distributed as dist
 
 from diffcurr_fast.curriculum.clustering import Clusters, check_clusters
 
-PACINGS = ("patience", "fixed", "none", "adaptive")
+
+class Pacing:
+    """When the next cluster unlocks. This base is ``none`` (vanilla): every cluster is unlocked from the start."""
+
+    name = "none"
+    starts_unlocked = True  # every cluster is unlocked from the start
+    reweights = False  # once all are unlocked, clusters are sampled by their learning progress
+
+    def unlock_after_step(self, cur: Curriculum) -> bool:
+        """After each observed step: unlock the next cluster now?"""
+        return False
+
+    def unlock_after_eval(self, cur: Curriculum) -> bool:
+        """After each evaluation window: unlock the next cluster now?"""
+        return False
+
+
+class PatiencePacing(Pacing):
+    """The paper's pacing function (Kim et al., ICLR 2025; max patience tau = patience x eval_every): unlock after
+    ``patience`` evaluations without improvement of the monitored loss."""
+
+    name = "patience"
+    starts_unlocked = False
+
+    def unlock_after_eval(self, cur: Curriculum) -> bool:
+        return cur.bad_evals >= cur.patience
+
+
+class FixedPacing(Pacing):
+    """NaiveCL (the paper's baseline): unlock every ``stage_iters`` observed steps."""
+
+    name = "fixed"
+    starts_unlocked = False
+
+    def unlock_after_step(self, cur: Curriculum) -> bool:
+        return cur._steps_in_stage >= cur.stage_iters
+
+
+class AdaptivePacing(PatiencePacing):
+    """Patience pacing, then clusters sampled by their recent learning progress (beyond the paper: its stated future
+    work; module doc)."""
+
+    name = "adaptive"
+    reweights = True
+
+
+PACING_RULES: dict[str, type[Pacing]] = {c.name: c for c in (PatiencePacing, FixedPacing, Pacing, AdaptivePacing)}
+PACINGS = tuple(PACING_RULES)  # patience, fixed, none, adaptive
 ORDERS = ("easy_to_hard", "hard_to_easy")
 
 _NO_BAD_STEP = 2**62
@@ -109,6 +157,7 @@ class Curriculum:
         if not (isinstance(eval_every, int) and eval_every >= 1):
             raise ValueError(f"eval_every must be a positive int, got {eval_every!r}")
         self.pacing = pacing
+        self._rule = PACING_RULES[pacing]()
         self.order = order
         self.patience = patience
         self.ema = float(ema)
@@ -125,7 +174,7 @@ class Curriculum:
         self._bounds_on: dict[torch.device, torch.Tensor] = {}  # cluster boundaries cached per device
 
         # ---- decision state (all of it goes into state_dict) ----
-        self._stage = n - 1 if pacing == "none" else 0
+        self._stage = n - 1 if self._rule.starts_unlocked else 0
         self.history: list[int] = []
         self._steps_in_stage = 0
         self._monitor: float | None = None  # EMA of window means in the current stage
@@ -200,7 +249,7 @@ class Curriculum:
         probs = torch.zeros(self.num_clusters, dtype=torch.float64)
         live = torch.tensor(self.unlocked_clusters, dtype=torch.long)
         probs[live] = self._sizes[live] / self._sizes[live].sum()  # uniform over the union
-        if self.pacing == "adaptive" and self.finished:
+        if self._rule.reweights and self.finished:
             progress = torch.tensor(
                 [
                     max(slow - fast, 0.0) / slow if math.isfinite(fast) and math.isfinite(slow) and slow > 0 else 0.0
@@ -251,7 +300,7 @@ class Curriculum:
         self._win_count += 1
         self._steps_in_stage += 1
         unlocked = False
-        if self.pacing == "fixed" and not self.finished and self._steps_in_stage >= self.stage_iters:
+        if not self.finished and self._rule.unlock_after_step(self):
             self._unlock(step)
             unlocked = True
         if self._win_count >= self.eval_every:
@@ -338,7 +387,7 @@ class Curriculum:
             self._bad_evals = 0
         else:
             self._bad_evals += 1
-        if self.pacing in ("patience", "adaptive") and not self.finished and self._bad_evals >= self.patience:
+        if not self.finished and self._rule.unlock_after_eval(self):
             self._unlock(step)
             return True
         return False
@@ -356,7 +405,7 @@ class Curriculum:
             self._cl_fast[k] = m if math.isnan(fast) else self.ema * fast + (1.0 - self.ema) * m
             self._cl_slow[k] = m if math.isnan(slow) else slow_decay * slow + (1.0 - slow_decay) * m
             changed = True
-        if changed and self.pacing == "adaptive" and self.finished:
+        if changed and self._rule.reweights and self.finished:
             self._weights = None
 
     def _unlock(self, step: int) -> None:
