@@ -110,6 +110,12 @@ class Objective:
             out = model(x_in, t_in, y)  # (B, C or 2C, H, W)
         return self.loss(out, x0, x_in, terms, seed)
 
+    @staticmethod
+    def mean(per_sample: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """The batch loss: mean_b w_b L_b, with ``weights`` (B,) a timestep sampler's importance correction (e.g.
+        1 / (G p_k), Nichol & Dhariwal 2021 Sec. 3.3: the mean stays the uniform-t one), or the plain mean."""
+        return per_sample.mean() if weights is None else (per_sample * weights.to(per_sample.dtype)).mean()
+
     def loss(
         self, out: torch.Tensor, x0: torch.Tensor, x_in: torch.Tensor, terms: TrainingTerms, seed: int
     ) -> torch.Tensor:

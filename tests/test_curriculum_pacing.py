@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from diffcurr_fast.curriculum import Curriculum, uniform_clusters
+from diffcurr_fast.curriculum import Curriculum, cluster_timesteps, uniform_clusters
 from diffcurr_fast.diffusion import DDPMSchedule
 
 T = 23
@@ -159,8 +159,6 @@ def test_weights_never_touch_locked_clusters(order):
         torch.testing.assert_close(w[live], torch.full((int(live.sum()),), 1.0 / int(live.sum())))
         t = torch.multinomial(w, 1000, replacement=True, generator=gen)
         assert bool(live[t].all())
-        t2 = cur.sample(17, generator=gen)
-        assert t2.dtype == torch.long and bool(live[t2].all())
         cur.observe(step, 1.0)
 
 
@@ -258,12 +256,8 @@ def test_adaptive_favours_clusters_that_still_learn():
     [
         (dict(pacing="cosine"), "unknown pacing 'cosine'"),
         (dict(order="random"), "unknown order 'random'"),
-        (dict(patience=-1), "patience"),
-        (dict(ema=1.0), "ema"),
-        (dict(min_delta=-0.1), "min_delta"),
         (dict(eval_every=0), "eval_every"),
         (dict(pacing="fixed"), "stage_iters"),
-        (dict(adaptive_floor=1.5), "adaptive_floor"),
     ],
 )
 def test_bad_config(kw, match):
@@ -278,8 +272,8 @@ def test_bad_clusters():
         Curriculum([(0, 3), (4, 23)], T)
 
 
-def test_from_schedule_defaults():
-    cur = Curriculum.from_schedule(DDPMSchedule(1000), 20, "uniform")
+def test_paper_defaults():
+    cur = Curriculum(cluster_timesteps(DDPMSchedule(1000), 20, "uniform"), 1000)
     assert cur.clusters == uniform_clusters(1000, 20)
     assert cur.patience * cur.eval_every == 200  # the paper's maximum patience tau in iterations
     assert cur.unlocked_clusters == [19] and cur.timestep_weights()[950:].sum() == pytest.approx(1.0)

@@ -76,9 +76,9 @@ def test_evaluator_samples_are_fixed_and_leave_the_global_rng(tmp_path):
     tr = Trainer(cfg)
     ev = Evaluator(cfg, tr.run_dir, tr.dataset, tr.device)
     state = torch.get_rng_state()
-    a = ev.sample(tr.ema.module, tr.schedule)
+    a = ev.sample(tr.ema.module, tr.formulation)
     assert torch.equal(state, torch.get_rng_state())
-    assert torch.equal(a, ev.sample(tr.ema.module, tr.schedule))  # the same noise at every evaluation
+    assert torch.equal(a, ev.sample(tr.ema.module, tr.formulation))  # the same noise at every evaluation
     assert a.shape == (16, 1, 8, 8) and float(a.abs().max()) <= 1.0
 
 

@@ -176,13 +176,28 @@ def test_trainer_timestep_range_restricts_t(tmp_path, lo, hi):
         ((-1, 3), [], "0 <= lo < hi"),
         ((0, 41), [], "<= 40"),
         ("ab", [], "must be a \\(lo, hi\\) pair of ints"),
-        ((0, 10), ["curriculum.pacing=patience"], "needs curriculum.pacing 'none', got 'patience'"),
     ],
 )
 def test_trainer_timestep_range_errors(tmp_path, rng, extra, match):
     cfg = tiny_cfg(tmp_path / "r", "curriculum.pacing=none", *extra)
     with pytest.raises(ValueError, match=match):
         Trainer(cfg, timestep_range=rng)
+
+
+def test_trainer_curriculum_inside_a_timestep_range(tmp_path):
+    """A curriculum composes with a TDC range: its clusters partition [lo, hi) and unlock there, easiest first."""
+    extra = ("curriculum.pacing=fixed", "curriculum.stage_iters=2", "curriculum.num_clusters=3")
+    cfg = tiny_cfg(tmp_path / "r", *extra, "logging.num_samples=0")
+    tr = Trainer(cfg, timestep_range=(10, 31))
+    assert tr.curriculum.num_timesteps == 21
+    x0, y = next(tr.loader)
+    for step in range(6):
+        lo, hi = (10 + v for v in tr.curriculum.clusters[tr.curriculum.unlocked_clusters[-1]])
+        ks = tr.train_step(x0, y)["k"]
+        assert int(ks.min()) >= 10 and int(ks.max()) < 31
+        if step < 2:  # only the easiest (highest-t) cluster of the range is unlocked
+            assert int(ks.min()) >= lo and hi == 31
+    assert tr.curriculum.stage == 2
 
 
 def test_trainer_trains_given_heterogeneous_model(tmp_path):

@@ -75,7 +75,7 @@ def test_nan_policy_skip_counts_and_keeps_weights(tmp_path):
     assert stats.get("skipped") and tr.nan_skips == 1 and tr.step == 1
     assert all(torch.equal(a, b) for a, b in zip(before, _params(tr.model)))
     assert all(torch.equal(a, b) for a, b in zip(ema_before, _params(tr.ema.module)))
-    assert tr.curriculum.state_dict()["steps_seen"] == 0  # the curriculum never saw the bad loss
+    assert tr.curriculum.state_dict()["win_count"] == 0  # the curriculum never saw the bad loss
     tr.train_step(x, y)
     with pytest.raises(
         NonFiniteLossError,
@@ -349,7 +349,7 @@ def test_edm_sigma_density(tmp_path):
     tr = Trainer(tiny(tmp_path / "r", *EDM, "diffusion.num_timesteps=50", "curriculum.pacing=none"))
     lo, hi = math.log(0.002), math.log(80.0)
     # vanilla pacing: sampled ln(sigma) follows EDM's N(P_mean, P_std^2) restricted to the cells
-    w = tr._timestep_weights().double()
+    w = tr.timesteps.weights().double()
     centres = (torch.arange(50, dtype=torch.float64) + 0.5) / 50 * (hi - lo) + lo
     mean = float((w * centres).sum() / w.sum())
     assert abs(mean - (-1.2)) < 0.05 and int(w.argmax()) == int((centres + 1.2).abs().argmin())

@@ -128,7 +128,7 @@ def test_min_snr_gamma_reaches_the_training_loss(tmp_path, gamma, backend):
     tr.fit()
     ((x_t, t, out),) = calls
     logged = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["loss"]
-    ab = tr.schedule.alphas_cumprod[t.cpu()].double().view(-1, 1, 1, 1)
+    ab = tr.formulation.alphas_cumprod[t.cpu()].double().view(-1, 1, 1, 1)
     eps = (x_t - ab.sqrt() * x0.double()) / (1 - ab).sqrt()
     snr = (ab / (1 - ab)).flatten()
     w = torch.minimum(snr, torch.full_like(snr, gamma)) / snr

@@ -153,7 +153,7 @@ def test_sync_counter_sees_a_read_of_the_step(tmp_path):
     assert 0 <= seed < 10 and counter.syncs == [("aten._local_scalar_dense.default", ())]
     counter = SyncCounter()
     with counter:
-        tr.schedule.check_t(tr.train_step(x0, y)["k"])  # DDPM's range check reads t back with .tolist()
+        tr.formulation.check_t(tr.train_step(x0, y)["k"])  # DDPM's range check reads t back with .tolist()
     assert ("tolist", (2,)) in counter.syncs  # torch.stack([t.min(), t.max()]).tolist()
 
 

@@ -99,3 +99,27 @@ def test_weights_bad_input():
         loss_weights(torch.tensor([math.nan]))
     with pytest.raises(ValueError, match="gamma must be positive"):
         loss_weights(SNR, "eps", "min_snr", gamma=0.0)
+
+
+@pytest.mark.parametrize("beta", ["linear", "cosine"])
+@pytest.mark.parametrize("prediction", ["eps", "x0", "v"])
+def test_speed_change_aware_weighting(beta, prediction):
+    """SpeeD: w_eps = 1 + lambda (2 g - 1), g the min-max rescaled |d(1 - abar) / dt|, carried to x0 and v as P2."""
+    import numpy as np
+
+    from diffcurr_fast.diffusion.weights import SPEED_LAMBDA
+
+    s = DDPMSchedule(1000, beta)
+    abar = s.alphas_cumprod.numpy()
+    g = np.abs(np.gradient(1.0 - abar))
+    g = (g - g.min()) / (g.max() - g.min())
+    w_eps = 1.0 + SPEED_LAMBDA * (2.0 * g - 1.0)
+    snr = abar / (1.0 - abar)
+    want = {"eps": w_eps, "x0": w_eps * snr, "v": w_eps * snr / (snr + 1.0)}[prediction]
+    got = loss_weights(s.snr(torch.arange(1000)), prediction, "speed", schedule=True)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-9)
+    assert float(got.min()) >= 0 if prediction != "eps" else 0.5 - 1e-12 <= float(got.min()) < float(got.max()) <= 1.5
+    with pytest.raises(ValueError, match="the speed weighting is a function of the whole schedule"):
+        loss_weights(s.snr(torch.tensor([3, 7])), prediction, "speed")
+    terms = s.training_terms(torch.tensor([0, 500, 999]), 1000, prediction, "speed")  # the trainer's path
+    torch.testing.assert_close(terms.w, got[[0, 500, 999]])

@@ -4,7 +4,8 @@ Clusters are half-open ranges in ascending ``t`` (see ``clustering.py``); the ea
 ``t`` (lowest SNR). Training samples ``t`` uniformly from the *union* of unlocked clusters; after the last unlock
 every timestep is live, which is ordinary uniform training (``finished``).
 
-Pacing rules:
+Pacing rules (each a small class, chosen by name from ``PACING_RULES``: ``PatiencePacing``, ``FixedPacing``,
+``Pacing`` for none, ``AdaptivePacing``):
 
 - ``patience`` (the paper's adaptive pacing): every ``eval_every`` steps the mean loss of that window (all-reduced
   across ranks) updates an EMA, the monitored loss. An evaluation *improves* when the EMA drops below the best
@@ -44,7 +45,54 @@ import torch.distributed as dist
 
 from diffcurr_fast.curriculum.clustering import Clusters, check_clusters
 
-PACINGS = ("patience", "fixed", "none", "adaptive")
+
+class Pacing:
+    """When the next cluster unlocks. This base is ``none`` (vanilla): every cluster is unlocked from the start."""
+
+    name = "none"
+    starts_unlocked = True  # every cluster is unlocked from the start
+    reweights = False  # once all are unlocked, clusters are sampled by their learning progress
+
+    def unlock_after_step(self, cur: Curriculum) -> bool:
+        """After each observed step: unlock the next cluster now?"""
+        return False
+
+    def unlock_after_eval(self, cur: Curriculum) -> bool:
+        """After each evaluation window: unlock the next cluster now?"""
+        return False
+
+
+class PatiencePacing(Pacing):
+    """The paper's pacing function (Kim et al., ICLR 2025; max patience tau = patience x eval_every): unlock after
+    ``patience`` evaluations without improvement of the monitored loss."""
+
+    name = "patience"
+    starts_unlocked = False
+
+    def unlock_after_eval(self, cur: Curriculum) -> bool:
+        return cur.bad_evals >= cur.patience
+
+
+class FixedPacing(Pacing):
+    """NaiveCL (the paper's baseline): unlock every ``stage_iters`` observed steps."""
+
+    name = "fixed"
+    starts_unlocked = False
+
+    def unlock_after_step(self, cur: Curriculum) -> bool:
+        return cur._steps_in_stage >= cur.stage_iters
+
+
+class AdaptivePacing(PatiencePacing):
+    """Patience pacing, then clusters sampled by their recent learning progress (beyond the paper: its stated future
+    work; module doc)."""
+
+    name = "adaptive"
+    reweights = True
+
+
+PACING_RULES: dict[str, type[Pacing]] = {c.name: c for c in (PatiencePacing, FixedPacing, Pacing, AdaptivePacing)}
+PACINGS = tuple(PACING_RULES)  # patience, fixed, none, adaptive
 ORDERS = ("easy_to_hard", "hard_to_easy")
 
 _NO_BAD_STEP = 2**62
@@ -98,26 +146,18 @@ class Curriculum:
     ) -> None:
         self.clusters = check_clusters(clusters, num_timesteps)
         self.num_timesteps = num_timesteps
+        # The config's field check covers the ranges of a run's values; a direct caller still gets the rules that
+        # would otherwise fail later or silently: the choices, and the stage length that ``fixed`` pacing needs.
         if pacing not in PACINGS:
             raise ValueError(f"unknown pacing {pacing!r}; choose one of {PACINGS}")
         if order not in ORDERS:
             raise ValueError(f"unknown order {order!r}; choose one of {ORDERS}")
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
-            raise ValueError(f"patience must be a non-negative int, got {patience!r}")
-        if not (isinstance(ema, (int, float)) and 0.0 <= ema < 1.0):
-            raise ValueError(f"ema must be a float in [0, 1), got {ema!r}")
-        if not (isinstance(min_delta, (int, float)) and min_delta >= 0.0 and math.isfinite(min_delta)):
-            raise ValueError(f"min_delta must be a finite float >= 0, got {min_delta!r}")
-        if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1:
+        if pacing == "fixed" and not (isinstance(stage_iters, int) and stage_iters >= 1):
+            raise ValueError(f"pacing='fixed' needs stage_iters, a positive int; got {stage_iters!r}")
+        if not (isinstance(eval_every, int) and eval_every >= 1):
             raise ValueError(f"eval_every must be a positive int, got {eval_every!r}")
-        if pacing == "fixed":
-            if isinstance(stage_iters, bool) or not isinstance(stage_iters, int) or stage_iters < 1:
-                raise ValueError(f"pacing='fixed' needs stage_iters, a positive int; got {stage_iters!r}")
-        elif stage_iters is not None and (not isinstance(stage_iters, int) or stage_iters < 1):
-            raise ValueError(f"stage_iters must be a positive int or None, got {stage_iters!r}")
-        if not (isinstance(adaptive_floor, (int, float)) and 0.0 <= adaptive_floor <= 1.0):
-            raise ValueError(f"adaptive_floor must be a float in [0, 1], got {adaptive_floor!r}")
         self.pacing = pacing
+        self._rule = PACING_RULES[pacing]()
         self.order = order
         self.patience = patience
         self.ema = float(ema)
@@ -134,15 +174,12 @@ class Curriculum:
         self._bounds_on: dict[torch.device, torch.Tensor] = {}  # cluster boundaries cached per device
 
         # ---- decision state (all of it goes into state_dict) ----
-        self._stage = n - 1 if pacing == "none" else 0
+        self._stage = n - 1 if self._rule.starts_unlocked else 0
         self.history: list[int] = []
-        self._steps_seen = 0
         self._steps_in_stage = 0
         self._monitor: float | None = None  # EMA of window means in the current stage
         self._best = math.inf
         self._bad_evals = 0
-        self._evals = 0
-        self._last_step: int | None = None
         # ---- device accumulators of the current window ----
         self._win_sum: torch.Tensor | None = None  # 0-d float32
         self._win_count = 0
@@ -153,17 +190,6 @@ class Curriculum:
         self._cl_fast = [math.nan] * n
         self._cl_slow = [math.nan] * n
         self._weights: torch.Tensor | None = None
-
-    # ---- construction helpers ------------------------------------------------------------------------
-    @classmethod
-    def from_schedule(
-        cls, schedule: Any, num_clusters: int = 20, method: str = "snr", *, grid: torch.Tensor | None = None, **kw
-    ) -> Curriculum:
-        """Cluster ``schedule`` with ``cluster_timesteps`` and build a curriculum over the result."""
-        from diffcurr_fast.curriculum.clustering import cluster_timesteps
-
-        clusters = cluster_timesteps(schedule, num_clusters, method, grid=grid)
-        return cls(clusters, clusters[-1][1], **kw)
 
     def __repr__(self) -> str:
         return (
@@ -223,7 +249,7 @@ class Curriculum:
         probs = torch.zeros(self.num_clusters, dtype=torch.float64)
         live = torch.tensor(self.unlocked_clusters, dtype=torch.long)
         probs[live] = self._sizes[live] / self._sizes[live].sum()  # uniform over the union
-        if self.pacing == "adaptive" and self.finished:
+        if self._rule.reweights and self.finished:
             progress = torch.tensor(
                 [
                     max(slow - fast, 0.0) / slow if math.isfinite(fast) and math.isfinite(slow) and slow > 0 else 0.0
@@ -245,18 +271,6 @@ class Curriculum:
                     w[lo:hi] = probs[k] / (hi - lo)
             self._weights = (w / w.sum()).to(torch.float32)
         return self._weights
-
-    def sample(
-        self,
-        batch_size: int,
-        generator: torch.Generator | None = None,
-        device: torch.device | str | None = None,
-    ) -> torch.Tensor:
-        """Draw ``batch_size`` int64 timesteps from ``timestep_weights()`` (with replacement)."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        t = torch.multinomial(self.timestep_weights(), batch_size, replacement=True, generator=generator)
-        return t if device is None else t.to(device)
 
     # ---- observing the training loss -----------------------------------------------------------------
     def observe(self, step: int, loss: float | torch.Tensor) -> bool:
@@ -284,11 +298,9 @@ class Curriculum:
             torch.full_like(self._bad_step, step),
         )
         self._win_count += 1
-        self._steps_seen += 1
         self._steps_in_stage += 1
-        self._last_step = step
         unlocked = False
-        if self.pacing == "fixed" and not self.finished and self._steps_in_stage >= self.stage_iters:
+        if not self.finished and self._rule.unlock_after_step(self):
             self._unlock(step)
             unlocked = True
         if self._win_count >= self.eval_every:
@@ -366,7 +378,6 @@ class Curriculum:
         self._cl_sum.zero_()
         self._cl_count.zero_()
         self._win_count = 0
-        self._evals += 1
         self._update_cluster_emas(cl_sum, cl_count)
         # Kim et al. pacing function (max patience tau): count evaluations without improvement of the monitored loss.
         self._monitor = mean if self._monitor is None else self.ema * self._monitor + (1.0 - self.ema) * mean
@@ -376,7 +387,7 @@ class Curriculum:
             self._bad_evals = 0
         else:
             self._bad_evals += 1
-        if self.pacing in ("patience", "adaptive") and not self.finished and self._bad_evals >= self.patience:
+        if not self.finished and self._rule.unlock_after_eval(self):
             self._unlock(step)
             return True
         return False
@@ -394,7 +405,7 @@ class Curriculum:
             self._cl_fast[k] = m if math.isnan(fast) else self.ema * fast + (1.0 - self.ema) * m
             self._cl_slow[k] = m if math.isnan(slow) else slow_decay * slow + (1.0 - slow_decay) * m
             changed = True
-        if changed and self.pacing == "adaptive" and self.finished:
+        if changed and self._rule.reweights and self.finished:
             self._weights = None
 
     def _unlock(self, step: int) -> None:
@@ -428,13 +439,10 @@ class Curriculum:
             "config": self._config(),
             "stage": self._stage,
             "history": list(self.history),
-            "steps_seen": self._steps_seen,
             "steps_in_stage": self._steps_in_stage,
             "monitor": self._monitor,
             "best": self._best,
             "bad_evals": self._bad_evals,
-            "evals": self._evals,
-            "last_step": self._last_step,
             "win_count": self._win_count,
             "win_sum": None if self._win_sum is None else self._win_sum.detach().cpu().clone(),
             "bad_step": None if self._bad_step is None else self._bad_step.detach().cpu().clone(),
@@ -453,13 +461,10 @@ class Curriculum:
             raise ValueError(f"curriculum state was saved with a different configuration (differs in {diff})")
         self._stage = int(state["stage"])
         self.history = [int(s) for s in state["history"]]
-        self._steps_seen = int(state["steps_seen"])
         self._steps_in_stage = int(state["steps_in_stage"])
         self._monitor = None if state["monitor"] is None else float(state["monitor"])
         self._best = float(state["best"])
         self._bad_evals = int(state["bad_evals"])
-        self._evals = int(state["evals"])
-        self._last_step = state["last_step"]
         self._win_count = int(state["win_count"])
         self._win_sum = None if state["win_sum"] is None else state["win_sum"].clone()
         self._bad_step = None if state["bad_step"] is None else state["bad_step"].clone()

@@ -196,7 +196,7 @@ class DDPMSchedule(Formulation):
         if key not in cache:
             t = torch.arange(self.num_timesteps)
             p, q = self.target_coefficients(t, prediction)
-            w = loss_weights(self.snr(t), prediction, weighting, gamma)
+            w = loss_weights(self.snr(t), prediction, weighting, gamma, schedule=True)  # (T,) in timestep order
             table = torch.stack([self.sqrt_alphas_cumprod, self.sqrt_one_minus_alphas_cumprod, p, q, w], 1)
             cache[key] = table.to(device, torch.float32 if device.type == "mps" else torch.float64)
         return cache[key]

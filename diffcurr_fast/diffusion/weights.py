@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-WEIGHTINGS = ("none", "min_snr", "p2")
+WEIGHTINGS = ("none", "min_snr", "p2", "speed")
+SPEED_LAMBDA = 0.5  # half-width of SpeeD's change-aware weight interval [1 - lambda, 1 + lambda]
 
 
 def loss_weights(
@@ -19,13 +20,21 @@ def loss_weights(
     *,
     p2_k: float = 1.0,
     p2_gamma: float = 1.0,
+    schedule: bool = False,
 ) -> torch.Tensor:
-    """Loss weight per sample for ``weighting`` in {"none", "min_snr", "p2"}.
+    """Loss weight per sample for ``weighting`` in {"none", "min_snr", "p2", "speed"}.
 
     - ``min_snr`` (Hang et al. 2023, Eq. 5 and its eps/v forms): the x0-space weight min(SNR, gamma), carried to
       the prediction's space: eps -> min(SNR, gamma) / SNR, x0 -> min(SNR, gamma), v -> min(SNR, gamma) / (SNR + 1).
     - ``p2`` (Choi et al. 2022, Eq. 8): 1 / (k + SNR)^gamma_p2 on the eps loss (defaults k=1, gamma_p2=1), carried
       to x0 by * SNR and to v by * SNR / (SNR + 1).
+    - ``speed`` (SpeeD's change-aware weighting, Wang et al. 2024, arXiv 2405.17403, Sec. 4): a weight on the eps
+      loss that grows with how fast the noise variance 1 - abar = 1 / (1 + SNR) changes along t: g = |d(1 - abar) /
+      dt|, rescaled to [0, 1] (min-max) and mapped to [1 - lambda, 1 + lambda] (lambda = ``SPEED_LAMBDA``); carried
+      to x0 and v as ``p2``. It needs the whole (T,) SNR table in timestep order, said by ``schedule=True`` (the
+      DDPM formulation and the ops tables pass it so). Choices made here: the rescaled interval is centred on 1
+      (the loss keeps its scale) with lambda 0.5; the official code's weighting is P2's, and the paper's exact
+      rescaling could not be read.
 
     Returns a tensor with ``snr``'s shape and floating dtype (float32 for integer input).
     """
@@ -64,4 +73,18 @@ def loss_weights(
             limit = torch.full_like(snr, 1.0 if p2_gamma == 1.0 else (0.0 if p2_gamma > 1 else float("inf")))
             return torch.where(inf, limit, finite / (p2_k + finite) ** p2_gamma)
         return torch.where(inf, torch.zeros_like(snr), w_eps * finite / (finite + 1.0))
+    if weighting == "speed":
+        if not schedule or snr.ndim != 1 or snr.numel() < 2:
+            raise ValueError(
+                "the speed weighting is a function of the whole schedule: pass its (T,) SNR table in "
+                "timestep order with schedule=True"
+            )
+        finite = snr.where(~inf, torch.zeros_like(snr))
+        var = torch.where(inf, torch.zeros_like(snr), 1.0 / (1.0 + finite))  # 1 - abar_t
+        g = torch.gradient(var)[0].abs()
+        g = (g - g.min()) / (g.max() - g.min()).clamp(min=torch.finfo(g.dtype).tiny)
+        w_eps = 1.0 + SPEED_LAMBDA * (2.0 * g - 1.0)  # in [1 - lambda, 1 + lambda]
+        if prediction == "eps":
+            return w_eps
+        return w_eps * (finite if prediction == "x0" else finite / (finite + 1.0))
     raise ValueError(f"unknown weighting {weighting!r}; choose one of {WEIGHTINGS}")

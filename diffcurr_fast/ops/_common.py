@@ -111,7 +111,7 @@ def _build_table(abar: torch.Tensor, kind: str, prediction: str, weighting: str,
     else:  # v = sqrt(abar) eps - sqrt(1 - abar) x0 (Salimans & Ho 2022)
         p, q = -(1.0 - abar).sqrt(), abar.sqrt()
     snr = abar / (1.0 - abar)  # inf at abar = 1, handled by loss_weights
-    w = loss_weights(snr, prediction, weighting, gamma)
+    w = loss_weights(snr, prediction, weighting, gamma, schedule=True)  # the (T,) table in timestep order
     return torch.stack([p, q, w])
 
 

@@ -1,9 +1,9 @@
 """Typed, strict training configuration: dataclass sections, YAML recipes and ``--set a.b=value`` overrides.
 
-A configuration is a ``TrainConfig`` of ten sections (model, diffusion, curriculum, data, optim, engine,
-logging, checkpoint, eval, tdc). Every field carries a one-line doc (``metadata["doc"]``) and, where it is a choice, its
-valid values (``metadata["choices"]``). Unknown keys, wrong types and invalid values raise ``ValueError`` naming
-the key and what is valid. ``load_config(path, overrides)`` builds one from a recipe; ``config_to_yaml`` writes
+A configuration is a ``TrainConfig`` of eleven sections (model, diffusion, curriculum, timesteps, data, optim,
+engine, logging, checkpoint, eval, tdc). Every field carries a one-line doc (``metadata["doc"]``) and, where it is a
+choice, its valid values (``metadata["choices"]``). Unknown keys, wrong types and invalid values raise ``ValueError``
+naming the key and what is valid. ``load_config(path, overrides)`` builds one from a recipe; ``config_to_yaml`` writes
 the resolved configuration (the run directory keeps it as ``config.yaml``).
 """
 
@@ -44,6 +44,7 @@ WEIGHTINGS = _owned("diffcurr_fast.diffusion.weights", "WEIGHTINGS", before=("au
 OPS_BACKENDS = _owned("diffcurr_fast.ops._backend", "BACKENDS", before=("auto",))
 PACINGS = _owned("diffcurr_fast.curriculum.pacing", "PACINGS")
 ORDERS = _owned("diffcurr_fast.curriculum.pacing", "ORDERS")
+TIMESTEP_SAMPLERS = _owned("diffcurr_fast.timesteps.registry", "SAMPLERS")
 CLUSTER_METHODS = _owned("diffcurr_fast.curriculum.clustering", "CLUSTER_METHODS")
 DATA_BACKENDS = _owned("diffcurr_fast.data.pipeline", "BACKENDS")
 ON_BAD = _owned("diffcurr_fast.data.errors", "ON_BAD")
@@ -227,6 +228,42 @@ class CurriculumConfig:
     def validate(self) -> None:
         if self.pacing == "fixed" and self.stage_iters < 1:
             raise ValueError("curriculum.stage_iters must be >= 1 when curriculum.pacing is 'fixed'")
+
+
+@dataclass
+class TimestepsConfig:
+    """Timestep sampling: the strategy multiplied with the curriculum's unlock mask (docs/training.md)."""
+
+    sampler: str = _f(
+        "uniform", "timestep strategy (times the curriculum's mask and the formulation's prior)", TIMESTEP_SAMPLERS
+    )
+    lognormal_mean: float = _f(0.0, "lognormal: mean of log SNR (flow: -2 x the logit-normal mean)", lo=-INF)
+    lognormal_std: float = _f(
+        2.0, "lognormal: std of log SNR (2 = SD3's logit-normal(0, 1) t for flow)", lo=0.0, lo_open=True
+    )
+    importance_history: int = _pos(10, "importance: losses kept per cell (IDDPM: 10); uniform until all are full")
+    importance_floor: float = _unit(1e-3, "importance: uniform share mixed into the distribution (IDDPM: 1e-3)")
+    speed_k: float = _f(5.0, "speed: how many times as likely a cell before the convergence area is", lo=1.0)
+    speed_threshold: float = _f(
+        1e-4,
+        "speed: increment of sqrt(1 - abar) per 1/1000 of the axis where the convergence area begins",
+        lo=0.0,
+        lo_open=True,
+    )
+    anuts_every: int = _pos(20, "anuts: steps between policy updates (each probes the loss before and after)")
+    anuts_candidates: int = _pos(16, "anuts: cells, evenly spaced, whose loss decrease is measured")
+    anuts_probes: int = _pos(3, "anuts: size of the subset S whose decrease is the reward")
+    anuts_probe_batch: int = _pos(4, "anuts: samples of the batch the probes are measured on")
+    anuts_buffer: int = _f(10, "anuts: updates kept to choose S by correlation with the total decrease", lo=2)
+    anuts_lr: float = _f(0.02, "anuts: Adam learning rate of the policy's log a, log b", lo=0.0, lo_open=True)
+    anuts_entropy: float = _nonneg(0.0, "anuts: weight of the policy's entropy bonus")
+
+    def validate(self) -> None:
+        if self.sampler == "anuts" and self.anuts_probes > self.anuts_candidates:
+            raise ValueError(
+                f"timesteps.anuts_probes {self.anuts_probes} must be <= timesteps.anuts_candidates "
+                f"{self.anuts_candidates}"
+            )
 
 
 @dataclass
@@ -437,6 +474,7 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
+    timesteps: TimestepsConfig = field(default_factory=TimestepsConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -881,7 +919,9 @@ def describe_config() -> str:
 
 # Sections whose values must match between a checkpoint and the run resuming from it (they define the model,
 # the objective and the curriculum's state); the others (steps, LR, logging, ...) may change on resume.
-RESUME_LOCKED = ("model", "diffusion", "curriculum")
+RESUME_LOCKED = ("model", "diffusion", "curriculum", "timesteps")
+# A checkpoint written before a section existed has that section's defaults.
+_DEFAULTS = {"timesteps": dataclasses.asdict(TimestepsConfig())}
 # Keys of the locked sections that may differ: the initial weights only matter for a fresh start.
 RESUME_FREE = {("model", "init_from"), ("diffusion", "fused_ops")}
 
@@ -891,7 +931,7 @@ def resume_mismatches(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
     now = cfg.to_dict()
     diffs = []
     for sec in RESUME_LOCKED:
-        a, b = saved.get(sec, {}), now[sec]
+        a, b = saved.get(sec, _DEFAULTS.get(sec, {})), now[sec]
         for key in sorted(set(a) | set(b)):
             if (sec, key) in RESUME_FREE:
                 continue

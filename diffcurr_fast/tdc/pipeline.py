@@ -302,7 +302,7 @@ def stage1(cfg: TrainConfig, engine: Any, dataset: Any, verbose: bool, resume: b
         base = build_model(cfg)
         base.load_state_dict(weights)
     base = base.float().to(trainer.device).eval().requires_grad_(True)  # Taylor importance needs its gradients
-    return Stage1(base, trainer.schedule, trainer.objective, trainer.dataset, trainer.device, summary, seconds)
+    return Stage1(base, trainer.formulation, trainer.objective, trainer.dataset, trainer.device, summary, seconds)
 
 
 def search_group(

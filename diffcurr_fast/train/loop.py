@@ -1,12 +1,13 @@
-"""The training loop: curriculum-driven timesteps, fused forward process and loss, AdamW, EMA, checkpoints.
+"""The training loop: sampled timesteps, fused forward process and loss, AdamW, EMA, checkpoints.
 
-One step (``Trainer.train_step``): timesteps t ~ ``Curriculum.timestep_weights()`` (``ops.sample_timesteps``),
-x_t = sqrt(abar_t) x0 + sqrt(1 - abar_t) eps (``ops.q_sample``, Philox noise from a per-step seed), the network
-output, the per-sample loss (``ops.diffusion_loss`` on the same seed: eps / x0 / v target, MinSNR or P2 weight;
-plus the IDDPM variational term when the variance is learned), backward, a finiteness vote across ranks, clip,
-AdamW step, EMA update, and the curriculum observing the loss. Everything random comes from one per-rank
-generator and torch's global RNG (label dropout), both checkpointed, so a resumed run repeats the
-uninterrupted one exactly.
+One step (``Trainer.train_step``): cells k ~ the composed timestep sampler's weights (``timesteps.Product``: the
+formulation's cell prior x the strategy of ``timesteps.sampler`` x the curriculum's unlock mask x a TDC range;
+drawn by ``ops.sample_timesteps``), the per-sample loss of the ``Objective`` at k (the formulation's x_in = a x0 +
+c eps with Philox noise from a per-step seed, the network output, the regression target p x0 + q eps with its
+weight, plus IDDPM's variational term when the variance is learned; ``objective.py``), times the sampler's
+importance correction when it has one, backward, a finiteness vote across ranks, clip, AdamW step, EMA update, and
+the sampler observing the per-sample losses. Everything random comes from one per-rank generator and torch's global
+RNG (label dropout), both checkpointed, so a resumed run repeats the uninterrupted one exactly.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from diffcurr_fast.curriculum import Curriculum, cluster_timesteps
 from diffcurr_fast.diffusion import build_formulation
 from diffcurr_fast.diffusion.axis import trusted_t
 from diffcurr_fast.objective import Objective, draw_seed
@@ -28,6 +28,7 @@ from diffcurr_fast.ops import sample_timesteps
 from diffcurr_fast.runs import checkpoint as ckpt_io
 from diffcurr_fast.runs.config import TrainConfig, config_from_dict, config_to_yaml, resume_mismatches
 from diffcurr_fast.runs.sampling import SamplingInterrupted, build_model, grid_unavailable, sample_grid
+from diffcurr_fast.timesteps.build import build_curriculum, build_timesteps
 from diffcurr_fast.train.data import SHARDED_DATASETS, TrainBatches, build_train_batches, load_init_weights
 from diffcurr_fast.train.ema import EMA
 from diffcurr_fast.train.engine import Engine, build_optimizer, create_engine, unwrap
@@ -94,9 +95,8 @@ class Trainer:
     ):
         """``model``: train this module instead of building one from ``cfg.model`` (e.g. a pruned, heterogeneous
         DiT; its ``config()`` is stored in checkpoints as ``model_config``). ``timestep_range``: sample t only in
-        [lo, hi) (the timestep weights outside are zeroed; needs ``curriculum.pacing`` 'none')."""
+        [lo, hi) (a TDC group: the weights outside are zero; a curriculum's clusters partition the range)."""
         self.cfg = cfg.validate()
-        self._t_mask = _timestep_mask(cfg, timestep_range)
         self.engine = engine or create_engine(cfg.engine.kind, cfg.engine.device)
         self.device = self.engine.device
         self.run_dir = Path(cfg.checkpoint.run_dir)
@@ -130,22 +130,22 @@ class Trainer:
                 self.dataset, cfg.data.batch_size, rank=rank, world=world, seed=e.seed,
                 num_workers=cfg.data.num_workers, pin_memory=self.device.type == "cuda",
             )  # fmt: skip
-        self.schedule = build_formulation(d)
-        self.objective = Objective.from_config(cfg, self.schedule)
-        c = cfg.curriculum
-        # Flow / EDM: the curriculum works on G = num_timesteps cells of t in [0, 1] / of ln(sigma), and t is drawn
-        # inside the sampled cell. EDM keeps its log-normal sigma density (EDM Table 1) within the unlocked cells:
-        # the curriculum weights are multiplied by each cell's prior mass.
-        self._cell_prior = self.schedule.cell_prior(d.num_timesteps)
-        clusters = cluster_timesteps(
-            self.schedule, c.num_clusters, c.method, grid=self.schedule.cell_grid(d.num_timesteps)
+        self.formulation = build_formulation(d)
+        self.objective = Objective.from_config(cfg, self.formulation)
+        # Flow / EDM: the sampler works on G = num_timesteps cells of t in [0, 1] / of ln(sigma), and t is drawn
+        # inside the sampled cell; EDM's log-normal sigma density (EDM Table 1) is the product's cell prior.
+        group = getattr(self.engine, "group", None)  # the ranks of this run
+        self.curriculum = build_curriculum(cfg.curriculum, self.formulation, d.num_timesteps, timestep_range)
+        self.curriculum.process_group = group
+        self.timesteps = build_timesteps(
+            cfg.timesteps,
+            self.formulation,
+            d.num_timesteps,
+            self.curriculum,
+            timestep_range=timestep_range,
+            process_group=group,
+            device=self.device,
         )
-        self.curriculum = Curriculum(
-            clusters, d.num_timesteps, pacing=c.pacing, order=c.order, patience=c.patience, ema=c.ema,
-            min_delta=c.min_delta, stage_iters=c.stage_iters or None, eval_every=c.eval_every,
-            adaptive_floor=c.adaptive_floor,
-        )  # fmt: skip
-        self.curriculum.process_group = getattr(self.engine, "group", None)  # the ranks of this run
         latest = self.start.checkpoint
         # One initialisation on every rank, rank 0's (the EMA copies it before DDP or DeepSpeed broadcast rank 0's
         # weights to the model only); rank 0's own random stream is left as a single-process run has it.
@@ -169,8 +169,6 @@ class Trainer:
         self.skips_in_a_row = 0
         self.first_nan_skip = 0
         self.train_s, self._clock = 0.0, None  # training wall time without evaluations (train_time); checkpointed
-        self._w_src: torch.Tensor | None = None
-        self._w_dev: torch.Tensor | None = None
         self.resumed_from: Path | None = latest
         if latest is not None:
             self.load_state_dict(ckpt_io.load_resume_checkpoint(latest, map_location="cpu"))
@@ -179,29 +177,22 @@ class Trainer:
             open_run_dir(self.start)  # overwrite: clear the old run's files; resume: metrics cut to the checkpoint
             (self.run_dir / "config.yaml").write_text(config_to_yaml(cfg))
 
-    def _timestep_weights(self) -> torch.Tensor:
-        """(G,) sampling weights of the cells: the curriculum's, times the formulation's prior and the range mask
-        (rebuilt only when the curriculum's weights change, so a step makes no host-to-device copy)."""
-        w = self.curriculum.timestep_weights()
-        if w is not self._w_src:
-            dev = w if self._cell_prior is None else (w.double() * self._cell_prior).float()
-            if self._t_mask is not None:
-                dev = dev * self._t_mask  # only [lo, hi) of timestep_range
-            self._w_src, self._w_dev = w, dev.to(self.device)
-        return self._w_dev
-
     # ---- one step (one screen) ------------------------------------------------------------------------
     def train_step(self, x0: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
         """One optimizer step on the per-rank batch (x0 (b, C, H, W), y (b,)); returns step statistics."""
         b, o = x0.shape[0], self.cfg.optim
-        k = sample_timesteps(b, self._timestep_weights(), generator=self.gen, validate=False,
-                             backend=self.backend)  # (b,) cells in the unlocked clusters  # fmt: skip
+        k = sample_timesteps(b, self.timesteps.weights(), generator=self.gen, validate=False,
+                             backend=self.backend)  # (b,) cells of the composed sampler  # fmt: skip
+        lw = self.timesteps.loss_weights(k)  # (b,) importance correction, or None
+        probe = self.timesteps.probe(self.step)  # (cells, n, seed) whose loss decrease the sampler measures, or None
+        before = None if probe is None else self._probe_loss(x0, y, *probe)
         seed, acc, pers = draw_seed(self.gen), o.grad_accum_steps, []
         self.engine.zero_grad(self.opt)
-        for i, (xi, yi, ki) in enumerate(zip(x0.chunk(acc), y.chunk(acc), k.chunk(acc))):  # micro-batches
+        chunks = zip(x0.chunk(acc), y.chunk(acc), k.chunk(acc), (k if lw is None else lw).chunk(acc))
+        for i, (xi, yi, ki, wi) in enumerate(chunks):  # micro-batches
             with self.engine.accumulate(self.net, boundary=i == acc - 1), trusted_t():  # t from the sampler
                 per = self.objective(self.net, xi, yi, ki, seed=seed + i, generator=self.gen)  # (m,)
-                self.engine.backward(per.mean(), acc)
+                self.engine.backward(Objective.mean(per, None if lw is None else wi), acc)
             pers.append(per.detach())
         per = torch.cat(pers)  # (b,)
         loss = per.mean()
@@ -214,8 +205,9 @@ class Trainer:
         if self.engine.step(self.opt, lr_at(self.step, self.cfg), ok):  # every rank steps, or every rank skips
             with self.engine.full_params(self.model):  # ZeRO-3: gathered for the EMA
                 self.ema.update(self.model)
-            self.curriculum.observe_per_timestep(k, per)
-            stats["unlocked"] = self.curriculum.observe(self.step, loss.detach())
+            self.timesteps.observe(k, per, self.step)
+            if probe is not None:
+                self.timesteps.observe_probe(before, self._probe_loss(x0, y, *probe))
             stats["loss"] = loss.detach()
             self.skips_in_a_row = 0
         else:
@@ -223,6 +215,22 @@ class Trainer:
             stats["skipped"] = True
         self.step += 1
         return stats
+
+    def _probe_loss(self, x0: torch.Tensor, y: torch.Tensor, cells: torch.Tensor, n: int, seed: int) -> torch.Tensor:
+        """(P, n) loss at ``cells`` (P,) on the batch's first n samples with noise ``seed``, the model in eval mode
+        and without gradients: the training streams are not touched."""
+        n = min(x0.shape[0], n)
+        xs, ys = x0[:n].repeat(len(cells), 1, 1, 1), y[:n].repeat(len(cells))  # (P n, C, H, W), (P n,)
+        ks = cells.to(x0.device).repeat_interleave(n)  # (P n,)
+        was = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad(), self.engine.full_params(self.model), trusted_t():
+                gen = torch.Generator().manual_seed(seed)
+                per = self.objective(self.model, xs, ys, ks, seed=seed, generator=gen)
+        finally:
+            self.model.train(was)
+        return per.reshape(len(cells), n)
 
     def _skipped(self) -> None:
         """Count a skipped (non-finite) step; NonFiniteLossError when the policy says stop: ``nan_policy`` stop,
@@ -295,7 +303,7 @@ class Trainer:
                 if main and eval_due(self.step, cfg):  # own RNG: the training stream is unchanged
                     self.train_s, self._clock = self.train_time(), None  # the clock stops while it evaluates
                     evaluator = evaluator or Evaluator(cfg, self.run_dir, self.dataset, self.device)
-                    writer.write({**evaluator(self.step, self.ema.module, self.schedule), "train_s": self.train_s})
+                    writer.write({**evaluator(self.step, self.ema.module, self.formulation), "train_s": self.train_s})
                     self._clock = time.perf_counter()
                 if stop.should_stop(self.engine):  # SIGINT / SIGTERM on any rank: checkpoint this step, then stop
                     raise TrainingInterrupted(stop.vote_signal(), self.step, self.save())
@@ -356,7 +364,7 @@ class Trainer:
             with stop:
                 grid = sample_grid(
                     self.ema.module,
-                    self.schedule,
+                    self.formulation,
                     cfg,
                     self.run_dir / "samples.png",
                     self.device,
@@ -398,8 +406,8 @@ class Trainer:
             "model": model_state,
             "ema": self.ema.state_dict(),
             "optimizer": self.engine.optimizer_state(self.opt, self.run_dir, self.step),
-            "lr_schedule": {"step": self.step},
             "curriculum": self.curriculum.state_dict(),
+            "timesteps": self.timesteps.state_dict(),
             "data": self._data_state(),
             "rng": self.engine.gather_objects(self._rng_state()),
             "nan_skips": self.nan_skips,
@@ -429,6 +437,7 @@ class Trainer:
         self.ema.load_state_dict(state["ema"])
         self.engine.load_optimizer_state(self.opt, state["optimizer"], self.run_dir)
         self.curriculum.load_state_dict(state["curriculum"])
+        self.timesteps.load_state_dict(state.get("timesteps", {}))  # a checkpoint of before the strategies: none
         data = state["data"]
         if isinstance(self.loader, TrainBatches):  # every rank continues its own shard's position
             data = data["ranks"][self.engine.rank] if "ranks" in data else data
@@ -455,29 +464,6 @@ class Trainer:
             path = ckpt_io.save_checkpoint(self.run_dir, self.step, state, self.cfg.checkpoint.keep_last)
         self.engine.barrier()
         return path
-
-
-def _timestep_mask(cfg: TrainConfig, timestep_range: tuple[int, int] | None) -> torch.Tensor | None:
-    """(T,) float32 indicator of [lo, hi), or None without a range; ValueError for a bad range."""
-    if timestep_range is None:
-        return None
-    t = cfg.diffusion.num_timesteps
-    try:
-        lo, hi = (int(v) for v in timestep_range)
-    except (TypeError, ValueError):
-        raise ValueError(f"timestep_range must be a (lo, hi) pair of ints, got {timestep_range!r}") from None
-    if not 0 <= lo < hi <= t:
-        raise ValueError(
-            f"timestep_range {timestep_range!r} must satisfy 0 <= lo < hi <= {t} (diffusion.num_timesteps)"
-        )
-    if cfg.curriculum.pacing != "none":
-        raise ValueError(
-            f"timestep_range needs curriculum.pacing 'none', got {cfg.curriculum.pacing!r} (the unlocked clusters "
-            "could miss the range)"
-        )
-    mask = torch.zeros(t, dtype=torch.float32)
-    mask[lo:hi] = 1.0
-    return mask
 
 
 def _check_given_model(model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
