@@ -18,7 +18,7 @@ def test_digits():
     x, y = load_digits_tensors()
     assert x.shape == (1797, 1, 8, 8) and y.shape == (1797,) and x.dtype == torch.float32
     assert float(x.min()) == -1.0 and float(x.max()) == 1.0 and set(y.tolist()) == set(range(10))
-    with pytest.raises(ValueError, match="unknown built-in dataset 'mnist'; choose one of \\('digits',\\)"):
+    with pytest.raises(ValueError, match="unknown built-in dataset 'mnist'; choose one of \\('digits', 'mnist5k'\\)"):
         load_builtin("mnist")
 
 

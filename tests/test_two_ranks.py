@@ -116,8 +116,8 @@ STUDY_SCRIPT = textwrap.dedent(
     import json, os, sys
     from diffcurr_fast.study import runner
 
-    writes, real = [], runner._write_json
-    runner._write_json = lambda data, path: writes.append(str(path)) or real(data, path)
+    writes, real = [], runner.write_json
+    runner.write_json = lambda data, path, **kw: writes.append(str(path)) or real(data, path, **kw)
     runner.main(sys.argv[1:-1])
     with open(f"{sys.argv[-1]}.{os.environ['RANK']}.json", "w") as fh:
         json.dump({"writes": writes}, fh)

@@ -189,6 +189,8 @@ def sample(
 def has_null_label(model: nn.Module) -> bool:
     """Whether every label embedding of ``model`` has the null label that classifier-free guidance needs (a DiT
     trained with label dropout; Ho & Salimans 2022)."""
+    if not isinstance(model, nn.Module):  # a plain callable (e.g. a routing wrapper): nothing to inspect
+        return True
     tables = [m for m in model.modules() if isinstance(m, LabelEmbedder)]
     return all(t.embedding_table.num_embeddings > t.num_classes for t in tables)
 

@@ -348,7 +348,8 @@ def _git_commit(path: str | Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """The worker: ``python -m diffcurr_fast.study.speedrun STUDY_DIR PEER_DIT_PATH [THREADS]``."""
-    from diffcurr_fast.study.runner import _write_json, load_study
+    from diffcurr_fast._files import write_json
+    from diffcurr_fast.study.runner import load_study
     from diffcurr_fast.study.spec import arm_config
 
     argv = sys.argv[1:] if argv is None else argv
@@ -358,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     arm = spec.arm(spec.speedrun["official_arm"])
     cfg = arm_config(spec, arm, spec.seeds[0], study_dir / "steptime-run", threads)
     res = measure_step_times(cfg, peer)
-    _write_json(res, study_dir / STEP_TIME_FILE)
+    write_json(res, study_dir / STEP_TIME_FILE, indent=1)
     print(json.dumps(res), flush=True)
     return 0
 
