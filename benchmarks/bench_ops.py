@@ -60,8 +60,22 @@ PASSES = ("fwd", "bwd", "fwd+bwd")
 LOSS_CASES = ("full_loss_path", "q_sample", "diffusion_loss")
 BLOCK_CASES = ("randn", "sample_timesteps", "adaln_modulate", "gated_residual", "gelu_tanh")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-COLUMNS = ["op", "mode", "pass", "provider", "size", "dtype", "median_ms", "p20_ms", "p80_ms", "gbps", "pct_copy",
-           "x_vs_torch-eager", "x_vs_compile(torch-eager)", "compile_s"]  # fmt: skip
+COLUMNS = [
+    "op",
+    "mode",
+    "pass",
+    "provider",
+    "size",
+    "dtype",
+    "median_ms",
+    "p20_ms",
+    "p80_ms",
+    "gbps",
+    "pct_copy",
+    "x_vs_torch-eager",
+    "x_vs_compile(torch-eager)",
+    "compile_s",
+]
 
 
 class Provider:
@@ -241,9 +255,13 @@ def minimal_passes(case: str, pass_: str, mode: str, prediction: str) -> int:
     q = 2 + noise  # read x0 (and the noise), write x_t
     loss_in = 1 + (prediction != "eps") + (noise if prediction != "x0" else 0)  # pred, x0 unless eps, the noise
     loss = {"fwd": loss_in, "bwd": 1, "fwd+bwd": loss_in + 1}[pass_]  # + the gradient write
-    block = {"randn": {"fwd": 1}, "sample_timesteps": {"fwd": 0}, "adaln_modulate": {"fwd": 2, "bwd": 3, "fwd+bwd": 5},
-             "gated_residual": {"fwd": 3, "bwd": 3, "fwd+bwd": 6},
-             "gelu_tanh": {"fwd": 2, "bwd": 3, "fwd+bwd": 5}}  # fmt: skip
+    block = {
+        "randn": {"fwd": 1},
+        "sample_timesteps": {"fwd": 0},
+        "adaln_modulate": {"fwd": 2, "bwd": 3, "fwd+bwd": 5},
+        "gated_residual": {"fwd": 3, "bwd": 3, "fwd+bwd": 6},
+        "gelu_tanh": {"fwd": 2, "bwd": 3, "fwd+bwd": 5},
+    }
     if case == "q_sample":
         return q
     if case == "diffusion_loss":
@@ -379,8 +397,10 @@ def main(argv: list[str] | None = None) -> int:
     info = common.run_info(device)
     info["host_memory"] = "glibc default" if args.glibc_malloc or not retain_host_memory() else "retained"
     dram = common.copy_bandwidth(device, nbytes=(args.copy_mib or (32 if args.quick else 512)) * 2**20)
-    print(f"{info['machine']} | torch {info['torch']} | {info['git_rev']} | {args.dtype} | large-buffer copy "
-          f"{dram:.1f} GB/s | host memory {info['host_memory']} | backends {', '.join(backends)}")  # fmt: skip
+    print(
+        f"{info['machine']} | torch {info['torch']} | {info['git_rev']} | {args.dtype} | large-buffer copy "
+        f"{dram:.1f} GB/s | host memory {info['host_memory']} | backends {', '.join(backends)}"
+    )
     run_id = time.strftime("%Y%m%d-%H%M%S")
     rows: list[dict[str, object]] = []
     csv_path = args.out / "ops.csv"
@@ -401,21 +421,37 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             med, p20, p80 = common.percentiles(ts)
             gbps = nbytes / med / 1e9 if nbytes else None
-            row = {**info, "run_id": run_id, "device": device.type, "op": case, "mode": mode, "pass": pass_,
-                   "provider": name, "size": size, "dtype": args.dtype, "median_ms": f"{med * 1e3:.4f}",
-                   "p20_ms": f"{p20 * 1e3:.4f}", "p80_ms": f"{p80 * 1e3:.4f}",
-                   "gbps": f"{gbps:.2f}" if gbps else "", "copy_gbps": f"{copy_gbps:.2f}",
-                   "pct_copy": f"{100 * gbps / copy_gbps:.1f}" if gbps else "",
-                   "x_vs_torch-eager": f"{meds['torch-eager'] / med:.2f}",
-                   "x_vs_compile(torch-eager)": f"{meds['compile(torch-eager)'] / med:.2f}"
-                   if "compile(torch-eager)" in meds else "",
-                   "compile_s": f"{providers[name].compile_s:.1f}" if providers[name].compile_s else "",
-                   "dram_copy_gbps": f"{dram:.2f}", "quick": int(args.quick)}  # fmt: skip
+            row = {
+                **info,
+                "run_id": run_id,
+                "device": device.type,
+                "op": case,
+                "mode": mode,
+                "pass": pass_,
+                "provider": name,
+                "size": size,
+                "dtype": args.dtype,
+                "median_ms": f"{med * 1e3:.4f}",
+                "p20_ms": f"{p20 * 1e3:.4f}",
+                "p80_ms": f"{p80 * 1e3:.4f}",
+                "gbps": f"{gbps:.2f}" if gbps else "",
+                "copy_gbps": f"{copy_gbps:.2f}",
+                "pct_copy": f"{100 * gbps / copy_gbps:.1f}" if gbps else "",
+                "x_vs_torch-eager": f"{meds['torch-eager'] / med:.2f}",
+                "x_vs_compile(torch-eager)": f"{meds['compile(torch-eager)'] / med:.2f}"
+                if "compile(torch-eager)" in meds
+                else "",
+                "compile_s": f"{providers[name].compile_s:.1f}" if providers[name].compile_s else "",
+                "dram_copy_gbps": f"{dram:.2f}",
+                "quick": int(args.quick),
+            }
             new.append(row)
-            print(f"  {case:15s} {mode:5s} {pass_:8s} {name:21s} {med * 1e3:9.3f} ms [{p20 * 1e3:.3f}, "
-                  f"{p80 * 1e3:.3f}] {row['gbps'] or '-':>7} GB/s {row['pct_copy'] or '-':>6}% copy  "
-                  f"x{row['x_vs_torch-eager']} eager  x{row['x_vs_compile(torch-eager)'] or '-'} compile"
-                  + (f"  (compile {row['compile_s']} s)" if row["compile_s"] else ""))  # fmt: skip
+            print(
+                f"  {case:15s} {mode:5s} {pass_:8s} {name:21s} {med * 1e3:9.3f} ms [{p20 * 1e3:.3f}, "
+                f"{p80 * 1e3:.3f}] {row['gbps'] or '-':>7} GB/s {row['pct_copy'] or '-':>6}% copy  "
+                f"x{row['x_vs_torch-eager']} eager  x{row['x_vs_compile(torch-eager)'] or '-'} compile"
+                + (f"  (compile {row['compile_s']} s)" if row["compile_s"] else "")
+            )
         common.append_csv(csv_path, new)
         rows.extend(new)
 
@@ -446,8 +482,15 @@ def main(argv: list[str] | None = None) -> int:
             leaf = leaves.get(case)
             for pass_ in ("fwd",) if leaf is None else PASSES:
                 times = run_rotation(cases[case], leaf, pass_, numel[case], device, reps, warmup)
-                record(case, "-", pass_, "x".join(map(str, args.block)) if leaf is not None else "B=256 x 4x32x32",
-                       times, cases[case], numel[case])  # fmt: skip
+                record(
+                    case,
+                    "-",
+                    pass_,
+                    "x".join(map(str, args.block)) if leaf is not None else "B=256 x 4x32x32",
+                    times,
+                    cases[case],
+                    numel[case],
+                )
     write_markdown(csv_path, args.out / "ops.md")
     print_targets(rows)
     return 0
@@ -491,8 +534,11 @@ def write_markdown(csv_path: Path, md_path: Path) -> None:
         "one tensor of the same size timed in the same rotation. `x_vs_*` are speedups (higher is better).",
     ]
     for (machine, device, dtype), run_id in sorted(latest.items()):
-        sel = [r for r in rows if (r["machine"], r["device"], r.get("dtype", "fp32")) == (machine, device, dtype)
-               and r["run_id"] == run_id]  # fmt: skip
+        sel = [
+            r
+            for r in rows
+            if (r["machine"], r["device"], r.get("dtype", "fp32")) == (machine, device, dtype) and r["run_id"] == run_id
+        ]
         first = sel[0]
         parts += [
             "",

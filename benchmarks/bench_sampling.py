@@ -62,9 +62,14 @@ def build_base(args: argparse.Namespace, learn_sigma: bool) -> DiT:
         model = create_dit(args.preset, input_size=args.input_size, **common_kw)
     else:
         model = DiT(
-            input_size=args.input_size, patch_size=args.patch_size, in_channels=4, hidden_size=args.hidden,
-            depth=args.depth, num_heads=args.heads, **common_kw,
-        )  # fmt: skip
+            input_size=args.input_size,
+            patch_size=args.patch_size,
+            in_channels=4,
+            hidden_size=args.hidden,
+            depth=args.depth,
+            num_heads=args.heads,
+            **common_kw,
+        )
     with torch.no_grad():  # non-zero adaLN / output weights so every layer does real work
         for p in model.parameters():
             if p.requires_grad:
@@ -82,8 +87,12 @@ def bench_formulation(name: str, sampler: str, args: argparse.Namespace, device:
     groups = make_groups(form, args.groups, args.k, f, num_cells=NUM_CELLS)
     importance = importance_scores(base, "magnitude")
     experts = [prune_to_budget(base, g.flops, importance).eval() for g in groups]
-    multi = MultiExpertDenoiser(experts, [(g.lo, g.hi) for g in groups], groups=[g.to_dict() for g in groups],
-                                input_edges=form.cell_input_edges(NUM_CELLS))  # fmt: skip
+    multi = MultiExpertDenoiser(
+        experts,
+        [(g.lo, g.hi) for g in groups],
+        groups=[g.to_dict() for g in groups],
+        input_edges=form.cell_input_edges(NUM_CELLS),
+    )
     y = torch.arange(args.batch, device=device) % args.num_classes
     kw = dict(
         sampler=sampler,
@@ -148,8 +157,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small DiT, 10 steps, 3 repeats")
     ap.add_argument("--formulations", default="ddpm,flow,edm", help="comma-separated: ddpm, flow, edm")
-    ap.add_argument("--samplers", default="", help="comma-separated, one per formulation (default: ddim, euler, "
-                    "heun for ddpm, flow, edm)")  # fmt: skip
+    ap.add_argument(
+        "--samplers",
+        default="",
+        help="comma-separated, one per formulation (default: ddim, euler, heun for ddpm, flow, edm)",
+    )
     ap.add_argument("--preset", default=None, help="DiT preset name (e.g. DiT-S/2) instead of --hidden/--depth")
     ap.add_argument("--hidden", type=int, default=384)
     ap.add_argument("--depth", type=int, default=8)
@@ -163,8 +175,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--cfg", type=float, default=1.0, help="classifier-free guidance scale (1: off)")
-    ap.add_argument("--compile-mode", default=None, choices=COMPILE_MODES,
-                    help="default: reduce-overhead (CUDA graphs) on a GPU, default on the CPU")  # fmt: skip
+    ap.add_argument(
+        "--compile-mode",
+        default=None,
+        choices=COMPILE_MODES,
+        help="default: reduce-overhead (CUDA graphs) on a GPU, default on the CPU",
+    )
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")

@@ -55,20 +55,40 @@ from diffcurr_fast.data.loader import ArrayDataset  # noqa: E402
 from diffcurr_fast.runs.config import load_config  # noqa: E402
 from diffcurr_fast.tdc.flops import dit_flops  # noqa: E402
 
-COLUMNS = ["provider", "model", "batch", "precision", "device", "ms_median", "ms_p20", "ms_p80", "img_per_s",
-           "model_tflop_s", "mfu_pct", "machine", "date", "torch", "git_rev"]  # fmt: skip
+COLUMNS = [
+    "provider",
+    "model",
+    "batch",
+    "precision",
+    "device",
+    "ms_median",
+    "ms_p20",
+    "ms_p80",
+    "img_per_s",
+    "model_tflop_s",
+    "mfu_pct",
+    "machine",
+    "date",
+    "torch",
+    "git_rev",
+]
 PROVIDERS = ("reference", "fused", "fused+compile", "official", "official+malloc")
 
 
 def _config(provider: str, args: argparse.Namespace, run_dir: str):
     overrides = [
-        f"checkpoint.run_dir={run_dir}", f"data.batch_size={args.batch}", f"engine.device={args.device}",
+        f"checkpoint.run_dir={run_dir}",
+        f"data.batch_size={args.batch}",
+        f"engine.device={args.device}",
         f"engine.precision={args.precision}",
         "diffusion.ops_backend=" + ("reference" if provider == "reference" else "auto"),
-        f"engine.compile={str(provider.endswith('compile')).lower()}", "logging.progress=false",
-        "data.dataset=digits", "data.path=", "data.num_workers=0",  # random data of the model's shape is passed in
+        f"engine.compile={str(provider.endswith('compile')).lower()}",
+        "logging.progress=false",
+        "data.dataset=digits",
+        "data.path=",
+        "data.num_workers=0",  # random data of the model's shape is passed in
         *args.overrides,
-    ]  # fmt: skip
+    ]
     return load_config(args.recipe, overrides)
 
 
@@ -124,13 +144,23 @@ def _official(provider: str, args: argparse.Namespace, profile: bool):
         torch.set_num_threads(e.cpu_threads)
     device = torch.device(args.device)
     step_fn, info = peer_dit.official_step(
-        args.peer_dit, preset=m.preset, input_size=m.input_size, in_channels=m.in_channels,
-        num_classes=m.num_classes, seed=e.seed, label=sb.labelled if profile else None,
-    )  # fmt: skip
+        args.peer_dit,
+        preset=m.preset,
+        input_size=m.input_size,
+        in_channels=m.in_channels,
+        num_classes=m.num_classes,
+        seed=e.seed,
+        label=sb.labelled if profile else None,
+    )
     info["model"].to(device)
     g = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(args.batch, m.in_channels, m.input_size, m.input_size, generator=g).to(device),
-                torch.randint(0, m.num_classes, (args.batch,), generator=g).to(device)) for _ in range(4)]  # fmt: skip
+    batches = [
+        (
+            torch.randn(args.batch, m.in_channels, m.input_size, m.input_size, generator=g).to(device),
+            torch.randint(0, m.num_classes, (args.batch,), generator=g).to(device),
+        )
+        for _ in range(4)
+    ]
     state = {"i": 0}
 
     def step():
@@ -139,8 +169,10 @@ def _official(provider: str, args: argparse.Namespace, profile: bool):
         step_fn(a, b)
 
     if info["timm_stubbed"]:
-        print("official: timm is not installed; its PatchEmbed / Attention / Mlp are stubbed (peer_dit.py)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "official: timm is not installed; its PatchEmbed / Attention / Mlp are stubbed (peer_dit.py)",
+            file=sys.stderr,
+        )
     return step, device, m.preset
 
 
@@ -162,10 +194,17 @@ def bench(provider: str, args: argparse.Namespace) -> dict[str, object]:
         times = common.measure(timed, device=device, warmup=args.warmup, reps=args.reps)
         med, p20, p80 = common.percentiles(times)
         row = {
-            "provider": provider, "model": model, "batch": args.batch, "precision": args.precision,
-            "device": args.device, "ms_median": round(med * 1e3, 3), "ms_p20": round(p20 * 1e3, 3),
-            "ms_p80": round(p80 * 1e3, 3), "img_per_s": round(args.batch / med, 1), **common.run_info(args.device),
-        }  # fmt: skip
+            "provider": provider,
+            "model": model,
+            "batch": args.batch,
+            "precision": args.precision,
+            "device": args.device,
+            "ms_median": round(med * 1e3, 3),
+            "ms_p20": round(p20 * 1e3, 3),
+            "ms_p80": round(p80 * 1e3, 3),
+            "img_per_s": round(args.batch / med, 1),
+            **common.run_info(args.device),
+        }
         flops = getattr(step, "model_flops", None)  # the DiT's analytic matmul FLOPs (tdc.flops), ours only
         row["model_tflop_s"] = round(flops / med / 1e12, 3) if flops else ""
         row["mfu_pct"] = round(100 * flops / med / 1e12 / args.peak_tflops, 2) if flops and args.peak_tflops else ""
@@ -180,14 +219,21 @@ def bench(provider: str, args: argparse.Namespace) -> dict[str, object]:
 
 def _print(provider: str, res: dict[str, object]) -> None:
     row = res["row"]
-    print(f"{provider:>15}: {row['ms_median']:.2f} ms/step (p20 {row['ms_p20']:.2f}, p80 {row['ms_p80']:.2f}), "
-          f"{row['img_per_s']:.0f} img/s, {res['faults_per_step']} page faults/step"
-          + (f", {row['model_tflop_s']} TFLOP/s" if row.get("model_tflop_s") else "")
-          + (f", MFU {row['mfu_pct']}%" if row.get("mfu_pct") else ""), flush=True)  # fmt: skip
+    print(
+        f"{provider:>15}: {row['ms_median']:.2f} ms/step (p20 {row['ms_p20']:.2f}, p80 {row['ms_p80']:.2f}), "
+        f"{row['img_per_s']:.0f} img/s, {res['faults_per_step']} page faults/step"
+        + (f", {row['model_tflop_s']} TFLOP/s" if row.get("model_tflop_s") else "")
+        + (f", MFU {row['mfu_pct']}%" if row.get("mfu_pct") else ""),
+        flush=True,
+    )
     if "breakdown" in res:
-        print("  " + sb.format_breakdown(provider, res["breakdown"], res["flops"], res["gemm_rate"], res["gemm_flops"],
-                                         row["ms_median"]).replace(
-            "\n", "\n  "), flush=True)  # fmt: skip
+        print(
+            "  "
+            + sb.format_breakdown(
+                provider, res["breakdown"], res["flops"], res["gemm_rate"], res["gemm_flops"], row["ms_median"]
+            ).replace("\n", "\n  "),
+            flush=True,
+        )
 
 
 def compiled_step(args: argparse.Namespace) -> list[dict[str, object]]:
@@ -291,15 +337,26 @@ def compiled_step(args: argparse.Namespace) -> list[dict[str, object]]:
             r50, r20, r80 = common.percentiles([a / b for a, b in zip(plain, per_rep[label])])
             name = f"compiled step, {label}, {mode} noise"
             first = max(steps[(mode, label, i)][1] for i in (0, 1))
-            print(f"{name:>42}: {med * 1e3:.2f} ms/step (p20 {p20 * 1e3:.2f}, p80 {p80 * 1e3:.2f}), "
-                  f"x{r50:.3f} the plain-torch loss (paired, p20 {r20:.3f}, p80 {r80:.3f}), "
-                  f"first call {first:.1f} s")  # fmt: skip
-            rows.append({
-                "provider": name, "model": model, "batch": args.batch, "precision": "fp32", "device": args.device,
-                "ms_median": round(med * 1e3, 3), "ms_p20": round(p20 * 1e3, 3), "ms_p80": round(p80 * 1e3, 3),
-                "img_per_s": round(args.batch / med, 1), "x_vs_plain_paired": round(r50, 3),
-                **common.run_info(args.device),
-            })  # fmt: skip
+            print(
+                f"{name:>42}: {med * 1e3:.2f} ms/step (p20 {p20 * 1e3:.2f}, p80 {p80 * 1e3:.2f}), "
+                f"x{r50:.3f} the plain-torch loss (paired, p20 {r20:.3f}, p80 {r80:.3f}), "
+                f"first call {first:.1f} s"
+            )
+            rows.append(
+                {
+                    "provider": name,
+                    "model": model,
+                    "batch": args.batch,
+                    "precision": "fp32",
+                    "device": args.device,
+                    "ms_median": round(med * 1e3, 3),
+                    "ms_p20": round(p20 * 1e3, 3),
+                    "ms_p80": round(p80 * 1e3, 3),
+                    "img_per_s": round(args.batch / med, 1),
+                    "x_vs_plain_paired": round(r50, 3),
+                    **common.run_info(args.device),
+                }
+            )
     return rows
 
 
@@ -318,10 +375,19 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="instead: the step's forward compiled whole (fullgraph), our ops against the plain-torch loss",
     )
-    p.add_argument("--peer-dit", default=None, metavar="PATH", help="a facebookresearch/DiT checkout: adds the "
-                   "official step (and official+malloc) as providers")  # fmt: skip
-    p.add_argument("--peak-tflops", type=float, default=0.0, help="the device's peak rate at this precision "
-                   "(TFLOP/s; e.g. 989 for an H100/H200 in dense bf16): adds the MFU column")  # fmt: skip
+    p.add_argument(
+        "--peer-dit",
+        default=None,
+        metavar="PATH",
+        help="a facebookresearch/DiT checkout: adds the official step (and official+malloc) as providers",
+    )
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=0.0,
+        help="the device's peak rate at this precision "
+        "(TFLOP/s; e.g. 989 for an H100/H200 in dense bf16): adds the MFU column",
+    )
     p.add_argument("--providers", default=None, help=f"comma-separated subset of {', '.join(PROVIDERS)}")
     p.add_argument("--profile", action="store_true", help="print the step-time breakdown of each provider")
     p.add_argument("--profile-steps", type=int, default=2, help="steps profiled per provider (--profile)")

@@ -23,23 +23,131 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-CATEGORIES = ("gemm", "attention", "elementwise", "norm", "copy", "fused ops", "compiled kernels", "optimizer", "ema",
-              "data+timesteps", "other ops", "unattributed")  # fmt: skip
+CATEGORIES = (
+    "gemm",
+    "attention",
+    "elementwise",
+    "norm",
+    "copy",
+    "fused ops",
+    "compiled kernels",
+    "optimizer",
+    "ema",
+    "data+timesteps",
+    "other ops",
+    "unattributed",
+)
 LABELS = {"timesteps": "data+timesteps", "forward process": "data+timesteps", "ema": "ema", "clip": "optimizer"}
 
-_GEMM = {"mm", "addmm", "bmm", "baddbmm", "addmv", "mv", "matmul", "linear", "mkldnn_convolution",
-         "convolution_backward", "_convolution", "convolution", "mkldnn_linear"}  # fmt: skip
+_GEMM = {
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "addmv",
+    "mv",
+    "matmul",
+    "linear",
+    "mkldnn_convolution",
+    "convolution_backward",
+    "_convolution",
+    "convolution",
+    "mkldnn_linear",
+}
 _NORM = {"native_layer_norm", "native_layer_norm_backward", "layer_norm", "native_group_norm"}
-_COPY = {"copy_", "clone", "_to_copy", "contiguous", "cat", "stack", "_unsafe_view_copy", "index_select",
-         "constant_pad_nd", "as_strided_scatter", "slice_backward", "select_backward", "fill_", "zero_", "zeros",
-         "zeros_like", "empty_like", "new_zeros", "full", "ones_like", "full_like"}  # fmt: skip
-_ELEMENTWISE = {"gelu", "gelu_backward", "silu", "silu_backward", "mul", "mul_", "add", "add_", "sub", "sub_", "div",
-                "div_", "neg", "exp", "log", "pow", "sqrt", "rsqrt", "tanh", "tanh_backward", "sigmoid", "where",
-                "clamp", "clamp_min", "abs", "sum", "mean", "lerp_", "addcmul_", "addcdiv_", "maximum", "minimum",
-                "exp_", "expm1", "log1p", "erf", "erfc", "square", "reciprocal", "sign", "lt", "gt", "ge", "le", "eq",
-                "ne", "logical_and", "logical_or", "bitwise_and", "isfinite", "isinf", "isnan", "any", "all", "max",
-                "min", "softplus", "threshold_backward", "relu", "mse_loss", "mse_loss_backward", "norm",
-                "linalg_vector_norm", "_foreach_norm", "floor", "round", "cos", "sin"}  # fmt: skip
+_COPY = {
+    "copy_",
+    "clone",
+    "_to_copy",
+    "contiguous",
+    "cat",
+    "stack",
+    "_unsafe_view_copy",
+    "index_select",
+    "constant_pad_nd",
+    "as_strided_scatter",
+    "slice_backward",
+    "select_backward",
+    "fill_",
+    "zero_",
+    "zeros",
+    "zeros_like",
+    "empty_like",
+    "new_zeros",
+    "full",
+    "ones_like",
+    "full_like",
+}
+_ELEMENTWISE = {
+    "gelu",
+    "gelu_backward",
+    "silu",
+    "silu_backward",
+    "mul",
+    "mul_",
+    "add",
+    "add_",
+    "sub",
+    "sub_",
+    "div",
+    "div_",
+    "neg",
+    "exp",
+    "log",
+    "pow",
+    "sqrt",
+    "rsqrt",
+    "tanh",
+    "tanh_backward",
+    "sigmoid",
+    "where",
+    "clamp",
+    "clamp_min",
+    "abs",
+    "sum",
+    "mean",
+    "lerp_",
+    "addcmul_",
+    "addcdiv_",
+    "maximum",
+    "minimum",
+    "exp_",
+    "expm1",
+    "log1p",
+    "erf",
+    "erfc",
+    "square",
+    "reciprocal",
+    "sign",
+    "lt",
+    "gt",
+    "ge",
+    "le",
+    "eq",
+    "ne",
+    "logical_and",
+    "logical_or",
+    "bitwise_and",
+    "isfinite",
+    "isinf",
+    "isnan",
+    "any",
+    "all",
+    "max",
+    "min",
+    "softplus",
+    "threshold_backward",
+    "relu",
+    "mse_loss",
+    "mse_loss_backward",
+    "norm",
+    "linalg_vector_norm",
+    "_foreach_norm",
+    "floor",
+    "round",
+    "cos",
+    "sin",
+}
 
 
 def labelled(name: str, fn: Callable) -> Callable:
@@ -58,8 +166,12 @@ def _op_category(name: str) -> str:
     ns = name.split("::", 1)[0] if "::" in name else ""
     if ns == "diffcurr_fast" or base.startswith("diffcurr"):
         return "fused ops"
-    if "scaled_dot_product" in base or "flash_attention" in base or "efficient_attention" in base or base in (
-        "_softmax", "_softmax_backward_data", "softmax", "_safe_softmax"):  # fmt: skip
+    if (
+        "scaled_dot_product" in base
+        or "flash_attention" in base
+        or "efficient_attention" in base
+        or base in ("_softmax", "_softmax_backward_data", "softmax", "_safe_softmax")
+    ):
         return "attention"
     if base in _GEMM:
         return "gemm"
@@ -131,8 +243,10 @@ class _GemmRecorder(TorchDispatchMode):
             fwd = 4.0 * b * h * n * k.shape[2] * d  # q k^T and p v
             self.attention_flops += 2 * fwd if "backward" in name else fwd  # dV, dP, dQ, dK
         if str(func) in self.OPS:
-            sig = tuple((tuple(a.shape), tuple(a.stride()), a.dtype, a.device.type) if isinstance(a, torch.Tensor)
-                        else a for a in args)  # fmt: skip
+            sig = tuple(
+                (tuple(a.shape), tuple(a.stride()), a.dtype, a.device.type) if isinstance(a, torch.Tensor) else a
+                for a in args
+            )
             self.calls[(str(func), sig, tuple(sorted(kwargs.items())))] += 1
         return func(*args, **kwargs)
 
@@ -170,8 +284,9 @@ def _materialize(spec, device):
     return spec
 
 
-def gemm_rate(calls: Counter, device: torch.device | str = "cpu", reps: int = 3,
-              sync: Callable[[], None] = lambda: None) -> tuple[float, float]:  # fmt: skip
+def gemm_rate(
+    calls: Counter, device: torch.device | str = "cpu", reps: int = 3, sync: Callable[[], None] = lambda: None
+) -> tuple[float, float]:
     """(GFLOP/s, GEMM FLOPs) of the step's GEMM calls run alone (same shapes / strides) into preallocated outputs."""
     total_flops, total_s = 0.0, 0.0
     for (op, sig, kw), count in calls.items():
@@ -192,8 +307,9 @@ def gemm_rate(calls: Counter, device: torch.device | str = "cpu", reps: int = 3,
     return (total_flops / total_s / 1e9 if total_s else float("nan")), total_flops
 
 
-def format_breakdown(name: str, br: dict[str, float], flops: float, rate: float, gemm_flops: float,
-                     step_ms: float) -> str:  # fmt: skip
+def format_breakdown(
+    name: str, br: dict[str, float], flops: float, rate: float, gemm_flops: float, step_ms: float
+) -> str:
     """A few printed lines: ms and share per category (of the profiled step), the GEMMs' rate inside the step,
     and the achieved GFLOP/s of the timed step (``step_ms``) as a fraction of the in-run GEMM rate."""
     total = br["total"]
@@ -201,7 +317,8 @@ def format_breakdown(name: str, br: dict[str, float], flops: float, rate: float,
     achieved = flops / (step_ms / 1e3) / 1e9
     limit_ms = flops / (rate * 1e9) * 1e3
     inside = gemm_flops / (br["gemm"] / 1e3) / 1e9 if br["gemm"] else float("nan")
-    return (f"{name}: {flops / 1e9:.1f} GFLOP/step, {achieved:.1f} GFLOP/s achieved = {achieved / rate:.2f} of the "
-            f"in-run GEMM rate {rate:.1f} GFLOP/s (limit {limit_ms:.0f} ms/step, {step_ms / limit_ms:.2f}x away); "
-            f"GEMMs inside the step {inside:.1f} GFLOP/s\n  profiled {total:.1f} ms/step: "
-            + ", ".join(parts))  # fmt: skip
+    return (
+        f"{name}: {flops / 1e9:.1f} GFLOP/step, {achieved:.1f} GFLOP/s achieved = {achieved / rate:.2f} of the "
+        f"in-run GEMM rate {rate:.1f} GFLOP/s (limit {limit_ms:.0f} ms/step, {step_ms / limit_ms:.2f}x away); "
+        f"GEMMs inside the step {inside:.1f} GFLOP/s\n  profiled {total:.1f} ms/step: " + ", ".join(parts)
+    )

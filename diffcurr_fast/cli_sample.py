@@ -37,10 +37,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=50, help="sampling steps (default: 50)")
     parser.add_argument("--cfg", type=float, default=1.0, help="classifier-free guidance scale (1 = off)")
     # --num-samples first: under torchrun, "--num" is taken for an abbreviation of torchrun's own --numa-binding
-    parser.add_argument("--num-samples", "--num", dest="num", type=int, default=64,
-                        help="number of samples (default: 64)")  # fmt: skip
-    parser.add_argument("--batch-size", type=int, default=64,
-                        help="samples drawn per model batch (default: 64); under torchrun, per rank")  # fmt: skip
+    parser.add_argument(
+        "--num-samples", "--num", dest="num", type=int, default=64, help="number of samples (default: 64)"
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=64,
+        help="samples drawn per model batch (default: 64); under torchrun, per rank",
+    )
     parser.add_argument("--labels", default=None, help="comma-separated class labels, cycled (default: 0, 1, ...)")
     parser.add_argument("--out", required=True, help="output file: .png (grid) or .npz")
     parser.add_argument("--weights", default="ema", choices=("ema", "model"), help="EMA (default) or raw weights")
@@ -117,8 +122,11 @@ def run(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda requested but no CUDA device is available; use cpu or auto")
     rank, world, dist_device = _distributed()
-    device = dist_device or torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                                         ("cpu" if args.device == "auto" else args.device))  # fmt: skip
+    device = dist_device or torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
     if getattr(args, "bundle", None):  # a TDC bundle holds the experts' (EMA) weights and the training config
         # imported here, not at the top: keeps --help free of torch
         from diffcurr_fast.tdc.pipeline import load_bundle_with_config
@@ -140,8 +148,10 @@ def run(args: argparse.Namespace) -> int:
     if args.vae and cfg.data.dataset in ("digits", "images"):
         raise ValueError(f"--vae decodes latents, but this model was trained on data.dataset {cfg.data.dataset!r}")
     if out.suffix == ".png" and m.in_channels not in (1, 3) and not args.vae:
-        raise ValueError(f"a PNG grid needs 1- or 3-channel data, this model has {m.in_channels}; write .npz or "
-                         "decode latents with --vae")  # fmt: skip
+        raise ValueError(
+            f"a PNG grid needs 1- or 3-channel data, this model has {m.in_channels}; write .npz or "
+            "decode latents with --vae"
+        )
     vae = load_decoder(args.vae, device) if args.vae else None
     if "model" in state:  # a pruned (heterogeneous) expert's checkpoint records its own architecture
         if "model_config" in state:
@@ -173,11 +183,22 @@ def run(args: argparse.Namespace) -> int:
     parts: dict[int, Any] = {}
     for b, sl in tqdm(mine, desc="sampling", unit="batch", disable=rank != 0, dynamic_ncols=True):
         x = sample_batch(
-            model, schedule, labels=labels[sl], batch=b, seed=args.seed, sampler=args.sampler, steps=args.steps,
-            channels=m.in_channels, size=m.input_size, num_classes=m.num_classes,
-            learn_sigma=cfg.diffusion.learn_sigma, prediction=cfg.diffusion.prediction, cfg_scale=args.cfg,
-            clip_denoised=pixel_range(cfg), device=device,
-        )  # fmt: skip
+            model,
+            schedule,
+            labels=labels[sl],
+            batch=b,
+            seed=args.seed,
+            sampler=args.sampler,
+            steps=args.steps,
+            channels=m.in_channels,
+            size=m.input_size,
+            num_classes=m.num_classes,
+            learn_sigma=cfg.diffusion.learn_sigma,
+            prediction=cfg.diffusion.prediction,
+            cfg_scale=args.cfg,
+            clip_denoised=pixel_range(cfg),
+            device=device,
+        )
         x = (x / cfg.data.scale).cpu()  # data units: unscaled latents z for latent models
         if vae is not None:
             x = decode_latents(vae, x, args.vae_batch)  # (b, 3, H', W') in [-1, 1]
@@ -210,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
         save_grid(torch.from_numpy(arr), out, nrow=nrow, upscale=max(1, 32 // arr.shape[-1]))
     origin = f"step {state['step']}" if "model" in state else f"bundle {args.bundle}"
     ranks = f", {world} ranks" if world > 1 else ""
-    print(f"wrote {args.num} samples ({args.sampler}, {args.steps} steps, cfg {args.cfg}{ranks}) from {origin} "
-          f"to {out}")  # fmt: skip
+    print(
+        f"wrote {args.num} samples ({args.sampler}, {args.steps} steps, cfg {args.cfg}{ranks}) from {origin} to {out}"
+    )
     return 0

@@ -165,33 +165,56 @@ def _cases(device: torch.device, dtype: torch.dtype, backend: str):
         t = torch.randint(0, 1000, (B,), generator=g).to(device)
         yield ("philox_randn", shape, lambda b, s=shape: lambda: ops.philox_randn(7, s, device, backend=b), [], None)
         yield (
-            "q_sample", shape,
+            "q_sample",
+            shape,
             lambda b, t=t: lambda x0: ops.q_sample(x0, t, _SCHEDULE, seed=11, backend=b, validate=False),
-            [r(*shape)], r(*shape, dt=torch.float32),
-        )  # fmt: skip
+            [r(*shape)],
+            r(*shape, dt=torch.float32),
+        )
         yield (
-            "diffusion_loss", shape,
-            lambda b, t=t: lambda pred, x0: ops.diffusion_loss(
-                pred, x0, None, t, _SCHEDULE, seed=11, prediction="v", weighting="min_snr", reduction="none", backend=b,
-                validate=False,
+            "diffusion_loss",
+            shape,
+            lambda b, t=t: (
+                lambda pred, x0: ops.diffusion_loss(
+                    pred,
+                    x0,
+                    None,
+                    t,
+                    _SCHEDULE,
+                    seed=11,
+                    prediction="v",
+                    weighting="min_snr",
+                    reduction="none",
+                    backend=b,
+                    validate=False,
+                )
             ),
-            [r(*shape), r(*shape)], r(B, dt=torch.float32),
-        )  # fmt: skip
+            [r(*shape), r(*shape)],
+            r(B, dt=torch.float32),
+        )
     for B, N, D in ((2, 7, 24), (3, 16, 72)):
         yield (
-            "adaln_modulate", (B, N, D), lambda b: lambda x, sh, sc: ops.adaln_modulate(x, sh, sc, backend=b),
-            [r(B, N, D), r(B, D), r(B, D)], r(B, N, D, dt=torch.float32),
-        )  # fmt: skip
+            "adaln_modulate",
+            (B, N, D),
+            lambda b: lambda x, sh, sc: ops.adaln_modulate(x, sh, sc, backend=b),
+            [r(B, N, D), r(B, D), r(B, D)],
+            r(B, N, D, dt=torch.float32),
+        )
         yield (
-            "gated_residual", (B, N, D), lambda b: lambda x, gt, y: ops.gated_residual(x, gt, y, backend=b),
-            [r(B, N, D), r(B, D), r(B, N, D)], r(B, N, D, dt=torch.float32),
-        )  # fmt: skip
+            "gated_residual",
+            (B, N, D),
+            lambda b: lambda x, gt, y: ops.gated_residual(x, gt, y, backend=b),
+            [r(B, N, D), r(B, D), r(B, N, D)],
+            r(B, N, D, dt=torch.float32),
+        )
     w = torch.rand(1000, generator=g, dtype=torch.float64).to(device) * (torch.arange(1000, device=device) % 3 > 0)
     yield (
-        "sample_timesteps", (4099,),
+        "sample_timesteps",
+        (4099,),
         lambda b: lambda: ops.sample_timesteps(4099, w, seed=5, return_importance=True, backend=b, validate=False),
-        [], None,
-    )  # fmt: skip
+        [],
+        None,
+    )
 
 
 def _compare(op, got, want, ggot, gwant, tol) -> float:
@@ -265,8 +288,12 @@ def report() -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--check", action="store_true", help="run every op on every available backend against "
-                        "the float64 reference (outputs and gradients); exit 1 on a mismatch")  # fmt: skip
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="run every op on every available backend against "
+        "the float64 reference (outputs and gradients); exit 1 on a mismatch",
+    )
     parser.add_argument("--device", default=None, help="check only devices whose name starts with this (cpu, cuda)")
 
 

@@ -75,10 +75,15 @@ class Objective:
         """The objective of a ``TrainConfig`` (its diffusion section and engine precision)."""
         d = cfg.diffusion
         return cls(
-            formulation if formulation is not None else build_formulation(d), num_cells=d.num_timesteps,
-            prediction=d.prediction, weighting=d.weighting, gamma=d.min_snr_gamma, learn_sigma=d.learn_sigma,
-            backend=d.ops_backend, precision=cfg.engine.precision,
-        )  # fmt: skip
+            formulation if formulation is not None else build_formulation(d),
+            num_cells=d.num_timesteps,
+            prediction=d.prediction,
+            weighting=d.weighting,
+            gamma=d.min_snr_gamma,
+            learn_sigma=d.learn_sigma,
+            backend=d.ops_backend,
+            precision=cfg.engine.precision,
+        )
 
     def terms(self, k: torch.Tensor, generator: torch.Generator | None = None) -> TrainingTerms:
         """The per-sample terms at cells ``k`` (B,) (a point inside each continuous cell drawn from ``generator``)."""
@@ -135,8 +140,12 @@ def default_objective(formulation: Formulation | Objective, model: nn.Module) ->
     cells, the variance term when ``model`` learns sigma)."""
     if isinstance(formulation, Objective):
         return formulation
-    return Objective(formulation, num_cells=formulation.num_timesteps, prediction="eps",
-                     learn_sigma=bool(getattr(model, "learn_sigma", False)))  # fmt: skip
+    return Objective(
+        formulation,
+        num_cells=formulation.num_timesteps,
+        prediction="eps",
+        learn_sigma=bool(getattr(model, "learn_sigma", False)),
+    )
 
 
 def draw_seed(generator: torch.Generator) -> int:

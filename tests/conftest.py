@@ -54,9 +54,19 @@ def run_torchrun2(tmp_path, script_text: str, *args, timeout: int = 300) -> list
 
     script, prefix = tmp_path / "torchrun_script.py", tmp_path / "torchrun_out"
     script.write_text(script_text)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
-           *map(str, args), str(prefix)]  # fmt: skip
-    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(script),
+        *map(str, args),
+        str(prefix),
+    ]
+    proc = subprocess.run(
+        cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads((tmp_path / f"torchrun_out.{r}.json").read_text()) for r in (0, 1)]

@@ -24,9 +24,18 @@ from diffcurr_fast.train.loop import Trainer
 from diffcurr_fast.train.preflight import check_run
 
 ROOT = Path(__file__).resolve().parents[1]
-SETS = ["model.hidden_size=32", "model.depth=1", "model.num_heads=2", "diffusion.num_timesteps=40",
-        "curriculum.num_clusters=4", "data.batch_size=16", "logging.progress=false", "logging.num_samples=0",
-        "logging.plots=false", "checkpoint.keep_last=5"]  # fmt: skip
+SETS = [
+    "model.hidden_size=32",
+    "model.depth=1",
+    "model.num_heads=2",
+    "diffusion.num_timesteps=40",
+    "curriculum.num_clusters=4",
+    "data.batch_size=16",
+    "logging.progress=false",
+    "logging.num_samples=0",
+    "logging.plots=false",
+    "checkpoint.keep_last=5",
+]
 
 
 def tiny(run_dir, *extra):
@@ -61,8 +70,9 @@ def test_nonfinite_weights_are_not_saved(tmp_path):
     with pytest.raises(ck.NonFiniteWeightsError, match=r"refusing to save the checkpoint of step 2 \(model\): weight"):
         tr.save()
     assert ck.latest_checkpoint(run).name == "ckpt_00000002.pt"  # the intact one stays the newest
-    assert torch.isfinite(ck.load_checkpoint(ck.latest_checkpoint(run))["model"][next(iter(tr.model.state_dict()))]
-                          ).all()  # fmt: skip
+    assert torch.isfinite(
+        ck.load_checkpoint(ck.latest_checkpoint(run))["model"][next(iter(tr.model.state_dict()))]
+    ).all()
     with pytest.raises(ck.NonFiniteWeightsError, match="refusing to export"):
         ck.export_safetensors(tr.model.state_dict(), tmp_path / "e.safetensors", {})
     assert not (tmp_path / "e.safetensors").exists()
@@ -255,8 +265,10 @@ def test_recipe_paths_are_relative_to_the_recipe(tmp_path, monkeypatch):
     (folder / "ds").mkdir(parents=True)
     (folder / "ds" / "z.json").write_text("{}")
     (folder / "w.pt").write_bytes(b"")
-    (folder / "r.yaml").write_text("engine:\n  kind: deepspeed\n  deepspeed_config: ds/z.json\n"
-                                   "model:\n  init_from: w.pt\ncheckpoint:\n  run_dir: runs/x\n")  # fmt: skip
+    (folder / "r.yaml").write_text(
+        "engine:\n  kind: deepspeed\n  deepspeed_config: ds/z.json\n"
+        "model:\n  init_from: w.pt\ncheckpoint:\n  run_dir: runs/x\n"
+    )
     monkeypatch.chdir(tmp_path)
     cfg = load_config("exp/r.yaml")
     assert cfg.engine.deepspeed_config == str(Path("exp") / "ds" / "z.json")
@@ -288,8 +300,9 @@ def test_shipped_recipes_by_name(tmp_path, monkeypatch, capsys):
     (tmp_path / "lat").mkdir()
     p = argparse.ArgumentParser()
     cli_train.add_arguments(p)
-    args = p.parse_args(["dit_b2_curriculum", "--dry-run", "--set", "data.dataset=latents", "--set",
-                         f"data.path={tmp_path / 'lat'}"])  # fmt: skip
+    args = p.parse_args(
+        ["dit_b2_curriculum", "--dry-run", "--set", "data.dataset=latents", "--set", f"data.path={tmp_path / 'lat'}"]
+    )
     assert cli_train.run(args) == 0
 
 
@@ -329,12 +342,36 @@ def test_sample_batches_match_and_bound_the_batch(trained, tmp_path, monkeypatch
 
 
 def test_sample_under_torchrun_matches_one_process(trained, tmp_path):
-    common = ["--ckpt", str(trained), "--steps", "2", "--num-samples", "5", "--batch-size", "2", "--sampler",
-              "ddim", "--device", "cpu"]  # fmt: skip
+    common = [
+        "--ckpt",
+        str(trained),
+        "--steps",
+        "2",
+        "--num-samples",
+        "5",
+        "--batch-size",
+        "2",
+        "--sampler",
+        "ddim",
+        "--device",
+        "cpu",
+    ]
     assert sample_cli.run(_sample_args(*common, "--out", str(tmp_path / "one.npz"))) == 0
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
-           "diffcurr_fast.cli", "sample", *common, "--out", str(tmp_path / "two.npz")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "diffcurr_fast.cli",
+        "sample",
+        *common,
+        "--out",
+        str(tmp_path / "two.npz"),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "2 ranks" in r.stdout
@@ -345,15 +382,26 @@ def test_sample_under_torchrun_matches_one_process(trained, tmp_path):
 
 
 # ---- lazy imports: --help and argument errors do not import torch ------------------------------------------------
-ARGVS = [["--help"], ["train", "--help"], ["sample", "--help"], ["eval", "--help"], ["analyze", "--help"],
-         ["extract-latents", "--help"], ["train", "--bogus"], ["sample", "--ckpt", "x"], ["recipes"],
-         ["tdc", "--help"]]  # fmt: skip
+ARGVS = [
+    ["--help"],
+    ["train", "--help"],
+    ["sample", "--help"],
+    ["eval", "--help"],
+    ["analyze", "--help"],
+    ["extract-latents", "--help"],
+    ["train", "--bogus"],
+    ["sample", "--ckpt", "x"],
+    ["recipes"],
+    ["tdc", "--help"],
+]
 
 
 @pytest.mark.parametrize("argv", ARGVS)
 def test_cli_parsing_does_not_import_torch(argv):
-    code = (f"import sys\nfrom diffcurr_fast.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
-            "assert 'torch' not in sys.modules, 'torch was imported'\n")  # fmt: skip
+    code = (
+        f"import sys\nfrom diffcurr_fast.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
 
@@ -369,15 +417,29 @@ def test_light_parsers_name_the_real_choices():
 
     assert sample_cli.SAMPLERS == sampling.SAMPLERS
     assert (cli_extract.LAYOUTS, cli_extract.SD_VAE_SCALE, cli_extract.LATENT_DTYPES) == (
-        extract.LAYOUTS, extract.SD_VAE_SCALE, latents.LATENT_DTYPES)  # fmt: skip
+        extract.LAYOUTS,
+        extract.SD_VAE_SCALE,
+        latents.LATENT_DTYPES,
+    )
 
 
 def test_bundle_weights_finite_and_readable(tmp_path):
     from diffcurr_fast.models import DiT
     from diffcurr_fast.tdc.experts import MultiExpertDenoiser, load_bundle, save_bundle
 
-    experts = [DiT(input_size=8, in_channels=1, patch_size=4, hidden_size=16, depth=1, num_heads=2, num_classes=10,
-                   num_timesteps=40) for _ in range(2)]  # fmt: skip
+    experts = [
+        DiT(
+            input_size=8,
+            in_channels=1,
+            patch_size=4,
+            hidden_size=16,
+            depth=1,
+            num_heads=2,
+            num_classes=10,
+            num_timesteps=40,
+        )
+        for _ in range(2)
+    ]
     multi = MultiExpertDenoiser(experts, [(0, 20), (20, 40)])
     old = os.umask(0o022)
     try:
@@ -401,8 +463,16 @@ def test_nonfinite_latents_stop_training_under_either_loader(tmp_path, backend):
     w = FastDiTLatentWriter(tmp_path / "fd")
     w.write(lat, np.arange(16) % 10)
     w.close()
-    cfg = tiny(tmp_path / "run", "data.dataset=latents", f"data.path={tmp_path / 'fd'}", f"data.backend={backend}",
-               "data.batch_size=4", "model.in_channels=4", "model.input_size=4", "engine.max_steps=2")  # fmt: skip
+    cfg = tiny(
+        tmp_path / "run",
+        "data.dataset=latents",
+        f"data.path={tmp_path / 'fd'}",
+        f"data.backend={backend}",
+        "data.batch_size=4",
+        "model.in_channels=4",
+        "model.input_size=4",
+        "engine.max_steps=2",
+    )
     match = r"\.npy: sample \d+ holds NaN" if backend == "torch" else "holds NaN or inf values; data.backend=torch"
     with pytest.raises(BadDataError, match=match):
         Trainer(cfg).fit()

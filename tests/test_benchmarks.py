@@ -17,8 +17,22 @@ def _run(args, tmp_path):
 
 
 def test_bench_ops_full_loss_path(tmp_path):
-    out = _run(["benchmarks/bench_ops.py", "--quick", "--compile", "--ops", "full_loss_path", "--sizes", "3x2x5x7",
-                "--threads", "1", "--out", str(tmp_path)], tmp_path)  # fmt: skip
+    out = _run(
+        [
+            "benchmarks/bench_ops.py",
+            "--quick",
+            "--compile",
+            "--ops",
+            "full_loss_path",
+            "--sizes",
+            "3x2x5x7",
+            "--threads",
+            "1",
+            "--out",
+            str(tmp_path),
+        ],
+        tmp_path,
+    )
     for provider in ("torch-eager", "compile(torch-eager)", "cpu"):
         assert f"full_loss_path  given fwd+bwd  {provider}" in out
     assert "providers disagree" not in out
@@ -27,8 +41,10 @@ def test_bench_ops_full_loss_path(tmp_path):
 
 
 def test_bench_train_compiled_step(tmp_path):
-    out = _run(["benchmarks/bench_train.py", "--compiled-step", "--quick", "--warmup", "0", "--reps", "2",
-                "--batch", "8"], tmp_path)  # fmt: skip
+    out = _run(
+        ["benchmarks/bench_train.py", "--compiled-step", "--quick", "--warmup", "0", "--reps", "2", "--batch", "8"],
+        tmp_path,
+    )
     for mode in ("given", "seed"):
         for label in ("plain-torch loss", "our ops"):
             assert f"compiled step, {label}, {mode} noise:" in out

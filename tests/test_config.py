@@ -48,8 +48,14 @@ def test_recipes_load(recipe):
 
 def test_there_are_recipes():
     names = {p.stem for p in RECIPES}
-    assert {"dit_b2_vanilla", "dit_b2_curriculum", "dit_b2_curriculum_minsnr", "dit_b2_curriculum_dtr",
-            "dit_l2", "dit_xl2"} <= names  # fmt: skip
+    assert {
+        "dit_b2_vanilla",
+        "dit_b2_curriculum",
+        "dit_b2_curriculum_minsnr",
+        "dit_b2_curriculum_dtr",
+        "dit_l2",
+        "dit_xl2",
+    } <= names
 
 
 @pytest.mark.parametrize(
@@ -170,8 +176,12 @@ def _stub_data(recipe: Path, root: Path) -> str:
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
 def test_recipes_dry_run(recipe, capsys, tmp_path):
     data = _stub_data(recipe, tmp_path)
-    assert cli_train.run(_parse([str(recipe), "--dry-run", "--set", f"data.path={data}",
-                                 "--run-dir", str(tmp_path / "run")])) == 0  # fmt: skip
+    assert (
+        cli_train.run(
+            _parse([str(recipe), "--dry-run", "--set", f"data.path={data}", "--run-dir", str(tmp_path / "run")])
+        )
+        == 0
+    )
     assert yaml.safe_load(capsys.readouterr().out)["model"]["preset"].startswith("DiT-")
     assert not (tmp_path / "run").exists()
 
@@ -200,8 +210,16 @@ def test_preset_fills_dimensions_and_a_contradiction_is_an_error(tmp_path):
 
     _set_field(swapped, "model.preset", "DiT-B/4")
     assert swapped.validate().model.hidden_size == 768 and swapped.model.patch_size == 4
-    dims = load_config(None, ["model.preset=DiT-S/2", "model.patch_size=null", "model.hidden_size=null",
-                              "model.depth=null", "model.num_heads=null"]).model  # fmt: skip
+    dims = load_config(
+        None,
+        [
+            "model.preset=DiT-S/2",
+            "model.patch_size=null",
+            "model.hidden_size=null",
+            "model.depth=null",
+            "model.num_heads=null",
+        ],
+    ).model
     assert (dims.patch_size, dims.hidden_size, dims.depth) == (2, 384, 12)
     zero2 = load_config("recipes/dit_l2_zero2.yaml").model
     assert (zero2.hidden_size, zero2.depth, zero2.num_heads) == (1024, 24, 16)  # DiT-L/2 (was 128, 6)

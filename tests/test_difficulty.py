@@ -185,8 +185,9 @@ def test_cli_kl(tmp_path, capsys):
         rows = list(csv.DictReader(f))
     assert [int(r["t"]) for r in rows] == [0, 24, 48] and {r["num_samples"] for r in rows} == {"20"}
     x, _ = load_digits_tensors()  # the same estimate computed directly with the same seed
-    want = consecutive_kl(x, DDPMSchedule(50), torch.tensor([0, 24, 48]), 20, 250,
-                          generator=torch.Generator().manual_seed(4))  # fmt: skip
+    want = consecutive_kl(
+        x, DDPMSchedule(50), torch.tensor([0, 24, 48]), 20, 250, generator=torch.Generator().manual_seed(4)
+    )
     for r, kl, se in zip(rows, want.kl.tolist(), want.stderr.tolist()):
         assert float(r["kl"]) == pytest.approx(kl, rel=1e-8) and float(r["stderr"]) == pytest.approx(se, rel=1e-8)
     assert all(float(r["kl"]) > 0 for r in rows)
@@ -229,8 +230,25 @@ def test_cli_rejects_bad_options(tmp_path):
 def test_cli_convergence_fd(tmp_path, capsys, monkeypatch):
     """--metric fd: an FD curve per interval beside the loss, in the CSVs and the printout."""
     monkeypatch.setenv("DIFFCURR_FAST_CACHE", str(tmp_path / "cache"))
-    args = parse(["convergence", "-T", "50", "--intervals", "2", "--steps", "4", "--batch-size", "5",
-                  "--eval-every", "2", "--metric", "fd", "--out", str(tmp_path)])  # fmt: skip
+    args = parse(
+        [
+            "convergence",
+            "-T",
+            "50",
+            "--intervals",
+            "2",
+            "--steps",
+            "4",
+            "--batch-size",
+            "5",
+            "--eval-every",
+            "2",
+            "--metric",
+            "fd",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert cli.run(args) == 0
     rows = list(csv.DictReader((tmp_path / "convergence.csv").open()))
     assert len(rows) == 6 and all(float(r["eval_fd"]) > 0 for r in rows)

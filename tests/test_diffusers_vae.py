@@ -31,10 +31,16 @@ def _offline_one_thread(monkeypatch):
 def vae_dir(tmp_path_factory):
     torch.manual_seed(0)
     vae = diffusers.AutoencoderKL(
-        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
-        latent_channels=4, norm_num_groups=4, sample_size=32,
-    )  # fmt: skip
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=32,
+    )
     path = tmp_path_factory.mktemp("vae") / "tiny-vae"
     vae.save_pretrained(path)
     return path
@@ -61,8 +67,28 @@ def test_extract_train_and_decode_with_a_real_autoencoder(vae_dir, folder, tmp_p
     from diffcurr_fast.data.latents import open_latents
 
     lat = tmp_path / "latents"
-    argv = ["--vae", vae_dir, "--data", folder, "--out", lat, "--image-size", 32, "--batch-size", 5, "--mode",
-            "--scale", 0.5, "--dtype", "float32", "--device", "cpu", "--num-workers", 0, "--no-progress"]  # fmt: skip
+    argv = [
+        "--vae",
+        vae_dir,
+        "--data",
+        folder,
+        "--out",
+        lat,
+        "--image-size",
+        32,
+        "--batch-size",
+        5,
+        "--mode",
+        "--scale",
+        0.5,
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--num-workers",
+        0,
+        "--no-progress",
+    ]
     assert cli_extract.run(_parse(cli_extract.add_arguments, argv)) == 0
     vae = diffusers.AutoencoderKL.from_pretrained(vae_dir, local_files_only=True).eval()
     x = torch.stack([im for im, _ in ImageDataset(ImageFolder(folder), 32)])  # (12, 3, 32, 32) in [-1, 1]
@@ -74,13 +100,33 @@ def test_extract_train_and_decode_with_a_real_autoencoder(vae_dir, folder, tmp_p
     np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-5)
 
     run = tmp_path / "run"
-    train(load_config(None, [
-        f"checkpoint.run_dir={run}", "data.dataset=latents", f"data.path={lat}", "data.scale=0.5",
-        "data.backend=torch", "data.batch_size=4", "model.hidden_size=32", "model.depth=1", "model.num_heads=2",
-        "model.input_size=4", "model.in_channels=4", "model.num_classes=3", "diffusion.num_timesteps=40",
-        "curriculum.num_clusters=4", "engine.max_steps=2", "engine.device=cpu", "logging.progress=false",
-        "logging.num_samples=0", "logging.plots=false", "checkpoint.export_ema=false",
-    ]))  # fmt: skip
+    train(
+        load_config(
+            None,
+            [
+                f"checkpoint.run_dir={run}",
+                "data.dataset=latents",
+                f"data.path={lat}",
+                "data.scale=0.5",
+                "data.backend=torch",
+                "data.batch_size=4",
+                "model.hidden_size=32",
+                "model.depth=1",
+                "model.num_heads=2",
+                "model.input_size=4",
+                "model.in_channels=4",
+                "model.num_classes=3",
+                "diffusion.num_timesteps=40",
+                "curriculum.num_clusters=4",
+                "engine.max_steps=2",
+                "engine.device=cpu",
+                "logging.progress=false",
+                "logging.num_samples=0",
+                "logging.plots=false",
+                "checkpoint.export_ema=false",
+            ],
+        )
+    )
     common = ["--ckpt", run, "--num", 5, "--steps", 3, "--device", "cpu", "--seed", 3]
     assert sample_cli.run(_parse(sample_cli.add_arguments, [*common, "--out", tmp_path / "z.npz"])) == 0
     z = torch.from_numpy(np.load(tmp_path / "z.npz")["x"])  # (5, 4, 4, 4): unscaled latents
@@ -92,9 +138,19 @@ def test_extract_train_and_decode_with_a_real_autoencoder(vae_dir, folder, tmp_p
     cfg = config_from_dict(state["config"])
     model = build_model(cfg)
     model.load_state_dict(state["ema"]["module"])
-    direct = sample(model.eval(), build_schedule(cfg), sampler="ddim", steps=3, labels=torch.arange(5) % 3,
-                    channels=4, size=4, num_classes=3, learn_sigma=cfg.diffusion.learn_sigma,
-                    prediction=cfg.diffusion.prediction, seed=3)  # fmt: skip
+    direct = sample(
+        model.eval(),
+        build_schedule(cfg),
+        sampler="ddim",
+        steps=3,
+        labels=torch.arange(5) % 3,
+        channels=4,
+        size=4,
+        num_classes=3,
+        learn_sigma=cfg.diffusion.learn_sigma,
+        prediction=cfg.diffusion.prediction,
+        seed=3,
+    )
     torch.testing.assert_close(z, direct / 0.5)  # the model's samples are 0.5 z: the decoder gets z
     argv = [*common, "--out", tmp_path / "img.npz", "--vae", vae_dir, "--vae-batch", 2]
     assert sample_cli.run(_parse(sample_cli.add_arguments, argv)) == 0

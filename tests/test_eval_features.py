@@ -159,10 +159,18 @@ def test_eval_cli_from_checkpoint(digits_cache, tmp_path, capsys):
     path, _, _ = digits_cache
     run = tmp_path / "run"
     overrides = [
-        f"checkpoint.run_dir={run}", "model.hidden_size=32", "model.depth=1", "model.num_heads=2",
-        "diffusion.num_timesteps=40", "curriculum.num_clusters=4", "data.batch_size=17", "engine.max_steps=2",
-        "logging.progress=false", "logging.num_samples=0", "logging.plots=false",
-    ]  # fmt: skip
+        f"checkpoint.run_dir={run}",
+        "model.hidden_size=32",
+        "model.depth=1",
+        "model.num_heads=2",
+        "diffusion.num_timesteps=40",
+        "curriculum.num_clusters=4",
+        "data.batch_size=17",
+        "engine.max_steps=2",
+        "logging.progress=false",
+        "logging.num_samples=0",
+        "logging.plots=false",
+    ]
     with single_thread():
         train_loop.train(load_config(None, overrides))
     import argparse
@@ -170,8 +178,9 @@ def test_eval_cli_from_checkpoint(digits_cache, tmp_path, capsys):
     parser = argparse.ArgumentParser()
     cli_eval.add_arguments(parser)
     argv = ["--ckpt", str(run), "--num", "12", "--steps", "3", "--splits", "2", "--ref", "digits"]
-    args = parser.parse_args(argv + ["--extractor", "digits", "--digits-cache", str(path), "--json",
-                                     str(tmp_path / "m.json")])  # fmt: skip
+    args = parser.parse_args(
+        argv + ["--extractor", "digits", "--digits-cache", str(path), "--json", str(tmp_path / "m.json")]
+    )
     with single_thread():
         assert cli_eval.run(args) == 0
     out = capsys.readouterr().out
@@ -183,8 +192,16 @@ def test_eval_cli_from_checkpoint(digits_cache, tmp_path, capsys):
     from diffcurr_fast.eval.features import get_extractor
 
     with single_thread():  # the same evaluation, step by step
-        images = samples_from_checkpoint(str(run), 12, sampler=args.sampler, steps=3, cfg_scale=args.cfg,
-                                                  seed=args.seed, weights=args.weights, device=args.device)  # fmt: skip
+        images = samples_from_checkpoint(
+            str(run),
+            12,
+            sampler=args.sampler,
+            steps=3,
+            cfg_scale=args.cfg,
+            seed=args.seed,
+            weights=args.weights,
+            device=args.device,
+        )
         extractor = get_extractor("digits", digits_cache=str(path), device=args.device)
         want = evaluate(images, load_reference("digits", extractor), extractor, splits=2, k=args.k)
     assert images.shape[0] == 12 and got["num_samples"] == 12

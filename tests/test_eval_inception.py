@@ -94,11 +94,13 @@ def ref_d(sd, p, x):
 def ref_e(sd, p, x, pool):
     a = _conv(sd, f"{p}.branch1x1", x)
     b = _conv(sd, f"{p}.branch3x3_1", x)
-    b = torch.cat([_conv(sd, f"{p}.branch3x3_2a", b, padding=(0, 1)),
-                   _conv(sd, f"{p}.branch3x3_2b", b, padding=(1, 0))], 1)  # fmt: skip
+    b = torch.cat(
+        [_conv(sd, f"{p}.branch3x3_2a", b, padding=(0, 1)), _conv(sd, f"{p}.branch3x3_2b", b, padding=(1, 0))], 1
+    )
     c = _conv(sd, f"{p}.branch3x3dbl_2", _conv(sd, f"{p}.branch3x3dbl_1", x), padding=1)
-    c = torch.cat([_conv(sd, f"{p}.branch3x3dbl_3a", c, padding=(0, 1)),
-                   _conv(sd, f"{p}.branch3x3dbl_3b", c, padding=(1, 0))], 1)  # fmt: skip
+    c = torch.cat(
+        [_conv(sd, f"{p}.branch3x3dbl_3a", c, padding=(0, 1)), _conv(sd, f"{p}.branch3x3dbl_3b", c, padding=(1, 0))], 1
+    )
     d = _avg3_no_pad_count(x) if pool == "avg" else _max3(x, 1, padding=1)
     return torch.cat([a, b, c, _conv(sd, f"{p}.branch_pool", d)], 1)
 
@@ -111,10 +113,18 @@ def ref_stem(sd, x):
 
 
 BLOCKS = {
-    "Mixed_5b": ref_a, "Mixed_5c": ref_a, "Mixed_5d": ref_a, "Mixed_6a": ref_b, "Mixed_6b": ref_c,
-    "Mixed_6c": ref_c, "Mixed_6d": ref_c, "Mixed_6e": ref_c, "Mixed_7a": ref_d,
-    "Mixed_7b": lambda sd, p, x: ref_e(sd, p, x, "avg"), "Mixed_7c": lambda sd, p, x: ref_e(sd, p, x, "max"),
-}  # fmt: skip
+    "Mixed_5b": ref_a,
+    "Mixed_5c": ref_a,
+    "Mixed_5d": ref_a,
+    "Mixed_6a": ref_b,
+    "Mixed_6b": ref_c,
+    "Mixed_6c": ref_c,
+    "Mixed_6d": ref_c,
+    "Mixed_6e": ref_c,
+    "Mixed_7a": ref_d,
+    "Mixed_7b": lambda sd, p, x: ref_e(sd, p, x, "avg"),
+    "Mixed_7c": lambda sd, p, x: ref_e(sd, p, x, "max"),
+}
 
 
 def _bilinear_299(x):

@@ -116,8 +116,9 @@ def test_tested_something():
 @pytest.mark.skipif(torch.version.cuda is not None, reason="this torch has CUDA: the build would succeed")
 def test_require_cuda_fails_loudly_without_cuda():
     env = {**os.environ, "DIFFCURR_REQUIRE_CUDA": "1"}
-    proc = subprocess.run([sys.executable, "setup.py", "--name"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "setup.py", "--name"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode != 0
     assert "DIFFCURR_REQUIRE_CUDA=1 but the CUDA kernels cannot be built: torch has no CUDA" in proc.stderr
 
@@ -129,8 +130,14 @@ def test_gpu_check_stops_when_a_backend_is_missing(tmp_path):
     (shadow / "__init__.py").write_text("raise ImportError('triton deliberately broken')\n")
     out = tmp_path / "out"
     env = _env(PYTHONPATH=os.pathsep.join([str(shadow.parent), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry-run", str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        ["bash", "benchmarks/gpu_check.sh", "--dry-run", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     summary = (out / "summary.txt").read_text()
     assert proc.returncode != 0
     assert "step backends failed, stopping" in summary

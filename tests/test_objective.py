@@ -58,8 +58,15 @@ def _run(obj, x0, k, seed, channels_out):
 @pytest.mark.parametrize("batch", [1, 5])
 def test_ddpm_objective_matches_hybrid_loss(prediction, weighting, gamma, learn_sigma, batch):
     sched = DDPMSchedule(60, "cosine")
-    obj = Objective(sched, num_cells=60, prediction=prediction, weighting=weighting, gamma=gamma,
-                    learn_sigma=learn_sigma, backend="reference")  # fmt: skip
+    obj = Objective(
+        sched,
+        num_cells=60,
+        prediction=prediction,
+        weighting=weighting,
+        gamma=gamma,
+        learn_sigma=learn_sigma,
+        backend="reference",
+    )
     x0 = torch.rand(batch, 1, 5, 7, dtype=torch.float64) * 2 - 1
     k = torch.randint(0, 60, (batch,), generator=torch.Generator().manual_seed(batch))
     k[0] = 0  # SNR largest: MinSNR's clip and v's weights at the end of the axis
@@ -137,15 +144,23 @@ def test_fused_backend_matches_reference(formulation):
 
     if "cpu" not in available_backends("q_sample", torch.device("cpu")):
         pytest.skip("the C++ extension is not built")
-    form, pred = {"ddpm": (DDPMSchedule(40), "v"), "flow": (FlowFormulation(), "velocity"),
-                  "edm": (EDMFormulation(), "x0")}[formulation]  # fmt: skip
+    form, pred = {
+        "ddpm": (DDPMSchedule(40), "v"),
+        "flow": (FlowFormulation(), "velocity"),
+        "edm": (EDMFormulation(), "x0"),
+    }[formulation]
     x0 = torch.randn(3, 1, 5, 7)
     k = torch.tensor([0, 17, 39])
     net = torch.nn.Conv2d(1, 1, 3, padding=1)
     res = {}
     for backend in ("reference", "cpu"):
-        obj = Objective(form, num_cells=40, prediction=pred, weighting="min_snr" if formulation == "ddpm" else "none",
-                        backend=backend)  # fmt: skip
+        obj = Objective(
+            form,
+            num_cells=40,
+            prediction=pred,
+            weighting="min_snr" if formulation == "ddpm" else "none",
+            backend=backend,
+        )
         net.zero_grad()
         loss = obj(lambda x, t, y: net(x), x0, None, k, seed=3, generator=torch.Generator().manual_seed(1))
         loss.sum().backward()

@@ -203,14 +203,28 @@ def test_min_snr_gamma_reaches_every_backend(backend, prediction):
     t = torch.arange(B) * 58 + 5  # SNR from ~1e4 down to ~1e-3: every gamma clips some of them
     pred = torch.randn(shape, dtype=torch.float64)
     snr = SCHED.alphas_cumprod[t] / (1 - SCHED.alphas_cumprod[t])
-    tgt = {"eps": noise, "x0": x0, "v": SCHED.alphas_cumprod[t].sqrt().view(-1, 1, 1, 1) * noise
-           - (1 - SCHED.alphas_cumprod[t]).sqrt().view(-1, 1, 1, 1) * x0}[prediction]  # fmt: skip
+    tgt = {
+        "eps": noise,
+        "x0": x0,
+        "v": SCHED.alphas_cumprod[t].sqrt().view(-1, 1, 1, 1) * noise
+        - (1 - SCHED.alphas_cumprod[t]).sqrt().view(-1, 1, 1, 1) * x0,
+    }[prediction]
     mse = (pred - tgt).square().flatten(1).mean(1)
     got = {}
     for gamma in (1.0, 5.0, 20.0, 1.0):
         p = pred.float().requires_grad_()
-        loss = diffusion_loss(p, x0.float(), noise.float(), t, SCHED, prediction=prediction, weighting="min_snr",
-                              gamma=gamma, reduction="none", backend=backend)  # fmt: skip
+        loss = diffusion_loss(
+            p,
+            x0.float(),
+            noise.float(),
+            t,
+            SCHED,
+            prediction=prediction,
+            weighting="min_snr",
+            gamma=gamma,
+            reduction="none",
+            backend=backend,
+        )
         loss.sum().backward()
         w = _min_snr_weight(snr, prediction, gamma)
         torch.testing.assert_close(loss.double(), w * mse, rtol=2e-5, atol=1e-6)

@@ -107,8 +107,18 @@ def test_tdc_recovery_seeds_are_the_documented_function_of_seed_round_candidate(
     from diffcurr_fast.tdc import LocalProposer, dit_flops, importance_scores, make_groups, proxy_search
     from diffcurr_fast.tdc import search as search_mod
 
-    model = DiT(input_size=4, patch_size=2, in_channels=1, hidden_size=12, depth=2, num_heads=3, mlp_ratio=2.0,
-                num_classes=3, num_timesteps=40, attn_backend="math").eval()  # fmt: skip
+    model = DiT(
+        input_size=4,
+        patch_size=2,
+        in_channels=1,
+        hidden_size=12,
+        depth=2,
+        num_heads=3,
+        mlp_ratio=2.0,
+        num_classes=3,
+        num_timesteps=40,
+        attn_backend="math",
+    ).eval()
     s = DDPMSchedule(40)
     group = make_groups(s, 2, 0.5, dit_flops(model))[1]
     g = torch.Generator().manual_seed(1)
@@ -123,8 +133,20 @@ def test_tdc_recovery_seeds_are_the_documented_function_of_seed_round_candidate(
 
     monkeypatch.setattr(search_mod, "recover", spy)
     seed = 7
-    proxy_search(model, group, group.flops, train, train, objective=s, importance=imp, proposer=LocalProposer(),
-                 rounds=2, candidates_per_round=2, recover_steps=1, seed=seed)  # fmt: skip
+    proxy_search(
+        model,
+        group,
+        group.flops,
+        train,
+        train,
+        objective=s,
+        importance=imp,
+        proposer=LocalProposer(),
+        rounds=2,
+        candidates_per_round=2,
+        recover_steps=1,
+        seed=seed,
+    )
     # docs/tdc.md: candidate j of round r recovers on t and noise from seed + r (every candidate of a round sees the
     # same draws) and label dropout from ((seed * 1000003 + r) * 1009 + j) mod 2^63
     want = [(seed + r, ((seed * 1_000_003 + r) * 1009 + j) % 2**63) for r in range(2) for j in range(2)]
@@ -157,11 +179,26 @@ def test_logged_fd_is_the_ema_weights_fd(tmp_path, _shared_cache):
     from diffcurr_fast.train.loop import train
 
     run = tmp_path / "run"
-    sets = ["model.hidden_size=32", "model.depth=1", "model.num_heads=2", "diffusion.num_timesteps=60",
-            "curriculum.num_clusters=4", "data.batch_size=16", "logging.progress=false", "logging.num_samples=0",
-            "logging.plots=false", "checkpoint.export_ema=false", "eval.num_samples=16", "eval.steps=3",
-            "eval.seed=5", "engine.cpu_threads=1", "optim.lr=3e-3", "engine.max_steps=3", "logging.eval_every=3",
-            f"checkpoint.run_dir={run}"]  # fmt: skip
+    sets = [
+        "model.hidden_size=32",
+        "model.depth=1",
+        "model.num_heads=2",
+        "diffusion.num_timesteps=60",
+        "curriculum.num_clusters=4",
+        "data.batch_size=16",
+        "logging.progress=false",
+        "logging.num_samples=0",
+        "logging.plots=false",
+        "checkpoint.export_ema=false",
+        "eval.num_samples=16",
+        "eval.steps=3",
+        "eval.seed=5",
+        "engine.cpu_threads=1",
+        "optim.lr=3e-3",
+        "engine.max_steps=3",
+        "logging.eval_every=3",
+        f"checkpoint.run_dir={run}",
+    ]
     cfg = load_config(None, sets)
     train(cfg)
     logged = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r.get("eval")]

@@ -27,9 +27,19 @@ from diffcurr_fast.train.rundir import (
     truncate_metrics,
 )
 
-SETS = ["model.hidden_size=32", "model.depth=1", "model.num_heads=2", "diffusion.num_timesteps=40",
-        "curriculum.num_clusters=4", "data.batch_size=17", "logging.progress=false", "logging.num_samples=0",
-        "logging.plots=false", "logging.log_every=1", "checkpoint.keep_last=5"]  # fmt: skip
+SETS = [
+    "model.hidden_size=32",
+    "model.depth=1",
+    "model.num_heads=2",
+    "diffusion.num_timesteps=40",
+    "curriculum.num_clusters=4",
+    "data.batch_size=17",
+    "logging.progress=false",
+    "logging.num_samples=0",
+    "logging.plots=false",
+    "logging.log_every=1",
+    "checkpoint.keep_last=5",
+]
 
 
 def tiny(run_dir, *extra):
@@ -64,9 +74,17 @@ def test_overwrite_keeps_user_files(tmp_path):
 
 def test_clear_train_layout_only_run_files(tmp_path):
     run = tmp_path / "r"
-    _touch(run, "config.yaml", "metrics.jsonl", "samples.png", "ema.safetensors", "checkpoints/ckpt_00000005.pt",
-           "checkpoints/ckpt_00000005.pt.tmp", "checkpoints/deepspeed/step_00000005/mp_rank_00_model_states.pt",
-           "tb/events.out.tfevents.1.host")  # fmt: skip
+    _touch(
+        run,
+        "config.yaml",
+        "metrics.jsonl",
+        "samples.png",
+        "ema.safetensors",
+        "checkpoints/ckpt_00000005.pt",
+        "checkpoints/ckpt_00000005.pt.tmp",
+        "checkpoints/deepspeed/step_00000005/mp_rank_00_model_states.pt",
+        "tb/events.out.tfevents.1.host",
+    )
     _touch(run, "checkpoints/deepspeed/my.json", "checkpoints/ckpt_best.pt", "README")
     assert len(run_artifacts(run, TRAIN_LAYOUT)) == 8
     clear_run(run, TRAIN_LAYOUT)
@@ -77,13 +95,30 @@ def test_clear_train_layout_only_run_files(tmp_path):
 
 def test_clear_tdc_layout_only_run_files(tmp_path):
     run = tmp_path / "tdc"
-    written = ["tdc.json", "accounting.json", "samples.png", "stage1/config.yaml", "stage1/metrics.jsonl",
-               "stage1/ema.safetensors", "stage1/checkpoints/ckpt_00000010.pt", "group_0/search.json",
-               "group_0/search.png", "group_0/finetune/checkpoints/ckpt_00000004.pt", "group_0/finetune/config.yaml",
-               "group_1/search.json", "bundle/bundle.json", "bundle/weights.safetensors",
-               "bundle/train_config.json"]  # fmt: skip
-    mine = ["stage1/checkpoints/my_best_model.pt", "group_0/notes.md", "bundle/my_export.onnx", "plots/loss.png",
-            "group_1/finetune/checkpoints/keep.pt"]  # fmt: skip
+    written = [
+        "tdc.json",
+        "accounting.json",
+        "samples.png",
+        "stage1/config.yaml",
+        "stage1/metrics.jsonl",
+        "stage1/ema.safetensors",
+        "stage1/checkpoints/ckpt_00000010.pt",
+        "group_0/search.json",
+        "group_0/search.png",
+        "group_0/finetune/checkpoints/ckpt_00000004.pt",
+        "group_0/finetune/config.yaml",
+        "group_1/search.json",
+        "bundle/bundle.json",
+        "bundle/weights.safetensors",
+        "bundle/train_config.json",
+    ]
+    mine = [
+        "stage1/checkpoints/my_best_model.pt",
+        "group_0/notes.md",
+        "bundle/my_export.onnx",
+        "plots/loss.png",
+        "group_1/finetune/checkpoints/keep.pt",
+    ]
     _touch(run, *written, *mine)
     assert sorted(str(p.relative_to(run)) for p in run_artifacts(run, TDC_LAYOUT)) == sorted(written)
     assert check_run_dir(run, TDC_LAYOUT, overwrite=True).mode == "overwrite"
@@ -233,9 +268,21 @@ def test_ema_export_mode_is_0644(tmp_path):
 )
 def test_signal_checkpoints_and_prints_resume_command(tmp_path, sig, repeat):
     run = tmp_path / "run"
-    argv = [sys.executable, "-m", "diffcurr_fast.cli", "train", "--run-dir", str(run),
-            *[a for s in SETS for a in ("--set", s)], "--set", "engine.max_steps=100000",
-            "--set", "checkpoint.every=100000", "--set", "engine.cpu_threads=1"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "diffcurr_fast.cli",
+        "train",
+        "--run-dir",
+        str(run),
+        *[a for s in SETS for a in ("--set", s)],
+        "--set",
+        "engine.max_steps=100000",
+        "--set",
+        "checkpoint.every=100000",
+        "--set",
+        "engine.cpu_threads=1",
+    ]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").stat().st_size):

@@ -21,11 +21,19 @@ def run_dir(tmp_path_factory):
     cfg = load_config(
         None,
         [
-            f"checkpoint.run_dir={run}", "model.hidden_size=32", "model.depth=1", "model.num_heads=2",
-            "diffusion.num_timesteps=40", "curriculum.num_clusters=4", "data.batch_size=17", "engine.max_steps=3",
-            "logging.progress=false", "logging.num_samples=0", "logging.plots=false",
+            f"checkpoint.run_dir={run}",
+            "model.hidden_size=32",
+            "model.depth=1",
+            "model.num_heads=2",
+            "diffusion.num_timesteps=40",
+            "curriculum.num_clusters=4",
+            "data.batch_size=17",
+            "engine.max_steps=3",
+            "logging.progress=false",
+            "logging.num_samples=0",
+            "logging.plots=false",
         ],
-    )  # fmt: skip
+    )
     train(cfg)
     yield run
     torch.set_num_threads(n)
@@ -40,8 +48,25 @@ def _args(*argv):
 @pytest.mark.parametrize("sampler", ["ddpm", "ddim", "heun", "euler"])
 def test_samplers_write_png(run_dir, tmp_path, sampler, capsys):
     out = tmp_path / f"{sampler}.png"
-    assert cli_sample.run(_args("--ckpt", str(run_dir), "--sampler", sampler, "--steps", "4", "--num", "7",
-                                "--cfg", "1.5", "--out", str(out))) == 0  # fmt: skip
+    assert (
+        cli_sample.run(
+            _args(
+                "--ckpt",
+                str(run_dir),
+                "--sampler",
+                sampler,
+                "--steps",
+                "4",
+                "--num",
+                "7",
+                "--cfg",
+                "1.5",
+                "--out",
+                str(out),
+            )
+        )
+        == 0
+    )
     assert out.is_file() and out.stat().st_size > 100
     assert f"wrote 7 samples ({sampler}, 4 steps, cfg 1.5) from step 3" in capsys.readouterr().out
 
@@ -49,8 +74,25 @@ def test_samplers_write_png(run_dir, tmp_path, sampler, capsys):
 def test_npz_output_and_labels(run_dir, tmp_path):
     out = tmp_path / "s.npz"
     ckpt = sorted((run_dir / "checkpoints").iterdir())[-1]
-    assert cli_sample.run(_args("--ckpt", str(ckpt), "--steps", "3", "--num", "5", "--labels", "2,7",
-                                "--weights", "model", "--out", str(out))) == 0  # fmt: skip
+    assert (
+        cli_sample.run(
+            _args(
+                "--ckpt",
+                str(ckpt),
+                "--steps",
+                "3",
+                "--num",
+                "5",
+                "--labels",
+                "2,7",
+                "--weights",
+                "model",
+                "--out",
+                str(out),
+            )
+        )
+        == 0
+    )
     z = np.load(out)  # images are written in the ADM evaluation suite's layout
     assert z["arr_0"].shape == (5, 8, 8, 1) and z["arr_0"].dtype == np.uint8 and z["arr_1"].tolist() == [2, 7, 2, 7, 2]
 
@@ -125,17 +167,45 @@ def test_continuous_checkpoints_sample_with_ode_samplers(tmp_path, form, pred, s
     cfg = load_config(
         None,
         [
-            f"checkpoint.run_dir={run}", "model.hidden_size=32", "model.depth=1", "model.num_heads=2",
-            f"diffusion.formulation={form}", f"diffusion.prediction={pred}", "diffusion.learn_sigma=false",
-            "diffusion.weighting=none", "logging.sampler=heun", "curriculum.num_clusters=4", "data.batch_size=17",
-            "engine.max_steps=2", "logging.progress=false", "logging.num_samples=0", "logging.plots=false",
+            f"checkpoint.run_dir={run}",
+            "model.hidden_size=32",
+            "model.depth=1",
+            "model.num_heads=2",
+            f"diffusion.formulation={form}",
+            f"diffusion.prediction={pred}",
+            "diffusion.learn_sigma=false",
+            "diffusion.weighting=none",
+            "logging.sampler=heun",
+            "curriculum.num_clusters=4",
+            "data.batch_size=17",
+            "engine.max_steps=2",
+            "logging.progress=false",
+            "logging.num_samples=0",
+            "logging.plots=false",
         ],
-    )  # fmt: skip
+    )
     try:
         train(cfg)
         out = tmp_path / "f.npz"
-        assert cli_sample.run(_args("--ckpt", str(run), "--sampler", sampler, "--steps", "3", "--num", "4",
-                                    "--cfg", "2", "--out", str(out))) == 0  # fmt: skip
+        assert (
+            cli_sample.run(
+                _args(
+                    "--ckpt",
+                    str(run),
+                    "--sampler",
+                    sampler,
+                    "--steps",
+                    "3",
+                    "--num",
+                    "4",
+                    "--cfg",
+                    "2",
+                    "--out",
+                    str(out),
+                )
+            )
+            == 0
+        )
         x = np.load(out)["arr_0"]  # digits are images: ADM's uint8 (N, H, W, C)
         assert x.shape == (4, 8, 8, 1) and x.dtype == np.uint8
         article = "an" if form == "edm" else "a"
@@ -177,9 +247,21 @@ def _direct(ckpt_dir, weights, *, seed, cfg_scale, steps=3, num=6, sampler="ddim
     model = build_model(cfg)
     model.load_state_dict(state["ema"]["module"] if weights == "ema" else state["model"])
     labels = torch.arange(num) % cfg.model.num_classes
-    x = sample(model.eval(), build_schedule(cfg), sampler=sampler, steps=steps, labels=labels, channels=1, size=8,
-               num_classes=10, learn_sigma=cfg.diffusion.learn_sigma, prediction=cfg.diffusion.prediction,
-               cfg_scale=cfg_scale, clip_denoised=False, seed=seed)  # fmt: skip
+    x = sample(
+        model.eval(),
+        build_schedule(cfg),
+        sampler=sampler,
+        steps=steps,
+        labels=labels,
+        channels=1,
+        size=8,
+        num_classes=10,
+        learn_sigma=cfg.diffusion.learn_sigma,
+        prediction=cfg.diffusion.prediction,
+        cfg_scale=cfg_scale,
+        clip_denoised=False,
+        seed=seed,
+    )
     return (x / cfg.data.scale).numpy(), labels.numpy()
 
 
@@ -198,9 +280,29 @@ def float_npz(monkeypatch):
 def test_npz_equals_direct_sample_of_the_named_weights(float_npz, distinct_run, tmp_path, weights, cfg_scale, sampler):
     run_dir = distinct_run
     out = tmp_path / "s.npz"
-    assert cli_sample.run(_args("--ckpt", str(run_dir), "--sampler", sampler, "--steps", "3", "--num", "6",
-                                "--cfg", str(cfg_scale), "--seed", "11", "--weights", weights,
-                                "--out", str(out))) == 0  # fmt: skip
+    assert (
+        cli_sample.run(
+            _args(
+                "--ckpt",
+                str(run_dir),
+                "--sampler",
+                sampler,
+                "--steps",
+                "3",
+                "--num",
+                "6",
+                "--cfg",
+                str(cfg_scale),
+                "--seed",
+                "11",
+                "--weights",
+                weights,
+                "--out",
+                str(out),
+            )
+        )
+        == 0
+    )
     z = np.load(out)
     x, y = _direct(run_dir, weights, seed=11, cfg_scale=cfg_scale, sampler=sampler)
     assert z["y"].tolist() == y.tolist()
@@ -214,8 +316,9 @@ def test_cfg_and_seed_change_the_samples(float_npz, distinct_run, tmp_path):
     outs = {}
     for key, argv in {"cfg1": ("--cfg", "1"), "cfg3": ("--cfg", "3"), "seed1": ("--cfg", "1", "--seed", "1")}.items():
         out = tmp_path / f"{key}.npz"
-        assert cli_sample.run(_args("--ckpt", str(run_dir), "--steps", "3", "--num", "6", *argv,
-                                    "--out", str(out))) == 0  # fmt: skip
+        assert (
+            cli_sample.run(_args("--ckpt", str(run_dir), "--steps", "3", "--num", "6", *argv, "--out", str(out))) == 0
+        )
         outs[key] = np.load(out)["x"]
     assert np.abs(outs["cfg1"] - outs["cfg3"]).max() > 1e-3
     assert np.abs(outs["cfg1"] - outs["seed1"]).max() > 1e-3
@@ -229,8 +332,9 @@ def test_png_grid_layout(run_dir, tmp_path):
     rows = {}
     for key, extra in {"classes": (), "labels": ("--labels", "2,7")}.items():
         out = tmp_path / f"{key}.png"
-        assert cli_sample.run(_args("--ckpt", str(run_dir), "--steps", "2", "--num", "7", "--out", str(out),
-                                    *extra)) == 0  # fmt: skip
+        assert (
+            cli_sample.run(_args("--ckpt", str(run_dir), "--steps", "2", "--num", "7", "--out", str(out), *extra)) == 0
+        )
         rows[key] = Image.open(out).size  # (width, height)
     assert rows["classes"] == ((10 * 9 + 1) * 4, (1 * 9 + 1) * 4)  # nrow = num_classes, 1 pixel padding
     assert rows["labels"] == ((3 * 9 + 1) * 4, (3 * 9 + 1) * 4)  # ceil(sqrt(7)) = 3 per row

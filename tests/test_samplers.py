@@ -254,9 +254,16 @@ def test_cfg_sampling_shifts_the_mean(sampler):
         base = DDPMSchedule(1000)
         sched, tmap = respace(base, "250")
         x = ddim_sample(
-            ddpm_eps_model(base), sched, (N, D), y, cfg_scale=w, num_classes=num_classes, timestep_map=tmap,
-            seed=4, dtype=torch.float64,
-        )  # fmt: skip
+            ddpm_eps_model(base),
+            sched,
+            (N, D),
+            y,
+            cfg_scale=w,
+            num_classes=num_classes,
+            timestep_map=tmap,
+            seed=4,
+            dtype=torch.float64,
+        )
     elif sampler == "edm":
         x = edm_heun_sample(
             edm_denoiser, (N, D), y, num_steps=40, cfg_scale=w, num_classes=num_classes, seed=4, dtype=torch.float64
@@ -361,8 +368,19 @@ def test_checkpoint_ode_samplers_gaussian(kind, sampler, steps):
     else:
         schedule = EDMFormulation()
         model, sigma_max = _EDMGaussianF(), schedule.sigma_max
-    x = sample(model, schedule, sampler=sampler, steps=steps, labels=torch.zeros(N // 2, dtype=torch.long),
-               channels=1, size=2, num_classes=4, learn_sigma=False, prediction="eps", seed=6)  # fmt: skip
+    x = sample(
+        model,
+        schedule,
+        sampler=sampler,
+        steps=steps,
+        labels=torch.zeros(N // 2, dtype=torch.long),
+        channels=1,
+        size=2,
+        num_classes=4,
+        learn_sigma=False,
+        prediction="eps",
+        seed=6,
+    )
     assert x.shape == (N // 2, 1, 2, 2)
     _check_gaussian(x.double(), mu=_edm_mean(MU, sigma_max), std_rel=0.03)
     if kind == "ddpm":  # the ODE runs from the largest sigma (t = T - 1) down to the smallest (t = 0)

@@ -26,11 +26,27 @@ def _shared_cache(one_thread, tmp_path_factory, monkeypatch):
     monkeypatch.setenv("DIFFCURR_FAST_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
 
 
-TINY = ["model.hidden_size=32", "model.depth=1", "model.num_heads=2", "diffusion.num_timesteps=60",
-        "curriculum.num_clusters=4", "curriculum.patience=1", "curriculum.eval_every=2", "data.batch_size=16",
-        "logging.log_every=4", "logging.progress=false", "logging.num_samples=0", "logging.plots=false",
-        "checkpoint.export_ema=false", "optim.warmup_steps=2", "eval.num_samples=16", "eval.steps=3",
-        "eval.cfg_scale=2.0", "engine.cpu_threads=1", "optim.schedule=constant"]  # fmt: skip
+TINY = [
+    "model.hidden_size=32",
+    "model.depth=1",
+    "model.num_heads=2",
+    "diffusion.num_timesteps=60",
+    "curriculum.num_clusters=4",
+    "curriculum.patience=1",
+    "curriculum.eval_every=2",
+    "data.batch_size=16",
+    "logging.log_every=4",
+    "logging.progress=false",
+    "logging.num_samples=0",
+    "logging.plots=false",
+    "checkpoint.export_ema=false",
+    "optim.warmup_steps=2",
+    "eval.num_samples=16",
+    "eval.steps=3",
+    "eval.cfg_scale=2.0",
+    "engine.cpu_threads=1",
+    "optim.schedule=constant",
+]
 
 
 def tiny(run_dir, *extra):
@@ -64,8 +80,11 @@ def test_eval_during_training_keeps_the_training_stream(tmp_path):
     assert all(math.isfinite(r["fd"]) and r["fd"] > 0 and r["extractor"] == "digits" for r in evals)
     assert all(0 <= r["precision"] <= 1 and 0 <= r["recall"] <= 1 and r["is"] >= 1 for r in evals)
     assert (tmp_path / "eval" / "eval_reference.npz").is_file()  # the reference is cached in the run dir
-    cut = [r["step"] for r in map(json.loads, (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines())
-           if r.get("eval")]  # fmt: skip
+    cut = [
+        r["step"]
+        for r in map(json.loads, (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines())
+        if r.get("eval")
+    ]
     assert cut == [5, 6, 10, 12]  # the first part's final evaluation at 6, then the resumed run's
 
 
@@ -88,9 +107,18 @@ def test_eval_config_errors():
     with pytest.raises(ValueError, match="valid choices: digits, mnist5k, inception"):
         load_config(None, ["eval.features=clip"])
     with pytest.raises(ValueError, match="eval.sampler 'ddim' cannot sample a flow model"):
-        load_config(None, ["diffusion.formulation=flow", "diffusion.prediction=velocity", "diffusion.learn_sigma=false",
-                           "diffusion.weighting=none", "logging.sampler=euler", "logging.eval_every=5",
-                           "eval.sampler=ddim"])  # fmt: skip
+        load_config(
+            None,
+            [
+                "diffusion.formulation=flow",
+                "diffusion.prediction=velocity",
+                "diffusion.learn_sigma=false",
+                "diffusion.weighting=none",
+                "logging.sampler=euler",
+                "logging.eval_every=5",
+                "eval.sampler=ddim",
+            ],
+        )
     flow = load_config(None, ["diffusion.formulation=flow", "logging.eval_every=5"])  # auto: the formulation's own
     assert flow.eval.sampler == "heun"
 
@@ -146,8 +174,10 @@ def test_study_runs_reports_and_matches_a_hand_computation(tmp_path):
     )
     # the report's numbers from the runs' own final evaluations, by hand
     fd = {(a, s): read_status(out, a, s)["final"]["fd"] for a in ("vanilla", "cl") for s in (0, 1)}
-    assert fd[("vanilla", 0)] == json.loads((run_dir_of(out, "vanilla", 0) / "metrics.jsonl").read_text()
-                                            .splitlines()[-1])["fd"]  # fmt: skip
+    assert (
+        fd[("vanilla", 0)]
+        == json.loads((run_dir_of(out, "vanilla", 0) / "metrics.jsonl").read_text().splitlines()[-1])["fd"]
+    )
     d = [fd[("cl", s)] - fd[("vanilla", s)] for s in (0, 1)]
     mean, sd = (d[0] + d[1]) / 2, abs(d[0] - d[1]) / math.sqrt(2)
     half = 12.706205 * sd / math.sqrt(2)  # t_{0.975, 1}
@@ -165,8 +195,12 @@ def test_study_runs_reports_and_matches_a_hand_computation(tmp_path):
 def test_study_resumes_after_a_killed_worker(tmp_path):
     """A worker killed mid-run: the rerun keeps finished runs and resumes the killed one from its checkpoint,
     ending with the weights of an uninterrupted run."""
-    data = {**SPEC, "seeds": [0], "arms": [SPEC["arms"][0]],
-            "set": [*SPEC["set"], "engine.max_steps=40", "checkpoint.every=4"]}  # fmt: skip
+    data = {
+        **SPEC,
+        "seeds": [0],
+        "arms": [SPEC["arms"][0]],
+        "set": [*SPEC["set"], "engine.max_steps=40", "checkpoint.every=4"],
+    }
     spec = spec_from_dict(data)
     from diffcurr_fast.study.runner import prepare_study, run_one
 
@@ -176,8 +210,12 @@ def test_study_resumes_after_a_killed_worker(tmp_path):
     run_one(ref, "vanilla", 0, int(threads))  # the uninterrupted run, in this process
     prepare_study(spec, out)
     env = {**os.environ, "OMP_NUM_THREADS": threads}
-    proc = subprocess.Popen([sys.executable, "-m", "diffcurr_fast.study.runner", str(out), "vanilla", "0", threads],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "diffcurr_fast.study.runner", str(out), "vanilla", "0", threads],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     ckpts = run_dir_of(out, "vanilla", 0) / "checkpoints"
     deadline = time.time() + 120
     while time.time() < deadline and not (ckpts.is_dir() and any(p.suffix == ".pt" for p in ckpts.iterdir())):
@@ -219,8 +257,21 @@ def test_presets_resolve(name):
     assert len(spec.seeds) >= (5 if name == "curriculum" else 3)
     if name == "curriculum":
         names = {a.name for a in spec.arms}
-        assert {"vanilla", "cl_uniform", "cl_snr", "naive_cl", "anti_cl", "minsnr", "minsnr_cl", "dtr", "dtr_cl",
-                "demo_vanilla", "demo_cl", "vanilla_short", "cl_snr_short"} <= names  # fmt: skip
+        assert {
+            "vanilla",
+            "cl_uniform",
+            "cl_snr",
+            "naive_cl",
+            "anti_cl",
+            "minsnr",
+            "minsnr_cl",
+            "dtr",
+            "dtr_cl",
+            "demo_vanilla",
+            "demo_cl",
+            "vanilla_short",
+            "cl_snr_short",
+        } <= names
         assert spec.reference_of(spec.arm("dtr_cl")) == "dtr"
     else:
         assert [a.kind for a in spec.arms] == ["train", "tdc"]

@@ -60,14 +60,30 @@ def test_plateau_rule_by_hand():
 
 
 def _rows(arm, seed, fds, every=100, per_step_s=0.01, flops=2.0):
-    return [{"arm": arm, "seed": seed, "step": every * (i + 1), "fd": f, "train_s": per_step_s * every * (i + 1),
-             "train_flops": flops * every * (i + 1)} for i, f in enumerate(fds)]  # fmt: skip
+    return [
+        {
+            "arm": arm,
+            "seed": seed,
+            "step": every * (i + 1),
+            "fd": f,
+            "train_s": per_step_s * every * (i + 1),
+            "train_flops": flops * every * (i + 1),
+        }
+        for i, f in enumerate(fds)
+    ]
 
 
 def test_analyse_threshold_time_axes_and_flag_by_hand():
-    spec = spec_from_dict({"name": "s", "seeds": [0, 1], "eval_every": 100, "reference": "official",
-                           "arms": [{"name": "official"}, {"name": "fast"}],
-                           "speedrun": {"official_arm": "official", "smooth": 1}})  # fmt: skip
+    spec = spec_from_dict(
+        {
+            "name": "s",
+            "seeds": [0, 1],
+            "eval_every": 100,
+            "reference": "official",
+            "arms": [{"name": "official"}, {"name": "fast"}],
+            "speedrun": {"official_arm": "official", "smooth": 1},
+        }
+    )
     rows = _rows("official", 0, [9, 7, 5, 4]) + _rows("official", 1, [9, 8, 6, 5])
     rows += _rows("fast", 0, [8, 5, 3, 2], per_step_s=0.02) + _rows("fast", 1, [7, 5, 4, 3], per_step_s=0.02)
     res = sr.analyse(spec, rows, None)
@@ -106,10 +122,23 @@ def test_speedrun_spec_errors():
 
 
 # ---- the training clock -----------------------------------------------------------------------------------------
-TINY = ["model.hidden_size=32", "model.depth=1", "model.num_heads=2", "diffusion.num_timesteps=60",
-        "curriculum.num_clusters=4", "curriculum.pacing=none", "data.batch_size=16", "logging.log_every=4",
-        "logging.progress=false", "logging.num_samples=0", "logging.plots=false", "checkpoint.export_ema=false",
-        "eval.num_samples=16", "eval.steps=3", "engine.cpu_threads=1"]  # fmt: skip
+TINY = [
+    "model.hidden_size=32",
+    "model.depth=1",
+    "model.num_heads=2",
+    "diffusion.num_timesteps=60",
+    "curriculum.num_clusters=4",
+    "curriculum.pacing=none",
+    "data.batch_size=16",
+    "logging.log_every=4",
+    "logging.progress=false",
+    "logging.num_samples=0",
+    "logging.plots=false",
+    "checkpoint.export_ema=false",
+    "eval.num_samples=16",
+    "eval.steps=3",
+    "engine.cpu_threads=1",
+]
 
 
 def test_eval_records_carry_the_training_time_without_evaluations(tmp_path, monkeypatch):
@@ -126,8 +155,9 @@ def test_eval_records_carry_the_training_time_without_evaluations(tmp_path, monk
     monkeypatch.setattr(Evaluator, "__call__", slow)
     monkeypatch.setattr(time, "perf_counter", lambda: clock() + skip[0])
     run = tmp_path / "r"
-    cfg = load_config(None, [*TINY, f"checkpoint.run_dir={run}", "engine.max_steps=24", "logging.eval_every=8",
-                             "checkpoint.every=16"])  # fmt: skip
+    cfg = load_config(
+        None, [*TINY, f"checkpoint.run_dir={run}", "engine.max_steps=24", "logging.eval_every=8", "checkpoint.every=16"]
+    )
     t0 = clock()
     train(cfg)
     elapsed = clock() - t0  # the real time
@@ -141,8 +171,9 @@ def test_eval_records_carry_the_training_time_without_evaluations(tmp_path, monk
 
     saved = load_checkpoint(latest_checkpoint(run), map_location="cpu")["train_s"]
     assert ts[2] <= saved < ts[2] + elapsed
-    cfg2 = load_config(None, [*TINY, f"checkpoint.run_dir={run}", "engine.max_steps=32", "logging.eval_every=8",
-                              "checkpoint.every=16"])  # fmt: skip
+    cfg2 = load_config(
+        None, [*TINY, f"checkpoint.run_dir={run}", "engine.max_steps=32", "logging.eval_every=8", "checkpoint.every=16"]
+    )
     train(cfg2, resume=True)
     last = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
     assert last["step"] == 32 and saved < last["train_s"] < 1000
@@ -204,10 +235,12 @@ SPEEDRUN_SPEC = {
     "reference": "official",
     "eval_every": 6,
     "eval": {"num_samples": 16, "steps": 3},
-    "arms": [{"name": "official", "set": ["optim.lr=1e-4", "optim.warmup_steps=0", "optim.schedule=constant"]},
-             {"name": "fast", "set": ["optim.lr=3e-3"]}],
+    "arms": [
+        {"name": "official", "set": ["optim.lr=1e-4", "optim.warmup_steps=0", "optim.schedule=constant"]},
+        {"name": "fast", "set": ["optim.lr=3e-3"]},
+    ],
     "speedrun": {"official_arm": "official", "threshold": "reference", "smooth": 2},
-}  # fmt: skip
+}
 
 
 def test_tiny_speedrun_end_to_end(tmp_path):
@@ -240,8 +273,10 @@ def test_tiny_speedrun_end_to_end(tmp_path):
     assert run_study(spec, out, workers=2, verbose=False, peer_dit=peer)["kept"] == 2  # measured once: kept
 
 
-@pytest.mark.skipif(not os.environ.get("DIFFCURR_FAST_PEER_DIT"), reason="set DIFFCURR_FAST_PEER_DIT to a "
-                    "facebookresearch/DiT checkout to time its own step")  # fmt: skip
+@pytest.mark.skipif(
+    not os.environ.get("DIFFCURR_FAST_PEER_DIT"),
+    reason="set DIFFCURR_FAST_PEER_DIT to a facebookresearch/DiT checkout to time its own step",
+)
 def test_official_step_time_with_a_real_checkout(tmp_path):
     from diffcurr_fast.runs.config import load_config
 
@@ -259,8 +294,14 @@ def test_speedrun_preset_settings():
         names
     )
     official = set(spec.arm("official").set)
-    assert {"diffusion.beta_schedule=linear", "diffusion.weighting=none", "curriculum.pacing=none", "optim.lr=1e-4",
-            "optim.schedule=constant", "optim.weight_decay=0"} <= official  # fmt: skip
+    assert {
+        "diffusion.beta_schedule=linear",
+        "diffusion.weighting=none",
+        "curriculum.pacing=none",
+        "optim.lr=1e-4",
+        "optim.schedule=constant",
+        "optim.weight_decay=0",
+    } <= official
     assert "diffusion.learn_sigma=true" in spec.set and "optim.ema_warmup=false" in spec.set
     # the EMA rule: the half-life is the official recipe's share of the run, ln 0.5 / ln 0.9999 of 400k steps
     steps = 12_000
@@ -281,14 +322,36 @@ def test_every_arm_of_the_speedrun_builds():
 def test_mnist_stage_takes_the_best_arms_of_the_screening(tmp_path):
     with pytest.raises(ValueError, match="--screen DIR"):
         preset_spec("speedrun_mnist5k")
-    arms = {"official": None, "vanilla": 1.1, "minsnr": 2.0, "cl": None, "cl_minsnr": 3.0, "anti_cl": 0.5,
-            "adaptive_pacing": 1.5}  # fmt: skip
-    data = {"official_arm": "official", "arms": {
-        n: {"seeds": [0], "reached": [0], "axes": {"wall_s": [10.0 if up is None else 5.0, 0, 0]},
-            "speedup": {"wall_s": None if up is None else [up, up, up]}} for n, up in arms.items()}}  # fmt: skip
+    arms = {
+        "official": None,
+        "vanilla": 1.1,
+        "minsnr": 2.0,
+        "cl": None,
+        "cl_minsnr": 3.0,
+        "anti_cl": 0.5,
+        "adaptive_pacing": 1.5,
+    }
+    data = {
+        "official_arm": "official",
+        "arms": {
+            n: {
+                "seeds": [0],
+                "reached": [0],
+                "axes": {"wall_s": [10.0 if up is None else 5.0, 0, 0]},
+                "speedup": {"wall_s": None if up is None else [up, up, up]},
+            }
+            for n, up in arms.items()
+        },
+    }
     (tmp_path / "speedrun.json").write_text(json.dumps(data))
     assert sr.best_arms(tmp_path, 4) == ["cl_minsnr", "minsnr", "adaptive_pacing", "vanilla"]
     spec = preset_spec("speedrun_mnist5k", screen=str(tmp_path))
-    assert [a.name for a in spec.arms] == ["official", "cl_minsnr", "minsnr", "adaptive_pacing", "vanilla",
-                                           "cl_minsnr_plain"]  # fmt: skip
+    assert [a.name for a in spec.arms] == [
+        "official",
+        "cl_minsnr",
+        "minsnr",
+        "adaptive_pacing",
+        "vanilla",
+        "cl_minsnr_plain",
+    ]
     assert "data.dataset=mnist5k" in spec.set and spec.eval["features"] == "mnist5k" and len(spec.seeds) == 3

@@ -32,8 +32,18 @@ from diffcurr_fast.tdc import (
 from diffcurr_fast.tdc.prune import group_loss, keep_indices
 
 # Odd, non-power-of-two geometry: 9 tokens, hidden 36, 3 heads of 12, MLP 90.
-TINY = dict(input_size=6, patch_size=2, in_channels=3, hidden_size=36, depth=3, num_heads=3, mlp_ratio=2.5,
-            num_classes=5, num_timesteps=100, attn_backend="math")  # fmt: skip
+TINY = dict(
+    input_size=6,
+    patch_size=2,
+    in_channels=3,
+    hidden_size=36,
+    depth=3,
+    num_heads=3,
+    mlp_ratio=2.5,
+    num_classes=5,
+    num_timesteps=100,
+    attn_backend="math",
+)
 
 
 def tiny_dit(dtype=torch.float32, **kw) -> DiT:
@@ -242,8 +252,9 @@ def test_taylor_scores_are_w_times_grad_per_unit():
     s = DDPMSchedule(100)
     batches = [inputs(3, torch.float64)[::2], inputs(5, torch.float64)[::2]]
     imp = importance_scores(base, "taylor", objective=s, group=(10, 40), batches=batches, seed=7)
-    loss = sum(group_loss(base, s, (10, 40), x, y, torch.Generator().manual_seed(7 + i))
-               for i, (x, y) in enumerate(batches))  # fmt: skip
+    loss = sum(
+        group_loss(base, s, (10, 40), x, y, torch.Generator().manual_seed(7 + i)) for i, (x, y) in enumerate(batches)
+    )
     loss.backward()
     blk = base.blocks[1]
     wg = lambda p: (p.detach() * p.grad).abs()  # noqa: E731

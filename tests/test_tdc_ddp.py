@@ -78,8 +78,15 @@ def test_tdc_two_ranks_gloo(tdc_ddp_runs):
     assert len(r0["banks"][1]) >= 4  # 2 rounds of up to 3 candidates spread 2 + 1 over the ranks (group 0: full F)
     assert r0["best_equal"] == r1["best_equal"] == [True, True]  # the best recovered weights too
     assert r0["experts"] == r1["experts"]  # data-parallel fine-tuning: identical experts on both ranks
-    for name in ("tdc.json", "accounting.json", "samples.png", "bundle/bundle.json", "group_1/search.json",
-                 "group_1/expert.safetensors", "stage1/tdc_stage1.json"):  # fmt: skip
+    for name in (
+        "tdc.json",
+        "accounting.json",
+        "samples.png",
+        "bundle/bundle.json",
+        "group_1/search.json",
+        "group_1/expert.safetensors",
+        "stage1/tdc_stage1.json",
+    ):
         assert (run / name).is_file(), name
     bank = json.loads((run / "group_0" / "search.json").read_text())["bank"]
     assert [[e["heads"], e["mlp"], e["score"]] for e in bank] == r0["banks"][0]

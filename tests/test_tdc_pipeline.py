@@ -26,12 +26,31 @@ from diffcurr_fast.tdc.pipeline import (
 from diffcurr_fast.train.loop import Trainer
 
 TINY = [
-    "model.hidden_size=32", "model.depth=2", "model.num_heads=2", "diffusion.num_timesteps=40",
-    "curriculum.num_clusters=4", "data.batch_size=17", "engine.max_steps=4", "engine.cpu_threads=1",
-    "logging.progress=false", "logging.num_samples=3", "logging.sample_steps=4", "logging.log_every=2",
-]  # fmt: skip
-TINY_TDC = {"num_groups": 2, "k": 0.5, "rounds": 2, "candidates": 2, "recover_steps": 1, "search_batches": 1,
-            "heldout_batches": 1, "importance_batches": 1, "finetune_steps": 3, "search_batch_size": 9}  # fmt: skip
+    "model.hidden_size=32",
+    "model.depth=2",
+    "model.num_heads=2",
+    "diffusion.num_timesteps=40",
+    "curriculum.num_clusters=4",
+    "data.batch_size=17",
+    "engine.max_steps=4",
+    "engine.cpu_threads=1",
+    "logging.progress=false",
+    "logging.num_samples=3",
+    "logging.sample_steps=4",
+    "logging.log_every=2",
+]
+TINY_TDC = {
+    "num_groups": 2,
+    "k": 0.5,
+    "rounds": 2,
+    "candidates": 2,
+    "recover_steps": 1,
+    "search_batches": 1,
+    "heldout_batches": 1,
+    "importance_batches": 1,
+    "finetune_steps": 3,
+    "search_batch_size": 9,
+}
 
 
 def tiny_cfg(run_dir, *extra):
@@ -55,8 +74,16 @@ def tdc_run(tmp_path_factory):
 
 def test_every_artefact_exists(tdc_run):
     run, out = tdc_run
-    for rel in ("tdc.json", "accounting.json", "samples.png", "stage1/ema.safetensors", "stage1/samples.png",
-                "bundle/bundle.json", "bundle/weights.safetensors", "bundle/train_config.json"):  # fmt: skip
+    for rel in (
+        "tdc.json",
+        "accounting.json",
+        "samples.png",
+        "stage1/ema.safetensors",
+        "stage1/samples.png",
+        "bundle/bundle.json",
+        "bundle/weights.safetensors",
+        "bundle/train_config.json",
+    ):
         assert (run / rel).is_file(), rel
     assert latest_checkpoint(run / "stage1") is not None
     for g in range(2):
@@ -74,8 +101,20 @@ def test_bundle_loads_and_samples(tdc_run):
     multi, cfg = load_bundle_with_config(run / "bundle")
     assert [tuple(r) for r in multi.ranges][0][0] == 0 and multi.num_timesteps == 40
     assert cfg.model.hidden_size == 32 and cfg.diffusion.learn_sigma
-    x = sample(multi, build_schedule(cfg), sampler="ddim", steps=5, labels=torch.tensor([0, 3, 9]), channels=1,
-               size=8, num_classes=10, learn_sigma=True, prediction="eps", cfg_scale=1.5, seed=1)  # fmt: skip
+    x = sample(
+        multi,
+        build_schedule(cfg),
+        sampler="ddim",
+        steps=5,
+        labels=torch.tensor([0, 3, 9]),
+        channels=1,
+        size=8,
+        num_classes=10,
+        learn_sigma=True,
+        prediction="eps",
+        cfg_scale=1.5,
+        seed=1,
+    )
     assert x.shape == (3, 1, 8, 8) and torch.isfinite(x).all()
 
 
@@ -138,16 +177,22 @@ def _sample_args(*argv):
 def test_sample_command_takes_bundle_and_pruned_checkpoint(tdc_run, tmp_path, capsys):
     run, _ = tdc_run
     out = tmp_path / "b.npz"
-    assert cli_sample.run(_sample_args("--bundle", str(run / "bundle"), "--steps", "4", "--num", "5",
-                                       "--out", str(out))) == 0  # fmt: skip
+    assert (
+        cli_sample.run(_sample_args("--bundle", str(run / "bundle"), "--steps", "4", "--num", "5", "--out", str(out)))
+        == 0
+    )
     assert f"from bundle {run / 'bundle'}" in capsys.readouterr().out
     import numpy as np
 
     z = np.load(out)
     assert z["arr_0"].shape == (5, 8, 8, 1) and z["arr_0"].dtype == np.uint8  # ADM layout
     png = tmp_path / "e.png"  # the pruned expert of group 1 alone, rebuilt from model_config in its checkpoint
-    assert cli_sample.run(_sample_args("--ckpt", str(run / "group_1" / "finetune"), "--steps", "4", "--num", "3",
-                                       "--out", str(png))) == 0  # fmt: skip
+    assert (
+        cli_sample.run(
+            _sample_args("--ckpt", str(run / "group_1" / "finetune"), "--steps", "4", "--num", "3", "--out", str(png))
+        )
+        == 0
+    )
     assert png.stat().st_size > 100
     with pytest.raises(ValueError, match="--weights model is not available with --bundle"):
         cli_sample.run(_sample_args("--bundle", str(run / "bundle"), "--weights", "model", "--out", str(png) + ".png"))
@@ -202,8 +247,19 @@ def test_trainer_curriculum_inside_a_timestep_range(tmp_path):
 
 def test_trainer_trains_given_heterogeneous_model(tmp_path):
     cfg = tiny_cfg(tmp_path / "r", "engine.max_steps=2", "logging.num_samples=0", "logging.plots=false")
-    model = DiT(input_size=8, in_channels=1, num_classes=10, hidden_size=32, depth=2, num_heads=2, patch_size=2,
-                learn_sigma=True, num_timesteps=40, block_num_heads=[1, 2], block_mlp_hidden=[16, 40])  # fmt: skip
+    model = DiT(
+        input_size=8,
+        in_channels=1,
+        num_classes=10,
+        hidden_size=32,
+        depth=2,
+        num_heads=2,
+        patch_size=2,
+        learn_sigma=True,
+        num_timesteps=40,
+        block_num_heads=[1, 2],
+        block_mlp_hidden=[16, 40],
+    )
     before = {k: v.clone() for k, v in model.state_dict().items()}
     tr = Trainer(cfg, model=model)
     assert tr.model is model
@@ -278,8 +334,9 @@ def test_overwrite_keeps_user_files_and_refuses_without_it(tmp_path):
     (run / "group_0" / "mine.txt").write_text("keep")
     with pytest.raises(FileExistsError, match="--overwrite"):
         run_tdc(tiny_cfg(run, "logging.num_samples=0"), {**TINY_TDC, "finetune_steps": 1}, run, verbose=False)
-    run_tdc(tiny_cfg(run, "logging.num_samples=0"), {**TINY_TDC, "finetune_steps": 1}, run, overwrite=True,
-            verbose=False)  # fmt: skip
+    run_tdc(
+        tiny_cfg(run, "logging.num_samples=0"), {**TINY_TDC, "finetune_steps": 1}, run, overwrite=True, verbose=False
+    )
     for rel in ("notes.txt", "stage1/checkpoints/my_best_model.pt", "group_0/mine.txt", "bundle/bundle.json"):
         assert (run / rel).is_file(), rel
 
@@ -298,8 +355,10 @@ def test_cli_resolve_defaults_recipe_and_overrides(tmp_path, capsys):
     cfg, _ = tdc_cli.resolve(_tdc_args("--curriculum", "--set", "tdc.rounds=5", "--set", "optim.lr=2e-4"))
     assert cfg.curriculum.pacing == "patience" and cfg.tdc.rounds == 5 and cfg.optim.lr == 2e-4
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("model: {hidden_size: 32, num_heads: 2}\ntdc: {num_groups: 4, k: 0.25, proposer: uniform}\n"
-                      "checkpoint: {run_dir: out/x}\n")  # fmt: skip
+    recipe.write_text(
+        "model: {hidden_size: 32, num_heads: 2}\ntdc: {num_groups: 4, k: 0.25, proposer: uniform}\n"
+        "checkpoint: {run_dir: out/x}\n"
+    )
     cfg, run_dir = tdc_cli.resolve(_tdc_args(str(recipe), "--set", "tdc.k=0.75", "--run-dir", "y"))
     opts = cfg.tdc
     assert cfg.model.hidden_size == 32 and (opts.num_groups, opts.k, opts.proposer) == (4, 0.75, "uniform")
@@ -331,8 +390,9 @@ def test_curriculum_stage1_llm_proposer_and_overwrite(tmp_path):
     (run / "group_5").mkdir(parents=True)
     (run / "accounting.json").write_text("{}")
     (run / "notes.txt").write_text("keep")
-    cfg = tiny_cfg(run, "curriculum.pacing=patience", "curriculum.patience=1", "curriculum.eval_every=1",
-                   "logging.num_samples=0")  # fmt: skip
+    cfg = tiny_cfg(
+        run, "curriculum.pacing=patience", "curriculum.patience=1", "curriculum.eval_every=1", "logging.num_samples=0"
+    )
     recipe = tmp_path / "recipe.yaml"  # a recipe path with a tdc: section; the options dict overrides it
     llm = {"proposer": "llm", "llm_url": "http://127.0.0.1:9/v1", "llm_model": "m", "llm_fallback": "local"}
     recipe.write_text(yaml.safe_dump({**cfg.to_dict(), "tdc": {**TINY_TDC, **llm, "rounds": 3}}))
@@ -375,8 +435,13 @@ def test_search_scores_on_the_training_objective(tmp_path, monkeypatch):
         return value
 
     monkeypatch.setattr(search, "proxy_loss", spy)
-    cfg = tiny_cfg(tmp_path / "r", "diffusion.prediction=v", "diffusion.weighting=min_snr", "diffusion.min_snr_gamma=1",
-                   "logging.num_samples=0")  # fmt: skip
+    cfg = tiny_cfg(
+        tmp_path / "r",
+        "diffusion.prediction=v",
+        "diffusion.weighting=min_snr",
+        "diffusion.min_snr_gamma=1",
+        "logging.num_samples=0",
+    )
     run_tdc(cfg, {**TINY_TDC, "finetune_steps": 1}, tmp_path / "r", verbose=False)
     assert seen and all(s[:3] == ("v", "min_snr", 1.0) for s in seen)
     for *_, value, again in seen:

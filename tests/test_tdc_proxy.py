@@ -34,8 +34,18 @@ from diffcurr_fast.tdc import (
     validate_widths,
 )
 
-TINY = dict(input_size=4, patch_size=2, in_channels=3, hidden_size=24, depth=3, num_heads=3, mlp_ratio=2.5,
-            num_classes=4, num_timesteps=100, attn_backend="math")  # fmt: skip
+TINY = dict(
+    input_size=4,
+    patch_size=2,
+    in_channels=3,
+    hidden_size=24,
+    depth=3,
+    num_heads=3,
+    mlp_ratio=2.5,
+    num_classes=4,
+    num_timesteps=100,
+    attn_backend="math",
+)
 
 
 @pytest.fixture(scope="module")
@@ -127,9 +137,19 @@ def test_recover_and_proxy(setup):
 def test_proxy_search_local(setup, tmp_path):
     model, s, group, train, held, imp = setup
     res = proxy_search(
-        model, group, group.flops, train, held, objective=s, importance=imp, proposer=LocalProposer(), rounds=2,
-        candidates_per_round=3, recover_steps=1, log_path=tmp_path / "search.json",
-    )  # fmt: skip
+        model,
+        group,
+        group.flops,
+        train,
+        held,
+        objective=s,
+        importance=imp,
+        proposer=LocalProposer(),
+        rounds=2,
+        candidates_per_round=3,
+        recover_steps=1,
+        log_path=tmp_path / "search.json",
+    )
     assert len(res.history) == 2 and len(res.bank) == 6
     assert res.best.score == min(c.score for c in res.bank.entries)
     assert all(c.flops <= group.flops for c in res.bank.entries)
@@ -163,8 +183,9 @@ class _Server:
 
             def do_POST(self):
                 body = self.rfile.read(int(self.headers["Content-Length"]))
-                outer.requests.append({"path": self.path, "auth": self.headers.get("Authorization"),
-                                       "body": json.loads(body)})  # fmt: skip
+                outer.requests.append(
+                    {"path": self.path, "auth": self.headers.get("Authorization"), "body": json.loads(body)}
+                )
                 kind, value = outer.replies.pop(0)
                 if kind == "sleep":
                     time.sleep(value)
@@ -289,8 +310,20 @@ def test_proxy_search_with_llm_and_fallback(setup, server):
     good = select_widths(model.config(), imp, group.flops)
     server.replies = [("content", _content([good, ([3, 3, 3], [60, 60, 60])])), ("content", "nope")]
     p = LLMProposer(server.url, "m", timeout=5.0)
-    res = proxy_search(model, group, group.flops, train, held, objective=s, importance=imp, proposer=p,
-                       fallback=LocalProposer(), rounds=2, candidates_per_round=2, recover_steps=0)  # fmt: skip
+    res = proxy_search(
+        model,
+        group,
+        group.flops,
+        train,
+        held,
+        objective=s,
+        importance=imp,
+        proposer=p,
+        fallback=LocalProposer(),
+        rounds=2,
+        candidates_per_round=2,
+        recover_steps=0,
+    )
     sources = [c.source for c in res.bank.entries]
     assert sources.count("llm") == 1 and sources.count("local") == 3  # the shortfall is filled locally
     assert res.rejected["over_budget"] == 1 and res.rejected["llm_parse_errors"] == 1
@@ -313,20 +346,50 @@ class _BadProposer:
 def test_proxy_search_rejects_and_counts(setup):
     model, s, group, train, held, imp = setup
     good = select_widths(model.config(), imp, group.flops)
-    res = proxy_search(model, group, group.flops, train, held, objective=s, importance=imp,
-                       proposer=_BadProposer(good), fallback=LocalProposer(), rounds=1, candidates_per_round=2,
-                       recover_steps=0)  # fmt: skip
+    res = proxy_search(
+        model,
+        group,
+        group.flops,
+        train,
+        held,
+        objective=s,
+        importance=imp,
+        proposer=_BadProposer(good),
+        fallback=LocalProposer(),
+        rounds=1,
+        candidates_per_round=2,
+        recover_steps=0,
+    )
     assert res.rejected == {"over_budget": 1, "invalid": 2, "duplicate": 1}
     assert [c.source for c in res.bank.entries] == ["bad", "local"]
     fewer = (list(good[0]), [max(0, v - 3) for v in good[1]])
-    res = proxy_search(model, group, group.flops, train, held, objective=s, importance=imp,
-                       proposer=_BadProposer(good, [fewer]), rounds=1, candidates_per_round=1,
-                       recover_steps=0)  # fmt: skip
+    res = proxy_search(
+        model,
+        group,
+        group.flops,
+        train,
+        held,
+        objective=s,
+        importance=imp,
+        proposer=_BadProposer(good, [fewer]),
+        rounds=1,
+        candidates_per_round=1,
+        recover_steps=0,
+    )
     assert res.rejected == {"over_budget": 1, "invalid": 2, "duplicate": 1, "surplus": 1}  # one asked, two valid
     assert [(c.heads, c.mlp, c.source) for c in res.bank.entries] == [(*good, "bad")]
     with pytest.raises(ValueError, match="no valid candidate"):
-        proxy_search(model, group, group.flops, train, held, objective=s, importance=imp,
-                     proposer=_BadProposer(([3, 3, 3], [60, 60, 60])), rounds=1)  # fmt: skip
+        proxy_search(
+            model,
+            group,
+            group.flops,
+            train,
+            held,
+            objective=s,
+            importance=imp,
+            proposer=_BadProposer(([3, 3, 3], [60, 60, 60])),
+            rounds=1,
+        )
 
 
 def test_search_imports_no_proposer():

@@ -26,8 +26,18 @@ from diffcurr_fast.tdc import (
 )
 from diffcurr_fast.tdc.proposers import make_proposer
 
-TINY = dict(input_size=4, patch_size=2, in_channels=3, hidden_size=24, depth=2, num_heads=3, mlp_ratio=2.5,
-            num_classes=4, num_timesteps=100, attn_backend="math")  # fmt: skip
+TINY = dict(
+    input_size=4,
+    patch_size=2,
+    in_channels=3,
+    hidden_size=24,
+    depth=2,
+    num_heads=3,
+    mlp_ratio=2.5,
+    num_classes=4,
+    num_timesteps=100,
+    attn_backend="math",
+)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -95,8 +105,19 @@ def test_importance_recovery_and_proxy_see_only_the_group(setup, gi):
         proxy_loss(m, g, held, objective=s)
     _assert_in(seen, g.lo, g.hi)
     with record_dit_times() as seen:
-        res = proxy_search(model, g, g.flops, train, held, objective=s, importance=imp, rounds=2,
-                           candidates_per_round=2, recover_steps=1, proposer=make_proposer("local"))  # fmt: skip
+        res = proxy_search(
+            model,
+            g,
+            g.flops,
+            train,
+            held,
+            objective=s,
+            importance=imp,
+            rounds=2,
+            candidates_per_round=2,
+            recover_steps=1,
+            proposer=make_proposer("local"),
+        )
     t = _assert_in(seen, g.lo, g.hi)
     assert len(res.bank) >= 1 and len(t) >= len(res.bank) * (6 + 4)  # every candidate was recovered and scored
     # with the same inputs, the importance of another group differs: the group reaches the loss
@@ -132,14 +153,36 @@ def test_run_tdc_search_and_finetune_stay_in_their_groups(tmp_path, monkeypatch)
     monkeypatch.setattr(Trainer, "fit", fit)
     monkeypatch.setattr(pipeline, "importance_scores", phased(real_imp, "importance"))
     monkeypatch.setattr(pipeline, "proxy_search", phased(real_search, "search"))
-    cfg = load_config(None, [
-        "model.hidden_size=32", "model.depth=2", "model.num_heads=2", "diffusion.num_timesteps=40",
-        "curriculum.pacing=none", "data.batch_size=17", "engine.max_steps=3", "engine.cpu_threads=1",
-        "logging.progress=false", "logging.num_samples=0", "logging.log_every=1", "logging.plots=false",
-        f"checkpoint.run_dir={tmp_path / 'unused'}",
-    ])  # fmt: skip
-    opts = {"num_groups": 2, "k": 0.5, "rounds": 1, "candidates": 2, "recover_steps": 1, "search_batches": 1,
-            "heldout_batches": 1, "importance_batches": 1, "finetune_steps": 4, "search_batch_size": 9}  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            "model.hidden_size=32",
+            "model.depth=2",
+            "model.num_heads=2",
+            "diffusion.num_timesteps=40",
+            "curriculum.pacing=none",
+            "data.batch_size=17",
+            "engine.max_steps=3",
+            "engine.cpu_threads=1",
+            "logging.progress=false",
+            "logging.num_samples=0",
+            "logging.log_every=1",
+            "logging.plots=false",
+            f"checkpoint.run_dir={tmp_path / 'unused'}",
+        ],
+    )
+    opts = {
+        "num_groups": 2,
+        "k": 0.5,
+        "rounds": 1,
+        "candidates": 2,
+        "recover_steps": 1,
+        "search_batches": 1,
+        "heldout_batches": 1,
+        "importance_batches": 1,
+        "finetune_steps": 4,
+        "search_batch_size": 9,
+    }
     with record_dit_times(phase) as seen:
         out = pipeline.run_tdc(cfg, opts, tmp_path / "run", verbose=False)
     groups = [p["group"] for p in out["groups"]]
@@ -186,8 +229,18 @@ def test_sampling_routes_each_step_to_its_groups_expert(sampler, cfg_scale):
     calls = {i: [] for i in range(3)}
     for i, e in enumerate(experts):
         e.register_forward_pre_hook(lambda m, a, i=i: calls[i].append(a[1].detach().double().clone()))
-    kw = dict(sampler=sampler, steps=10, labels=torch.tensor([0, 3, 1]), channels=3, size=4, num_classes=4,
-              learn_sigma=True, prediction="eps", cfg_scale=cfg_scale, seed=5)  # fmt: skip
+    kw = dict(
+        sampler=sampler,
+        steps=10,
+        labels=torch.tensor([0, 3, 1]),
+        channels=3,
+        size=4,
+        num_classes=4,
+        learn_sigma=True,
+        prediction="eps",
+        cfg_scale=cfg_scale,
+        seed=5,
+    )
     s = DDPMSchedule(100)
     got = sample(multi, s, **kw)
     routed = {i: list(c) for i, c in calls.items()}

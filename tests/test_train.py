@@ -17,24 +17,50 @@ def tiny(run_dir, *extra):
     return load_config(
         None,
         [
-            f"checkpoint.run_dir={run_dir}", "model.hidden_size=32", "model.depth=1", "model.num_heads=2",
-            "diffusion.num_timesteps=60", "curriculum.num_clusters=4", "curriculum.patience=1",
-            "curriculum.eval_every=2", "data.batch_size=17", "engine.max_steps=6", "logging.log_every=2",
-            "logging.progress=false", "logging.num_samples=0", "logging.plots=false", "checkpoint.export_ema=false",
-            "optim.warmup_steps=2", *extra,
+            f"checkpoint.run_dir={run_dir}",
+            "model.hidden_size=32",
+            "model.depth=1",
+            "model.num_heads=2",
+            "diffusion.num_timesteps=60",
+            "curriculum.num_clusters=4",
+            "curriculum.patience=1",
+            "curriculum.eval_every=2",
+            "data.batch_size=17",
+            "engine.max_steps=6",
+            "logging.log_every=2",
+            "logging.progress=false",
+            "logging.num_samples=0",
+            "logging.plots=false",
+            "checkpoint.export_ema=false",
+            "optim.warmup_steps=2",
+            *extra,
         ],
-    )  # fmt: skip
+    )
 
 
 def test_short_run_writes_everything(tmp_path):
     run = tmp_path / "run"
-    cfg = tiny(run, "engine.max_steps=8", "logging.num_samples=10", "logging.sample_steps=4", "logging.plots=true",
-               "checkpoint.export_ema=true", "checkpoint.every=4", "curriculum.pacing=fixed",
-               "curriculum.stage_iters=2")  # fmt: skip
+    cfg = tiny(
+        run,
+        "engine.max_steps=8",
+        "logging.num_samples=10",
+        "logging.sample_steps=4",
+        "logging.plots=true",
+        "checkpoint.export_ema=true",
+        "checkpoint.every=4",
+        "curriculum.pacing=fixed",
+        "curriculum.stage_iters=2",
+    )
     summary = train(cfg)
     assert summary["step"] == 8 and math.isfinite(summary["loss"]) and summary["nan_skips"] == 0
-    for name in ("config.yaml", "metrics.jsonl", "samples.png", "cluster_loss.png", "curriculum.png",
-                 "ema.safetensors"):  # fmt: skip
+    for name in (
+        "config.yaml",
+        "metrics.jsonl",
+        "samples.png",
+        "cluster_loss.png",
+        "curriculum.png",
+        "ema.safetensors",
+    ):
         assert (run / name).is_file(), name
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["ckpt_00000004.pt", "ckpt_00000008.pt"]
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -188,8 +214,14 @@ def test_clip_grad_norm_is_torchs(scale):
 
 
 def test_lr_schedule(tmp_path):
-    cfg = tiny(tmp_path / "r", "optim.lr=1.0", "optim.warmup_steps=4", "optim.schedule=cosine", "optim.min_lr=0.1",
-               "engine.max_steps=14")  # fmt: skip
+    cfg = tiny(
+        tmp_path / "r",
+        "optim.lr=1.0",
+        "optim.warmup_steps=4",
+        "optim.schedule=cosine",
+        "optim.min_lr=0.1",
+        "engine.max_steps=14",
+    )
     lrs = [lr_at(s, cfg) for s in range(15)]
     assert lrs[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
     assert lrs[4] == pytest.approx(1.0) and lrs[9] == pytest.approx(0.55) and lrs[14] == pytest.approx(0.1)
@@ -251,16 +283,30 @@ def test_cli_train_prints_where_outputs_are(tmp_path, capsys):
     p = argparse.ArgumentParser()
     cli_train.add_arguments(p)
     run = tmp_path / "run"
-    sets = ["model.hidden_size=32", "model.depth=1", "model.num_heads=2", "diffusion.num_timesteps=40",
-            "curriculum.num_clusters=4", "data.batch_size=17", "engine.max_steps=2", "logging.num_samples=10",
-            "logging.sample_steps=2", "logging.progress=false", "logging.plots=false"]  # fmt: skip
+    sets = [
+        "model.hidden_size=32",
+        "model.depth=1",
+        "model.num_heads=2",
+        "diffusion.num_timesteps=40",
+        "curriculum.num_clusters=4",
+        "data.batch_size=17",
+        "engine.max_steps=2",
+        "logging.num_samples=10",
+        "logging.sample_steps=2",
+        "logging.progress=false",
+        "logging.plots=false",
+    ]
     argv = ["--run-dir", str(run)] + [a for s in sets for a in ("--set", s)]
     assert cli_train.run(p.parse_args(argv)) == 0
     out = capsys.readouterr()
     assert f"sample grid: {run / 'samples.png'}" in out.out and "done: 2 steps" in out.out
     # the start line names the dataset, the model (dimensions and parameter count), the engine and world size
-    assert "starting at step 0 of 2; data built-in digits (1x8x8, 10 classes); model custom DiT depth 1, width 32, " \
-           "patch 2, 2 heads, 0." in out.err and "M parameters; single engine, world size 1" in out.err  # fmt: skip
+    assert (
+        "starting at step 0 of 2; data built-in digits (1x8x8, 10 classes); model custom DiT depth 1, width 32, "
+        "patch 2, 2 heads, 0."
+        in out.err
+        and "M parameters; single engine, world size 1" in out.err
+    )
     with pytest.raises(FileExistsError):
         cli_train.run(p.parse_args(argv))
     assert cli_train.run(p.parse_args(argv + ["--resume", "--set", "engine.max_steps=3"])) == 0
@@ -300,8 +346,13 @@ def test_metrics_writer_and_telemetry(tmp_path):
     assert stats == {"gpu": "no GPU"} if not torch.cuda.is_available() else "gpu_util" in stats
 
 
-FLOW = ("diffusion.formulation=flow", "diffusion.prediction=velocity", "diffusion.learn_sigma=false",
-        "diffusion.weighting=none", "logging.sampler=euler")  # fmt: skip
+FLOW = (
+    "diffusion.formulation=flow",
+    "diffusion.prediction=velocity",
+    "diffusion.learn_sigma=false",
+    "diffusion.weighting=none",
+    "logging.sampler=euler",
+)
 
 
 def test_flow_run(tmp_path):
@@ -341,8 +392,13 @@ def test_non_finite_gradient_with_finite_loss_is_skipped(tmp_path):
     assert "loss" in tr.train_step(x, y)
 
 
-EDM = ("diffusion.formulation=edm", "diffusion.prediction=x0", "diffusion.learn_sigma=false",
-       "diffusion.weighting=none", "logging.sampler=heun")  # fmt: skip
+EDM = (
+    "diffusion.formulation=edm",
+    "diffusion.prediction=x0",
+    "diffusion.learn_sigma=false",
+    "diffusion.weighting=none",
+    "logging.sampler=heun",
+)
 
 
 def test_edm_sigma_density(tmp_path):

@@ -18,10 +18,20 @@ from diffcurr_fast.runs.config import load_config
 from diffcurr_fast.train.loop import Trainer
 
 G = 60  # timesteps / cells
-FLOW = ("diffusion.formulation=flow", "diffusion.prediction=velocity", "diffusion.learn_sigma=false",
-        "diffusion.weighting=none", "logging.sampler=euler")  # fmt: skip
-EDM = ("diffusion.formulation=edm", "diffusion.prediction=x0", "diffusion.learn_sigma=false",
-       "diffusion.weighting=none", "logging.sampler=heun")  # fmt: skip
+FLOW = (
+    "diffusion.formulation=flow",
+    "diffusion.prediction=velocity",
+    "diffusion.learn_sigma=false",
+    "diffusion.weighting=none",
+    "logging.sampler=euler",
+)
+EDM = (
+    "diffusion.formulation=edm",
+    "diffusion.prediction=x0",
+    "diffusion.learn_sigma=false",
+    "diffusion.weighting=none",
+    "logging.sampler=heun",
+)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -31,12 +41,23 @@ def tiny(run_dir, *extra):
     return load_config(
         None,
         [
-            f"checkpoint.run_dir={run_dir}", "model.hidden_size=32", "model.depth=1", "model.num_heads=2",
-            f"diffusion.num_timesteps={G}", "curriculum.num_clusters=4", "data.batch_size=17",
-            "engine.max_steps=10", "logging.log_every=1", "logging.progress=false", "logging.num_samples=0",
-            "logging.plots=false", "checkpoint.export_ema=false", "checkpoint.every=1000", *extra,
+            f"checkpoint.run_dir={run_dir}",
+            "model.hidden_size=32",
+            "model.depth=1",
+            "model.num_heads=2",
+            f"diffusion.num_timesteps={G}",
+            "curriculum.num_clusters=4",
+            "data.batch_size=17",
+            "engine.max_steps=10",
+            "logging.log_every=1",
+            "logging.progress=false",
+            "logging.num_samples=0",
+            "logging.plots=false",
+            "checkpoint.export_ema=false",
+            "checkpoint.every=1000",
+            *extra,
         ],
-    )  # fmt: skip
+    )
 
 
 def _record(tr):
@@ -77,8 +98,9 @@ def _check_inside_unlocked(tr, seen, tol):
 @pytest.mark.parametrize("formulation", [(), FLOW, EDM], ids=["ddpm", "flow", "edm"])
 @pytest.mark.parametrize("order", ["easy_to_hard", "hard_to_easy"])
 def test_fixed_pacing_samples_only_unlocked_clusters(tmp_path, formulation, order):
-    cfg = tiny(tmp_path / "r", *formulation, "curriculum.pacing=fixed", "curriculum.stage_iters=2",
-               f"curriculum.order={order}")  # fmt: skip
+    cfg = tiny(
+        tmp_path / "r", *formulation, "curriculum.pacing=fixed", "curriculum.stage_iters=2", f"curriculum.order={order}"
+    )
     tr = Trainer(cfg)
     seen = _record(tr)
     tr.fit()
@@ -96,8 +118,15 @@ def test_fixed_pacing_samples_only_unlocked_clusters(tmp_path, formulation, orde
 
 @pytest.mark.parametrize("formulation", [(), FLOW, EDM], ids=["ddpm", "flow", "edm"])
 def test_patience_pacing_samples_only_unlocked_clusters(tmp_path, formulation):
-    cfg = tiny(tmp_path / "r", *formulation, "curriculum.pacing=patience", "curriculum.patience=1",
-               "curriculum.eval_every=1", "curriculum.min_delta=0.5", "engine.max_steps=8")  # fmt: skip
+    cfg = tiny(
+        tmp_path / "r",
+        *formulation,
+        "curriculum.pacing=patience",
+        "curriculum.patience=1",
+        "curriculum.eval_every=1",
+        "curriculum.min_delta=0.5",
+        "engine.max_steps=8",
+    )
     tr = Trainer(cfg)
     seen = _record(tr)
     tr.fit()
@@ -118,9 +147,16 @@ def test_min_snr_gamma_reaches_the_training_loss(tmp_path, gamma, backend):
     torch.manual_seed(0)
     x0 = torch.rand(1, 1, 8, 8) * 2 - 1  # every sample is this image: x0 is known whatever the data order
     run = tmp_path / "r"
-    cfg = tiny(run, "diffusion.weighting=min_snr", f"diffusion.min_snr_gamma={gamma}", "diffusion.learn_sigma=false",
-               "diffusion.prediction=eps", f"diffusion.ops_backend={backend}", "curriculum.pacing=none",
-               "engine.max_steps=1")  # fmt: skip
+    cfg = tiny(
+        run,
+        "diffusion.weighting=min_snr",
+        f"diffusion.min_snr_gamma={gamma}",
+        "diffusion.learn_sigma=false",
+        "diffusion.prediction=eps",
+        f"diffusion.ops_backend={backend}",
+        "curriculum.pacing=none",
+        "engine.max_steps=1",
+    )
     tr = Trainer(cfg, dataset=_constant_dataset(x0))
     calls = []
     keep = lambda m, args, out: calls.append((args[0].double(), args[1], out.detach().double()))  # noqa: E731
@@ -134,6 +170,7 @@ def test_min_snr_gamma_reaches_the_training_loss(tmp_path, gamma, backend):
     w = torch.minimum(snr, torch.full_like(snr, gamma)) / snr
     hand = float((w * (out - eps).square().flatten(1).mean(1)).mean())
     assert logged == pytest.approx(hand, rel=2e-4)
-    other = float((torch.minimum(snr, torch.full_like(snr, 5.0)) / snr * (out - eps).square().flatten(1).mean(1))
-                  .mean())  # fmt: skip
+    other = float(
+        (torch.minimum(snr, torch.full_like(snr, 5.0)) / snr * (out - eps).square().flatten(1).mean(1)).mean()
+    )
     assert abs(other - hand) > 1e-2 * hand  # the batch holds timesteps where gamma matters

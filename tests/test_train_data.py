@@ -107,13 +107,23 @@ def test_recipe_runs_on_user_data(tmp_path):
     cfg = load_config(
         RECIPES / "dit_b2_curriculum_minsnr.yaml",
         [
-            f"data.path={data}", "data.num_workers=0", "data.batch_size=6", "model.preset=custom",
-            "model.hidden_size=32", "model.depth=1", "model.num_heads=2", "model.input_size=8",
-            "engine.max_steps=2", "engine.precision=fp32", "engine.device=cpu",
-            f"checkpoint.run_dir={tmp_path / 'run'}", "logging.progress=false", "checkpoint.export_ema=false",
+            f"data.path={data}",
+            "data.num_workers=0",
+            "data.batch_size=6",
+            "model.preset=custom",
+            "model.hidden_size=32",
+            "model.depth=1",
+            "model.num_heads=2",
+            "model.input_size=8",
+            "engine.max_steps=2",
+            "engine.precision=fp32",
+            "engine.device=cpu",
+            f"checkpoint.run_dir={tmp_path / 'run'}",
+            "logging.progress=false",
+            "checkpoint.export_ema=false",
             "logging.plots=false",
         ],
-    )  # fmt: skip
+    )
     assert cfg.diffusion.weighting == "min_snr" and cfg.curriculum.pacing == "patience"
     try:
         summary = train(cfg)

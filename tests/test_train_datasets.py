@@ -58,14 +58,29 @@ def tiny(run_dir, *extra):
     return load_config(
         None,
         [
-            f"checkpoint.run_dir={run_dir}", "model.hidden_size=32", "model.depth=1", "model.num_heads=2",
-            "model.input_size=4", "model.in_channels=4", "model.num_classes=3", "diffusion.num_timesteps=40",
-            "curriculum.num_clusters=4", "curriculum.patience=1", "curriculum.eval_every=2", "data.batch_size=4",
-            "data.scale=0.5", "engine.max_steps=3", "engine.device=cpu", "logging.log_every=1",
-            "logging.progress=false", "logging.num_samples=0", "logging.plots=false", "checkpoint.export_ema=false",
+            f"checkpoint.run_dir={run_dir}",
+            "model.hidden_size=32",
+            "model.depth=1",
+            "model.num_heads=2",
+            "model.input_size=4",
+            "model.in_channels=4",
+            "model.num_classes=3",
+            "diffusion.num_timesteps=40",
+            "curriculum.num_clusters=4",
+            "curriculum.patience=1",
+            "curriculum.eval_every=2",
+            "data.batch_size=4",
+            "data.scale=0.5",
+            "engine.max_steps=3",
+            "engine.device=cpu",
+            "logging.log_every=1",
+            "logging.progress=false",
+            "logging.num_samples=0",
+            "logging.plots=false",
+            "checkpoint.export_ema=false",
             *extra,
         ],
-    )  # fmt: skip
+    )
 
 
 def _latent_cfg(run_dir, path, *extra):
@@ -163,10 +178,17 @@ def test_latents_resume_exact(tmp_path, latents, layout):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_images_train(tmp_path, images, backend):
     cfg = tiny(
-        tmp_path / "run", "data.dataset=images", f"data.path={images}", "model.in_channels=3", "model.input_size=8",
-        "data.scale=1.0", f"data.backend={backend}", "data.image_size=8", "logging.num_samples=4",
+        tmp_path / "run",
+        "data.dataset=images",
+        f"data.path={images}",
+        "model.in_channels=3",
+        "model.input_size=8",
+        "data.scale=1.0",
+        f"data.backend={backend}",
+        "data.image_size=8",
+        "logging.num_samples=4",
         "logging.sample_steps=2",
-    )  # fmt: skip
+    )
     tr = Trainer(cfg)
     x, y = next(tr.loader)
     assert x.shape == (4, 3, 8, 8) and float(x.abs().max()) <= 1.0 and set(y.tolist()) <= {0, 1}
@@ -183,8 +205,15 @@ def test_images_train(tmp_path, images, backend):
 
 
 def test_images_flip_and_bad_files(tmp_path, images):
-    cfg = tiny("unused", "data.dataset=images", f"data.path={images}", "model.in_channels=3", "model.input_size=8",
-               "data.backend=torch", "data.scale=1.0")  # fmt: skip
+    cfg = tiny(
+        "unused",
+        "data.dataset=images",
+        f"data.path={images}",
+        "model.in_channels=3",
+        "model.input_size=8",
+        "data.backend=torch",
+        "data.scale=1.0",
+    )
     on = build_train_batches(cfg)
     cfg.data.hflip = False
     off = build_train_batches(cfg)
@@ -301,8 +330,9 @@ def test_init_from_errors(tmp_path, latents):
         read_init_state(tmp_path / "nope.pt")
     torch.save({f"module.{k}": v for k, v in _tiny_dit_state(cfg, seed=3).items()}, tmp_path / "ddp.pt")
     load_init_weights(model, tmp_path / "ddp.pt")  # DDP prefix stripped
-    assert torch.equal(model.state_dict()["final_layer.linear.bias"], _tiny_dit_state(cfg, seed=3)[
-        "final_layer.linear.bias"])  # fmt: skip
+    assert torch.equal(
+        model.state_dict()["final_layer.linear.bias"], _tiny_dit_state(cfg, seed=3)["final_layer.linear.bias"]
+    )
 
 
 # ---- sample --vae --------------------------------------------------------------------------------------
@@ -323,8 +353,9 @@ class TinyDecoder(nn.Module):
 def _sample_args(ckpt, out, *extra):
     parser = argparse.ArgumentParser()
     cli_sample.add_arguments(parser)
-    return parser.parse_args(["--ckpt", str(ckpt), "--out", str(out), "--num", "5", "--steps", "3", "--device",
-                              "cpu", *extra])  # fmt: skip
+    return parser.parse_args(
+        ["--ckpt", str(ckpt), "--out", str(out), "--num", "5", "--steps", "3", "--device", "cpu", *extra]
+    )
 
 
 def test_sample_vae_decodes(tmp_path, latents, monkeypatch):
@@ -360,23 +391,58 @@ def test_sample_vae_without_diffusers(tmp_path):
 
 # ---- recipes ---------------------------------------------------------------------------------------------
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
-SMALL = ["model.preset=custom", "model.hidden_size=32", "model.depth=1", "model.num_heads=2", "engine.max_steps=2",
-         "engine.precision=fp32", "engine.device=cpu", "data.num_workers=0", "data.backend=torch", "data.batch_size=4",
-         "logging.progress=false", "logging.plots=false", "checkpoint.export_ema=false"]  # fmt: skip
+SMALL = [
+    "model.preset=custom",
+    "model.hidden_size=32",
+    "model.depth=1",
+    "model.num_heads=2",
+    "engine.max_steps=2",
+    "engine.precision=fp32",
+    "engine.device=cpu",
+    "data.num_workers=0",
+    "data.backend=torch",
+    "data.batch_size=4",
+    "logging.progress=false",
+    "logging.plots=false",
+    "checkpoint.export_ema=false",
+]
 
 
 def test_edm_cifar10_recipe(tmp_path, images):
     cfg = load_config(f"{RECIPES}/edm_cifar10.yaml")
     d, o = cfg.diffusion, cfg.optim
     assert (d.formulation, d.prediction, d.sigma_data, d.P_mean, d.P_std, d.sigma_min, d.sigma_max) == (
-        "edm", "x0", 0.5, -1.2, 1.2, 0.002, 80.0)  # fmt: skip
+        "edm",
+        "x0",
+        0.5,
+        -1.2,
+        1.2,
+        0.002,
+        80.0,
+    )
     assert (cfg.data.dataset, cfg.data.batch_size, o.lr, o.weight_decay, cfg.engine.max_steps) == (
-        "images", 512, 1e-3, 0.0, 390625)  # fmt: skip
+        "images",
+        512,
+        1e-3,
+        0.0,
+        390625,
+    )
     assert o.ema_decay == pytest.approx(0.5 ** (512 / 500_000), abs=1e-5) and o.warmup_steps == 10_000_000 // 512
     assert (cfg.model.in_channels, cfg.model.input_size, cfg.logging.sampler, cfg.logging.sample_steps) == (
-        3, 32, "heun", 18)  # fmt: skip
-    small = [*SMALL, f"data.path={images}", "model.input_size=8", "data.image_size=8", "logging.num_samples=2",
-             "logging.sample_steps=2", f"checkpoint.run_dir={tmp_path / 'r'}"]  # fmt: skip
+        3,
+        32,
+        "heun",
+        18,
+    )
+    small = [
+        *SMALL,
+        f"data.path={images}",
+        "model.input_size=8",
+        "data.image_size=8",
+        "logging.num_samples=2",
+        "logging.sample_steps=2",
+        f"checkpoint.run_dir={tmp_path / 'r'}",
+    ]
     run = load_config(f"{RECIPES}/edm_cifar10.yaml", small)
     summary = train(run)
     assert summary["step"] == 2 and np.isfinite(summary["loss"])
@@ -387,10 +453,24 @@ def test_sit_b2_ffhq256_recipe(tmp_path, latents):
     d, o = cfg.diffusion, cfg.optim
     assert (d.formulation, d.prediction, d.learn_sigma, cfg.model.preset) == ("flow", "velocity", False, "DiT-B/2")
     assert (cfg.data.dataset, cfg.data.scale, cfg.data.batch_size, o.lr, o.weight_decay, o.ema_decay) == (
-        "latents", 0.18215, 256, 1e-4, 0.0, 0.9999)  # fmt: skip
+        "latents",
+        0.18215,
+        256,
+        1e-4,
+        0.0,
+        0.9999,
+    )
     assert (cfg.model.in_channels, cfg.model.input_size, cfg.model.num_classes) == (4, 32, 1)
-    run = load_config(f"{RECIPES}/sit_b2_ffhq256.yaml", [*SMALL, f"data.path={latents['sharded']}",
-                      "model.input_size=4", "model.num_classes=3", f"checkpoint.run_dir={tmp_path / 'r'}"])  # fmt: skip
+    run = load_config(
+        f"{RECIPES}/sit_b2_ffhq256.yaml",
+        [
+            *SMALL,
+            f"data.path={latents['sharded']}",
+            "model.input_size=4",
+            "model.num_classes=3",
+            f"checkpoint.run_dir={tmp_path / 'r'}",
+        ],
+    )
     summary = train(run)
     assert summary["step"] == 2 and np.isfinite(summary["loss"])
 
@@ -434,8 +514,18 @@ def test_latents_ddp_two_ranks_resume(tmp_path, latents):
 
     script = tmp_path / "ddp_latents.py"
     script.write_text(DDP_SCRIPT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
-           str(latents["sharded"]), str(tmp_path), str(tmp_path / "res")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(script),
+        str(latents["sharded"]),
+        str(tmp_path),
+        str(tmp_path / "res"),
+    ]
     proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r0, r1 = (json.loads((tmp_path / f"res.{r}.json").read_text()) for r in (0, 1))

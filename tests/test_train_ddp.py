@@ -45,8 +45,17 @@ def test_ddp_two_ranks_gloo(tmp_path):
     script = tmp_path / "ddp_run.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
-           str(tmp_path / "run"), str(tmp_path / "res")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(script),
+        str(tmp_path / "run"),
+        str(tmp_path / "res"),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r0, r1 = (json.loads((tmp_path / f"res.{r}.json").read_text()) for r in (0, 1))

@@ -101,8 +101,18 @@ def _launch(tmp_path: Path, names: list[str]) -> tuple[dict, dict]:
     script = tmp_path / "ds_run.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
-           str(tmp_path), str(recipes), ",".join(names)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(script),
+        str(tmp_path),
+        str(recipes),
+        ",".join(names),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     r0, r1 = (json.loads((tmp_path / f"res.{r}.json").read_text()) for r in (0, 1))
@@ -117,8 +127,9 @@ def _check_against_ddp(r0: dict, r1: dict, name: str, stage: int) -> None:
     assert a["params"] == b["params"] and a["ema"] == b["ema"]  # ranks agree on the full weights
     ls = torch.tensor(a["losses"])
     assert ls.shape == (4,) and torch.isfinite(ls).all()
-    torch.testing.assert_close(ls, torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6,
-                               msg=lambda m: f"{name} losses vs DDP: {m}")  # fmt: skip
+    torch.testing.assert_close(
+        ls, torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} losses vs DDP: {m}"
+    )
     p, e = torch.tensor(a["params"]), torch.tensor(a["ema"])
     p_ref, e_ref = torch.tensor(ref["params"]), torch.tensor(ref["ema"])
     torch.testing.assert_close(p, p_ref, rtol=0, atol=2e-6, msg=lambda m: f"{name} weights after resume vs DDP: {m}")
@@ -254,10 +265,19 @@ def test_grad_accumulation_equals_full_batch(tmp_path, batch):
 
     out = {}
     for acc in (1, 2):
-        over = ["model.hidden_size=20", "model.depth=1", "model.num_heads=2", "model.class_dropout_prob=0.0",
-                "diffusion.num_timesteps=40", "curriculum.num_clusters=4",
-                f"data.batch_size={batch}", f"optim.grad_accum_steps={acc}", "optim.grad_clip=0.3",
-                "optim.warmup_steps=0", f"checkpoint.run_dir={tmp_path}/a{acc}"]  # fmt: skip
+        over = [
+            "model.hidden_size=20",
+            "model.depth=1",
+            "model.num_heads=2",
+            "model.class_dropout_prob=0.0",
+            "diffusion.num_timesteps=40",
+            "curriculum.num_clusters=4",
+            f"data.batch_size={batch}",
+            f"optim.grad_accum_steps={acc}",
+            "optim.grad_clip=0.3",
+            "optim.warmup_steps=0",
+            f"checkpoint.run_dir={tmp_path}/a{acc}",
+        ]
         tr = Trainer(load_config(None, over), Engine("cpu"))
         tr.objective = lambda net, x, y, k, seed, generator: ((net(x, k, y)[:, :1] - x) ** 2).mean((1, 2, 3))
         for _ in range(2):
@@ -270,8 +290,9 @@ def test_grad_accumulation_equals_full_batch(tmp_path, batch):
     torch.testing.assert_close(p2, p1, rtol=0, atol=1e-6)
     assert torch.equal(s1["k"], s2["k"])
     with pytest.raises(ValueError, match="not divisible by the world size 1 x optim.grad_accum_steps 4"):
-        Trainer(load_config(None, over + ["optim.grad_accum_steps=4", "data.batch_size=6"]), Engine("cpu"),
-                overwrite=True)  # fmt: skip
+        Trainer(
+            load_config(None, over + ["optim.grad_accum_steps=4", "data.batch_size=6"]), Engine("cpu"), overwrite=True
+        )
 
 
 def test_deepspeed_engine_uses_no_private_state():

@@ -80,12 +80,25 @@ class SyncCounter(TorchDispatchMode):
 
 
 def _cfg(run_dir, *extra):
-    return load_config(None, [
-        f"checkpoint.run_dir={run_dir}", "model.hidden_size=32", "model.depth=2", "model.num_heads=2",
-        "diffusion.num_timesteps=60", "curriculum.num_clusters=4", "curriculum.eval_every=1000", "data.batch_size=8",
-        "engine.max_steps=20", "logging.progress=false", "logging.num_samples=0", "logging.plots=false",
-        "checkpoint.export_ema=false", *extra,
-    ])  # fmt: skip
+    return load_config(
+        None,
+        [
+            f"checkpoint.run_dir={run_dir}",
+            "model.hidden_size=32",
+            "model.depth=2",
+            "model.num_heads=2",
+            "diffusion.num_timesteps=60",
+            "curriculum.num_clusters=4",
+            "curriculum.eval_every=1000",
+            "data.batch_size=8",
+            "engine.max_steps=20",
+            "logging.progress=false",
+            "logging.num_samples=0",
+            "logging.plots=false",
+            "checkpoint.export_ema=false",
+            *extra,
+        ],
+    )
 
 
 def _count_step(tr: Trainer, x0, y) -> tuple[list, int]:
@@ -119,16 +132,33 @@ def _count(tr: Trainer, x0, y) -> tuple[list, int]:
     return counter.syncs, len(votes)
 
 
-FLOW = ("diffusion.formulation=flow", "diffusion.prediction=velocity", "diffusion.weighting=none",
-        "logging.sampler=euler", "diffusion.learn_sigma=false")  # fmt: skip
-EDM = ("diffusion.formulation=edm", "diffusion.prediction=x0", "diffusion.weighting=none", "logging.sampler=euler",
-       "diffusion.learn_sigma=false")  # fmt: skip
+FLOW = (
+    "diffusion.formulation=flow",
+    "diffusion.prediction=velocity",
+    "diffusion.weighting=none",
+    "logging.sampler=euler",
+    "diffusion.learn_sigma=false",
+)
+EDM = (
+    "diffusion.formulation=edm",
+    "diffusion.prediction=x0",
+    "diffusion.weighting=none",
+    "logging.sampler=euler",
+    "diffusion.learn_sigma=false",
+)
 
 
-@pytest.mark.parametrize("extra", [
-    (), ("diffusion.ops_backend=reference",), ("optim.grad_clip=1.0", "diffusion.weighting=min_snr"),
-    ("optim.grad_accum_steps=2",), FLOW, EDM,
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "extra",
+    [
+        (),
+        ("diffusion.ops_backend=reference",),
+        ("optim.grad_clip=1.0", "diffusion.weighting=min_snr"),
+        ("optim.grad_accum_steps=2",),
+        FLOW,
+        EDM,
+    ],
+)
 def test_train_step_reads_nothing_back_but_the_vote(tmp_path, extra):
     tr = Trainer(_cfg(tmp_path / "run", *extra))
     x0, y = next(tr.loader)
@@ -181,8 +211,9 @@ def test_fused_adamw_matches_the_per_parameter_loop():
     ref = [torch.randn(s, requires_grad=True) for s in shapes]
     ours = [p.detach().clone().requires_grad_() for p in ref]
     o = OptimConfig(lr=1e-3, weight_decay=0.05, beta1=0.9, beta2=0.99, eps=1e-8)
-    opt_ref = torch.optim.AdamW(ref, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
-                                foreach=False)  # fmt: skip
+    opt_ref = torch.optim.AdamW(
+        ref, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, foreach=False
+    )
     opt = build_optimizer(ours, o, torch.device("cpu"))
     assert opt.defaults["fused"]
     for _ in range(30):

@@ -14,10 +14,21 @@ import torch
 import yaml
 from conftest import run_torchrun2
 
-BASE = ["model.hidden_size=32", "model.depth=1", "model.num_heads=2", "diffusion.num_timesteps=60",
-        "curriculum.num_clusters=4", "data.batch_size=8", "logging.progress=false", "logging.num_samples=0",
-        "logging.plots=false", "checkpoint.export_ema=false", "checkpoint.every=100", "engine.device=cpu",
-        "engine.cpu_threads=1"]  # fmt: skip
+BASE = [
+    "model.hidden_size=32",
+    "model.depth=1",
+    "model.num_heads=2",
+    "diffusion.num_timesteps=60",
+    "curriculum.num_clusters=4",
+    "data.batch_size=8",
+    "logging.progress=false",
+    "logging.num_samples=0",
+    "logging.plots=false",
+    "checkpoint.export_ema=false",
+    "checkpoint.every=100",
+    "engine.device=cpu",
+    "engine.cpu_threads=1",
+]
 
 TRAIN_SCRIPT = textwrap.dedent(
     """
@@ -89,8 +100,23 @@ def checkpoint(tmp_path_factory):
 
 
 def _eval_args(ckpt, out):
-    return ["eval", "--ckpt", str(ckpt), "--num-samples", "7", "--batch-size", "2", "--steps", "2", "--ref", "digits",
-            "--seed", "3", "--json", str(out)]  # fmt: skip
+    return [
+        "eval",
+        "--ckpt",
+        str(ckpt),
+        "--num-samples",
+        "7",
+        "--batch-size",
+        "2",
+        "--steps",
+        "2",
+        "--ref",
+        "digits",
+        "--seed",
+        "3",
+        "--json",
+        str(out),
+    ]
 
 
 @pytest.mark.slow
@@ -101,8 +127,17 @@ def test_eval_two_ranks_match_one_process(checkpoint, tmp_path, monkeypatch, one
     monkeypatch.setenv("DIFFCURR_FAST_CACHE", cache)
     assert main(_eval_args(checkpoint, tmp_path / "one.json")) == 0
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DIFFCURR_FAST_CACHE": cache}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
-           "diffcurr_fast.cli", *_eval_args(checkpoint, tmp_path / "two.json")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "diffcurr_fast.cli",
+        *_eval_args(checkpoint, tmp_path / "two.json"),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count("sampled 7 images") == 1 and "2 ranks" in r.stdout  # rank 0 alone reports
@@ -124,8 +159,15 @@ STUDY_SCRIPT = textwrap.dedent(
     """
 )
 
-STUDY = {"name": "ranks", "metric": "fd", "seeds": [0], "set": [*BASE, "engine.max_steps=4"], "eval_every": 4,
-         "eval": {"num_samples": 8, "steps": 2}, "arms": [{"name": "plain"}]}  # fmt: skip
+STUDY = {
+    "name": "ranks",
+    "metric": "fd",
+    "seeds": [0],
+    "set": [*BASE, "engine.max_steps=4"],
+    "eval_every": 4,
+    "eval": {"num_samples": 8, "steps": 2},
+    "arms": [{"name": "plain"}],
+}
 
 
 @pytest.mark.slow

@@ -61,9 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     p.add_argument("--eval-every", type=_positive_int, default=10, help="steps between held-out evaluations")
     p.add_argument("--fraction", type=float, default=0.9, help="improvement fraction for steps-to-X (default 0.9)")
-    p.add_argument("--metric", choices=("loss", "fd"), default="loss",
-                   help="fd: also the Frechet distance (digits-classifier features) of the one-step denoised held-out "
-                        "images against the data, per interval (default: the loss only)")  # fmt: skip
+    p.add_argument(
+        "--metric",
+        choices=("loss", "fd"),
+        default="loss",
+        help="fd: also the Frechet distance (digits-classifier features) of the one-step denoised held-out "
+        "images against the data, per interval (default: the loss only)",
+    )
 
     p = sub.add_parser("clusters", help="print the timestep clustering for each method")
     _common(p)

@@ -342,8 +342,16 @@ def convergence_by_interval(
 
         eval_steps, eval_loss, eval_fd = [0], [evaluate()], [evaluate_fd()]
 
-        def on_step(step: int, loss: float, evaluate=evaluate, eval_steps=eval_steps, eval_loss=eval_loss,
-                    cells=(lo, hi), evaluate_fd=evaluate_fd, eval_fd=eval_fd) -> None:  # fmt: skip
+        def on_step(
+            step: int,
+            loss: float,
+            evaluate=evaluate,
+            eval_steps=eval_steps,
+            eval_loss=eval_loss,
+            cells=(lo, hi),
+            evaluate_fd=evaluate_fd,
+            eval_fd=eval_fd,
+        ) -> None:
             if not math.isfinite(loss):
                 raise ValueError(f"non-finite training loss {loss} at step {step} of interval {cells}")
             if step % eval_every == 0 or step == steps:
@@ -434,20 +442,30 @@ def write_convergence_csv(result: ConvergenceResult, curves_path: str | Path, su
         for rec in result.intervals:
             fds = rec.eval_fd or [None] * len(rec.eval_steps)
             for s, v, nv, d in zip(rec.eval_steps, rec.eval_loss, rec.normalised, fds):
-                w.writerow([rec.interval[0], rec.interval[1], s, f"{v:.8g}", f"{nv:.8g}",
-                            *([f"{d:.8g}"] if fd else [])])  # fmt: skip
+                w.writerow(
+                    [rec.interval[0], rec.interval[1], s, f"{v:.8g}", f"{nv:.8g}", *([f"{d:.8g}"] if fd else [])]
+                )
     with Path(summary_path).open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["t_lo", "t_hi", "initial_loss", "final_loss", pct,
-                    *(["initial_fd", "final_fd", f"{pct}_fd"] if fd else [])])  # fmt: skip
+        w.writerow(
+            [
+                "t_lo",
+                "t_hi",
+                "initial_loss",
+                "final_loss",
+                pct,
+                *(["initial_fd", "final_fd", f"{pct}_fd"] if fd else []),
+            ]
+        )
         for rec in result.intervals:
             steps = "" if rec.steps_to_fraction is None else rec.steps_to_fraction
             extra = []
             if fd:
                 sfd = "" if rec.steps_to_fraction_fd is None else rec.steps_to_fraction_fd
                 extra = [f"{rec.eval_fd[0]:.8g}", f"{rec.eval_fd[-1]:.8g}", sfd]
-            w.writerow([rec.interval[0], rec.interval[1], f"{rec.eval_loss[0]:.8g}", f"{rec.eval_loss[-1]:.8g}", steps,
-                        *extra])  # fmt: skip
+            w.writerow(
+                [rec.interval[0], rec.interval[1], f"{rec.eval_loss[0]:.8g}", f"{rec.eval_loss[-1]:.8g}", steps, *extra]
+            )
 
 
 def _pyplot():

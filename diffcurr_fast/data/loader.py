@@ -38,8 +38,10 @@ class ArrayDataset(Dataset):
             raise ValueError(f"{source}: labels must have shape ({x.shape[0]},), got {tuple(y.shape)}")
         ydt = y.dtype if isinstance(y, np.ndarray) else torch.empty(0, dtype=y.dtype).numpy().dtype
         if ydt.kind not in "iu":
-            raise BadDataError(f"{source}: labels y must be integers, got dtype {ydt} (a float label would be "
-                               "truncated); store them as int64")  # fmt: skip
+            raise BadDataError(
+                f"{source}: labels y must be integers, got dtype {ydt} (a float label would be "
+                "truncated); store them as int64"
+            )
         if len(y) and int(np.asarray(y).min()) < 0:
             raise BadDataError(f"{source}: labels must be >= 0, got {int(np.asarray(y).min())}")
         self.x, self.y, self.scale, self.source = x, y, float(scale), source
@@ -94,8 +96,9 @@ def load_npz(path: str | Path, scale: float = 1.0) -> ArrayDataset:
         raise BadDataError(f"{str(p)!r} is not a readable .npz file ({type(exc).__name__}: {exc})") from None
     except ValueError as exc:
         if "pickle" in str(exc) or "Object arrays" in str(exc):
-            raise BadDataError(f"{str(p)!r} holds object (pickled) arrays, which are not loaded; x and y must be "
-                               "numeric arrays") from None  # fmt: skip
+            raise BadDataError(
+                f"{str(p)!r} holds object (pickled) arrays, which are not loaded; x and y must be numeric arrays"
+            ) from None
         if "lacks array" in str(exc):
             raise
         raise BadDataError(f"{str(p)!r} is not a readable .npz file ({exc})") from None

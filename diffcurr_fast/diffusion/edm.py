@@ -228,8 +228,15 @@ class EDMFormulation(Formulation):
             c_in = pre.c_in(sigma)
             p, q = self.target_coefficients(sigma, "F")
             c_noise = pre.c_noise(sigma)
-        return TrainingTerms(t=sigma, t_in=c_noise, a=c_in, c=c_in * sigma, p=p, q=q,
-                             w=torch.ones(k.shape, dtype=torch.float64, device=k.device))  # fmt: skip
+        return TrainingTerms(
+            t=sigma,
+            t_in=c_noise,
+            a=c_in,
+            c=c_in * sigma,
+            p=p,
+            q=q,
+            w=torch.ones(k.shape, dtype=torch.float64, device=k.device),
+        )
 
     def coefficients(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(a, c) = (1, sigma)."""

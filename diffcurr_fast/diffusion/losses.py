@@ -105,9 +105,14 @@ def vb_terms_bpd(
     model_out, x0, x_t = model_out.to(dtype), x0.to(dtype), x_t.to(dtype)
     true_mean, _, true_log_var = schedule.q_posterior_mean_variance(x0, x_t, t)
     out = schedule.p_mean_variance(
-        model_out, x_t, t, learn_sigma=learn_sigma, prediction=prediction, clip_denoised=clip_denoised,
+        model_out,
+        x_t,
+        t,
+        learn_sigma=learn_sigma,
+        prediction=prediction,
+        clip_denoised=clip_denoised,
         fixed_variance=fixed_variance,
-    )  # fmt: skip
+    )
     kl = mean_flat(normal_kl(true_mean, true_log_var, out["mean"], out["log_variance"])) / math.log(2.0)  # (B,)
     nll = -discretized_gaussian_log_likelihood(x0, out["mean"], 0.5 * out["log_variance"])
     nll = mean_flat(nll) / math.log(2.0)  # (B,)
@@ -189,6 +194,14 @@ def training_losses(
     x_t = schedule.q_sample(x0, t, noise)
     model_out = model_fn(x_t, t, **(model_kwargs or {}))
     return hybrid_loss(
-        schedule, model_out, x0, x_t, t, noise, learn_sigma=learn_sigma, prediction=prediction, weights=weights,
+        schedule,
+        model_out,
+        x0,
+        x_t,
+        t,
+        noise,
+        learn_sigma=learn_sigma,
+        prediction=prediction,
+        weights=weights,
         rescale_vb=rescale_vb,
-    )  # fmt: skip
+    )

@@ -128,9 +128,14 @@ def ddpm_step(
     Returns ``(x_prev, pred_x0)``.
     """
     out = schedule.p_mean_variance(
-        model_out, x_t, t, learn_sigma=learn_sigma, prediction=prediction, clip_denoised=clip_denoised,
+        model_out,
+        x_t,
+        t,
+        learn_sigma=learn_sigma,
+        prediction=prediction,
+        clip_denoised=clip_denoised,
         fixed_variance=fixed_variance,
-    )  # fmt: skip
+    )
     nonzero = (t != 0).to(x_t.dtype).reshape((-1,) + (1,) * (x_t.ndim - 1))  # (B, 1, ...)
     return out["mean"] + nonzero * torch.exp(0.5 * out["log_variance"]) * noise, out["pred_x0"]
 
@@ -213,15 +218,29 @@ def _discrete_sample(
         if kind == "ddpm":
             z = _randn(shape, gen, device, dtype)
             x, _ = ddpm_step(
-                schedule, out, x, t, z, learn_sigma=learn_sigma, prediction=prediction,
-                clip_denoised=clip_denoised, fixed_variance=fixed_variance,
-            )  # fmt: skip
+                schedule,
+                out,
+                x,
+                t,
+                z,
+                learn_sigma=learn_sigma,
+                prediction=prediction,
+                clip_denoised=clip_denoised,
+                fixed_variance=fixed_variance,
+            )
         else:
             z = _randn(shape, gen, device, dtype) if eta > 0 else None
             x, _ = ddim_step(
-                schedule, out, x, t, z, eta, learn_sigma=learn_sigma, prediction=prediction,
+                schedule,
+                out,
+                x,
+                t,
+                z,
+                eta,
+                learn_sigma=learn_sigma,
+                prediction=prediction,
                 clip_denoised=clip_denoised,
-            )  # fmt: skip
+            )
     return x
 
 
@@ -252,11 +271,27 @@ def ddpm_sample(
     the original indices ``timestep_map[t]``. ``noise`` fixes x_T; ``seed`` / ``generator`` drive all draws.
     """
     return _discrete_sample(
-        "ddpm", model, schedule, shape, y, eta=0.0, num_classes=num_classes, cfg_scale=cfg_scale,
-        learn_sigma=learn_sigma, prediction=prediction, clip_denoised=clip_denoised, fixed_variance=fixed_variance,
-        timestep_map=timestep_map, noise=noise, generator=generator, seed=seed, device=device, dtype=dtype,
-        progress=progress, guide_channels=guide_channels,
-    )  # fmt: skip
+        "ddpm",
+        model,
+        schedule,
+        shape,
+        y,
+        eta=0.0,
+        num_classes=num_classes,
+        cfg_scale=cfg_scale,
+        learn_sigma=learn_sigma,
+        prediction=prediction,
+        clip_denoised=clip_denoised,
+        fixed_variance=fixed_variance,
+        timestep_map=timestep_map,
+        noise=noise,
+        generator=generator,
+        seed=seed,
+        device=device,
+        dtype=dtype,
+        progress=progress,
+        guide_channels=guide_channels,
+    )
 
 
 def ddim_sample(
@@ -287,11 +322,27 @@ def ddim_sample(
     if not eta >= 0:
         raise ValueError(f"eta must be non-negative, got {eta}")
     return _discrete_sample(
-        "ddim", model, schedule, shape, y, eta=float(eta), num_classes=num_classes, cfg_scale=cfg_scale,
-        learn_sigma=learn_sigma, prediction=prediction, clip_denoised=clip_denoised, fixed_variance="large",
-        timestep_map=timestep_map, noise=noise, generator=generator, seed=seed, device=device, dtype=dtype,
-        progress=progress, guide_channels=guide_channels,
-    )  # fmt: skip
+        "ddim",
+        model,
+        schedule,
+        shape,
+        y,
+        eta=float(eta),
+        num_classes=num_classes,
+        cfg_scale=cfg_scale,
+        learn_sigma=learn_sigma,
+        prediction=prediction,
+        clip_denoised=clip_denoised,
+        fixed_variance="large",
+        timestep_map=timestep_map,
+        noise=noise,
+        generator=generator,
+        seed=seed,
+        device=device,
+        dtype=dtype,
+        progress=progress,
+        guide_channels=guide_channels,
+    )
 
 
 # ---- EDM Heun (Karras et al. 2022, Algorithm 2) -------------------------------------------------------

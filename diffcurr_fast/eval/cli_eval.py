@@ -47,9 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--inception-weights", metavar="PATH", help="pytorch-fid pt_inception-2015-12-05 weights")
     parser.add_argument("--digits-cache", metavar="PATH", help="digits classifier cache file (trained if missing)")
-    parser.add_argument("--convert", action="store_true",
-                        help="digits extractor: average the channels and resize samples that are not 1x8x8 "
-                             "(refused otherwise)")  # fmt: skip
+    parser.add_argument(
+        "--convert",
+        action="store_true",
+        help="digits extractor: average the channels and resize samples that are not 1x8x8 (refused otherwise)",
+    )
     parser.add_argument("--splits", type=int, default=10, help="Inception Score splits")
     parser.add_argument("--k", type=int, default=3, help="k of the k-NN manifolds for precision/recall")
     parser.add_argument("--device", default="cpu", help="torch device for feature extraction")
@@ -140,10 +142,19 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> int:
 
     def draw():  # under torchrun: this rank's share of the batches, then all of them
         return samples_from_checkpoint(
-            args.ckpt, args.num, sampler=args.sampler, steps=args.steps, cfg_scale=args.cfg, seed=args.seed,
-            weights=args.weights, device=args.device, batch_size=args.batch_size, progress=rank == 0, rank=rank,
+            args.ckpt,
+            args.num,
+            sampler=args.sampler,
+            steps=args.steps,
+            cfg_scale=args.cfg,
+            seed=args.seed,
+            weights=args.weights,
+            device=args.device,
+            batch_size=args.batch_size,
+            progress=rank == 0,
+            rank=rank,
             world=world,
-        )  # fmt: skip
+        )
 
     if rank != 0:  # a worker rank only draws its share of the samples
         if args.ckpt is not None:
@@ -152,9 +163,13 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> int:
     if args.extractor is None:
         args.extractor = args.ref if args.ref in ("digits", "mnist5k") else "inception"
     extractor = get_extractor(
-        args.extractor, inception_weights=args.inception_weights, digits_cache=args.digits_cache, device=args.device,
-        convert=args.convert, overwrite=args.overwrite,
-    )  # fmt: skip
+        args.extractor,
+        inception_weights=args.inception_weights,
+        digits_cache=args.digits_cache,
+        device=args.device,
+        convert=args.convert,
+        overwrite=args.overwrite,
+    )
     reference = load_reference(args.ref, extractor)
     if args.save_ref is not None:
         reference.save(args.save_ref)

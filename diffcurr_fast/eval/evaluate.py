@@ -127,11 +127,22 @@ def samples_from_checkpoint(
     schedule, parts = build_schedule(cfg), {}
     for b, sl in tqdm(slices, desc="sampling", unit="batch", disable=not progress, dynamic_ncols=True):
         x = sample_batch(
-            model, schedule, labels=labels[sl], batch=b, seed=seed, sampler=sampler, steps=steps,
-            channels=m.in_channels, size=m.input_size, num_classes=m.num_classes,
-            learn_sigma=cfg.diffusion.learn_sigma, prediction=cfg.diffusion.prediction, cfg_scale=cfg_scale,
-            clip_denoised=True, device=device,
-        )  # fmt: skip
+            model,
+            schedule,
+            labels=labels[sl],
+            batch=b,
+            seed=seed,
+            sampler=sampler,
+            steps=steps,
+            channels=m.in_channels,
+            size=m.input_size,
+            num_classes=m.num_classes,
+            learn_sigma=cfg.diffusion.learn_sigma,
+            prediction=cfg.diffusion.prediction,
+            cfg_scale=cfg_scale,
+            clip_denoised=True,
+            device=device,
+        )
         parts[b] = (x / cfg.data.scale).clamp(-1, 1).float().cpu()
     if world > 1:  # every rank gets every rank's batches
         import torch.distributed as dist

@@ -56,8 +56,9 @@ def load_digits_data(seed: int = 0, test_fraction: float = 0.2) -> tuple[torch.T
     from sklearn.model_selection import train_test_split
 
     x, y = load_digits_tensors()
-    xtr, xte, ytr, yte = train_test_split(x.numpy(), y.numpy(), test_size=test_fraction, random_state=seed,
-                                          stratify=y.numpy())  # fmt: skip
+    xtr, xte, ytr, yte = train_test_split(
+        x.numpy(), y.numpy(), test_size=test_fraction, random_state=seed, stratify=y.numpy()
+    )
     return torch.from_numpy(xtr), torch.from_numpy(ytr), torch.from_numpy(xte), torch.from_numpy(yte)
 
 
@@ -252,8 +253,10 @@ class DigitsExtractor(FeatureExtractor):
     def _forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if tuple(images.shape[1:]) != (1, 8, 8) and not self.convert:
             c, h, w = images.shape[1:]
-            raise ValueError(f"the digits extractor takes 1x8x8 images, got {c}x{h}x{w}; pass --convert to average "
-                             "the channels and resize to 8x8 (or use --extractor inception)")  # fmt: skip
+            raise ValueError(
+                f"the digits extractor takes 1x8x8 images, got {c}x{h}x{w}; pass --convert to average "
+                "the channels and resize to 8x8 (or use --extractor inception)"
+            )
         x = images.mean(dim=1, keepdim=True) if images.shape[1] != 1 else images  # (N, 1, H, W)
         if x.shape[-2:] != (8, 8):
             x = F.interpolate(x, size=(8, 8), mode="bilinear", antialias=True, align_corners=False)  # (N, 1, 8, 8)
@@ -280,8 +283,10 @@ class Mnist5kExtractor(FeatureExtractor):
     def _forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if tuple(images.shape[1:]) != (1, 28, 28):
             c, h, w = images.shape[1:]
-            raise ValueError(f"the mnist5k extractor takes 1x28x28 images, got {c}x{h}x{w} (use --extractor "
-                             "inception for other images)")  # fmt: skip
+            raise ValueError(
+                f"the mnist5k extractor takes 1x28x28 images, got {c}x{h}x{w} (use --extractor "
+                "inception for other images)"
+            )
         f = self.model.features(images)  # (N, 64)
         return f, self.model.head(f)
 

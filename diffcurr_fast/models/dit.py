@@ -627,10 +627,9 @@ def get_2d_sincos_pos_embed(embed_dim: int, grid_size: int) -> torch.Tensor:
 # The official presets (facebookresearch/DiT ``models.py``): name -> dimensions.
 DIT_PRESETS: dict[str, dict[str, int]] = {
     f"DiT-{size}/{patch}": {"depth": depth, "hidden_size": hidden, "patch_size": patch, "num_heads": heads}
-    for size, depth, hidden, heads in (("XL", 28, 1152, 16), ("L", 24, 1024, 16), ("B", 12, 768, 12),
-                                       ("S", 12, 384, 6))
+    for size, depth, hidden, heads in (("XL", 28, 1152, 16), ("L", 24, 1024, 16), ("B", 12, 768, 12), ("S", 12, 384, 6))
     for patch in (2, 4, 8)
-}  # fmt: skip
+}
 
 DiT_models: dict[str, Callable[..., DiT]] = {name: functools.partial(DiT, **dims) for name, dims in DIT_PRESETS.items()}
 

@@ -61,7 +61,7 @@ def build_model(cfg: TrainConfig) -> DiT:
     return DiT(
         patch_size=m.patch_size, hidden_size=m.hidden_size, depth=m.depth, num_heads=m.num_heads,
         mlp_ratio=m.mlp_ratio, **kw,
-    )  # fmt: skip
+    )
 
 
 def build_schedule(cfg: TrainConfig) -> DDPMSchedule | FlowFormulation | EDMFormulation:
@@ -151,7 +151,7 @@ def sample(
         lo, hi = schedule.sigma_min, schedule.sigma_max
         if sampler == "heun":
             x = edm_heun_sample(den, shape, labels.to(device), num_steps=steps, sigma_min=lo, sigma_max=hi,
-                                progress=progress, **common)  # fmt: skip
+                                progress=progress, **common)
         else:
             x = _euler(den, shape, labels.to(device), steps, lo, hi, progress=progress, **common)
         return x.clamp(-1, 1) if clip_denoised else x
@@ -162,7 +162,7 @@ def sample(
             lambda x, t, yy: model(x, t, yy), (len(labels), channels, size, size), labels.to(device),
             num_steps=steps, method=sampler, num_classes=num_classes, cfg_scale=cfg_scale, seed=seed,
             device=device, progress=progress,
-        )  # fmt: skip
+        )
         return x.clamp(-1, 1) if clip_denoised else x
     if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= schedule.num_timesteps:
         raise ValueError(f"steps must be an int in [1, {schedule.num_timesteps}], got {steps!r}")
@@ -177,7 +177,7 @@ def sample(
         return run(
             fn, sched, shape, y, learn_sigma=learn_sigma, prediction=prediction, clip_denoised=clip_denoised,
             timestep_map=tmap.to(device), **common,
-        )  # fmt: skip
+        )
     den = VEDenoiser(model, schedule, prediction, channels)
     if sampler == "heun":
         x = edm_heun_sample(den, shape, y, num_steps=steps, sigma_min=den.sigma_min, sigma_max=den.sigma_max, **common)
@@ -272,7 +272,7 @@ def sample_grid(
         num_classes=m.num_classes, learn_sigma=cfg.diffusion.learn_sigma, prediction=cfg.diffusion.prediction,
         cfg_scale=lg.cfg_scale, clip_denoised=pixel_range(cfg), seed=cfg.engine.seed, device=device,
         progress=lg.progress,
-    )  # fmt: skip
+    )
     nrow = m.num_classes if m.num_classes <= 16 else None
     return save_grid(x / cfg.data.scale, path, nrow=nrow, upscale=max(1, 32 // m.input_size))
 

@@ -26,8 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.study.presets import PRESETS
 
-    parser.add_argument("spec", nargs="?", default=None,
-                        help="study spec YAML, or 'report' followed by a study folder")  # fmt: skip
+    parser.add_argument("spec", nargs="?", default=None, help="study spec YAML, or 'report' followed by a study folder")
     parser.add_argument("folder", nargs="?", default=None, help="with 'report': the study folder")
     parser.add_argument("--preset", choices=sorted(PRESETS), help="a built-in spec instead of SPEC.yaml")
     parser.add_argument("--recipe", default=None, help="base training recipe replacing the spec's (default: its own)")
@@ -35,13 +34,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None, help="study folder (default studies/<name>)")
     parser.add_argument("--no-report", action="store_true", help="run only; write the report later with 'report'")
     parser.add_argument("--print-spec", action="store_true", help="print the resolved spec and exit")
-    parser.add_argument("--peer-dit", default=None, metavar="PATH",
-                        help="speedrun: a local facebookresearch/DiT checkout; its own training step is timed in the "
-                        "study (same model, data, batch, threads) and gives the official arm its time axis. Without "
-                        "it the official arm keeps our step's time and the report flags it")  # fmt: skip
-    parser.add_argument("--screen", default=None, metavar="DIR",
-                        help="speedrun_mnist5k: the finished digits screening (study folder) it takes its best arms "
-                        "from")  # fmt: skip
+    parser.add_argument(
+        "--peer-dit",
+        default=None,
+        metavar="PATH",
+        help="speedrun: a local facebookresearch/DiT checkout; its own training step is timed in the "
+        "study (same model, data, batch, threads) and gives the official arm its time axis. Without "
+        "it the official arm keeps our step's time and the report flags it",
+    )
+    parser.add_argument(
+        "--screen",
+        default=None,
+        metavar="DIR",
+        help="speedrun_mnist5k: the finished digits screening (study folder) it takes its best arms from",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,7 +83,9 @@ def run(args: argparse.Namespace) -> int:
         for name, path in write_report(out).items():
             print(f"  {name}: {path}")
     if res["failed"]:
-        print(f"study: {len(res['failed'])} runs failed: {res['failed']}; rerun the same command to resume them",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"study: {len(res['failed'])} runs failed: {res['failed']}; rerun the same command to resume them",
+            file=sys.stderr,
+        )
         return 1
     return 0

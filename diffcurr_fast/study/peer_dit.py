@@ -31,8 +31,9 @@ import torch.nn.functional as F
 class PatchEmbed(nn.Module):
     """timm's ``PatchEmbed`` (flatten, NCHW -> NLC, no norm)."""
 
-    def __init__(self, img_size=224, patch_size=16, in_chans=3, embed_dim=768, norm_layer=None, flatten=True,
-                 bias=True, **_):  # fmt: skip
+    def __init__(
+        self, img_size=224, patch_size=16, in_chans=3, embed_dim=768, norm_layer=None, flatten=True, bias=True, **_
+    ):
         super().__init__()
         img_size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
         patch_size = (patch_size, patch_size) if isinstance(patch_size, int) else tuple(patch_size)
@@ -53,8 +54,17 @@ class PatchEmbed(nn.Module):
 class Attention(nn.Module):
     """timm's ``Attention`` with ``fused_attn`` (``F.scaled_dot_product_attention``)."""
 
-    def __init__(self, dim, num_heads=8, qkv_bias=False, qk_norm=False, attn_drop=0.0, proj_drop=0.0,
-                 norm_layer=nn.LayerNorm, **_):  # fmt: skip
+    def __init__(
+        self,
+        dim,
+        num_heads=8,
+        qkv_bias=False,
+        qk_norm=False,
+        attn_drop=0.0,
+        proj_drop=0.0,
+        norm_layer=nn.LayerNorm,
+        **_,
+    ):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
@@ -79,8 +89,9 @@ class Attention(nn.Module):
 class Mlp(nn.Module):
     """timm's ``Mlp`` (fc1, act, drop, fc2, drop)."""
 
-    def __init__(self, in_features, hidden_features=None, out_features=None, act_layer=nn.GELU, bias=True, drop=0.0,
-                 **_):  # fmt: skip
+    def __init__(
+        self, in_features, hidden_features=None, out_features=None, act_layer=nn.GELU, bias=True, drop=0.0, **_
+    ):
         super().__init__()
         out_features = out_features or in_features
         hidden_features = hidden_features or in_features
@@ -115,8 +126,10 @@ def check_checkout(path: str | Path) -> Path:
     """``path`` resolved; FileNotFoundError in one line unless it is a facebookresearch/DiT checkout."""
     root = Path(path).resolve()
     if not (root / "models.py").is_file() or not (root / "diffusion" / "__init__.py").is_file():
-        raise FileNotFoundError(f"{root} is not a facebookresearch/DiT checkout (models.py, diffusion/ missing); "
-                                "git clone https://github.com/facebookresearch/DiT and pass its path")  # fmt: skip
+        raise FileNotFoundError(
+            f"{root} is not a facebookresearch/DiT checkout (models.py, diffusion/ missing); "
+            "git clone https://github.com/facebookresearch/DiT and pass its path"
+        )
     return root
 
 
@@ -159,7 +172,7 @@ def official_step(
     num_heads, mlp_ratio, class_dropout_prob).
 
     ``label(name, fn)`` may wrap the parts a profile should name (``timesteps``, ``forward process``, ``ema``).
-    """  # fmt: skip
+    """
     from copy import deepcopy
 
     models, diffusion_pkg, stubbed = import_peer(path)

@@ -73,16 +73,37 @@ from diffcurr_fast.study.spec import StudySpec, check_spec, spec_from_dict
 
 STEPS, SHORT = 1500, 375
 DIGITS_SET = [
-    "diffusion.weighting=none", "optim.lr=1e-3", "optim.warmup_steps=100", "optim.ema_decay=0.995",
-    "data.batch_size=64", f"engine.max_steps={STEPS}", "curriculum.num_clusters=10",
-    "logging.num_samples=100", "logging.sample_steps=25", "logging.log_every=25", "checkpoint.every=500",
-    "checkpoint.keep_last=1", "model.preset=custom",
-]  # fmt: skip
+    "diffusion.weighting=none",
+    "optim.lr=1e-3",
+    "optim.warmup_steps=100",
+    "optim.ema_decay=0.995",
+    "data.batch_size=64",
+    f"engine.max_steps={STEPS}",
+    "curriculum.num_clusters=10",
+    "logging.num_samples=100",
+    "logging.sample_steps=25",
+    "logging.log_every=25",
+    "checkpoint.every=500",
+    "checkpoint.keep_last=1",
+    "model.preset=custom",
+]
 DIGITS_EVAL = {"num_samples": 400, "steps": 10, "sampler": "ddim", "cfg_scale": 2.0, "features": "digits"}
-PAPER = ["optim.schedule=constant", "optim.min_lr=0", "curriculum.eval_every=5", "curriculum.patience=2",
-         "curriculum.ema=0.5", "curriculum.min_delta=0.02"]  # fmt: skip
-DEMO = ["optim.schedule=cosine", "optim.min_lr=1e-5", "curriculum.eval_every=5", "curriculum.patience=4",
-        "curriculum.ema=0.5", "curriculum.min_delta=0.02"]  # fmt: skip
+PAPER = [
+    "optim.schedule=constant",
+    "optim.min_lr=0",
+    "curriculum.eval_every=5",
+    "curriculum.patience=2",
+    "curriculum.ema=0.5",
+    "curriculum.min_delta=0.02",
+]
+DEMO = [
+    "optim.schedule=cosine",
+    "optim.min_lr=1e-5",
+    "curriculum.eval_every=5",
+    "curriculum.patience=4",
+    "curriculum.ema=0.5",
+    "curriculum.min_delta=0.02",
+]
 NONE, SNR = ["curriculum.pacing=none"], ["curriculum.pacing=patience", "curriculum.method=snr"]
 
 
@@ -125,8 +146,16 @@ def curriculum_preset() -> dict[str, Any]:
 
 def tdc_preset() -> dict[str, Any]:
     shared = ["optim.schedule=constant", "optim.min_lr=0", *NONE]
-    tdc = ["engine.max_steps=1000", "tdc.num_groups=3", "tdc.k=0.5", "tdc.rounds=2", "tdc.candidates=3",
-           "tdc.recover_steps=10", "tdc.finetune_steps=250", "tdc.finetune_lr=5e-4"]  # fmt: skip
+    tdc = [
+        "engine.max_steps=1000",
+        "tdc.num_groups=3",
+        "tdc.k=0.5",
+        "tdc.rounds=2",
+        "tdc.candidates=3",
+        "tdc.recover_steps=10",
+        "tdc.finetune_steps=250",
+        "tdc.finetune_lr=5e-4",
+    ]
     return {
         "name": "tdc",
         "recipe": None,
@@ -150,30 +179,70 @@ def ema_decay_for(steps: int) -> float:
     return round(0.5 ** (1.0 / (HALF_LIFE_SHARE * steps)), 6)
 
 
-SR_SHARED = ["data.batch_size=64", "optim.ema_warmup=false", "diffusion.num_timesteps=1000", "diffusion.prediction=eps",
-             "diffusion.learn_sigma=true", "curriculum.num_clusters=10", "logging.num_samples=100",
-             "logging.sample_steps=25", "logging.log_every=50", "checkpoint.every=2000", "checkpoint.keep_last=1",
-             "model.preset=custom"]  # fmt: skip
+SR_SHARED = [
+    "data.batch_size=64",
+    "optim.ema_warmup=false",
+    "diffusion.num_timesteps=1000",
+    "diffusion.prediction=eps",
+    "diffusion.learn_sigma=true",
+    "curriculum.num_clusters=10",
+    "logging.num_samples=100",
+    "logging.sample_steps=25",
+    "logging.log_every=50",
+    "checkpoint.every=2000",
+    "checkpoint.keep_last=1",
+    "model.preset=custom",
+]
 SR_DIGITS_STEPS, SR_DIGITS_EVERY, SR_MNIST_STEPS, SR_MNIST_EVERY = 12_000, 400, 10_000, 500
-SR_DIGITS = ["data.dataset=digits", "model.input_size=8", "model.patch_size=2", "model.hidden_size=64",
-             "model.depth=4", "model.num_heads=4", f"engine.max_steps={SR_DIGITS_STEPS}",
-             f"optim.ema_decay={ema_decay_for(SR_DIGITS_STEPS)}"]  # fmt: skip
-SR_MNIST = ["data.dataset=mnist5k", "model.input_size=28", "model.patch_size=4", "model.hidden_size=64",
-            "model.depth=4", "model.num_heads=4", f"engine.max_steps={SR_MNIST_STEPS}",
-            f"optim.ema_decay={ema_decay_for(SR_MNIST_STEPS)}"]  # fmt: skip
+SR_DIGITS = [
+    "data.dataset=digits",
+    "model.input_size=8",
+    "model.patch_size=2",
+    "model.hidden_size=64",
+    "model.depth=4",
+    "model.num_heads=4",
+    f"engine.max_steps={SR_DIGITS_STEPS}",
+    f"optim.ema_decay={ema_decay_for(SR_DIGITS_STEPS)}",
+]
+SR_MNIST = [
+    "data.dataset=mnist5k",
+    "model.input_size=28",
+    "model.patch_size=4",
+    "model.hidden_size=64",
+    "model.depth=4",
+    "model.num_heads=4",
+    f"engine.max_steps={SR_MNIST_STEPS}",
+    f"optim.ema_decay={ema_decay_for(SR_MNIST_STEPS)}",
+]
 SR_EVAL = {"num_samples": 400, "steps": 10, "sampler": "ddim", "cfg_scale": 2.0}
-OFFICIAL = ["diffusion.beta_schedule=linear", "diffusion.weighting=none", "curriculum.pacing=none", "optim.lr=1e-4",
-            "optim.schedule=constant", "optim.warmup_steps=0", "optim.min_lr=0", "optim.weight_decay=0",
-            "optim.grad_clip=0"]  # fmt: skip
+OFFICIAL = [
+    "diffusion.beta_schedule=linear",
+    "diffusion.weighting=none",
+    "curriculum.pacing=none",
+    "optim.lr=1e-4",
+    "optim.schedule=constant",
+    "optim.warmup_steps=0",
+    "optim.min_lr=0",
+    "optim.weight_decay=0",
+    "optim.grad_clip=0",
+]
 VANILLA = ["curriculum.pacing=none", "diffusion.weighting=none"]
 MINSNR = ["diffusion.weighting=min_snr", "diffusion.min_snr_gamma=5.0"]
 CL = ["curriculum.pacing=patience", "curriculum.method=snr"]
 PLAIN = ["model.fused_adaln=false", "diffusion.ops_backend=reference"]
-TIMESTEP_ARMS = {"lognormal": ["timesteps.sampler=lognormal"], "importance": ["timesteps.sampler=importance"],
-                 "speed": ["timesteps.sampler=speed", "diffusion.weighting=speed"],
-                 "anuts": ["timesteps.sampler=anuts"]}  # fmt: skip
-SPEEDRUN = {"official_arm": "official", "threshold": "reference", "smooth": 3, "plateau_share": 0.2,
-            "plateau_tol": 0.03}  # fmt: skip
+TIMESTEP_ARMS = {
+    "lognormal": ["timesteps.sampler=lognormal"],
+    "importance": ["timesteps.sampler=importance"],
+    "speed": ["timesteps.sampler=speed", "diffusion.weighting=speed"],
+    "anuts": ["timesteps.sampler=anuts"],
+}
+SPEEDRUN = {
+    "official_arm": "official",
+    "threshold": "reference",
+    "smooth": 3,
+    "plateau_share": 0.2,
+    "plateau_tol": 0.03,
+}
 
 
 def has_timesteps_section() -> bool:
@@ -202,20 +271,35 @@ def speedrun_arms(timesteps: bool | None = None) -> list[dict[str, Any]]:
 
 
 def _speedrun_notes(dataset: str, timesteps: bool) -> str:
-    left = "" if timesteps else (" The timestep-sampler arms (lognormal, importance, speed, anuts) are left out: this "
-                                 "build's config has no timesteps section.")  # fmt: skip
-    return (f"Time to quality on {dataset} against the official DiT recipe (settings: diffcurr_fast.study.presets; "
-            f"definitions: diffcurr_fast.study.speedrun).{left}")  # fmt: skip
+    left = (
+        ""
+        if timesteps
+        else (
+            " The timestep-sampler arms (lognormal, importance, speed, anuts) are left out: this "
+            "build's config has no timesteps section."
+        )
+    )
+    return (
+        f"Time to quality on {dataset} against the official DiT recipe (settings: diffcurr_fast.study.presets; "
+        f"definitions: diffcurr_fast.study.speedrun).{left}"
+    )
 
 
 def speedrun_preset(timesteps: bool | None = None) -> dict[str, Any]:
     timesteps = has_timesteps_section() if timesteps is None else timesteps
     return {
-        "name": "speedrun", "recipe": None, "set": SR_SHARED + SR_DIGITS, "seeds": [0, 1, 2, 3, 4], "metric": "fd",
-        "reference": "official", "eval_every": SR_DIGITS_EVERY, "eval": {**SR_EVAL, "features": "digits"},
-        "arms": speedrun_arms(timesteps), "notes": _speedrun_notes("the built-in digits", timesteps),
+        "name": "speedrun",
+        "recipe": None,
+        "set": SR_SHARED + SR_DIGITS,
+        "seeds": [0, 1, 2, 3, 4],
+        "metric": "fd",
+        "reference": "official",
+        "eval_every": SR_DIGITS_EVERY,
+        "eval": {**SR_EVAL, "features": "digits"},
+        "arms": speedrun_arms(timesteps),
+        "notes": _speedrun_notes("the built-in digits", timesteps),
         "speedrun": dict(SPEEDRUN),
-    }  # fmt: skip
+    }
 
 
 def speedrun_mnist5k_preset(screen: str | None = None, timesteps: bool | None = None) -> dict[str, Any]:
@@ -224,8 +308,10 @@ def speedrun_mnist5k_preset(screen: str | None = None, timesteps: bool | None = 
     from diffcurr_fast.study.speedrun import best_arms
 
     if screen is None:
-        raise ValueError("preset speedrun_mnist5k runs the best arms of the digits screening: pass --screen DIR (a "
-                         "finished 'study --preset speedrun' folder with its report)")  # fmt: skip
+        raise ValueError(
+            "preset speedrun_mnist5k runs the best arms of the digits screening: pass --screen DIR (a "
+            "finished 'study --preset speedrun' folder with its report)"
+        )
     every = {a["name"]: a for a in speedrun_arms(timesteps)}
     best = best_arms(screen, 4)
     unknown = [n for n in best if n not in every]
@@ -235,17 +321,38 @@ def speedrun_mnist5k_preset(screen: str | None = None, timesteps: bool | None = 
     plain = [] if "_plain" in top["name"] else [{**top, "name": f"{top['name']}_plain", "set": top["set"] + PLAIN}]
     arms = [every["official"], *(every[n] for n in best), *plain]
     return {
-        "name": "speedrun_mnist5k", "recipe": None, "set": SR_SHARED + SR_MNIST, "seeds": [0, 1, 2], "metric": "fd",
-        "reference": "official", "eval_every": SR_MNIST_EVERY, "eval": {**SR_EVAL, "features": "mnist5k"},
-        "arms": arms, "notes": _speedrun_notes("the built-in mnist5k", True) + f" Arms screened from {screen}.",
+        "name": "speedrun_mnist5k",
+        "recipe": None,
+        "set": SR_SHARED + SR_MNIST,
+        "seeds": [0, 1, 2],
+        "metric": "fd",
+        "reference": "official",
+        "eval_every": SR_MNIST_EVERY,
+        "eval": {**SR_EVAL, "features": "mnist5k"},
+        "arms": arms,
+        "notes": _speedrun_notes("the built-in mnist5k", True) + f" Arms screened from {screen}.",
         "speedrun": dict(SPEEDRUN),
-    }  # fmt: skip
+    }
 
 
-PRESETS = {"curriculum": curriculum_preset, "tdc": tdc_preset, "speedrun": speedrun_preset,
-           "speedrun_mnist5k": speedrun_mnist5k_preset}  # fmt: skip
-DIGITS_ONLY = ("diffusion.weighting", "optim.lr", "optim.warmup_steps", "optim.ema_decay", "data.", "engine.max_steps",
-               "logging.", "checkpoint.", "model.", "curriculum.num_clusters")  # fmt: skip
+PRESETS = {
+    "curriculum": curriculum_preset,
+    "tdc": tdc_preset,
+    "speedrun": speedrun_preset,
+    "speedrun_mnist5k": speedrun_mnist5k_preset,
+}
+DIGITS_ONLY = (
+    "diffusion.weighting",
+    "optim.lr",
+    "optim.warmup_steps",
+    "optim.ema_decay",
+    "data.",
+    "engine.max_steps",
+    "logging.",
+    "checkpoint.",
+    "model.",
+    "curriculum.num_clusters",
+)
 
 
 def preset_spec(name: str, recipe: str | None = None, screen: str | None = None) -> StudySpec:

@@ -86,9 +86,16 @@ def collect(study_dir: str | Path) -> tuple[StudySpec, list[dict[str, Any]], dic
             per_step = st["train_flops"] / st["steps"] if st and arm.kind == "train" and st["steps"] else None
             for r in recs:
                 flops = per_step * int(r["step"]) if per_step is not None else None
-                rows.append({"arm": arm.name, "seed": seed, "step": int(r["step"]),
-                             **{k: r.get(k) for k in METRIC_COLUMNS}, "train_s": r.get("train_s"),
-                             "train_flops": flops})  # fmt: skip
+                rows.append(
+                    {
+                        "arm": arm.name,
+                        "seed": seed,
+                        "step": int(r["step"]),
+                        **{k: r.get(k) for k in METRIC_COLUMNS},
+                        "train_s": r.get("train_s"),
+                        "train_flops": flops,
+                    }
+                )
     return spec, rows, status
 
 
@@ -110,17 +117,22 @@ def summarize(spec: StudySpec, status: dict[tuple[str, int], dict]) -> dict[str,
     arms: dict[str, Any] = {}
     for arm in spec.arms:
         done = {s: status[(arm.name, s)] for s in spec.seeds if (arm.name, s) in status}
-        per_metric = {m: {s: st["final"].get(m) for s, st in done.items() if st["final"].get(m) is not None}
-                      for m in ("fd", "is", "precision", "recall")}  # fmt: skip
+        per_metric = {
+            m: {s: st["final"].get(m) for s, st in done.items() if st["final"].get(m) is not None}
+            for m in ("fd", "is", "precision", "recall")
+        }
         arms[arm.name] = {
-            "kind": arm.kind, "seeds": sorted(done), "reference": spec.reference_of(arm),
-            "final": per_metric, "stats": {m: mean_std(list(v.values())) for m, v in per_metric.items()},
+            "kind": arm.kind,
+            "seeds": sorted(done),
+            "reference": spec.reference_of(arm),
+            "final": per_metric,
+            "stats": {m: mean_std(list(v.values())) for m, v in per_metric.items()},
             "steps": mean_std([st["steps"] for st in done.values()])[0],
             "train_flops": mean_std([st["train_flops"] for st in done.values()])[0],
             "wall_s": mean_std([st["wall_s"] for st in done.values()]),
             "sampling_flops": next(iter(done.values())).get("sampling_flops_per_image") if done else None,
             "base_sampling_flops": next(iter(done.values())).get("base_sampling_flops_per_image") if done else None,
-        }  # fmt: skip
+        }
     lower = METRICS[spec.metric] == "lower"
     for name, a in arms.items():
         ref = arms[a["reference"]]["final"][spec.metric]
@@ -135,16 +147,23 @@ def write_markdown(spec: StudySpec, arms: dict[str, Any], path: Path, study_dir:
     lines = [f"# Study `{spec.name}`", ""]
     if spec.notes:
         lines += [spec.notes.strip(), ""]
-    lines += [f"Seeds {spec.seeds}; base recipe {spec.recipe or 'the embedded digits demo'}; evaluation every "
-              f"{spec.eval_every} steps with {json.dumps(spec.eval)}; metric `{m}` ({'lower' if lower else 'higher'} "
-              "is better). The spec (every arm's overrides) is `study.yaml`; each run is an ordinary run directory "
-              "under `runs/<arm>/seed<k>/`.", ""]  # fmt: skip
-    lines += ["## Final metrics (mean +- std over seeds)", "",
-              "| arm | seeds | steps | FD | IS | precision | recall | train FLOPs | wall s per run |",
-              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines += [
+        f"Seeds {spec.seeds}; base recipe {spec.recipe or 'the embedded digits demo'}; evaluation every "
+        f"{spec.eval_every} steps with {json.dumps(spec.eval)}; metric `{m}` ({'lower' if lower else 'higher'} "
+        "is better). The spec (every arm's overrides) is `study.yaml`; each run is an ordinary run directory "
+        "under `runs/<arm>/seed<k>/`.",
+        "",
+    ]
+    lines += [
+        "## Final metrics (mean +- std over seeds)",
+        "",
+        "| arm | seeds | steps | FD | IS | precision | recall | train FLOPs | wall s per run |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, a in arms.items():
-        cells = [f"{_fmt(a['stats'][k][0])} +- {_fmt(a['stats'][k][1], 2)}" for k in ("fd", "is", "precision",
-                                                                                         "recall")]  # fmt: skip
+        cells = [
+            f"{_fmt(a['stats'][k][0])} +- {_fmt(a['stats'][k][1], 2)}" for k in ("fd", "is", "precision", "recall")
+        ]
         lines.append(
             f"| {name} | {len(a['seeds'])} | {_fmt(a['steps'], 6)} | "
             + " | ".join(cells)
@@ -163,10 +182,17 @@ def write_markdown(spec: StudySpec, arms: dict[str, Any], path: Path, study_dir:
             continue
         ref = arms[a["reference"]]
         ratio = a["train_flops"] / ref["train_flops"] if ref["seeds"] else math.nan
-        lines.append(f"| {name} | {a['reference']} | {p.n} | {_fmt(p.mean)} | [{_fmt(p.ci_lo)}, {_fmt(p.ci_hi)}] | "
-                     f"{p.improved}/{p.n} | x{_fmt(ratio, 3)} |")  # fmt: skip
-    lines += ["", f"## Per-seed final {m}", "", "| arm | " + " | ".join(f"seed {s}" for s in spec.seeds) + " |",
-              "|---|" + "---|" * len(spec.seeds)]  # fmt: skip
+        lines.append(
+            f"| {name} | {a['reference']} | {p.n} | {_fmt(p.mean)} | [{_fmt(p.ci_lo)}, {_fmt(p.ci_hi)}] | "
+            f"{p.improved}/{p.n} | x{_fmt(ratio, 3)} |"
+        )
+    lines += [
+        "",
+        f"## Per-seed final {m}",
+        "",
+        "| arm | " + " | ".join(f"seed {s}" for s in spec.seeds) + " |",
+        "|---|" + "---|" * len(spec.seeds),
+    ]
     for name, a in arms.items():
         vals = a["final"][m]
         lines.append(f"| {name} | " + " | ".join(_fmt(vals.get(s)) for s in spec.seeds) + " |")
@@ -177,10 +203,19 @@ def write_markdown(spec: StudySpec, arms: dict[str, Any], path: Path, study_dir:
             for k, v in a["sampling_flops"].items():
                 b = a["base_sampling_flops"][k]
                 lines.append(f"- {name}, {k}: {v:.3e} vs {b:.3e} for the base (x{b / v:.3f} fewer)")
-    lines += ["", "## Plots", "", "![metric vs step](metric_vs_step.png)", "",
-              "![curriculum timelines](curriculum_timelines.png)", "", "![loss per cluster](cluster_loss.png)", "",
-              "End-of-run sample grids (first seed of each arm): " + ", ".join(
-                  f"[{n}](samples/{n}.png)" for n in arms), ""]  # fmt: skip
+    lines += [
+        "",
+        "## Plots",
+        "",
+        "![metric vs step](metric_vs_step.png)",
+        "",
+        "![curriculum timelines](curriculum_timelines.png)",
+        "",
+        "![loss per cluster](cluster_loss.png)",
+        "",
+        "End-of-run sample grids (first seed of each arm): " + ", ".join(f"[{n}](samples/{n}.png)" for n in arms),
+        "",
+    ]
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -320,8 +355,11 @@ def write_speedrun(spec: StudySpec, rows: list[dict[str, Any]], study_dir: Path)
     report = study_dir / "report.md"
     report.write_text(report.read_text() + "\n" + "\n".join(speedrun.markdown(spec, res)) + "\n")
     plots = speedrun.plot(spec, rows, res, study_dir)
-    return {"speedrun": speedrun.write_json(res, study_dir / "speedrun.json"), "fd_vs_wall": plots["wall_s"],
-            "fd_vs_step": plots["step"]}  # fmt: skip
+    return {
+        "speedrun": speedrun.write_json(res, study_dir / "speedrun.json"),
+        "fd_vs_wall": plots["wall_s"],
+        "fd_vs_step": plots["step"],
+    }
 
 
 def copy_samples(spec: StudySpec, study_dir: Path) -> Path:

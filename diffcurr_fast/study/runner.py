@@ -68,8 +68,10 @@ def prepare_study(spec: StudySpec, study_dir: str | Path) -> Path:
     if path.is_file():
         saved = spec_from_dict(yaml.safe_load(path.read_text()), str(path))
         if saved.to_dict() != spec.to_dict():
-            raise ValueError(f"{str(path)!r} holds a different spec; a study's settings are fixed when it starts: use "
-                             "another --out or the same spec")  # fmt: skip
+            raise ValueError(
+                f"{str(path)!r} holds a different spec; a study's settings are fixed when it starts: use "
+                "another --out or the same spec"
+            )
         return study_dir
     study_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
@@ -95,8 +97,14 @@ def pending(spec: StudySpec, study_dir: Path) -> list[tuple[str, int]]:
 STEPTIME = ("step-time", -1)  # the queue's job that measures the official step (not an arm: '-' + seed -1)
 
 
-def run_study(spec: StudySpec, study_dir: str | Path, workers: int = 1, *, verbose: bool = True,
-              peer_dit: str | Path | None = None) -> dict[str, Any]:  # fmt: skip
+def run_study(
+    spec: StudySpec,
+    study_dir: str | Path,
+    workers: int = 1,
+    *,
+    verbose: bool = True,
+    peer_dit: str | Path | None = None,
+) -> dict[str, Any]:
     """Run every unfinished (arm, seed) of ``spec`` in ``study_dir`` with ``workers`` processes at once; returns
     {"ran": [...], "failed": [...], "kept": n}. Failed runs are listed, not retried (a rerun resumes them).
     ``peer_dit`` (a speedrun): a facebookresearch/DiT checkout whose step time is measured first (module doc)."""
@@ -120,8 +128,11 @@ def run_study(spec: StudySpec, study_dir: str | Path, workers: int = 1, *, verbo
     running: list[tuple[tuple[str, int], subprocess.Popen, Any, int]] = []
     ran, failed = [], []
     if verbose:
-        print(f"study {spec.name}: {len(todo)} runs to do, {kept} finished kept, {workers} workers x {threads} "
-              f"threads; folder {study_dir}", flush=True)  # fmt: skip
+        print(
+            f"study {spec.name}: {len(todo)} runs to do, {kept} finished kept, {workers} workers x {threads} "
+            f"threads; folder {study_dir}",
+            flush=True,
+        )
     measure = peer_dit is not None and not (study_dir / STEP_TIME_FILE).is_file()
     queue = [STEPTIME] * measure + list(todo)
     try:
@@ -133,8 +144,14 @@ def run_study(spec: StudySpec, study_dir: str | Path, workers: int = 1, *, verbo
                 fh = open(log, "a")
                 cmd = [sys.executable, "-m", "diffcurr_fast.study.runner", str(study_dir), arm, str(seed), str(threads)]
                 if (arm, seed) == STEPTIME:
-                    cmd = [sys.executable, "-m", "diffcurr_fast.study.speedrun", str(study_dir), str(peer_dit),
-                           str(threads)]  # fmt: skip
+                    cmd = [
+                        sys.executable,
+                        "-m",
+                        "diffcurr_fast.study.speedrun",
+                        str(study_dir),
+                        str(peer_dit),
+                        str(threads),
+                    ]
                 env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
                 slot = min(set(range(workers)) - {r[3] for r in running})
                 if gpus:  # one run per GPU: worker slot i sees GPU i mod #GPUs only
@@ -154,8 +171,10 @@ def run_study(spec: StudySpec, study_dir: str | Path, workers: int = 1, *, verbo
                     (ran if proc.returncode == 0 else failed).append((arm, seed))
                 if verbose and (arm, seed) == STEPTIME:
                     ok = proc.returncode == 0
-                    print(f"  done  official step time: {'step_time.json' if ok else 'FAILED (logs/step-time.log)'}",
-                          flush=True)  # fmt: skip
+                    print(
+                        f"  done  official step time: {'step_time.json' if ok else 'FAILED (logs/step-time.log)'}",
+                        flush=True,
+                    )
                 elif verbose:
                     st = read_status(study_dir, arm, seed)
                     if proc.returncode == 0 and st:
@@ -201,8 +220,14 @@ def run_one(study_dir: str | Path, arm_name: str, seed: int, cpu_threads: int = 
     cfg = arm_config(spec, arm, seed, run_dir, cpu_threads)
     t0 = time.perf_counter()
     out = _run_tdc(cfg, run_dir) if arm.kind == "tdc" else _run_train(cfg, run_dir)
-    status = {"arm": arm.name, "seed": seed, "kind": arm.kind, "run_dir": str(run_dir.relative_to(study_dir)),
-              "wall_s": time.perf_counter() - t0, **out}  # fmt: skip
+    status = {
+        "arm": arm.name,
+        "seed": seed,
+        "kind": arm.kind,
+        "run_dir": str(run_dir.relative_to(study_dir)),
+        "wall_s": time.perf_counter() - t0,
+        **out,
+    }
     if _rank() == 0:
         write_json(status, status_path(study_dir, arm.name, seed), indent=1)
     return status
@@ -213,8 +238,12 @@ def _run_train(cfg: Any, run_dir: Path) -> dict[str, Any]:
     overwrite = run_dir.is_dir() and not resume  # killed before its first checkpoint: start over
     summary = train(cfg, resume=resume, overwrite=overwrite)
     flops = 3.0 * dit_flops(build_model(cfg)) * cfg.data.batch_size * summary["step"]
-    return {"steps": summary["step"], "train_flops": flops, "resumed": resume,
-            "final": last_eval(run_dir / "metrics.jsonl")}  # fmt: skip
+    return {
+        "steps": summary["step"],
+        "train_flops": flops,
+        "resumed": resume,
+        "final": last_eval(run_dir / "metrics.jsonl"),
+    }
 
 
 def _run_tdc(cfg: Any, run_dir: Path) -> dict[str, Any]:
@@ -229,11 +258,16 @@ def _run_tdc(cfg: Any, run_dir: Path) -> dict[str, Any]:
         final = Evaluator(bcfg, run_dir)(steps, multi, build_schedule(bcfg))
         write_json(final, run_dir / "bundle_eval.json", indent=1)
     sampling = {k: v["multi_expert_flops_per_image"] for k, v in acc["sampling"].items()}
-    return {"steps": steps, "train_flops": acc["training"]["tdc_flops"], "resumed": resume,
-            "train_flops_with_search": acc["training"]["tdc_flops_with_search"],
-            "single_model_flops": acc["training"]["single_model_flops"], "sampling_flops_per_image": sampling,
-            "base_sampling_flops_per_image": {k: v["base_flops_per_image"] for k, v in acc["sampling"].items()},
-            "final": final}  # fmt: skip
+    return {
+        "steps": steps,
+        "train_flops": acc["training"]["tdc_flops"],
+        "resumed": resume,
+        "train_flops_with_search": acc["training"]["tdc_flops_with_search"],
+        "single_model_flops": acc["training"]["single_model_flops"],
+        "sampling_flops_per_image": sampling,
+        "base_sampling_flops_per_image": {k: v["base_flops_per_image"] for k, v in acc["sampling"].items()},
+        "final": final,
+    }
 
 
 def last_eval(path: Path) -> dict[str, Any]:

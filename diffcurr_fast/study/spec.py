@@ -34,13 +34,17 @@ import yaml
 
 KINDS = ("train", "tdc")
 METRICS = {"fd": "lower", "is": "higher", "precision": "higher", "recall": "higher"}
-SPEC_KEYS = ("name", "recipe", "set", "seeds", "metric", "reference", "eval_every", "eval", "arms", "notes",
-             "speedrun")  # fmt: skip
+SPEC_KEYS = ("name", "recipe", "set", "seeds", "metric", "reference", "eval_every", "eval", "arms", "notes", "speedrun")
 # threshold: 'reference' (the worst final smoothed metric over the official arm's seeds) or a number; smooth: the
 # trailing window (evaluations) of the moving average; plateau: the official arm's last plateau_share of evaluations
 # improve its smoothed mean curve by less than plateau_tol (relative)
-SPEEDRUN_DEFAULTS: dict[str, Any] = {"official_arm": "", "threshold": "reference", "smooth": 3, "plateau_share": 0.2,
-                                     "plateau_tol": 0.03}  # fmt: skip
+SPEEDRUN_DEFAULTS: dict[str, Any] = {
+    "official_arm": "",
+    "threshold": "reference",
+    "smooth": 3,
+    "plateau_share": 0.2,
+    "plateau_tol": 0.03,
+}
 SPEEDRUN_KEYS = tuple(SPEEDRUN_DEFAULTS)
 ARM_KEYS = ("name", "kind", "set", "reference")
 
@@ -107,8 +111,12 @@ def spec_from_dict(data: dict[str, Any], source: str = "spec") -> StudySpec:
         bad = sorted(set(a) - set(ARM_KEYS))
         if bad:
             raise ValueError(f"{source}: arm {a['name']!r} has unknown keys {bad}; valid keys: {', '.join(ARM_KEYS)}")
-        arm = Arm(str(a["name"]), str(a.get("kind", "train")), [str(s) for s in a.get("set") or []],
-                  str(a.get("reference") or ""))  # fmt: skip
+        arm = Arm(
+            str(a["name"]),
+            str(a.get("kind", "train")),
+            [str(s) for s in a.get("set") or []],
+            str(a.get("reference") or ""),
+        )
         if arm.kind not in KINDS:
             raise ValueError(f"{source}: arm {arm.name!r} has kind {arm.kind!r}; valid kinds: {', '.join(KINDS)}")
         if not arm.name.replace("_", "").replace("-", "").isalnum():
@@ -125,12 +133,18 @@ def spec_from_dict(data: dict[str, Any], source: str = "spec") -> StudySpec:
     if len(set(seeds)) != len(seeds):
         raise ValueError(f"{source}: seeds must be distinct, got {seeds}")
     spec = StudySpec(
-        name=str(data.get("name") or "study"), arms=arms, seeds=list(seeds), recipe=data.get("recipe"),
-        set=[str(s) for s in data.get("set") or []], metric=str(data.get("metric", "fd")),
-        reference=str(data.get("reference") or names[0]), eval_every=int(data.get("eval_every", 0)),
-        eval=dict(data.get("eval") or {}), notes=str(data.get("notes") or ""),
+        name=str(data.get("name") or "study"),
+        arms=arms,
+        seeds=list(seeds),
+        recipe=data.get("recipe"),
+        set=[str(s) for s in data.get("set") or []],
+        metric=str(data.get("metric", "fd")),
+        reference=str(data.get("reference") or names[0]),
+        eval_every=int(data.get("eval_every", 0)),
+        eval=dict(data.get("eval") or {}),
+        notes=str(data.get("notes") or ""),
         speedrun=_speedrun(data.get("speedrun"), names, source),
-    )  # fmt: skip
+    )
     if spec.metric not in METRICS:
         raise ValueError(f"{source}: metric {spec.metric!r}; valid metrics: {', '.join(METRICS)}")
     if spec.speedrun and METRICS[spec.metric] != "lower":
@@ -205,5 +219,16 @@ def check_spec(spec: StudySpec) -> StudySpec:
     return spec
 
 
-__all__ = ["ARM_KEYS", "Arm", "KINDS", "METRICS", "SPEC_KEYS", "SPEEDRUN_KEYS", "StudySpec", "arm_config",
-           "check_spec", "load_spec", "spec_from_dict"]  # fmt: skip
+__all__ = [
+    "ARM_KEYS",
+    "Arm",
+    "KINDS",
+    "METRICS",
+    "SPEC_KEYS",
+    "SPEEDRUN_KEYS",
+    "StudySpec",
+    "arm_config",
+    "check_spec",
+    "load_spec",
+    "spec_from_dict",
+]

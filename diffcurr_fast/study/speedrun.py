@@ -120,8 +120,14 @@ def run_points(rows: list[dict[str, Any]], arm: str, seed: int, official_s: floa
         wall = r["step"] * official_s if official_s else r.get("train_s")
         if wall is None:
             continue
-        out.append({"fd": float(r["fd"]), "step": float(r["step"]), "wall_s": float(wall),
-                    "train_flops": float(r["train_flops"])})  # fmt: skip
+        out.append(
+            {
+                "fd": float(r["fd"]),
+                "step": float(r["step"]),
+                "wall_s": float(wall),
+                "train_flops": float(r["train_flops"]),
+            }
+        )
     return out
 
 
@@ -130,8 +136,11 @@ def analyse(spec: Any, rows: list[dict[str, Any]], step_time: dict[str, Any] | N
     sr = spec.speedrun
     window, official = int(sr["smooth"]), sr["official_arm"]
     official_s = (step_time or {}).get("official_s")
-    points = {(a.name, s): run_points(rows, a.name, s, official_s if a.name == official else None)
-              for a in spec.arms for s in spec.seeds}  # fmt: skip
+    points = {
+        (a.name, s): run_points(rows, a.name, s, official_s if a.name == official else None)
+        for a in spec.arms
+        for s in spec.seeds
+    }
     points = {k: v for k, v in points.items() if v}
     ref_runs = [v for (a, _), v in points.items() if a == official]
     finals = [smooth([p["fd"] for p in v], window)[-1] for v in ref_runs]
@@ -152,20 +161,32 @@ def analyse(spec: Any, rows: list[dict[str, Any]], step_time: dict[str, Any] | N
     for a in spec.arms:
         seeds = [s for s in spec.seeds if (a.name, s) in points]
         hit = {s: cross[(a.name, s)] for s in seeds if cross.get((a.name, s))}
-        arms[a.name] = {"seeds": seeds, "reached": sorted(hit),
-                        "axes": {ax: mean_ci([h[ax] for h in hit.values()]) for ax in AXES},
-                        "per_seed": {s: h for s, h in hit.items()}}  # fmt: skip
+        arms[a.name] = {
+            "seeds": seeds,
+            "reached": sorted(hit),
+            "axes": {ax: mean_ci([h[ax] for h in hit.values()]) for ax in AXES},
+            "per_seed": {s: h for s, h in hit.items()},
+        }
     ref = arms.get(official, {"seeds": [], "reached": []})
     for name, a in arms.items():
         complete = bool(a["seeds"]) and len(a["reached"]) == len(a["seeds"])
         ref_complete = bool(ref["seeds"]) and len(ref["reached"]) == len(ref["seeds"])
-        a["speedup"] = {ax: speedup([ref["per_seed"][s][ax] for s in ref["reached"]],
-                                    [a["per_seed"][s][ax] for s in a["reached"]])
-                        if complete and ref_complete and name != official else None
-                        for ax in AXES}  # fmt: skip
-    return {"threshold": threshold, "threshold_rule": thr_rule, "smooth": window, "official_arm": official,
-            "plateau": plateau(curve, sr["plateau_share"], sr["plateau_tol"]), "official_curve": curve,
-            "step_time": step_time, "arms": arms}  # fmt: skip
+        a["speedup"] = {
+            ax: speedup([ref["per_seed"][s][ax] for s in ref["reached"]], [a["per_seed"][s][ax] for s in a["reached"]])
+            if complete and ref_complete and name != official
+            else None
+            for ax in AXES
+        }
+    return {
+        "threshold": threshold,
+        "threshold_rule": thr_rule,
+        "smooth": window,
+        "official_arm": official,
+        "plateau": plateau(curve, sr["plateau_share"], sr["plateau_tol"]),
+        "official_curve": curve,
+        "step_time": step_time,
+        "arms": arms,
+    }
 
 
 def _f(v: float | None, digits: int = 3) -> str:
@@ -176,36 +197,50 @@ def markdown(spec: Any, res: dict[str, Any]) -> list[str]:
     """The report's time-to-quality section."""
     sr, st, pl = spec.speedrun, res["step_time"], res["plateau"]
     lines = ["## Time to quality", ""]
-    lines.append(f"Threshold FD {_f(res['threshold'], 4)} ({res['threshold_rule']}); reached when the trailing "
-                 f"{res['smooth']}-evaluation moving average of FD first falls to it, interpolated linearly between "
-                 "evaluations. Mean and 95% t interval over the seeds that reached it; speed-up = ratio of geometric "
-                 "means over the official arm with a 95% Welch interval on the logs (only when every seed of both "
-                 "arms reached it). Wall time: training only (evaluations excluded); FLOPs: 3 x forward x batch "
-                 "per step.")  # fmt: skip
+    lines.append(
+        f"Threshold FD {_f(res['threshold'], 4)} ({res['threshold_rule']}); reached when the trailing "
+        f"{res['smooth']}-evaluation moving average of FD first falls to it, interpolated linearly between "
+        "evaluations. Mean and 95% t interval over the seeds that reached it; speed-up = ratio of geometric "
+        "means over the official arm with a 95% Welch interval on the logs (only when every seed of both "
+        "arms reached it). Wall time: training only (evaluations excluded); FLOPs: 3 x forward x batch "
+        "per step."
+    )
     lines.append("")
     if st and st.get("official_s"):
-        lines.append(f"Official arm `{res['official_arm']}`: its time axis is its steps x the official DiT step "
-                     f"({1e3 * st['official_s']:.2f} ms median; facebookresearch/DiT checkout "
-                     f"`{st.get('checkout', '?')}` at commit {st.get('commit') or 'unknown'}), measured in this study "
-                     f"on the same model, data and batch with {st.get('threads')} CPU threads; our "
-                     f"step at the same recipe measured beside it: {1e3 * st['ours_s']:.2f} ms "
-                     f"(official / ours = {st['official_s'] / st['ours_s']:.3f}).")  # fmt: skip
+        lines.append(
+            f"Official arm `{res['official_arm']}`: its time axis is its steps x the official DiT step "
+            f"({1e3 * st['official_s']:.2f} ms median; facebookresearch/DiT checkout "
+            f"`{st.get('checkout', '?')}` at commit {st.get('commit') or 'unknown'}), measured in this study "
+            f"on the same model, data and batch with {st.get('threads')} CPU threads; our "
+            f"step at the same recipe measured beside it: {1e3 * st['ours_s']:.2f} ms "
+            f"(official / ours = {st['official_s'] / st['ours_s']:.3f})."
+        )
     else:
-        lines.append(f"**Flag: the official step time was not measured (no `--peer-dit`): the official arm "
-                     f"`{res['official_arm']}` uses our step's time, so its wall-time speed-ups omit the step-speed "
-                     "difference.**")  # fmt: skip
+        lines.append(
+            f"**Flag: the official step time was not measured (no `--peer-dit`): the official arm "
+            f"`{res['official_arm']}` uses our step's time, so its wall-time speed-ups omit the step-speed "
+            "difference.**"
+        )
     lines.append("")
     k = pl.get("evaluations")
     verdict = "stopped falling" if pl["plateaued"] else "**still falling: the budget is too short for the rule**"
-    lines.append(f"Plateau rule (the official arm's mean smoothed FD over its last {sr['plateau_share']:.0%} of "
-                 f"evaluations, {k} evaluations from step {pl['from_step']} to {pl['to_step']}, must improve by "
-                 f"< {sr['plateau_tol']:.0%}): improved {_f(100 * pl['improvement'], 3)}%: {verdict}.")  # fmt: skip
-    lines += ["", "| arm | reached | steps (95% CI) | wall s (95% CI) | FLOPs (95% CI) | speed-up steps | "
-              "speed-up wall | speed-up FLOPs |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines.append(
+        f"Plateau rule (the official arm's mean smoothed FD over its last {sr['plateau_share']:.0%} of "
+        f"evaluations, {k} evaluations from step {pl['from_step']} to {pl['to_step']}, must improve by "
+        f"< {sr['plateau_tol']:.0%}): improved {_f(100 * pl['improvement'], 3)}%: {verdict}."
+    )
+    lines += [
+        "",
+        "| arm | reached | steps (95% CI) | wall s (95% CI) | FLOPs (95% CI) | speed-up steps | "
+        "speed-up wall | speed-up FLOPs |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name, a in res["arms"].items():
         cells = [f"{_f(m)} [{_f(lo)}, {_f(hi)}]" for m, lo, hi in (a["axes"][ax] for ax in AXES)]
-        ups = [("-" if name == res["official_arm"] else "n/a") if v is None else f"x{_f(v[0])} [{_f(v[1])}, "
-               f"{_f(v[2])}]" for v in (a["speedup"][ax] for ax in AXES)]  # fmt: skip
+        ups = [
+            ("-" if name == res["official_arm"] else "n/a") if v is None else f"x{_f(v[0])} [{_f(v[1])}, {_f(v[2])}]"
+            for v in (a["speedup"][ax] for ax in AXES)
+        ]
         lines.append(f"| {name} | {len(a['reached'])}/{len(a['seeds'])} | " + " | ".join(cells + ups) + " |")
     lines += ["", "![FD vs wall time](fd_vs_wall.png)", "", "![FD vs steps](fd_vs_step.png)", ""]
     return lines
@@ -220,12 +255,16 @@ def plot(spec: Any, rows: list[dict[str, Any]], res: dict[str, Any], study_dir: 
 
     official_s = (res["step_time"] or {}).get("official_s")
     out = {}
-    for axis, fname, label in (("wall_s", "fd_vs_wall.png", "training wall time (s)"),
-                               ("step", "fd_vs_step.png", "training step")):  # fmt: skip
+    for axis, fname, label in (
+        ("wall_s", "fd_vs_wall.png", "training wall time (s)"),
+        ("step", "fd_vs_step.png", "training step"),
+    ):
         fig, ax = plt.subplots(figsize=(8, 5))
         for i, arm in enumerate(spec.arms):
-            runs = [run_points(rows, arm.name, s, official_s if arm.name == res["official_arm"] else None)
-                    for s in spec.seeds]  # fmt: skip
+            runs = [
+                run_points(rows, arm.name, s, official_s if arm.name == res["official_arm"] else None)
+                for s in spec.seeds
+            ]
             runs = [r for r in runs if r]
             if not runs:
                 continue
@@ -252,8 +291,10 @@ def plot(spec: Any, rows: list[dict[str, Any]], res: dict[str, Any], study_dir: 
 
 def write_json(res: dict[str, Any], path: Path) -> Path:
     """``speedrun.json``: the analysis (the screening's input to the second stage)."""
-    arms = {n: {"seeds": a["seeds"], "reached": a["reached"], "axes": a["axes"], "speedup": a["speedup"]}
-            for n, a in res["arms"].items()}  # fmt: skip
+    arms = {
+        n: {"seeds": a["seeds"], "reached": a["reached"], "axes": a["axes"], "speedup": a["speedup"]}
+        for n, a in res["arms"].items()
+    }
     data = {k: v for k, v in res.items() if k != "arms"} | {"arms": arms}
     path.write_text(json.dumps(data, indent=1, default=float))
     return path
@@ -288,8 +329,9 @@ def _time_steps(step: Any, reps: int) -> list[float]:
     return out
 
 
-def measure_step_times(cfg: Any, peer_dit: str | Path, *, rounds: int = 3, reps: int = 20,
-                       warmup: int = 5) -> dict[str, Any]:  # fmt: skip
+def measure_step_times(
+    cfg: Any, peer_dit: str | Path, *, rounds: int = 3, reps: int = 20, warmup: int = 5
+) -> dict[str, Any]:
     """Median step time of the official DiT step (the checkout at ``peer_dit``) and of ours, both at ``cfg``'s
     model, batch and threads on its training data, measured in alternating blocks of ``reps`` steps."""
     import torch
@@ -304,12 +346,24 @@ def measure_step_times(cfg: Any, peer_dit: str | Path, *, rounds: int = 3, reps:
         cfg.checkpoint.run_dir = str(Path(tmp) / "run")
         tr = Trainer(cfg)
         batches = [next(tr.loader) for _ in range(4)]
-        dims = {"patch_size": m.patch_size, "hidden_size": m.hidden_size, "depth": m.depth, "num_heads": m.num_heads,
-                "mlp_ratio": m.mlp_ratio, "class_dropout_prob": m.class_dropout_prob}  # fmt: skip
-        official, info = official_step(peer_dit, preset=m.preset, input_size=m.input_size, in_channels=m.in_channels,
-                                       num_classes=m.num_classes, seed=cfg.engine.seed,
-                                       dims=dims if m.preset == "custom" else None,
-                                       ema_decay=cfg.optim.ema_decay)  # fmt: skip
+        dims = {
+            "patch_size": m.patch_size,
+            "hidden_size": m.hidden_size,
+            "depth": m.depth,
+            "num_heads": m.num_heads,
+            "mlp_ratio": m.mlp_ratio,
+            "class_dropout_prob": m.class_dropout_prob,
+        }
+        official, info = official_step(
+            peer_dit,
+            preset=m.preset,
+            input_size=m.input_size,
+            in_channels=m.in_channels,
+            num_classes=m.num_classes,
+            seed=cfg.engine.seed,
+            dims=dims if m.preset == "custom" else None,
+            ema_decay=cfg.optim.ema_decay,
+        )
         state = {"i": 0}
 
         def ours() -> None:
@@ -327,12 +381,18 @@ def measure_step_times(cfg: Any, peer_dit: str | Path, *, rounds: int = 3, reps:
             for name, fn in (("ours", ours), ("official", theirs)):
                 _time_steps(fn, warmup)
                 times[name] += _time_steps(fn, reps)
-    return {"official_s": float(np.median(times["official"])), "ours_s": float(np.median(times["ours"])),
-            "official_p20_p80": [float(np.percentile(times["official"], q)) for q in (20, 80)],
-            "ours_p20_p80": [float(np.percentile(times["ours"], q)) for q in (20, 80)],
-            "steps_each": rounds * reps, "batch": cfg.data.batch_size, "threads": torch.get_num_threads(),
-            "checkout": Path(peer_dit).resolve().name, "commit": _git_commit(peer_dit),
-            "timm_stubbed": bool(info["timm_stubbed"])}  # fmt: skip
+    return {
+        "official_s": float(np.median(times["official"])),
+        "ours_s": float(np.median(times["ours"])),
+        "official_p20_p80": [float(np.percentile(times["official"], q)) for q in (20, 80)],
+        "ours_p20_p80": [float(np.percentile(times["ours"], q)) for q in (20, 80)],
+        "steps_each": rounds * reps,
+        "batch": cfg.data.batch_size,
+        "threads": torch.get_num_threads(),
+        "checkout": Path(peer_dit).resolve().name,
+        "commit": _git_commit(peer_dit),
+        "timm_stubbed": bool(info["timm_stubbed"]),
+    }
 
 
 def _git_commit(path: str | Path) -> str:

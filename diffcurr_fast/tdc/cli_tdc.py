@@ -36,22 +36,40 @@ TDC_DEMO["optim"].update({"warmup_steps": 50, "schedule": "constant", "min_lr": 
 TDC_DEMO["engine"]["max_steps"] = 800
 TDC_DEMO["logging"].update({"num_samples": 100, "sample_steps": 50, "progress": False})
 TDC_DEMO["checkpoint"] = {"run_dir": "runs/tdc", "every": 1000, "keep_last": 1}
-TDC_DEMO["tdc"] = {"num_groups": 3, "k": 0.5, "rounds": 2, "candidates": 3, "recover_steps": 10,
-                   "finetune_steps": 200, "finetune_lr": 5e-4}  # fmt: skip
+TDC_DEMO["tdc"] = {
+    "num_groups": 3,
+    "k": 0.5,
+    "rounds": 2,
+    "candidates": 3,
+    "recover_steps": 10,
+    "finetune_steps": 200,
+    "finetune_lr": 5e-4,
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``tdc``."""
-    parser.add_argument("recipe", nargs="?", default=None,
-                        help="YAML training recipe, optionally with a tdc: section (default: digits demo)")  # fmt: skip
     parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        "recipe",
+        nargs="?",
+        default=None,
+        help="YAML training recipe, optionally with a tdc: section (default: digits demo)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
         help="override a training key or a tdc option (repeatable), e.g. --set engine.max_steps=500 "
-             "--set tdc.proposer=uniform --set tdc.finetune_steps=300",
-    )  # fmt: skip
+        "--set tdc.proposer=uniform --set tdc.finetune_steps=300",
+    )
     parser.add_argument("--run-dir", default=None, help="output directory (default: checkpoint.run_dir)")
-    parser.add_argument("--curriculum", action="store_true",
-                        help="stage 1 with the difficulty curriculum (sets curriculum.pacing=patience)")  # fmt: skip
+    parser.add_argument(
+        "--curriculum",
+        action="store_true",
+        help="stage 1 with the difficulty curriculum (sets curriculum.pacing=patience)",
+    )
     group = parser.add_mutually_exclusive_group()
     group.add_argument(
         "--resume",
@@ -94,8 +112,9 @@ def run(args: argparse.Namespace) -> int:
     if "samples" in out:
         print(f"  sample grid (multi-expert): {out['samples']}")
     print("  proxy-search plots: " + ", ".join(g["search_plot"] for g in out["groups"]))
-    print(f"  stage 1: {Path(out['run_dir']) / 'stage1'}; experts: "
-          + ", ".join(g["finetune_dir"] for g in out["groups"]))  # fmt: skip
+    print(
+        f"  stage 1: {Path(out['run_dir']) / 'stage1'}; experts: " + ", ".join(g["finetune_dir"] for g in out["groups"])
+    )
     wall = out["accounting_data"]["wall_time_s"]["total"]
     print(f"  wall time: {wall:.1f} s")
     return 0

@@ -81,8 +81,10 @@ class MultiExpertDenoiser(nn.Module):
         if input_edges is not None:
             edges = torch.as_tensor(input_edges, dtype=torch.float64).flatten()
             if edges.numel() != self.num_timesteps + 1 or not bool((edges[1:] > edges[:-1]).all()):
-                raise ValueError(f"input_edges must be {self.num_timesteps + 1} ascending values (one per cell "
-                                 f"edge), got {edges.numel()}")  # fmt: skip
+                raise ValueError(
+                    f"input_edges must be {self.num_timesteps + 1} ascending values (one per cell "
+                    f"edge), got {edges.numel()}"
+                )
             self.input_edges, self._input_upper = edges, edges[upper]  # (N - 1,) input times of the groups' ends
         self.register_buffer("boundaries", upper, persistent=False)  # (N - 1,) upper ends of groups 0..N-2
         self._callables: list[Any] = list(experts)
@@ -205,5 +207,6 @@ def load_bundle(path: str | Path, device: str | torch.device = "cpu", **override
         state = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
         expert.load_state_dict(state, strict=True)
         experts.append(expert.to(device).eval())
-    return MultiExpertDenoiser(experts, [tuple(r) for r in meta["ranges"]], groups=meta.get("groups"),
-                               input_edges=meta.get("input_edges"))  # fmt: skip
+    return MultiExpertDenoiser(
+        experts, [tuple(r) for r in meta["ranges"]], groups=meta.get("groups"), input_edges=meta.get("input_edges")
+    )

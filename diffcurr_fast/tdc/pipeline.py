@@ -205,8 +205,15 @@ def run_tdc(
         verbose = verbose and engine.is_main
         _prepare(cfg, start, engine)
         base = stage1(cfg, engine, dataset, verbose, resume)
-        groups = make_groups(base.schedule, cfg.tdc.num_groups, cfg.tdc.k, base.flops, method=cfg.tdc.group_method,
-                             full_budget=cfg.tdc.full_budget, num_cells=cfg.diffusion.num_timesteps)  # fmt: skip
+        groups = make_groups(
+            base.schedule,
+            cfg.tdc.num_groups,
+            cfg.tdc.k,
+            base.flops,
+            method=cfg.tdc.group_method,
+            full_budget=cfg.tdc.full_budget,
+            num_cells=cfg.diffusion.num_timesteps,
+        )
         data = _split_batches(base.dataset, cfg.tdc, _search_batch_size(cfg), base.device)
         parts = min(len(groups), engine.world_size) if cfg.tdc.expert_parallel else 1
         part = engine.split(parts)  # expert parallel: group i is searched and fine-tuned by part i mod parts
@@ -227,8 +234,9 @@ def run_tdc(
             leaders = engine.part_leaders(parts)
             for g in groups:
                 mine = finished.get(g.index) if engine.rank == leaders[g.index % parts] else None
-                got = engine.broadcast_object(None if mine is None else _expert_payload(*mine),
-                                              src=leaders[g.index % parts])  # fmt: skip
+                got = engine.broadcast_object(
+                    None if mine is None else _expert_payload(*mine), src=leaders[g.index % parts]
+                )
                 finished[g.index] = _expert_from_payload(*got, base.device)
         experts, per_group = [finished[g.index][0] for g in groups], [finished[g.index][1] for g in groups]
         multi, out = bundle(cfg, base, experts, groups, run_dir, engine.is_main)
@@ -252,8 +260,9 @@ def _prepare(cfg: TrainConfig, start: RunStart, engine: Any) -> None:
         old = json.loads(saved.read_text())["config"]
         diffs = resume_mismatches(old, cfg) + [
             f"tdc.{k}: run {old.get('tdc', {}).get(k)!r} vs now {v!r}"
-            for k, v in cfg.to_dict()["tdc"].items() if old.get("tdc", {}).get(k) != v
-        ]  # fmt: skip
+            for k, v in cfg.to_dict()["tdc"].items()
+            if old.get("tdc", {}).get(k) != v
+        ]
         if diffs:
             raise ValueError("cannot resume the TDC run: its config differs: " + "; ".join(diffs))
     engine.barrier()  # every rank has checked before rank 0 writes
@@ -277,8 +286,11 @@ def stage1(cfg: TrainConfig, engine: Any, dataset: Any, verbose: bool, resume: b
     continue from the newest checkpoint; a finished stage 1 (``stage1/tdc_stage1.json``) is loaded, not rerun."""
     marker = Path(cfg.checkpoint.run_dir) / "tdc_stage1.json"
     finished = resume and marker.is_file()
-    _log(verbose, f"tdc: stage 1, {cfg.engine.max_steps} steps (curriculum pacing {cfg.curriculum.pacing!r})"
-                  + (" (finished: loaded)" if finished else ""))  # fmt: skip
+    _log(
+        verbose,
+        f"tdc: stage 1, {cfg.engine.max_steps} steps (curriculum pacing {cfg.curriculum.pacing!r})"
+        + (" (finished: loaded)" if finished else ""),
+    )
     t0 = time.perf_counter()
     trainer = Trainer(cfg, engine, dataset=dataset, **_sub_run(Path(cfg.checkpoint.run_dir), resume))
     if finished:
@@ -327,8 +339,9 @@ def search_group(
     )
     t0 = time.perf_counter()
     imp_batches = [search_data[i % len(search_data)] for i in range(t.importance_batches)]
-    imp = importance_scores(base.model, t.importance, objective=base.objective, group=g, batches=imp_batches,
-                            seed=t.seed, engine=engine)  # fmt: skip
+    imp = importance_scores(
+        base.model, t.importance, objective=base.objective, group=g, batches=imp_batches, seed=t.seed, engine=engine
+    )
     llm = {
         "url": t.llm_url,
         "model": t.llm_model,
@@ -336,12 +349,25 @@ def search_group(
         "on_unreachable": "report" if t.llm_fallback == "local" else "raise",
     }
     res = proxy_search(
-        base.model, g, g.flops, search_data, heldout, objective=base.objective, importance=imp,
-        proposer=make_proposer(t.proposer, **(llm if t.proposer == "llm" else {})), fallback=make_proposer("local"),
-        rounds=t.rounds, candidates_per_round=t.candidates, recover_steps=t.recover_steps, lr=t.recover_lr,
-        seed=t.seed + g.index, drop_empty_blocks=t.drop_empty_blocks, log_path=gdir / "search.json",
-        engine=engine, state_path=gdir / "search_state.pt",
-    )  # fmt: skip
+        base.model,
+        g,
+        g.flops,
+        search_data,
+        heldout,
+        objective=base.objective,
+        importance=imp,
+        proposer=make_proposer(t.proposer, **(llm if t.proposer == "llm" else {})),
+        fallback=make_proposer("local"),
+        rounds=t.rounds,
+        candidates_per_round=t.candidates,
+        recover_steps=t.recover_steps,
+        lr=t.recover_lr,
+        seed=t.seed + g.index,
+        drop_empty_blocks=t.drop_empty_blocks,
+        log_path=gdir / "search.json",
+        engine=engine,
+        state_path=gdir / "search_state.pt",
+    )
     if engine is None or engine.is_main:
         plot_history(res.history, gdir / "search.png", title=f"proxy-based pruning, group {g.index}")
     bsz, n_held = _search_batch_size(cfg), sum(int(x.shape[0]) for x, _ in heldout)
@@ -370,15 +396,27 @@ def finetune_group(
     """Fine-tune the best candidate of ``res`` on the group's timesteps, data-parallel over the engine's ranks
     (``resume``: from its newest checkpoint); its EMA weights and the updated record."""
     t0 = time.perf_counter()
-    ft = Trainer(stage2_config(cfg, Path(record["finetune_dir"])), engine, model=copy.deepcopy(res.model).train(),
-                 timestep_range=(g.lo, g.hi), dataset=base.dataset,
-                 **_sub_run(Path(record["finetune_dir"]), resume))  # fmt: skip
+    ft = Trainer(
+        stage2_config(cfg, Path(record["finetune_dir"])),
+        engine,
+        model=copy.deepcopy(res.model).train(),
+        timestep_range=(g.lo, g.hi),
+        dataset=base.dataset,
+        **_sub_run(Path(record["finetune_dir"]), resume),
+    )
     summary = ft.fit()
     expert = copy.deepcopy(ft.ema.module).eval()
-    record = {**record, "expert_flops": dit_flops(expert), "finetune_loss": summary["loss"],
-              "finetune_s": time.perf_counter() - t0}  # fmt: skip
-    _log(verbose, f"tdc: group {g.index}: expert {record['expert_flops'] / base.flops:.3f} F, proxy "
-                  f"{res.best.score:.4f}, fine-tune loss {summary['loss']:.4f}")  # fmt: skip
+    record = {
+        **record,
+        "expert_flops": dit_flops(expert),
+        "finetune_loss": summary["loss"],
+        "finetune_s": time.perf_counter() - t0,
+    }
+    _log(
+        verbose,
+        f"tdc: group {g.index}: expert {record['expert_flops'] / base.flops:.3f} F, proxy "
+        f"{res.best.score:.4f}, fine-tune loss {summary['loss']:.4f}",
+    )
     return expert, record
 
 
@@ -387,8 +425,12 @@ def bundle(
 ) -> tuple[MultiExpertDenoiser, dict[str, Any]]:
     """Save the experts as a ``MultiExpertDenoiser`` bundle (with the training config) and draw the end-of-run
     grid from it (when ``write``: rank 0); the model and the paths."""
-    multi = MultiExpertDenoiser(experts, [(g.lo, g.hi) for g in groups], groups=[g.to_dict() for g in groups],
-                                input_edges=base.schedule.cell_input_edges(cfg.diffusion.num_timesteps))  # fmt: skip
+    multi = MultiExpertDenoiser(
+        experts,
+        [(g.lo, g.hi) for g in groups],
+        groups=[g.to_dict() for g in groups],
+        input_edges=base.schedule.cell_input_edges(cfg.diffusion.num_timesteps),
+    )
     bundle_dir = run_dir / "bundle"
     out: dict[str, Any] = {"run_dir": str(run_dir), "bundle": str(bundle_dir), "stage1": base.summary}
     if not write:
@@ -403,8 +445,9 @@ def bundle(
 
 def _save_expert(gdir: Path, expert: torch.nn.Module, record: dict[str, Any]) -> Path:
     """A finished group: the expert's weights with its ``config()`` and record, one atomic file."""
-    return export_safetensors(expert.state_dict(), gdir / "expert.safetensors",
-                              {"config": expert.config(), "record": record})  # fmt: skip
+    return export_safetensors(
+        expert.state_dict(), gdir / "expert.safetensors", {"config": expert.config(), "record": record}
+    )
 
 
 def _expert_payload(expert: torch.nn.Module, record: dict[str, Any]) -> tuple[dict, dict, dict]:
@@ -449,8 +492,9 @@ def accounting(
     """Training FLOPs (both stages, and with the search) vs one base model trained as long; sampling FLOPs per
     image with the grid's sampler and steps (the network input times it visits, recorded from one sample) and,
     for DDPM, with full T-step ancestral sampling; wall times."""
-    train = training_flops(base.flops, multi.expert_flops(), int(base.summary["step"]), cfg.tdc.finetune_steps,
-                           cfg.data.batch_size)  # fmt: skip
+    train = training_flops(
+        base.flops, multi.expert_flops(), int(base.summary["step"]), cfg.tdc.finetune_steps, cfg.data.batch_size
+    )
     train["search_flops"] = sum(p["search_flops"] for p in per_group)
     train["tdc_flops_with_search"] = train["tdc_flops"] + train["search_flops"]
     train["ratio_with_search"] = train["tdc_flops_with_search"] / train["single_model_flops"]
@@ -464,19 +508,35 @@ def accounting(
         "expert_flops_ratio": [f / base.flops for f in multi.expert_flops()],
         "training": train,
         "sampling": sampling,
-        "wall_time_s": {"stage1_s": base.seconds, "total": wall_s,
-                        "groups": [{"search": p["search_s"], "finetune": p["finetune_s"]} for p in per_group]},
-    }  # fmt: skip
+        "wall_time_s": {
+            "stage1_s": base.seconds,
+            "total": wall_s,
+            "groups": [{"search": p["search_s"], "finetune": p["finetune_s"]} for p in per_group],
+        },
+    }
 
 
 def visited_times(multi: MultiExpertDenoiser, base: Stage1, cfg: TrainConfig) -> torch.Tensor:
     """The network input time of every evaluation the grid's sampler makes for one image (without guidance, which
     doubles the batch, not the evaluations)."""
     m, (sampler, steps) = cfg.model, grid_sampler(cfg)
-    return visited_input_times(multi, lambda model: sample(
-        model, base.schedule, sampler=sampler, steps=steps, labels=torch.zeros(1, dtype=torch.long),
-        channels=m.in_channels, size=m.input_size, num_classes=m.num_classes, learn_sigma=cfg.diffusion.learn_sigma,
-        prediction=cfg.diffusion.prediction, seed=cfg.engine.seed, device=base.device))  # fmt: skip
+    return visited_input_times(
+        multi,
+        lambda model: sample(
+            model,
+            base.schedule,
+            sampler=sampler,
+            steps=steps,
+            labels=torch.zeros(1, dtype=torch.long),
+            channels=m.in_channels,
+            size=m.input_size,
+            num_classes=m.num_classes,
+            learn_sigma=cfg.diffusion.learn_sigma,
+            prediction=cfg.diffusion.prediction,
+            seed=cfg.engine.seed,
+            device=base.device,
+        ),
+    )
 
 
 def format_accounting(acc: dict[str, Any]) -> str:
@@ -492,8 +552,10 @@ def format_accounting(acc: dict[str, Any]) -> str:
         f"(ratio {tr['ratio']:.3f}; with the proxy search {tr['ratio_with_search']:.3f})",
     ]
     for name, s in acc["sampling"].items():
-        lines.append(f"  sampling {name}: {s['multi_expert_flops_per_image']:.3e} FLOPs per image vs "
-                     f"{s['base_flops_per_image']:.3e} for the base (x{s['flops_ratio']:.3f} fewer)")  # fmt: skip
+        lines.append(
+            f"  sampling {name}: {s['multi_expert_flops_per_image']:.3e} FLOPs per image vs "
+            f"{s['base_flops_per_image']:.3e} for the base (x{s['flops_ratio']:.3f} fewer)"
+        )
     return "\n".join(lines)
 
 

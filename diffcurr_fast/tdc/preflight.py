@@ -30,8 +30,10 @@ def check_groups(cfg: Any, num_groups: int, method: str = "db") -> list[tuple[in
         raise ValueError(f"tdc.num_groups {num_groups} with tdc.group_method {method!r}: {exc}") from None
     empty = [i for i, (lo, hi) in enumerate(ranges) if hi <= lo]
     if len(ranges) != num_groups or empty:
-        raise ValueError(f"tdc.num_groups {num_groups} with tdc.group_method {method!r} leaves group(s) {empty} "
-                         f"without timesteps out of T = {t}; use fewer groups")  # fmt: skip
+        raise ValueError(
+            f"tdc.num_groups {num_groups} with tdc.group_method {method!r} leaves group(s) {empty} "
+            f"without timesteps out of T = {t}; use fewer groups"
+        )
     return ranges
 
 
@@ -49,7 +51,8 @@ def check_tdc_run(
         if overwrite:
             raise ValueError("--resume and --overwrite exclude each other")
         if not (Path(run_dir) / "tdc.json").is_file():
-            raise FileNotFoundError(f"cannot resume: {str(run_dir)!r} holds no TDC run (no tdc.json); drop --resume "
-                                    "to start one")  # fmt: skip
+            raise FileNotFoundError(
+                f"cannot resume: {str(run_dir)!r} holds no TDC run (no tdc.json); drop --resume to start one"
+            )
         return RunStart(Path(run_dir), TDC_LAYOUT, "resume")
     return check_run_dir(run_dir, TDC_LAYOUT, overwrite=overwrite)

@@ -30,8 +30,16 @@ def recover(
     data = list(data)
     if steps and not data:
         raise ValueError("recover needs at least one (x0, y) batch")
-    losses = fit_steps(model, default_objective(objective, model), data, group_cells(group), steps, lr=lr,
-                       weight_decay=weight_decay, generator=torch.Generator().manual_seed(seed))  # fmt: skip
+    losses = fit_steps(
+        model,
+        default_objective(objective, model),
+        data,
+        group_cells(group),
+        steps,
+        lr=lr,
+        weight_decay=weight_decay,
+        generator=torch.Generator().manual_seed(seed),
+    )
     model.eval()
     return losses
 

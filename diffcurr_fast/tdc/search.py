@@ -249,8 +249,21 @@ def proxy_search(
             raise batch
         mine = {}  # candidate index -> (score, recovered model), this rank's share
         for j in range(rank, len(batch), world):
-            mine[j] = _score_candidate(model, batch[j], group, train_batches, heldout_batches, objective, importance,
-                                       recover_steps, lr, seed, r, j, drop_empty_blocks)  # fmt: skip
+            mine[j] = _score_candidate(
+                model,
+                batch[j],
+                group,
+                train_batches,
+                heldout_batches,
+                objective,
+                importance,
+                recover_steps,
+                lr,
+                seed,
+                r,
+                j,
+                drop_empty_blocks,
+            )
         scores_of = {j: s for j, (s, _) in mine.items()}
         if world > 1:
             scores_of = {j: s for part in engine.gather_objects(scores_of) for j, s in part.items()}
@@ -289,8 +302,21 @@ def _propose_round(state: SearchState, proposer, fallback, n: int, rng: random.R
     return batch
 
 
-def _score_candidate(model, cand, group, train_batches, heldout_batches, objective, importance, recover_steps, lr,
-                     seed, r, j, drop_empty_blocks):  # fmt: skip
+def _score_candidate(
+    model,
+    cand,
+    group,
+    train_batches,
+    heldout_batches,
+    objective,
+    importance,
+    recover_steps,
+    lr,
+    seed,
+    r,
+    j,
+    drop_empty_blocks,
+):
     """(proxy score, recovered model) of candidate ``j`` of round ``r``; torch's global RNG (label dropout) is
     seeded from (seed, r, j) for the recovery and restored after."""
     cand_model = prune_to_widths(model, importance, cand.heads, cand.mlp, drop_empty_blocks=drop_empty_blocks)
@@ -332,7 +358,7 @@ def _save_state(path: Path, next_round: int, bank: MemoryBank, rng: random.Rando
         "best_config": None if best is None else best.config(),
         "best_weights": weights,
     }
-    # fmt: skip
+
     atomic_save(state, path)
 
 
@@ -398,8 +424,12 @@ def _round_stats(r: int, scores: list[float], bank: MemoryBank) -> dict[str, Any
     }
     logger.info(
         "proxy search round %d: %d candidates, proxy mean %.5g std %.5g, best so far %.5g",
-        r, h["n"], h["mean"], h["std"], h["best_so_far"],
-    )  # fmt: skip
+        r,
+        h["n"],
+        h["mean"],
+        h["std"],
+        h["best_so_far"],
+    )
     return h
 
 

@@ -15,22 +15,31 @@ from diffcurr_fast.runs.config import config_to_yaml, describe_config, load_conf
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``train``."""
-    parser.add_argument("recipe", nargs="?", default=None,
-                        help="YAML recipe, or the name of a shipped one (`diffcurr-fast recipes`; default: the "
-                             "embedded digits demo)")  # fmt: skip
     parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        "recipe",
+        nargs="?",
+        default=None,
+        help="YAML recipe, or the name of a shipped one (`diffcurr-fast recipes`; default: the embedded digits demo)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
         help="override one config value (repeatable), e.g. --set optim.lr=2e-4 --set engine.max_steps=500",
-    )  # fmt: skip
+    )
     parser.add_argument("--run-dir", default=None, help="shorthand for --set checkpoint.run_dir=PATH")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--resume", action="store_true", help="continue the newest checkpoint in the run directory")
     group.add_argument(
         "--overwrite", action="store_true", help="remove the files a previous run wrote (only those) and start afresh"
     )
-    parser.add_argument("--dry-run", action="store_true",
-                        help="run every check of a real start (files, backends, run dir), print the config, write "
-                             "nothing")  # fmt: skip
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run every check of a real start (files, backends, run dir), print the config, write nothing",
+    )
     parser.add_argument("--help-config", action="store_true", help="list every config key with its doc and exit")
 
 
@@ -49,8 +58,11 @@ def resume_command(args: argparse.Namespace) -> str:
 def describe_model(cfg, num_params: int | None = None) -> str:
     """``DiT-B/2`` or ``custom DiT depth 4, width 64, patch 2, 4 heads``, with the parameter count when known."""
     m = cfg.model
-    name = m.preset if m.preset != "custom" else (
-        f"custom DiT depth {m.depth}, width {m.hidden_size}, patch {m.patch_size}, {m.num_heads} heads")  # fmt: skip
+    name = (
+        m.preset
+        if m.preset != "custom"
+        else (f"custom DiT depth {m.depth}, width {m.hidden_size}, patch {m.patch_size}, {m.num_heads} heads")
+    )
     return name + (f", {num_params / 1e6:.2f}M parameters" if num_params is not None else "")
 
 
@@ -75,13 +87,18 @@ def run(args: argparse.Namespace) -> int:
     start = check_run(cfg, resume=args.resume, overwrite=args.overwrite)  # everything, before anything is written
     if args.dry_run:
         sys.stdout.write(config_to_yaml(cfg))
-        print(f"dry run: the config, inputs, backends and run directory {cfg.checkpoint.run_dir!r} are valid "
-              f"({start.mode} start); nothing was written", file=sys.stderr)  # fmt: skip
+        print(
+            f"dry run: the config, inputs, backends and run directory {cfg.checkpoint.run_dir!r} are valid "
+            f"({start.mode} start); nothing was written",
+            file=sys.stderr,
+        )
         return 0
     if start.mode == "finished":
-        print(f"diffcurr-fast train: run {cfg.checkpoint.run_dir!r} already finished (checkpoint at step "
-              f"{start.step}, engine.max_steps {cfg.engine.max_steps}); nothing to do, nothing changed. Raise "
-              "engine.max_steps with --resume to train further")  # fmt: skip
+        print(
+            f"diffcurr-fast train: run {cfg.checkpoint.run_dir!r} already finished (checkpoint at step "
+            f"{start.step}, engine.max_steps {cfg.engine.max_steps}); nothing to do, nothing changed. Raise "
+            "engine.max_steps with --resume to train further"
+        )
         return 0
     # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.train.engine import create_engine
@@ -93,10 +110,13 @@ def run(args: argparse.Namespace) -> int:
         if engine.is_main:
             where = f"resuming from {trainer.resumed_from}" if trainer.resumed_from else "starting"
             n = sum(p.numel() for p in trainer.model.parameters())
-            print(f"diffcurr-fast train: {where} at step {trainer.step} of {cfg.engine.max_steps}; "
-                  f"data {describe_data(cfg)}; model {describe_model(cfg, n)}; "
-                  f"{engine.kind} engine, world size {engine.world_size}, device {engine.device}; "
-                  f"run dir {trainer.run_dir}", file=sys.stderr)  # fmt: skip
+            print(
+                f"diffcurr-fast train: {where} at step {trainer.step} of {cfg.engine.max_steps}; "
+                f"data {describe_data(cfg)}; model {describe_model(cfg, n)}; "
+                f"{engine.kind} engine, world size {engine.world_size}, device {engine.device}; "
+                f"run dir {trainer.run_dir}",
+                file=sys.stderr,
+            )
         try:
             summary = trainer.fit()
         except GridInterrupted as stop:  # training had finished: nothing to resume
@@ -105,8 +125,10 @@ def run(args: argparse.Namespace) -> int:
             return stop.exit_code
         except TrainingInterrupted as stop:
             if engine.is_main:
-                print(f"diffcurr-fast train: {stop}; resume with (under the same launcher): "
-                      f"{resume_command(args)}", file=sys.stderr)  # fmt: skip
+                print(
+                    f"diffcurr-fast train: {stop}; resume with (under the same launcher): {resume_command(args)}",
+                    file=sys.stderr,
+                )
             return stop.exit_code
         except NonFiniteLossError as exc:  # every rank took the same decision
             if engine.is_main:
@@ -120,8 +142,12 @@ def run(args: argparse.Namespace) -> int:
             f"done: {summary['step']} steps, final loss {summary['loss']:.4f}, {summary['nan_skips']} skipped"
             f"{first}, curriculum stage {summary['stage']}"
         )
-        for key, label in (("samples", "sample grid"), ("cluster_loss_plot", "loss per cluster"),
-                           ("curriculum_plot", "curriculum timeline"), ("ema", "EMA weights")):  # fmt: skip
+        for key, label in (
+            ("samples", "sample grid"),
+            ("cluster_loss_plot", "loss per cluster"),
+            ("curriculum_plot", "curriculum timeline"),
+            ("ema", "EMA weights"),
+        ):
             if key in summary:
                 print(f"  {label}: {summary[key]}")
             elif key == "samples" and summary.get("no_samples"):

@@ -69,14 +69,19 @@ class TrainBatches:
             if x.shape[0] != b:
                 self.dropped_batches += 1
                 if self.dropped_batches == 1:
-                    warnings.warn(f"dropped a batch that lost {b - x.shape[0]} unreadable sample(s) (on_bad='skip')",
-                                  UserWarning, stacklevel=2)  # fmt: skip
+                    warnings.warn(
+                        f"dropped a batch that lost {b - x.shape[0]} unreadable sample(s) (on_bad='skip')",
+                        UserWarning,
+                        stacklevel=2,
+                    )
                 continue
             y = y.long()
             if len(y) and (int(y.min()) < 0 or int(y.max()) >= self.num_classes):
                 bad = int(y.max()) if int(y.max()) >= self.num_classes else int(y.min())
-                raise ValueError(f"data has label {bad} but model.num_classes is {self.num_classes} (valid 0.."
-                                 f"{self.num_classes - 1})")  # fmt: skip
+                raise ValueError(
+                    f"data has label {bad} but model.num_classes is {self.num_classes} (valid 0.."
+                    f"{self.num_classes - 1})"
+                )
             x = x.float()
             if not bool(torch.isfinite(x).all()):  # readers that bypass the dataset's own check (DALI's numpy reader)
                 pos = self.loader.state_dict()
@@ -156,10 +161,22 @@ def build_train_batches(
         )
     device_id, decoder = dali_placement(d.backend, device, d.dataset)
     loader = ShardedLoader(
-        source, local, image_size=image_size, seed=cfg.engine.seed, shard_id=rank, num_shards=world,
-        shuffle=True, drop_last=True, hflip=d.hflip, backend=d.backend, num_workers=d.num_workers,
-        on_bad=d.on_bad, device_id=device_id, decoder_device=decoder, dali_py_workers=d.dali_py_workers,
-    )  # fmt: skip
+        source,
+        local,
+        image_size=image_size,
+        seed=cfg.engine.seed,
+        shard_id=rank,
+        num_shards=world,
+        shuffle=True,
+        drop_last=True,
+        hflip=d.hflip,
+        backend=d.backend,
+        num_workers=d.num_workers,
+        on_bad=d.on_bad,
+        device_id=device_id,
+        decoder_device=decoder,
+        dali_py_workers=d.dali_py_workers,
+    )
     return TrainBatches(loader, factor, m.num_classes)
 
 
@@ -192,8 +209,9 @@ def read_init_state(path: str | Path, own: dict[str, torch.Tensor] | None = None
         try:
             state = torch.load(p, map_location="cpu", weights_only=True)
         except Exception as exc:  # unpickling refused or not a torch file; torch's text may advise an unsafe load
-            raise ValueError(f"model.init_from {str(p)!r} is corrupt or not a weights-only torch file "
-                             f"({type(exc).__name__})") from None  # fmt: skip
+            raise ValueError(
+                f"model.init_from {str(p)!r} is corrupt or not a weights-only torch file ({type(exc).__name__})"
+            ) from None
     if isinstance(state, dict) and isinstance(state.get("ema"), dict):
         ema = state["ema"]
         state = ema["module"] if isinstance(ema.get("module"), dict) else ema
@@ -213,8 +231,11 @@ def load_init_weights(model: torch.nn.Module, path: str | Path) -> None:
     state = read_init_state(path, own)
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
-    shapes = [f"{k} {tuple(state[k].shape)} vs model {tuple(v.shape)}" for k, v in own.items()
-              if k in state and state[k].shape != v.shape]  # fmt: skip
+    shapes = [
+        f"{k} {tuple(state[k].shape)} vs model {tuple(v.shape)}"
+        for k, v in own.items()
+        if k in state and state[k].shape != v.shape
+    ]
     if missing or unexpected or shapes:
         parts = []
         for what, items in (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatches", shapes)):

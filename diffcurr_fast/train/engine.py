@@ -48,8 +48,10 @@ def build_optimizer(params, optim, device: torch.device) -> torch.optim.Optimize
     if optim.impl == "apex":
         fused_adam = apex_fused_adam()
         if fused_adam is None:
-            raise ValueError("optim.impl=apex needs NVIDIA apex (apex.optimizers.FusedAdam, built from NVIDIA's "
-                             "sources; the PyPI package 'apex' is unrelated); use optim.impl=auto")  # fmt: skip
+            raise ValueError(
+                "optim.impl=apex needs NVIDIA apex (apex.optimizers.FusedAdam, built from NVIDIA's "
+                "sources; the PyPI package 'apex' is unrelated); use optim.impl=auto"
+            )
         if device.type != "cuda":
             raise ValueError(f"optim.impl=apex runs on CUDA only, the trainer's device is {device}")
         return fused_adam(params, adam_w_mode=True, **kw)
@@ -380,8 +382,10 @@ class DeepSpeedEngine(DDPEngine):
 
     def split(self, parts: int) -> Engine:
         if parts != 1:
-            raise ValueError("splitting the ranks into parts (tdc.expert_parallel) needs engine.kind ddp; DeepSpeed "
-                             "trains over every rank")  # fmt: skip
+            raise ValueError(
+                "splitting the ranks into parts (tdc.expert_parallel) needs engine.kind ddp; DeepSpeed "
+                "trains over every rank"
+            )
         return self
 
     def setup(
@@ -398,9 +402,13 @@ class DeepSpeedEngine(DDPEngine):
 
             d = optimizer.defaults  # ZeRO-Offload steps on the CPU with DeepSpeed's vectorised AdamW
             optimizer = DeepSpeedCPUAdam(
-                [p for g in optimizer.param_groups for p in g["params"]], lr=d["lr"], betas=d["betas"],
-                eps=d["eps"], weight_decay=d["weight_decay"], adamw_mode=True,
-            )  # fmt: skip
+                [p for g in optimizer.param_groups for p in g["params"]],
+                lr=d["lr"],
+                betas=d["betas"],
+                eps=d["eps"],
+                weight_decay=d["weight_decay"],
+                adamw_mode=True,
+            )
         self.ds, opt, _, _ = self._ds_mod.initialize(model=model, optimizer=optimizer, config=conf)
         self.config = conf
         return self.ds, opt
@@ -461,8 +469,9 @@ class DeepSpeedEngine(DDPEngine):
                 f"{self.stage}"
             )
         root = Path(run_dir) / "checkpoints" / _DS_CKPT_DIR
-        path, _ = self.ds.load_checkpoint(str(root), tag=state["deepspeed_tag"], load_optimizer_states=True,
-                                          load_lr_scheduler_states=False)  # fmt: skip
+        path, _ = self.ds.load_checkpoint(
+            str(root), tag=state["deepspeed_tag"], load_optimizer_states=True, load_lr_scheduler_states=False
+        )
         if path is None:
             raise FileNotFoundError(f"DeepSpeed checkpoint {state['deepspeed_tag']!r} is missing under {str(root)!r}")
 

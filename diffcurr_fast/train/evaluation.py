@@ -86,12 +86,21 @@ class Evaluator:
         try:
             with torch.random.fork_rng(devices=self._devices):
                 x = sample(
-                    model, schedule, sampler=e.sampler, steps=min(e.steps, cfg.diffusion.num_timesteps),
-                    labels=torch.arange(e.num_samples) % m.num_classes, channels=m.in_channels, size=m.input_size,
-                    num_classes=m.num_classes, learn_sigma=cfg.diffusion.learn_sigma,
-                    prediction=cfg.diffusion.prediction, cfg_scale=e.cfg_scale, clip_denoised=pixel_range(cfg),
-                    seed=e.seed, device=self.device,
-                )  # fmt: skip
+                    model,
+                    schedule,
+                    sampler=e.sampler,
+                    steps=min(e.steps, cfg.diffusion.num_timesteps),
+                    labels=torch.arange(e.num_samples) % m.num_classes,
+                    channels=m.in_channels,
+                    size=m.input_size,
+                    num_classes=m.num_classes,
+                    learn_sigma=cfg.diffusion.learn_sigma,
+                    prediction=cfg.diffusion.prediction,
+                    cfg_scale=e.cfg_scale,
+                    clip_denoised=pixel_range(cfg),
+                    seed=e.seed,
+                    device=self.device,
+                )
         finally:
             model.train(was_training)
         return (x / cfg.data.scale).clamp(-1, 1).float().cpu()
@@ -101,8 +110,14 @@ class Evaluator:
         features), the extractor and the evaluation's wall time."""
         t0 = time.perf_counter()
         res = evaluate(self.sample(model, schedule), self.reference, self.extractor)
-        rec: dict[str, Any] = {"step": int(step), "eval": True, "fd": res.fd, "is": res.inception_score,
-                               "is_std": res.inception_score_std, "extractor": res.extractor}  # fmt: skip
+        rec: dict[str, Any] = {
+            "step": int(step),
+            "eval": True,
+            "fd": res.fd,
+            "is": res.inception_score,
+            "is_std": res.inception_score_std,
+            "extractor": res.extractor,
+        }
         if res.precision is not None:
             rec["precision"], rec["recall"] = res.precision, res.recall
         rec["eval_s"] = time.perf_counter() - t0

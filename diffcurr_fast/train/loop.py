@@ -105,8 +105,10 @@ class Trainer:
         e, d, o = cfg.engine, cfg.diffusion, cfg.optim
         rank, world = self.engine.rank, self.engine.world_size
         if cfg.data.batch_size % (world * o.grad_accum_steps):
-            raise ValueError(f"data.batch_size {cfg.data.batch_size} is not divisible by the world size {world} x "
-                             f"optim.grad_accum_steps {o.grad_accum_steps}")  # fmt: skip
+            raise ValueError(
+                f"data.batch_size {cfg.data.batch_size} is not divisible by the world size {world} x "
+                f"optim.grad_accum_steps {o.grad_accum_steps}"
+            )
         if self.device.type == "cuda" and e.tf32:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
@@ -127,9 +129,14 @@ class Trainer:
         else:
             self.dataset = dataset if dataset is not None else build_dataset(cfg)
             self.loader = ResumableLoader(
-                self.dataset, cfg.data.batch_size, rank=rank, world=world, seed=e.seed,
-                num_workers=cfg.data.num_workers, pin_memory=self.device.type == "cuda",
-            )  # fmt: skip
+                self.dataset,
+                cfg.data.batch_size,
+                rank=rank,
+                world=world,
+                seed=e.seed,
+                num_workers=cfg.data.num_workers,
+                pin_memory=self.device.type == "cuda",
+            )
         self.formulation = build_formulation(d)
         self.objective = Objective.from_config(cfg, self.formulation)
         # Flow / EDM: the sampler works on G = num_timesteps cells of t in [0, 1] / of ln(sigma), and t is drawn
@@ -181,8 +188,9 @@ class Trainer:
     def train_step(self, x0: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
         """One optimizer step on the per-rank batch (x0 (b, C, H, W), y (b,)); returns step statistics."""
         b, o = x0.shape[0], self.cfg.optim
-        k = sample_timesteps(b, self.timesteps.weights(), generator=self.gen, validate=False,
-                             backend=self.backend)  # (b,) cells of the composed sampler  # fmt: skip
+        k = sample_timesteps(
+            b, self.timesteps.weights(), generator=self.gen, validate=False, backend=self.backend
+        )  # (b,) cells of the composed sampler
         lw = self.timesteps.loss_weights(k)  # (b,) importance correction, or None
         probe = self.timesteps.probe(self.step)  # (cells, n, seed) whose loss decrease the sampler measures, or None
         before = None if probe is None else self._probe_loss(x0, y, *probe)
@@ -271,8 +279,12 @@ class Trainer:
         wandb = dict(project=lg.wandb_project, mode=lg.wandb_mode, config=cfg.to_dict()) if lg.wandb else None
         resumed = self.start.step if self.start.mode == "resume" else None
         writer = MetricsWriter(self.run_dir, lg.tensorboard, resume_step=resumed, wandb=wandb) if main else None
-        bar = tqdm(total=cfg.engine.max_steps, initial=self.step, disable=not (main and cfg.logging.progress),
-                   dynamic_ncols=True)  # fmt: skip
+        bar = tqdm(
+            total=cfg.engine.max_steps,
+            initial=self.step,
+            disable=not (main and cfg.logging.progress),
+            dynamic_ncols=True,
+        )
         self.model.train()
         win_loss, win_n, t0, seen = torch.zeros((), device=self.device), 0, time.perf_counter(), 0
         last_loss, evaluator = math.nan, None
@@ -294,8 +306,11 @@ class Trainer:
                     dt = time.perf_counter() - t0
                     last_loss = float(win_loss) / max(win_n, 1) if win_n else math.nan
                     rec = self._record(last_loss, seen / max(dt, 1e-9), stats)
-                    bar.set_postfix(loss=f"{last_loss:.4f}", img_s=f"{rec['img_per_s']:.0f}",
-                                    clusters=f"{rec['unlocked']}/{self.curriculum.num_clusters}")  # fmt: skip
+                    bar.set_postfix(
+                        loss=f"{last_loss:.4f}",
+                        img_s=f"{rec['img_per_s']:.0f}",
+                        clusters=f"{rec['unlocked']}/{self.curriculum.num_clusters}",
+                    )
                     if writer is not None:
                         writer.write(rec)
                     win_loss.zero_()
@@ -357,8 +372,9 @@ class Trainer:
         cfg, out = self.cfg, {}
         meta = {"config": cfg.to_dict(), "step": self.step, **_model_config_entry(self.model)}
         if cfg.checkpoint.export_ema:
-            out["ema"] = str(ckpt_io.export_safetensors(self.ema.module.state_dict(), self.run_dir / "ema.safetensors",
-                                                        meta))  # fmt: skip
+            out["ema"] = str(
+                ckpt_io.export_safetensors(self.ema.module.state_dict(), self.run_dir / "ema.safetensors", meta)
+            )
         stop = StopRequest()  # Ctrl-C / SIGTERM during the grid: stop it (the final checkpoint is written)
         try:
             with stop:
@@ -382,9 +398,15 @@ class Trainer:
             records = read_metrics(self.run_dir / "metrics.jsonl")
             clusters = [list(c) for c in self.curriculum.clusters]
             out["cluster_loss_plot"] = str(plot_cluster_losses(records, clusters, self.run_dir / "cluster_loss.png"))
-            out["curriculum_plot"] = str(plot_curriculum_timeline(
-                records, self.curriculum.history, self.curriculum.num_clusters, cfg.engine.max_steps,
-                self.run_dir / "curriculum.png"))  # fmt: skip
+            out["curriculum_plot"] = str(
+                plot_curriculum_timeline(
+                    records,
+                    self.curriculum.history,
+                    self.curriculum.num_clusters,
+                    cfg.engine.max_steps,
+                    self.run_dir / "curriculum.png",
+                )
+            )
         return out
 
     # ---- state ----------------------------------------------------------------------------------------
@@ -442,8 +464,10 @@ class Trainer:
         if isinstance(self.loader, TrainBatches):  # every rank continues its own shard's position
             data = data["ranks"][self.engine.rank] if "ranks" in data else data
         elif "kind" in data:
-            raise ValueError("cannot resume: the checkpoint's data position is of data.dataset latents/images, this "
-                             f"run reads {self.cfg.data.dataset!r}")  # fmt: skip
+            raise ValueError(
+                "cannot resume: the checkpoint's data position is of data.dataset latents/images, this "
+                f"run reads {self.cfg.data.dataset!r}"
+            )
         self.loader.load_state_dict(data)
         self.step = int(state["step"])
         self.nan_skips = int(state["nan_skips"])
@@ -469,8 +493,12 @@ class Trainer:
 def _check_given_model(model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
     """A model passed to ``Trainer`` must see the data and objective of ``cfg``; ValueError naming a mismatch."""
     m, d = cfg.model, cfg.diffusion
-    want = {"in_channels": m.in_channels, "input_size": m.input_size, "num_classes": m.num_classes,
-            "learn_sigma": d.learn_sigma}  # fmt: skip
+    want = {
+        "in_channels": m.in_channels,
+        "input_size": m.input_size,
+        "num_classes": m.num_classes,
+        "learn_sigma": d.learn_sigma,
+    }
     for name, value in want.items():
         have = getattr(model, name, value)
         if have != value:

@@ -66,8 +66,10 @@ def check_backends(cfg: TrainConfig) -> None:
                     f"DIFFCURR_OPS_BACKEND={env!r} cannot run {op} on {dev.type}: {reason}; unset it or set it to auto"
                 )
     if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise ImportError("logging.tensorboard is true but tensorboard is not installed: pip install tensorboard, "
-                          "or set logging.tensorboard=false")  # fmt: skip
+        raise ImportError(
+            "logging.tensorboard is true but tensorboard is not installed: pip install tensorboard, "
+            "or set logging.tensorboard=false"
+        )
     if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
         raise ImportError(
             "logging.wandb is true but wandb is not installed: pip install 'diffcurr-fast[wandb]', or set "
@@ -122,7 +124,10 @@ def check_run(
     world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     acc = cfg.optim.grad_accum_steps
     if cfg.data.batch_size % (world * acc):
-        raise ValueError(f"data.batch_size {cfg.data.batch_size} is not divisible by the world size {world} x "
-                         f"optim.grad_accum_steps {acc}")  # fmt: skip
-    return check_run_dir(cfg.checkpoint.run_dir, layout, resume=resume, overwrite=overwrite,
-                         max_steps=cfg.engine.max_steps)  # fmt: skip
+        raise ValueError(
+            f"data.batch_size {cfg.data.batch_size} is not divisible by the world size {world} x "
+            f"optim.grad_accum_steps {acc}"
+        )
+    return check_run_dir(
+        cfg.checkpoint.run_dir, layout, resume=resume, overwrite=overwrite, max_steps=cfg.engine.max_steps
+    )

@@ -38,8 +38,10 @@ class MetricsWriter:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                raise ImportError("logging.tensorboard is true but tensorboard is not installed: pip install "
-                                  "tensorboard, or set logging.tensorboard=false") from None  # fmt: skip
+                raise ImportError(
+                    "logging.tensorboard is true but tensorboard is not installed: pip install "
+                    "tensorboard, or set logging.tensorboard=false"
+                ) from None
         if wandb is not None:
             try:
                 import wandb as wandb_module

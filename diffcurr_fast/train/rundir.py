@@ -60,22 +60,34 @@ class RunLayout:
 
 TRAIN_LAYOUT = RunLayout(
     files=(
-        r"config\.yaml", r"metrics\.jsonl", r"samples\.png", r"cluster_loss\.png", r"curriculum\.png",
-        r"ema\.safetensors", r"(ema\.safetensors|metrics\.jsonl)\.tmp", r"checkpoints/ckpt_\d{8,}\.pt(\.tmp)?",
-        r"tb/events\.out\.tfevents\..+", r"eval_reference\.npz(\.tmp)?", r"wandb_id\.txt",
+        r"config\.yaml",
+        r"metrics\.jsonl",
+        r"samples\.png",
+        r"cluster_loss\.png",
+        r"curriculum\.png",
+        r"ema\.safetensors",
+        r"(ema\.safetensors|metrics\.jsonl)\.tmp",
+        r"checkpoints/ckpt_\d{8,}\.pt(\.tmp)?",
+        r"tb/events\.out\.tfevents\..+",
+        r"eval_reference\.npz(\.tmp)?",
+        r"wandb_id\.txt",
     ),
     owned_dirs=(r"checkpoints/deepspeed/step_\d{8,}", r"wandb"),
     checkpoints="checkpoints",
-)  # fmt: skip
+)
 
 TDC_LAYOUT = RunLayout(
     files=(
-        r"tdc\.json", r"accounting\.json", r"samples\.png", r"group_\d+/search\.(json|png)",
-        r"group_\d+/(search_state\.pt|expert\.safetensors)", r"stage1/tdc_stage1\.json",
+        r"tdc\.json",
+        r"accounting\.json",
+        r"samples\.png",
+        r"group_\d+/search\.(json|png)",
+        r"group_\d+/(search_state\.pt|expert\.safetensors)",
+        r"stage1/tdc_stage1\.json",
         r"bundle/(bundle\.json|weights\.safetensors|train_config\.json)",
     ),
     subruns=((r"stage1", TRAIN_LAYOUT), (r"group_\d+/finetune", TRAIN_LAYOUT)),
-)  # fmt: skip
+)
 
 
 @dataclass(frozen=True)
