@@ -4,6 +4,7 @@ speedrun end to end (with a stand-in DiT checkout for the official step), and th
 import json
 import math
 import os
+import shutil
 import textwrap
 import time
 
@@ -102,6 +103,19 @@ def test_analyse_threshold_time_axes_and_flag_by_hand():
     assert res["arms"]["official"]["per_seed"][1]["wall_s"] == pytest.approx(2.0)
     assert res["arms"]["fast"]["speedup"]["wall_s"][0] == pytest.approx(math.sqrt(1.5 * 2.0) / 4)
     assert "was not measured" not in "\n".join(sr.markdown(spec, res))
+    # with every arm's step measured side by side, each arm's axis is steps x its own step time (fast: 0.03 s,
+    # official: the official code's 0.005 s), whatever the runs recorded
+    res = sr.analyse(
+        spec,
+        rows,
+        {"official_s": 0.005, "ours_s": 0.01, "arms": {"official": 0.01, "fast": 0.03}, "steps_each": 60, "threads": 1},
+    )
+    assert res["arms"]["fast"]["per_seed"][0]["wall_s"] == pytest.approx(200 * 0.03)
+    assert res["arms"]["fast"]["speedup"]["wall_s"][0] == pytest.approx(math.sqrt(1.5 * 2.0) / 6)
+    assert "fast 30.00 ms" in "\n".join(sr.markdown(spec, res))
+    # without the official code, the official arm takes our step at its recipe
+    res = sr.analyse(spec, rows, {"ours_s": 0.01, "arms": {"official": 0.01, "fast": 0.03}, "steps_each": 60})
+    assert res["arms"]["official"]["per_seed"][1]["wall_s"] == pytest.approx(400 * 0.01)
     # an arm with a seed that never gets there has no speed-up
     rows2 = rows + _rows("slow", 0, [9, 9, 9, 9]) + _rows("slow", 1, [9, 6, 5, 4])
     spec2 = spec_from_dict({**spec.to_dict(), "arms": [*spec.to_dict()["arms"], {"name": "slow"}]})
@@ -252,6 +266,7 @@ def test_tiny_speedrun_end_to_end(tmp_path):
     assert res == {"ran": [("official", 0), ("fast", 0)], "failed": [], "kept": 0}
     step_time = json.loads((out / "step_time.json").read_text())
     assert step_time["official_s"] > 0 and step_time["ours_s"] > 0 and step_time["checkout"] == "DiT"
+    assert sorted(step_time["arms"]) == ["fast", "official"] and step_time["ours_s"] == step_time["arms"]["official"]
     files = write_report(out)
     for name in ("speedrun.json", "fd_vs_wall.png", "fd_vs_step.png"):
         assert (out / name).is_file(), name
@@ -270,7 +285,18 @@ def test_tiny_speedrun_end_to_end(tmp_path):
     text = files["report"].read_text()
     assert "## Time to quality" in text and f"{1e3 * step_time['official_s']:.2f} ms median" in text
     assert "| official | 1/1 |" in text
+    # the time axes: steps x the side-by-side step times (the official arm: the official code's)
+    hit = data["arms"]["fast"]["axes"]
+    if data["arms"]["fast"]["reached"]:
+        assert hit["wall_s"][0] == pytest.approx(hit["step"][0] * step_time["arms"]["fast"])
+    off = data["arms"]["official"]["axes"]
+    assert off["wall_s"][0] == pytest.approx(off["step"][0] * step_time["official_s"])
     assert run_study(spec, out, workers=2, verbose=False, peer_dit=peer)["kept"] == 2  # measured once: kept
+    # the status files alone carry the report: the run folders (checkpoints, never committed) can go
+    shutil.rmtree(out / "runs")
+    (out / "speedrun.json").unlink()
+    write_report(out)
+    assert json.loads((out / "speedrun.json").read_text()) == data
 
 
 @pytest.mark.skipif(

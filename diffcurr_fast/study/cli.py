@@ -6,10 +6,12 @@ and resumes the others), then writes results.csv, report.md and the plots. ``--r
 recipe (e.g. ``recipes/dit_b2_curriculum.yaml`` for the paper's setting on a GPU cluster; the preset's digits
 sizes are then dropped, see ``diffcurr_fast.study.presets``). ``--print-spec`` writes the resolved spec and exits.
 
-A speedrun (``--preset speedrun``) takes ``--peer-dit PATH``, a local checkout of facebookresearch/DiT whose own
-training step is timed in the study to give the official arm its time axis (without it the report flags that the
-official arm keeps our step's time); ``--preset speedrun_mnist5k --screen DIR`` picks its arms from the finished
-digits screening at DIR.
+A speedrun (``--preset speedrun``) first times every arm's training step side by side (its time axis: steps x that
+time) and takes ``--peer-dit PATH``, a local checkout of facebookresearch/DiT whose own training step is timed
+beside ours to give the official arm its time axis (without it the report flags that the official arm keeps our
+step's time); ``--preset speedrun_mnist5k --screen DIR`` picks its arms from the finished digits screening at DIR.
+A study folder can be carried to another sitting or machine without its ``runs/``: the status files hold every
+finished run's evaluations, and the rerun resumes the rest.
 """
 
 from __future__ import annotations

@@ -79,6 +79,8 @@ def collect(study_dir: str | Path) -> tuple[StudySpec, list[dict[str, Any]], dic
             rd = run_dir_of(study_dir, arm.name, seed)
             recs = eval_records(rd / ("stage1/metrics.jsonl" if arm.kind == "tdc" else "metrics.jsonl"))
             st = read_status(study_dir, arm.name, seed)
+            if not recs and st is not None:  # the run folder is gone (not committed, another machine): its status
+                recs = st.get("evals", [])
             if st is not None:
                 status[(arm.name, seed)] = st
                 if arm.kind == "tdc":
@@ -323,7 +325,10 @@ def plot_cluster_loss(spec: StudySpec, study_dir: Path, path: Path) -> Path:
     ax.set_xlabel("timestep cluster (0 = lowest t, hardest)")
     ax.set_ylabel("final training loss (EMA per cluster)")
     ax.set_title("loss per cluster at the end of training (mean over seeds; each arm's own loss weighting)")
-    ax.legend(fontsize=7, ncol=2)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, ncol=2)
+    else:  # a study reported from its status files alone: the training records stayed in the run folders
+        ax.text(0.5, 0.5, "no per-cluster losses: the run folders are not here", ha="center", transform=ax.transAxes)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -7,8 +7,9 @@ Study folder::
     status/<arm>-seed<k>.json   written when the run finished: kind, steps, training FLOPs, final metrics and the
                                 wall time of the attempt that finished it (a resumed run: since its resume)
     logs/<arm>-seed<k>.log      the worker's output
-    step_time.json              a speedrun with ``peer_dit``: the official DiT step's time and ours (a worker
-                                measures it first, beside the first runs; kept on a rerun)
+    step_time.json              a speedrun: every arm's step time and, with ``peer_dit``, the official DiT step's,
+                                measured side by side (a worker measures it first, beside the first runs; kept on
+                                a rerun)
     results.csv, report.md, *.png   ``study report``
 
 A run with a status file is finished and kept. Any other run is started again by a worker process
@@ -133,7 +134,7 @@ def run_study(
             f"threads; folder {study_dir}",
             flush=True,
         )
-    measure = peer_dit is not None and not (study_dir / STEP_TIME_FILE).is_file()
+    measure = bool(spec.speedrun) and not (study_dir / STEP_TIME_FILE).is_file()
     queue = [STEPTIME] * measure + list(todo)
     try:
         while queue or running:
@@ -144,14 +145,8 @@ def run_study(
                 fh = open(log, "a")
                 cmd = [sys.executable, "-m", "diffcurr_fast.study.runner", str(study_dir), arm, str(seed), str(threads)]
                 if (arm, seed) == STEPTIME:
-                    cmd = [
-                        sys.executable,
-                        "-m",
-                        "diffcurr_fast.study.speedrun",
-                        str(study_dir),
-                        str(peer_dit),
-                        str(threads),
-                    ]
+                    peer = "-" if peer_dit is None else str(peer_dit)
+                    cmd = [sys.executable, "-m", "diffcurr_fast.study.speedrun", str(study_dir), peer, str(threads)]
                 env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
                 slot = min(set(range(workers)) - {r[3] for r in running})
                 if gpus:  # one run per GPU: worker slot i sees GPU i mod #GPUs only
@@ -159,7 +154,7 @@ def run_study(
                 proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
                 running.append(((arm, seed), proc, fh, slot))
                 if verbose:
-                    print("  start official step time" if seed < 0 else f"  start {arm} seed {seed}", flush=True)
+                    print("  start step times" if seed < 0 else f"  start {arm} seed {seed}", flush=True)
             time.sleep(0.2)
             for item in list(running):
                 (arm, seed), proc, fh, _ = item
@@ -172,7 +167,7 @@ def run_study(
                 if verbose and (arm, seed) == STEPTIME:
                     ok = proc.returncode == 0
                     print(
-                        f"  done  official step time: {'step_time.json' if ok else 'FAILED (logs/step-time.log)'}",
+                        f"  done  step times: {'step_time.json' if ok else 'FAILED (logs/step-time.log)'}",
                         flush=True,
                     )
                 elif verbose:
@@ -238,11 +233,13 @@ def _run_train(cfg: Any, run_dir: Path) -> dict[str, Any]:
     overwrite = run_dir.is_dir() and not resume  # killed before its first checkpoint: start over
     summary = train(cfg, resume=resume, overwrite=overwrite)
     flops = 3.0 * dit_flops(build_model(cfg)) * cfg.data.batch_size * summary["step"]
+    evals = eval_records(run_dir / "metrics.jsonl")
     return {
         "steps": summary["step"],
         "train_flops": flops,
         "resumed": resume,
-        "final": last_eval(run_dir / "metrics.jsonl"),
+        "final": evals[-1] if evals else {},
+        "evals": evals,  # the study reports from the status files alone when the run folders are gone
     }
 
 
@@ -268,12 +265,6 @@ def _run_tdc(cfg: Any, run_dir: Path) -> dict[str, Any]:
         "base_sampling_flops_per_image": {k: v["base_flops_per_image"] for k, v in acc["sampling"].items()},
         "final": final,
     }
-
-
-def last_eval(path: Path) -> dict[str, Any]:
-    """The evaluation record of the largest step in a metrics.jsonl ({} when there is none)."""
-    recs = eval_records(path)
-    return recs[-1] if recs else {}
 
 
 def eval_records(path: Path) -> list[dict[str, Any]]:

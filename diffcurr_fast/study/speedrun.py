@@ -16,16 +16,18 @@ The definitions (fixed before any result; ``tests/test_study_speedrun.py`` check
 * **plateau**: on the official arm's mean smoothed FD curve over seeds, the last ``plateau_share`` of its
   evaluations (at least two) improve it by (f_first - f_last) / f_first; it has stopped falling when that is below
   ``plateau_tol``;
-* **time axes**: an arm of ours: the cumulative training wall time its trainer records at each evaluation
-  (``train_s``: the loop's time, evaluations left out). The official arm is trained by our trainer with the
-  official recipe (the same math), and its time axis is its steps times the official code's own median step time,
-  measured by the study on the same model, data, batch, threads and machine (``study --peer-dit PATH``, a
-  facebookresearch/DiT checkout; ``step_time.json``). Without it the official arm keeps our step's time and the
-  report says so;
+* **time axes**: the wall time of an evaluation is its step times the arm's median training step time, measured
+  by the study side by side for every arm in one process (alternating blocks, the study's model, data, batch and
+  threads; ``step_time.json``). A study's runs train over hours, in several sittings, beside other work or on
+  other machines; their own clocks (``train_s``, the loop's time without evaluations, kept in results.csv) would
+  compare those conditions as much as the arms. The official arm is trained by our trainer with the official
+  recipe (the same math), and its step time is the official code's own (``study --peer-dit PATH``, a
+  facebookresearch/DiT checkout, timed beside ours). Without a checkout the official arm keeps our step's time and
+  the report says so; without ``step_time.json`` every arm keeps its ``train_s`` and the report says so;
 * **FLOPs**: 3 x forward FLOPs x batch per step (the convention of ``diffcurr_fast.tdc.accounting``), cumulative.
 
-``python -m diffcurr_fast.study.speedrun STUDY_DIR PEER_DIT_PATH [THREADS]`` measures the step times (a study
-worker runs it).
+``python -m diffcurr_fast.study.speedrun STUDY_DIR PEER_DIT_PATH|- [THREADS]`` measures the step times (a study
+worker runs it first).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from typing import Any
 import numpy as np
 
 STEP_TIME_FILE = "step_time.json"
+OFFICIAL_CODE = "official code"  # step_time.json's name for the facebookresearch/DiT step
 AXES = ("step", "wall_s", "train_flops")
 
 
@@ -110,14 +113,14 @@ def plateau(curve: list[tuple[int, float]], share: float, tol: float) -> dict[st
 
 
 # ---- the study's numbers ----------------------------------------------------------------------------------------
-def run_points(rows: list[dict[str, Any]], arm: str, seed: int, official_s: float | None) -> list[dict[str, float]]:
-    """The evaluations of (arm, seed) with fd, step, wall_s and train_flops, by step. ``official_s``: this arm's
-    time axis is steps x the official step time."""
+def run_points(rows: list[dict[str, Any]], arm: str, seed: int, step_s: float | None) -> list[dict[str, float]]:
+    """The evaluations of (arm, seed) with fd, step, wall_s and train_flops, by step. ``step_s``: the arm's time
+    axis is steps x that step time (``arm_step_s``); None: the run's own recorded ``train_s``."""
     out = []
     for r in sorted((r for r in rows if r["arm"] == arm and r["seed"] == seed), key=lambda r: r["step"]):
         if r.get("fd") is None or r.get("train_flops") is None:
             continue
-        wall = r["step"] * official_s if official_s else r.get("train_s")
+        wall = r["step"] * step_s if step_s else r.get("train_s")
         if wall is None:
             continue
         out.append(
@@ -131,13 +134,21 @@ def run_points(rows: list[dict[str, Any]], arm: str, seed: int, official_s: floa
     return out
 
 
+def arm_step_s(step_time: dict[str, Any] | None, arm: str, official: str) -> float | None:
+    """The step time that gives ``arm`` its time axis (module doc): the official code's for the official arm, the
+    arm's own side-by-side measurement for ours; None (the recorded ``train_s``) when it was not measured."""
+    st = step_time or {}
+    if arm == official and st.get("official_s"):
+        return float(st["official_s"])
+    return st.get("arms", {}).get(arm)
+
+
 def analyse(spec: Any, rows: list[dict[str, Any]], step_time: dict[str, Any] | None) -> dict[str, Any]:
     """Threshold, plateau, per-(arm, seed) crossings, per-arm means and speed-ups (module doc)."""
     sr = spec.speedrun
     window, official = int(sr["smooth"]), sr["official_arm"]
-    official_s = (step_time or {}).get("official_s")
     points = {
-        (a.name, s): run_points(rows, a.name, s, official_s if a.name == official else None)
+        (a.name, s): run_points(rows, a.name, s, arm_step_s(step_time, a.name, official))
         for a in spec.arms
         for s in spec.seeds
     }
@@ -202,9 +213,23 @@ def markdown(spec: Any, res: dict[str, Any]) -> list[str]:
         f"{res['smooth']}-evaluation moving average of FD first falls to it, interpolated linearly between "
         "evaluations. Mean and 95% t interval over the seeds that reached it; speed-up = ratio of geometric "
         "means over the official arm with a 95% Welch interval on the logs (only when every seed of both "
-        "arms reached it). Wall time: training only (evaluations excluded); FLOPs: 3 x forward x batch "
-        "per step."
+        "arms reached it). FLOPs: 3 x forward x batch per step."
     )
+    lines.append("")
+    timed = sorted((st or {}).get("arms", {}))
+    if timed:
+        lines.append(
+            f"Wall time: steps x each arm's median training step, measured side by side in one process "
+            f"({st['steps_each']} steps per arm in alternating blocks, {st.get('threads')} CPU threads; "
+            "`step_time.json`), so that runs trained at different times, under different loads or on different "
+            "machines compare; the wall time each run recorded (`train_s`, evaluations excluded) is in results.csv. "
+            "Step times: " + ", ".join(f"{n} {1e3 * st['arms'][n]:.2f} ms" for n in timed) + "."
+        )
+    else:
+        lines.append(
+            "Wall time: each run's own recorded training time (`train_s`, evaluations excluded); **no side-by-side "
+            "step times were measured, so runs trained under different loads compare only roughly.**"
+        )
     lines.append("")
     if st and st.get("official_s"):
         lines.append(
@@ -253,7 +278,6 @@ def plot(spec: Any, rows: list[dict[str, Any]], res: dict[str, Any], study_dir: 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    official_s = (res["step_time"] or {}).get("official_s")
     out = {}
     for axis, fname, label in (
         ("wall_s", "fd_vs_wall.png", "training wall time (s)"),
@@ -262,7 +286,7 @@ def plot(spec: Any, rows: list[dict[str, Any]], res: dict[str, Any], study_dir: 
         fig, ax = plt.subplots(figsize=(8, 5))
         for i, arm in enumerate(spec.arms):
             runs = [
-                run_points(rows, arm.name, s, official_s if arm.name == res["official_arm"] else None)
+                run_points(rows, arm.name, s, arm_step_s(res["step_time"], arm.name, res["official_arm"]))
                 for s in spec.seeds
             ]
             runs = [r for r in runs if r]
@@ -296,8 +320,9 @@ def write_json(res: dict[str, Any], path: Path) -> Path:
         for n, a in res["arms"].items()
     }
     data = {k: v for k, v in res.items() if k != "arms"} | {"arms": arms}
-    path.write_text(json.dumps(data, indent=1, default=float))
-    return path
+    from diffcurr_fast._files import write_json as write_atomic
+
+    return write_atomic(json.loads(json.dumps(data, default=float)), path, indent=1)  # numpy scalars as floats
 
 
 def best_arms(path: str | Path, count: int) -> list[str]:
@@ -330,69 +355,89 @@ def _time_steps(step: Any, reps: int) -> list[float]:
 
 
 def measure_step_times(
-    cfg: Any, peer_dit: str | Path, *, rounds: int = 3, reps: int = 20, warmup: int = 5
+    cfgs: dict[str, Any],
+    peer_dit: str | Path | None,
+    official_arm: str,
+    *,
+    rounds: int = 3,
+    reps: int = 20,
+    warmup: int = 5,
 ) -> dict[str, Any]:
-    """Median step time of the official DiT step (the checkout at ``peer_dit``) and of ours, both at ``cfg``'s
-    model, batch and threads on its training data, measured in alternating blocks of ``reps`` steps."""
+    """Median step time of our trainer at every arm's config ``cfgs`` (arm name -> config) and, with ``peer_dit``,
+    of the official DiT step (that checkout) at ``cfgs[official_arm]``'s model, batch and threads, on the training
+    data, measured side by side in one process in alternating blocks of ``reps`` steps (after ``warmup`` steps per
+    block). Measured together, the arms' times compare whatever the load and the machine were when each run
+    trained."""
     import torch
 
-    from diffcurr_fast.study.peer_dit import official_step
     from diffcurr_fast.train.loop import Trainer
 
-    m = cfg.model
-    if cfg.engine.cpu_threads:
-        torch.set_num_threads(cfg.engine.cpu_threads)
+    ref = cfgs[official_arm]
+    if ref.engine.cpu_threads:
+        torch.set_num_threads(ref.engine.cpu_threads)
+    steps: dict[str, Any] = {}
+    info: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        cfg.checkpoint.run_dir = str(Path(tmp) / "run")
-        tr = Trainer(cfg)
-        batches = [next(tr.loader) for _ in range(4)]
-        dims = {
-            "patch_size": m.patch_size,
-            "hidden_size": m.hidden_size,
-            "depth": m.depth,
-            "num_heads": m.num_heads,
-            "mlp_ratio": m.mlp_ratio,
-            "class_dropout_prob": m.class_dropout_prob,
-        }
-        official, info = official_step(
-            peer_dit,
-            preset=m.preset,
-            input_size=m.input_size,
-            in_channels=m.in_channels,
-            num_classes=m.num_classes,
-            seed=cfg.engine.seed,
-            dims=dims if m.preset == "custom" else None,
-            ema_decay=cfg.optim.ema_decay,
-        )
+        batches = None
+        for name, cfg in cfgs.items():
+            cfg.checkpoint.run_dir = str(Path(tmp) / name)
+            tr = Trainer(cfg)
+            batches = batches or [next(tr.loader) for _ in range(4)]
+            steps[name] = tr.train_step
+        if peer_dit is not None:
+            from diffcurr_fast.study.peer_dit import official_step
+
+            m = ref.model
+            dims = {
+                "patch_size": m.patch_size,
+                "hidden_size": m.hidden_size,
+                "depth": m.depth,
+                "num_heads": m.num_heads,
+                "mlp_ratio": m.mlp_ratio,
+                "class_dropout_prob": m.class_dropout_prob,
+            }
+            steps[OFFICIAL_CODE], info = official_step(
+                peer_dit,
+                preset=m.preset,
+                input_size=m.input_size,
+                in_channels=m.in_channels,
+                num_classes=m.num_classes,
+                seed=ref.engine.seed,
+                dims=dims if m.preset == "custom" else None,
+                ema_decay=ref.optim.ema_decay,
+            )
         state = {"i": 0}
 
-        def ours() -> None:
-            x, y = batches[state["i"] % 4]
-            state["i"] += 1
-            tr.train_step(x, y)
+        def block(fn: Any, n: int) -> list[float]:
+            def one() -> None:
+                x, y = batches[state["i"] % 4]
+                state["i"] += 1
+                fn(x, y)
 
-        def theirs() -> None:
-            x, y = batches[state["i"] % 4]
-            state["i"] += 1
-            official(x, y)
+            return _time_steps(one, n)
 
-        times: dict[str, list[float]] = {"ours": [], "official": []}
+        times: dict[str, list[float]] = {name: [] for name in steps}
         for _ in range(rounds):
-            for name, fn in (("ours", ours), ("official", theirs)):
-                _time_steps(fn, warmup)
-                times[name] += _time_steps(fn, reps)
-    return {
-        "official_s": float(np.median(times["official"])),
-        "ours_s": float(np.median(times["ours"])),
-        "official_p20_p80": [float(np.percentile(times["official"], q)) for q in (20, 80)],
-        "ours_p20_p80": [float(np.percentile(times["ours"], q)) for q in (20, 80)],
+            for name, fn in steps.items():
+                block(fn, warmup)
+                times[name] += block(fn, reps)
+    med = {n: float(np.median(t)) for n, t in times.items()}
+    res: dict[str, Any] = {
+        "arms": {n: v for n, v in med.items() if n != OFFICIAL_CODE},
+        "arms_p20_p80": {n: [float(np.percentile(t, q)) for q in (20, 80)] for n, t in times.items()},
+        "ours_s": med[official_arm],
         "steps_each": rounds * reps,
-        "batch": cfg.data.batch_size,
+        "batch": ref.data.batch_size,
         "threads": torch.get_num_threads(),
-        "checkout": Path(peer_dit).resolve().name,
-        "commit": _git_commit(peer_dit),
-        "timm_stubbed": bool(info["timm_stubbed"]),
     }
+    if peer_dit is not None:
+        res |= {
+            "official_s": med[OFFICIAL_CODE],
+            "checkout": Path(peer_dit).resolve().name,
+            "commit": _git_commit(peer_dit),
+            "timm_stubbed": bool(info["timm_stubbed"]),
+        }
+    return res
 
 
 def _git_commit(path: str | Path) -> str:
@@ -407,18 +452,22 @@ def _git_commit(path: str | Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The worker: ``python -m diffcurr_fast.study.speedrun STUDY_DIR PEER_DIT_PATH [THREADS]``."""
+    """The worker: ``python -m diffcurr_fast.study.speedrun STUDY_DIR PEER_DIT_PATH|- [THREADS]``."""
     from diffcurr_fast._files import write_json
     from diffcurr_fast.study.runner import load_study
     from diffcurr_fast.study.spec import arm_config
 
     argv = sys.argv[1:] if argv is None else argv
-    study_dir, peer = Path(argv[0]), argv[1]
+    study_dir, peer = Path(argv[0]), (None if argv[1] == "-" else argv[1])
     threads = int(argv[2]) if len(argv) > 2 else 0
     spec = load_study(study_dir)
-    arm = spec.arm(spec.speedrun["official_arm"])
-    cfg = arm_config(spec, arm, spec.seeds[0], study_dir / "steptime-run", threads)
-    res = measure_step_times(cfg, peer)
+    seed = spec.seeds[0]
+    cfgs = {
+        a.name: arm_config(spec, a, seed, study_dir / "steptime-run" / a.name, threads)
+        for a in spec.arms
+        if a.kind == "train"
+    }
+    res = measure_step_times(cfgs, peer, spec.speedrun["official_arm"])
     write_json(res, study_dir / STEP_TIME_FILE, indent=1)
     print(json.dumps(res), flush=True)
     return 0
