@@ -307,7 +307,9 @@ def test_official_step_time_with_a_real_checkout(tmp_path):
     from diffcurr_fast.runs.config import load_config
 
     cfg = load_config(None, [*TINY, f"checkpoint.run_dir={tmp_path / 'r'}", "diffusion.num_timesteps=1000"])
-    res = sr.measure_step_times(cfg, os.environ["DIFFCURR_FAST_PEER_DIT"], rounds=1, reps=5, warmup=2)
+    res = sr.measure_step_times(
+        {"official": cfg}, os.environ["DIFFCURR_FAST_PEER_DIT"], "official", rounds=1, reps=5, warmup=2
+    )
     assert res["official_s"] > 0 and res["ours_s"] > 0
 
 
