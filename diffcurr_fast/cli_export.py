@@ -133,8 +133,10 @@ def export_diffusers(
     diffusers = _diffusers()
     model, cfg, path = load_model(source, weights)
     if vae is not None and cfg.diffusion.formulation != "ddpm":
+        from diffcurr_fast.runs.config import with_article
+
         raise ValueError(
-            f"DiTPipeline runs DDPM models only; a {cfg.diffusion.formulation} model is written as "
+            f"DiTPipeline runs DDPM models only; {with_article(cfg.diffusion.formulation)} model is written as "
             "transformer + scheduler: leave out --vae"
         )
     if cfg.data.dataset == "latents" and vae is None and cfg.diffusion.formulation == "ddpm":

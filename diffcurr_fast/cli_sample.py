@@ -1,7 +1,7 @@
 """``diffcurr-fast sample --ckpt RUN --sampler auto|ddpm|ddim|heun|euler --steps N --cfg S --num-samples N --out F``.
 
 Loads a training checkpoint (a ``ckpt_*.pt`` or a run directory: its newest checkpoint), rebuilds the model from
-the config stored in it, and draws ``--num`` samples in batches of ``--batch-size`` (a progress bar per batch).
+the config stored in it, and draws ``--num-samples`` samples in batches of ``--batch-size`` (a progress bar per batch).
 Under ``torchrun --nproc_per_node N`` every rank draws its share of the batches (dealt round-robin, as ADM's
 ``sample_ddp.py``) and rank 0 writes the file; batch b is seeded with ``--seed`` and b, so the samples do not
 depend on the number of ranks. Output: a PNG grid (1- or 3-channel data), or an ``.npz``: images in the layout
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.data.extract import decode_latents, load_decoder
     from diffcurr_fast.runs.checkpoint import check_finite_weights, load_checkpoint, resolve_checkpoint
-    from diffcurr_fast.runs.config import config_from_dict
+    from diffcurr_fast.runs.config import config_from_dict, resolve_sampler
     from diffcurr_fast.runs.sampling import (
         batch_slices,
         build_model,
@@ -141,10 +141,7 @@ def run(args: argparse.Namespace) -> int:
         state = load_checkpoint(path)
         cfg = config_from_dict(state["config"])
     m = cfg.model
-    if args.sampler == "auto":
-        from diffcurr_fast.diffusion import FORMULATION_DEFAULTS
-
-        args.sampler = FORMULATION_DEFAULTS[cfg.diffusion.formulation]["sampler"]
+    args.sampler = resolve_sampler(args.sampler, cfg.diffusion.formulation)
     if args.vae and cfg.data.dataset in ("digits", "images"):
         raise ValueError(f"--vae decodes latents, but this model was trained on data.dataset {cfg.data.dataset!r}")
     if out.suffix == ".png" and m.in_channels not in (1, 3) and not args.vae:

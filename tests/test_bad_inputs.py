@@ -416,6 +416,9 @@ def test_light_parsers_name_the_real_choices():
     from diffcurr_fast.runs import sampling
 
     assert sample_cli.SAMPLERS == sampling.SAMPLERS
+    from diffcurr_fast.eval import cli_eval
+
+    assert cli_eval.SAMPLERS == ("auto", *sampling.SAMPLERS)
     assert (cli_extract.LAYOUTS, cli_extract.SD_VAE_SCALE, cli_extract.LATENT_DTYPES) == (
         extract.LAYOUTS,
         extract.SD_VAE_SCALE,

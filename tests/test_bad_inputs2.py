@@ -313,8 +313,59 @@ def test_guidance_without_a_null_label_says_so(no_dropout_run, tmp_path, capsys)
     assert rc == 0  # without guidance it samples
 
 
+@pytest.mark.parametrize(
+    "sets, fix",
+    [
+        (["logging.num_samples=4", "logging.cfg_scale=2"], "set logging.cfg_scale=1, or"),
+        (["logging.eval_every=1", "eval.cfg_scale=1.5"], "set eval.cfg_scale=1, or"),
+        (
+            ["logging.num_samples=4", "logging.eval_every=1", "eval.cfg_scale=3"],
+            "set logging.cfg_scale=1 and eval.cfg_scale=1, or",
+        ),
+    ],
+)
+def test_training_guidance_without_a_null_label_is_refused_before_the_run(tmp_path, capsys, sets, fix):
+    """The end-of-run grid (logging.cfg_scale, the demo's 2) and the evaluations (eval.cfg_scale) of a model trained
+    without label dropout could not guide: refused by the start's checks (also --dry-run), not after training."""
+    run = tmp_path / "run"
+    for extra in (["--dry-run"], []):
+        rc, err = _main(capsys, "train", "--run-dir", str(run), *extra, *_sets("model.class_dropout_prob=0", *sets))
+        assert rc == 2 and len(err.strip().splitlines()) == 1, err
+        assert "classifier-free guidance needs the null label, which model.class_dropout_prob=0 does not train" in err
+        assert f"{fix} model.class_dropout_prob > 0" in err, err
+        assert not run.exists()  # nothing written
+    fixed = [*sets, "logging.cfg_scale=1", "eval.cfg_scale=1"]
+    assert (
+        _main(capsys, "train", "--run-dir", str(run), "--dry-run", *_sets("model.class_dropout_prob=0", *fixed))[0] == 0
+    )
+    assert _main(capsys, "train", "--run-dir", str(run), "--dry-run", *_sets(*sets))[0] == 0  # the default dropout 0.1
+    from diffcurr_fast.runs.config import config_from_dict
+    from diffcurr_fast.train.preflight import check_guidance
+
+    # no grid (logging.num_samples 0 in SETS; a latent model gets none) and no evaluations: nothing to refuse
+    check_guidance(tiny(run, "model.class_dropout_prob=0", "logging.cfg_scale=2"))
+    check_guidance(tiny(run, "model.class_dropout_prob=0", "logging.num_samples=4", "model.in_channels=4"))
+    # a rule of the run, not of the config: a checkpoint's config that breaks it still loads (to sample with cfg 1)
+    bad = tiny(run, "model.class_dropout_prob=0", "logging.num_samples=4", "logging.cfg_scale=2")
+    assert config_from_dict(bad.to_dict()).logging.cfg_scale == 2
+
+
+def test_eval_names_the_num_samples_option(no_dropout_run, capsys):
+    from diffcurr_fast.eval.evaluate import samples_from_checkpoint
+
+    for flag in ("--num-samples", "--num"):
+        rc, err = _main(capsys, "eval", "--ckpt", str(no_dropout_run), flag, "1", "--ref", "digits")
+        assert rc == 2 and "--num-samples must be >= 2 to evaluate, got 1" in err, err
+    with pytest.raises(ValueError, match="^--num-samples must be >= 2 to evaluate, got 0$"):
+        samples_from_checkpoint(no_dropout_run, 0)
+    rc, err = _main(capsys, "eval", "--ckpt", str(no_dropout_run), "--batch-size", "0", "--ref", "digits")
+    assert rc == 2 and "--batch-size must be a positive int, got 0" in err, err
+
+
 def test_sampler_errors_use_the_right_article():
-    from diffcurr_fast.runs.config import demo_config
+    from diffcurr_fast.runs.config import demo_config, with_article
+
+    assert (with_article("edm"), with_article("flow"), with_article("ddpm")) == ("an edm", "a flow", "a ddpm")
 
     with pytest.raises(ValueError, match="is not an edm target"):
         load_config(
@@ -377,29 +428,32 @@ def test_grid_shows_progress_and_a_latent_model_says_why_no_grid(tmp_path, capsy
     assert not (tmp_path / "b" / "samples.png").exists()
 
 
-def test_ctrl_c_during_the_grid_stops_it(tmp_path):
+@pytest.mark.parametrize("name, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_ctrl_c_during_the_grid_stops_it(tmp_path, name, code):
     import signal
 
     from diffcurr_fast.train.interrupt import GridInterrupted
 
+    signum = getattr(signal, name)
+    before = signal.getsignal(signum)
     tr = Trainer(tiny(tmp_path / "r", "engine.max_steps=2", "logging.num_samples=4", "logging.sample_steps=20"))
     calls = []
 
-    def ctrl_c(module, args):  # the user presses Ctrl-C while the grid is drawn
+    def interrupt(module, args):  # the user presses Ctrl-C (or a scheduler sends SIGTERM) while the grid is drawn
         calls.append(1)
         if len(calls) == 2:
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signum)
 
-    tr.ema.module.register_forward_pre_hook(ctrl_c)
+    tr.ema.module.register_forward_pre_hook(interrupt)
     with pytest.raises(
-        GridInterrupted, match="SIGINT received during the end-of-run sample grid: training finished at step 2"
+        GridInterrupted, match=f"{name} received during the end-of-run sample grid: training finished at step 2"
     ) as info:
         tr.fit()
-    assert info.value.exit_code == 130 and len(calls) == 2  # stopped at the next network call
+    assert info.value.exit_code == code and len(calls) == 2  # stopped at the next network call
     assert (
         not (tmp_path / "r" / "samples.png").exists() and (tmp_path / "r" / "checkpoints" / "ckpt_00000002.pt").exists()
     )
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are restored
+    assert signal.getsignal(signum) is before  # the handlers are restored
 
 
 # ---- precision auto: the shipped recipes train in bf16 on a GPU that has it, fp32 on CPU ----------------------
@@ -421,6 +475,46 @@ def test_precision_auto_is_fp32_on_cpu_and_recipes_use_it():
     assert ds["bf16"]["enabled"] is False
     for r in list_recipes():
         assert load_config(r).engine.precision == "auto", r.name
+
+
+def test_start_line_states_the_precision_and_bf16_on_cpu_warns_once(tmp_path, capsys):
+    import warnings
+
+    from diffcurr_fast.train.preflight import BF16_ON_CPU
+
+    rc, err = _main(
+        capsys, "train", "--run-dir", str(tmp_path / "a"), *_sets("engine.max_steps=1", "engine.precision=auto")
+    )
+    assert rc == 0 and "device cpu, precision fp32 (auto); run dir" in err, err  # the recipes' auto, resolved
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")  # as a plain `diffcurr-fast train` shows warnings
+        rc, err = _main(
+            capsys, "train", "--run-dir", str(tmp_path / "b"), *_sets("engine.max_steps=1", "engine.precision=bf16")
+        )
+    assert rc == 0 and "device cpu, precision bf16; run dir" in err, err
+    bf16 = [str(w.message) for w in seen if "engine.precision 'bf16' on a CPU" in str(w.message)]
+    assert bf16 == [BF16_ON_CPU], bf16  # once, though the start's checks run twice (command and trainer)
+    assert "about 12x slower than fp32" in BF16_ON_CPU and "set engine.precision=auto" in BF16_ON_CPU
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for precision in ("auto", "fp32"):
+            rc, _ = _main(
+                capsys, "train", "--run-dir", str(tmp_path / "c"), "--dry-run", *_sets(f"engine.precision={precision}")
+            )
+            assert rc == 0
+    assert not [w for w in seen if "bf16" in str(w.message)]  # auto on a CPU is fp32: no warning
+
+
+def test_every_test_docs_errors_names_exists():
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    named = set(re.findall(r"`(test_\w+)`", (root / "docs" / "errors.md").read_text()))
+    defined = {
+        m for f in root.joinpath("tests").glob("test_*.py") for m in re.findall(r"def (test_\w+)", f.read_text())
+    }
+    assert len(named) > 40 and not named - defined, sorted(named - defined)
 
 
 # ---- small ones ---------------------------------------------------------------------------------------------

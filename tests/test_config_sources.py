@@ -108,6 +108,35 @@ def test_a_preset_override_replaces_the_demo_dimensions_and_records_it():
     assert _comment(text, "model", "input_size") == (16, "--set")
 
 
+@pytest.mark.parametrize("recipe", SOURCES)
+def test_one_preset_override_switches_the_model_of_every_recipe(recipe):
+    """The done-when of switching presets: one ``--set model.preset=X`` (X not the recipe's own) gives X's
+    dimensions, config.yaml says the override set them and reads back to the model that is built."""
+    from diffcurr_fast.models.dit import DIT_PRESETS
+
+    own = load_config(recipe, [])
+    size = own.model.input_size
+    preset = next(n for n, d in DIT_PRESETS.items() if n != own.model.preset and size % d["patch_size"] == 0)
+    cfg = load_config(recipe, [f"model.preset={preset}"])
+    with torch.device("meta"):  # the full-size recipes build without allocating their weights
+        model = build_model(cfg)
+    want = DIT_PRESETS[preset]
+    assert _dims(model) == (want["patch_size"], want["hidden_size"], want["depth"], want["num_heads"])
+    assert _dims(model) != _dims(_meta_model(own))  # the override changed the model
+    text = config_to_yaml(cfg)
+    assert _comment(text, "model", "preset") == (preset, "--set")
+    for key in ("patch_size", "hidden_size", "depth", "num_heads"):
+        assert _comment(text, "model", key) == (want[key], f"model.preset {preset!r} (--set)"), key
+    again = config_from_dict(yaml.safe_load(text))  # the written config describes the built model
+    assert again.to_dict() == cfg.to_dict()
+    assert _dims(_meta_model(again)) == _dims(model) and again.model.input_size == size
+
+
+def _meta_model(cfg):
+    with torch.device("meta"):
+        return build_model(cfg)
+
+
 def test_a_preset_override_replaces_a_recipe_preset_and_custom_goes_back():
     cfg = load_config("dit_b2_curriculum", ["model.preset=DiT-S/4"])
     with torch.device("meta"):
@@ -154,19 +183,52 @@ def test_the_written_run_config_is_the_built_model(tmp_path):
     assert config_from_dict(yaml.safe_load(text)).to_dict() == cfg.to_dict()
 
 
-@pytest.mark.parametrize("formulation, sampler", [("ddpm", "ddim"), ("flow", "heun"), ("edm", "heun")])
-def test_sample_command_defaults_to_the_formulations_sampler(tmp_path, capsys, formulation, sampler):
-    import argparse
-
-    from diffcurr_fast import cli_sample
+def _tiny_checkpoint(path, formulation):
+    """A random-weight checkpoint of a tiny demo model trained with ``formulation``."""
     from diffcurr_fast.runs.checkpoint import atomic_save
 
     tiny = ["model.hidden_size=16", "model.depth=1", "model.num_heads=2", "diffusion.num_timesteps=20"]
     cfg = load_config(None, [f"diffusion.formulation={formulation}", *tiny, "curriculum.num_clusters=2"])
     sd = build_model(cfg).state_dict()
-    ckpt = atomic_save({"config": cfg.to_dict(), "model": sd, "ema": {"module": sd}, "step": 1}, tmp_path / "c.pt")
+    return atomic_save({"config": cfg.to_dict(), "model": sd, "ema": {"module": sd}, "step": 1}, path)
+
+
+@pytest.mark.parametrize("formulation, sampler", [("ddpm", "ddim"), ("flow", "heun"), ("edm", "heun")])
+def test_sample_command_defaults_to_the_formulations_sampler(tmp_path, capsys, formulation, sampler):
+    import argparse
+
+    from diffcurr_fast import cli_sample
+
+    ckpt = _tiny_checkpoint(tmp_path / "c.pt", formulation)
     p = argparse.ArgumentParser()
     cli_sample.add_arguments(p)
     out = tmp_path / "s.npz"
     assert cli_sample.run(p.parse_args(["--ckpt", str(ckpt), "--steps", "2", "--num", "3", "--out", str(out)])) == 0
     assert f"wrote 3 samples ({sampler}, 2 steps" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def digits_cache(tmp_path_factory):
+    from diffcurr_fast.eval.features import digits_classifier
+
+    path = tmp_path_factory.mktemp("digits") / "digits_classifier.pt"
+    digits_classifier(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("formulation, sampler", [("ddpm", "ddim"), ("flow", "heun"), ("edm", "heun")])
+def test_eval_command_defaults_to_the_formulations_sampler(tmp_path, capsys, digits_cache, formulation, sampler):
+    """``eval --ckpt`` without --sampler samples a flow or EDM model with its own sampler (ddim cannot), resolved
+    as ``sample`` resolves it; the images are those of that sampler."""
+    from diffcurr_fast import cli
+    from diffcurr_fast.eval.evaluate import checkpoint_model, samples_from_model
+
+    ckpt = _tiny_checkpoint(tmp_path / "c.pt", formulation)
+    argv = ["eval", "--ckpt", str(ckpt), "--num-samples", "4", "--steps", "2", "--batch-size", "3"]
+    argv += ["--ref", "digits", "--digits-cache", digits_cache, "--json", str(tmp_path / "m.json")]
+    capsys.readouterr()
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    assert f"sampled 4 images from {ckpt} ({sampler}, 2 steps)" in capsys.readouterr().out
+    model, cfg = checkpoint_model(ckpt)
+    auto = samples_from_model(model, cfg, 4, steps=2, batch_size=3)  # the library's default is auto too
+    torch.testing.assert_close(auto, samples_from_model(model, cfg, 4, sampler=sampler, steps=2, batch_size=3))

@@ -407,6 +407,26 @@ def test_curriculum_stage1_llm_proposer_and_overwrite(tmp_path):
     assert load_bundle_with_config(run / "bundle")[0].num_timesteps == 40
 
 
+def test_unreachable_llm_stops_the_command_with_one_line(tmp_path, capsys):
+    """tdc.proposer=llm whose endpoint gives no reply, with the default tdc.llm_fallback (none): the command stops
+    with one error line naming the endpoint and the fallback, exit 2, and no bundle."""
+    from diffcurr_fast import cli
+
+    llm = {"proposer": "llm", "llm_url": "http://127.0.0.1:9/v1", "llm_model": "m"}  # nothing listens on port 9
+    tdc = {**TINY_TDC, **llm, "rounds": 1, "finetune_steps": 1}
+    sets = [*TINY, "logging.num_samples=0", *(f"tdc.{k}={v}" for k, v in tdc.items())]
+    capsys.readouterr()
+    rc = cli.main(["tdc", "--run-dir", str(tmp_path / "run"), *[a for s in sets for a in ("--set", s)]])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
+    assert rc == 2 and len(errors) == 1, errors
+    assert errors[0].startswith(
+        "diffcurr-fast tdc: error: tdc.proposer 'llm': the endpoint http://127.0.0.1:9/v1/chat/completions gave no "
+        "reply ("
+    ), errors
+    assert errors[0].endswith("or set tdc.llm_fallback=local to let the local proposer fill such rounds"), errors
+    assert (tmp_path / "run" / "stage1").is_dir() and not (tmp_path / "run" / "bundle").exists()
+
+
 def test_bundle_without_config_is_refused(tdc_run, tmp_path):
     import shutil
 

@@ -3,7 +3,7 @@
 Examples::
 
     diffcurr-fast eval --samples samples.npz --ref digits --extractor digits
-    diffcurr-fast eval --ckpt runs/digits --num 500 --ref digits --extractor digits
+    diffcurr-fast eval --ckpt runs/digits --num-samples 500 --ref digits --extractor digits
     diffcurr-fast eval --samples samples.npz --ref imagenet256_ref.npz --extractor inception \\
         --inception-weights pt_inception-2015-12-05-6726825d.pth
     diffcurr-fast eval --ref real.npz --save-ref ref_stats.npz --extractor digits   # cache a reference
@@ -26,6 +26,7 @@ from diffcurr_fast._files import write_json
 # The evaluation modules (torch) are imported in run(): `diffcurr-fast eval --help` stays instant. The names of
 # features.EXTRACTORS (a test keeps the two equal):
 EXTRACTORS = ("digits", "mnist5k", "inception")
+SAMPLERS = ("auto", "ddpm", "ddim", "heun", "euler")  # auto and runs.sampling.SAMPLERS (tested)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,7 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ckpt = parser.add_argument_group("sampling with --ckpt")
     # --num-samples first: under torchrun, "--num" is taken for an abbreviation of torchrun's own --numa-binding
     ckpt.add_argument("--num-samples", "--num", dest="num", type=int, default=1000, help="number of samples")
-    ckpt.add_argument("--sampler", default="ddim", help="sampler: ddpm | ddim | heun | euler")
+    ckpt.add_argument(
+        "--sampler",
+        default="auto",
+        choices=SAMPLERS,
+        help="sampler (default auto: the formulation's own, ddim for ddpm, heun for flow and edm)",
+    )
     ckpt.add_argument("--steps", type=int, default=50, help="sampling steps")
     ckpt.add_argument("--cfg", type=float, default=1.0, help="classifier-free guidance scale")
     ckpt.add_argument("--seed", type=int, default=0, help="sampling seed")
@@ -132,23 +138,31 @@ def _ranks(args: argparse.Namespace) -> tuple[int, int]:
 def _run(args: argparse.Namespace, rank: int, world: int) -> int:
     # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.eval.evaluate import (
+        check_draw,
+        checkpoint_model,
         evaluate,
         load_images,
         load_latents,
         load_reference,
-        samples_from_checkpoint,
+        samples_from_model,
     )
     from diffcurr_fast.eval.features import get_extractor
+    from diffcurr_fast.runs.config import resolve_sampler
+
+    if args.ckpt is not None:  # every rank loads the model; --sampler auto is its formulation's own, as in `sample`
+        check_draw(args.num, args.batch_size)
+        model, cfg = checkpoint_model(args.ckpt, weights=args.weights, device=args.device)
+        args.sampler = resolve_sampler(args.sampler, cfg.diffusion.formulation)
 
     def draw():  # under torchrun: this rank's share of the batches, then all of them
-        return samples_from_checkpoint(
-            args.ckpt,
+        return samples_from_model(
+            model,
+            cfg,
             args.num,
             sampler=args.sampler,
             steps=args.steps,
             cfg_scale=args.cfg,
             seed=args.seed,
-            weights=args.weights,
             device=args.device,
             batch_size=args.batch_size,
             progress=rank == 0,

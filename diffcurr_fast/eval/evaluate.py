@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,7 +19,7 @@ import torch
 from diffcurr_fast.eval.features import FeatureExtractor, load_digits_data
 from diffcurr_fast.eval.metrics import feature_statistics, frechet_distance, inception_score, precision_recall
 from diffcurr_fast.runs.checkpoint import check_finite_weights, load_checkpoint, resolve_checkpoint
-from diffcurr_fast.runs.config import config_from_dict
+from diffcurr_fast.runs.config import TrainConfig, config_from_dict, resolve_sampler
 from diffcurr_fast.runs.sampling import batch_slices, build_model, build_schedule, sample_batch
 
 
@@ -82,33 +83,14 @@ def _sample_array(path: str | os.PathLike) -> tuple[str, torch.Tensor]:
     return key, x
 
 
-def samples_from_checkpoint(
-    ckpt: str | os.PathLike,
-    num: int,
-    *,
-    sampler: str = "ddim",
-    steps: int = 50,
-    cfg_scale: float = 1.0,
-    seed: int = 0,
-    weights: str = "ema",
-    device: str | torch.device = "cpu",
-    batch_size: int = 64,
-    progress: bool = False,
-    rank: int = 0,
-    world: int = 1,
-) -> torch.Tensor:
-    """Images (N, C, H, W) in [-1, 1] sampled from a training checkpoint (file or run directory), labels cycled
-    over the classes, in batches of ``batch_size`` (seeded as ``diffcurr-fast sample`` seeds them). Only
-    pixel-space models (1 or 3 channels) qualify: latents would need the VAE decoder. A model with NaN or inf
-    weights is refused. With ``world`` > 1 (a running process group) rank ``rank`` draws its share of the batches
-    and every rank returns all N images: the same as one process draws."""
-    from tqdm.auto import tqdm
-
-    if num < 2:
-        raise ValueError(f"--num must be >= 2 to evaluate, got {num}")
+def checkpoint_model(
+    ckpt: str | os.PathLike, *, weights: str = "ema", device: str | torch.device = "cpu"
+) -> tuple[torch.nn.Module, TrainConfig]:
+    """(the model of a training checkpoint (file or run directory) with its ``weights``, on ``device`` in eval mode;
+    its config). Only pixel-space models (1 or 3 channels) qualify: latents would need the VAE decoder. A model with
+    NaN or inf weights is refused."""
     if weights not in ("ema", "model"):
         raise ValueError(f"weights must be 'ema' or 'model', got {weights!r}")
-    slices = batch_slices(num, batch_size, rank, world)
     path = resolve_checkpoint(ckpt)
     state = load_checkpoint(path)
     cfg = config_from_dict(state["config"])
@@ -122,7 +104,49 @@ def samples_from_checkpoint(
     sd = state["ema"]["module"] if weights == "ema" else state["model"]
     check_finite_weights(sd, f"checkpoint {path} ({weights} weights)")
     model.load_state_dict(sd)
-    model = model.to(device).eval()
+    return model.to(device).eval(), cfg
+
+
+def check_draw(num: int, batch_size: int) -> None:
+    """ValueError naming the option unless ``num`` >= 2 (the features' covariance needs two) and ``batch_size`` is
+    a positive int; the commands check this before a checkpoint is read."""
+    if num < 2:
+        raise ValueError(f"--num-samples must be >= 2 to evaluate, got {num}")
+    batch_slices(num, batch_size)
+
+
+def samples_from_checkpoint(ckpt: str | os.PathLike, num: int, *, weights: str = "ema", **kw: Any) -> torch.Tensor:
+    """``samples_from_model`` of the model of ``ckpt`` (``checkpoint_model``); ``kw`` are its keywords."""
+    check_draw(num, kw.get("batch_size", 64))
+    model, cfg = checkpoint_model(ckpt, weights=weights, device=kw.get("device", "cpu"))
+    return samples_from_model(model, cfg, num, **kw)
+
+
+def samples_from_model(
+    model: torch.nn.Module,
+    cfg: TrainConfig,
+    num: int,
+    *,
+    sampler: str = "auto",
+    steps: int = 50,
+    cfg_scale: float = 1.0,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    batch_size: int = 64,
+    progress: bool = False,
+    rank: int = 0,
+    world: int = 1,
+) -> torch.Tensor:
+    """Images (N, C, H, W) in [-1, 1] sampled from ``model`` (trained with ``cfg``), labels cycled over the classes,
+    in batches of ``batch_size`` (seeded as ``diffcurr-fast sample`` seeds them); ``sampler`` ``auto`` is the
+    formulation's own (``resolve_sampler``). With ``world`` > 1 (a running process group) rank ``rank`` draws its
+    share of the batches and every rank returns all N images: the same as one process draws."""
+    from tqdm.auto import tqdm
+
+    check_draw(num, batch_size)
+    m = cfg.model
+    sampler = resolve_sampler(sampler, cfg.diffusion.formulation)
+    slices = batch_slices(num, batch_size, rank, world)
     labels = torch.arange(num, dtype=torch.long) % m.num_classes
     schedule, parts = build_schedule(cfg), {}
     for b, sl in tqdm(slices, desc="sampling", unit="batch", disable=not progress, dynamic_ncols=True):

@@ -64,9 +64,20 @@ LR_SCHEDULES = ("constant", "cosine")  # ``train.loop.lr_at``
 INF = math.inf
 
 
-def _an(word: str) -> str:
+def with_article(word: str) -> str:
     """``word`` with its indefinite article (``an edm``, ``a flow``)."""
     return f"{'an' if word[:1] in 'aeiou' else 'a'} {word}"
+
+
+def resolve_sampler(sampler: str, formulation: str) -> str:
+    """``sampler``, or for ``auto`` the formulation's own (``diffusion.FORMULATION_DEFAULTS``: ddim for ddpm, heun for
+    flow and edm), as ``logging.sampler`` and ``eval.sampler`` resolve; the commands that sample a checkpoint
+    (``sample``, ``eval --ckpt``) resolve their ``--sampler`` with it."""
+    if sampler != "auto":
+        return sampler
+    from diffcurr_fast.diffusion import FORMULATION_DEFAULTS
+
+    return FORMULATION_DEFAULTS[formulation]["sampler"]
 
 
 def _f(default: Any, doc: str, choices: tuple | Callable[[], tuple] | None = None, *, lo: float | None = None,
@@ -137,7 +148,7 @@ class ModelConfig:
         for name, value in dims.items():
             have = getattr(self, name)
             earlier = self.preset != "custom" and _source_of(self, name)[0] < rank
-            if have is None or name in filled or (earlier and have != value):
+            if have is None or name in filled or earlier:  # a later preset takes every dimension, equal ones too
                 setattr(self, name, value)
                 filled.add(name)
                 _sources(self)[name] = (rank, by)
@@ -206,8 +217,10 @@ class DiffusionConfig:
 
         preds = TRAIN_PREDICTIONS[self.formulation]
         if self.prediction not in preds:
-            raise ValueError(f"diffusion.prediction {self.prediction!r} is not {_an(self.formulation)} target; valid "
-                             f"choices: {', '.join(preds)}")
+            raise ValueError(
+                f"diffusion.prediction {self.prediction!r} is not {with_article(self.formulation)} target; valid "
+                f"choices: {', '.join(preds)}"
+            )
 
 
 @dataclass
@@ -507,8 +520,10 @@ class TrainConfig:
                     )
             for key, sampler in (("logging.sampler", self.logging.sampler), ("eval.sampler", self.eval.sampler)):
                 if sampler not in ("euler", "heun") and (key == "logging.sampler" or self.logging.eval_every):
-                    raise ValueError(f"{key} {sampler!r} cannot sample {_an(d.formulation)} model; valid choices: "
-                                     "euler, heun")
+                    raise ValueError(
+                        f"{key} {sampler!r} cannot sample {with_article(d.formulation)} model; valid choices: "
+                        "euler, heun"
+                    )
         if self.curriculum.num_clusters > self.diffusion.num_timesteps:
             raise ValueError(
                 f"curriculum.num_clusters ({self.curriculum.num_clusters}) must be <= diffusion.num_timesteps "

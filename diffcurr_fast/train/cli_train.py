@@ -66,6 +66,15 @@ def describe_model(cfg, num_params: int | None = None) -> str:
     return name + (f", {num_params / 1e6:.2f}M parameters" if num_params is not None else "")
 
 
+def describe_precision(cfg, device) -> str:
+    """``precision fp32 (auto)``: what ``engine.precision`` resolves to on ``device`` (``objective.resolve_precision``),
+    with ``(auto)`` when it was not given."""
+    from diffcurr_fast.objective import resolve_precision
+
+    p = cfg.engine.precision
+    return f"precision {resolve_precision(p, device)}" + (" (auto)" if p == "auto" else "")
+
+
 def describe_data(cfg) -> str:
     d, m = cfg.data, cfg.model
     src = f"built-in {d.dataset}" if d.dataset in ("digits", "mnist5k") else f"{d.dataset} {d.path}"
@@ -113,8 +122,8 @@ def run(args: argparse.Namespace) -> int:
             print(
                 f"diffcurr-fast train: {where} at step {trainer.step} of {cfg.engine.max_steps}; "
                 f"data {describe_data(cfg)}; model {describe_model(cfg, n)}; "
-                f"{engine.kind} engine, world size {engine.world_size}, device {engine.device}; "
-                f"run dir {trainer.run_dir}",
+                f"{engine.kind} engine, world size {engine.world_size}, device {engine.device}, "
+                f"{describe_precision(cfg, engine.device)}; run dir {trainer.run_dir}",
                 file=sys.stderr,
             )
         try:
