@@ -59,8 +59,12 @@ def build_model(cfg: TrainConfig) -> DiT:
     )
     # the config has resolved a preset into its dimensions (``ModelConfig.validate``)
     return DiT(
-        patch_size=m.patch_size, hidden_size=m.hidden_size, depth=m.depth, num_heads=m.num_heads,
-        mlp_ratio=m.mlp_ratio, **kw,
+        patch_size=m.patch_size,
+        hidden_size=m.hidden_size,
+        depth=m.depth,
+        num_heads=m.num_heads,
+        mlp_ratio=m.mlp_ratio,
+        **kw,
     )
 
 
@@ -150,8 +154,9 @@ def sample(
         common = dict(num_classes=num_classes, cfg_scale=cfg_scale, seed=seed, device=torch.device(device))
         lo, hi = schedule.sigma_min, schedule.sigma_max
         if sampler == "heun":
-            x = edm_heun_sample(den, shape, labels.to(device), num_steps=steps, sigma_min=lo, sigma_max=hi,
-                                progress=progress, **common)
+            x = edm_heun_sample(
+                den, shape, labels.to(device), num_steps=steps, sigma_min=lo, sigma_max=hi, progress=progress, **common
+            )
         else:
             x = _euler(den, shape, labels.to(device), steps, lo, hi, progress=progress, **common)
         return x.clamp(-1, 1) if clip_denoised else x
@@ -159,9 +164,16 @@ def sample(
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be a positive int, got {steps!r}")
         x = flow_sample(
-            lambda x, t, yy: model(x, t, yy), (len(labels), channels, size, size), labels.to(device),
-            num_steps=steps, method=sampler, num_classes=num_classes, cfg_scale=cfg_scale, seed=seed,
-            device=device, progress=progress,
+            lambda x, t, yy: model(x, t, yy),
+            (len(labels), channels, size, size),
+            labels.to(device),
+            num_steps=steps,
+            method=sampler,
+            num_classes=num_classes,
+            cfg_scale=cfg_scale,
+            seed=seed,
+            device=device,
+            progress=progress,
         )
         return x.clamp(-1, 1) if clip_denoised else x
     if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= schedule.num_timesteps:
@@ -175,8 +187,15 @@ def sample(
         sched, tmap = respaced(schedule, sampler, steps)
         run = ddpm_sample if sampler == "ddpm" else ddim_sample
         return run(
-            fn, sched, shape, y, learn_sigma=learn_sigma, prediction=prediction, clip_denoised=clip_denoised,
-            timestep_map=tmap.to(device), **common,
+            fn,
+            sched,
+            shape,
+            y,
+            learn_sigma=learn_sigma,
+            prediction=prediction,
+            clip_denoised=clip_denoised,
+            timestep_map=tmap.to(device),
+            **common,
         )
     den = VEDenoiser(model, schedule, prediction, channels)
     if sampler == "heun":
@@ -267,10 +286,20 @@ def sample_grid(
     sampler, steps = grid_sampler(cfg)
     net = model if should_stop is None else _Interruptible(model, should_stop)
     x = sample(
-        net, schedule, sampler=sampler, steps=steps,
-        labels=torch.arange(lg.num_samples) % m.num_classes, channels=m.in_channels, size=m.input_size,
-        num_classes=m.num_classes, learn_sigma=cfg.diffusion.learn_sigma, prediction=cfg.diffusion.prediction,
-        cfg_scale=lg.cfg_scale, clip_denoised=pixel_range(cfg), seed=cfg.engine.seed, device=device,
+        net,
+        schedule,
+        sampler=sampler,
+        steps=steps,
+        labels=torch.arange(lg.num_samples) % m.num_classes,
+        channels=m.in_channels,
+        size=m.input_size,
+        num_classes=m.num_classes,
+        learn_sigma=cfg.diffusion.learn_sigma,
+        prediction=cfg.diffusion.prediction,
+        cfg_scale=lg.cfg_scale,
+        clip_denoised=pixel_range(cfg),
+        seed=cfg.engine.seed,
+        device=device,
         progress=lg.progress,
     )
     nrow = m.num_classes if m.num_classes <= 16 else None
