@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 import os
 import re
 import shutil
@@ -554,7 +555,9 @@ class SkipCounts:
     STEP, TOTAL, RUN, FIRST, BROKE, BROKE_TOTAL, BROKE_RUN = range(7)
 
     def __init__(self, device: torch.device, max_in_a_row: int, max_total: float, stop_at_once: bool):
-        self.max_in_a_row, self.max_total, self.stop_at_once = int(max_in_a_row), float(max_total), bool(stop_at_once)
+        # an int n of skips exceeds max_total iff it exceeds its floor: compared on integers, as the host's doubles
+        self.max_in_a_row, self.max_total = int(max_in_a_row), math.floor(max_total)
+        self.stop_at_once = bool(stop_at_once)
         self.counts = torch.zeros(7, dtype=torch.int64, device=device)
 
     def reset(self, step: int, total: int, run: int, first: int) -> None:

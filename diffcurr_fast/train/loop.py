@@ -182,7 +182,7 @@ class Trainer:
         self.skips_in_a_row = 0
         self.first_nan_skip = 0
         stop_rules = (e.max_nan_skips, e.max_skip_share * e.max_steps, e.nan_policy == "stop")
-        self.skips = SkipCounts(self.device, *stop_rules) if e.cuda_graphs else None  # the device-side step's
+        self.skips = SkipCounts(self.device, *stop_rules) if e.cuda_graphs else None  # counted on the device
         self.train_s, self._clock = 0.0, None  # training wall time without evaluations (train_time); checkpointed
         self.resumed_from: Path | None = latest
         if latest is not None:
@@ -329,9 +329,9 @@ class Trainer:
                 y = y.to(self.device, non_blocking=True)
                 stats = self.train_step(x0, y)
                 seen += x0.shape[0] * self.engine.world_size
-                if "loss" in stats:
-                    win_loss += stats["loss"]  # engine.cuda_graphs: 0 for a skipped step, and counted as
-                    win_n += stats.get("applied", 1)  # the device flag: no host read until the log step
+                if "loss" in stats:  # engine.cuda_graphs: 0 and a false flag for a skipped step, read at the log
+                    win_loss += stats["loss"]
+                    win_n += stats.get("applied", 1)
                 bar.update(1)
                 if self.step % cfg.logging.log_every == 0 or self.step == cfg.engine.max_steps:
                     self._read_skips()  # engine.cuda_graphs: the stop rules apply here
