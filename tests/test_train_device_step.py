@@ -125,7 +125,9 @@ def test_finite_steps_are_bitwise_the_host_path(tmp_path, variant):
     assert dev.engine.device_side and not host.engine.device_side
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize(
+    "variant", [pytest.param(v, marks=pytest.mark.slow) if "accum" in v else v for v in VARIANTS]
+)  # grad accumulation: twice the micro-steps
 def test_skipped_steps_end_in_the_host_paths_state(tmp_path, variant):
     extra, bad = VARIANTS[variant], {"bad_grad": BAD_GRAD, "bad_loss": BAD_LOSS}
     host = _run(tmp_path / "host", 12, *extra, **bad)
