@@ -168,6 +168,16 @@ def test_train_step_reads_nothing_back_but_the_vote(tmp_path, extra):
     assert votes == 1
 
 
+@pytest.mark.parametrize("extra", [(), ("optim.grad_clip=1.0", "optim.grad_accum_steps=2"), FLOW])
+def test_device_side_step_reads_nothing_back(tmp_path, extra):
+    """``engine.cuda_graphs``: not even the vote; the curriculum's window read-back is outside these steps."""
+    tr = Trainer(_cfg(tmp_path / "run", "engine.cuda_graphs=true", *extra))
+    x0, y = next(tr.loader)
+    tr.train_step(x0, y)
+    syncs, votes = _count_step(tr, x0, y)
+    assert syncs == [] and votes == 0, f"host syncs inside the device-side step: {syncs}"
+
+
 def test_sync_counter_sees_a_read_of_the_step(tmp_path):
     """The counter fails the step when something in it reads a value back (here: the model's input range check)."""
     tr = Trainer(_cfg(tmp_path / "run"))

@@ -33,6 +33,13 @@ improving), spread uniformly over its timesteps.
 Synchronisation: ``observe`` keeps the window's loss sum on the loss's device and reads it back once per
 ``eval_every`` steps (one all-reduce and one host copy); a non-finite loss is detected at that read-back and
 reported with the first step that produced it.
+
+Masked steps (the trainer's device-side step, ``engine.cuda_graphs``): ``observe(..., ok)`` with a 0-d bool device
+tensor counts the step only where ``ok`` holds, without reading it back. Its loss is added as 0 where it does not,
+and the window and stage lengths count it until they are read: when one of them reaches its end, the skipped steps
+(a device count) are read back and taken out, and the window or stage ends only if none was skipped. So windows,
+evaluations and unlocks fall on the steps where they fall when skipped steps are not observed at all; each window
+that had skipped steps costs one more read-back.
 """
 
 from __future__ import annotations
@@ -186,6 +193,7 @@ class Curriculum:
         self._bad_step: torch.Tensor | None = None  # 0-d int64, first step with a non-finite loss
         self._cl_sum: torch.Tensor | None = None  # (N,) float32
         self._cl_count: torch.Tensor | None = None  # (N,) float32
+        self._skipped: torch.Tensor | None = None  # 0-d int64, masked steps skipped since the counts were exact
         # ---- per-cluster EMAs (host floats, NaN until a cluster has been seen) ----
         self._cl_fast = [math.nan] * n
         self._cl_slow = [math.nan] * n
@@ -273,11 +281,12 @@ class Curriculum:
         return self._weights
 
     # ---- observing the training loss -----------------------------------------------------------------
-    def observe(self, step: int, loss: float | torch.Tensor) -> bool:
+    def observe(self, step: int, loss: float | torch.Tensor, ok: torch.Tensor | None = None) -> bool:
         """Record the training loss of ``step``; returns True when this call unlocked a cluster.
 
         ``loss`` is a float or a 0-d tensor on any device; it is accumulated where it lives and read back only at
-        the end of each ``eval_every`` window. Raises ValueError (naming the step) on a NaN/inf loss.
+        the end of each ``eval_every`` window. Raises ValueError (naming the step) on a NaN/inf loss. ``ok``: a 0-d
+        bool tensor on the loss's device; the step counts only where it holds (module doc: masked steps).
         """
         step = int(step)
         if isinstance(loss, torch.Tensor):
@@ -289,6 +298,9 @@ class Curriculum:
             if not math.isfinite(value):
                 raise ValueError(f"non-finite training loss {value} at step {step}")
             value = torch.tensor(value, dtype=torch.float32)
+        if ok is not None:
+            value = torch.where(ok, value, torch.zeros_like(value))
+            self._skipped = (~ok).to(torch.int64) if self._skipped is None else self._skipped + ~ok
         if self._win_sum is None or self._win_sum.device != value.device:
             self._move_window(value.device)
         self._win_sum += value
@@ -300,18 +312,21 @@ class Curriculum:
         self._win_count += 1
         self._steps_in_stage += 1
         unlocked = False
-        if not self.finished and self._rule.unlock_after_step(self):
+        if not self.finished and self._rule.unlock_after_step(self) and self._settled():
             self._unlock(step)
             unlocked = True
-        if self._win_count >= self.eval_every:
+        if self._win_count >= self.eval_every and self._settled():
             unlocked = self._evaluate(step) or unlocked
         return unlocked
 
-    def observe_per_timestep(self, t: torch.Tensor, per_sample_loss: torch.Tensor) -> None:
+    def observe_per_timestep(
+        self, t: torch.Tensor, per_sample_loss: torch.Tensor, ok: torch.Tensor | None = None
+    ) -> None:
         """Accumulate per-sample losses by cluster on their device (for logging and ``adaptive`` pacing).
 
         ``t`` (B,) int timesteps and ``per_sample_loss`` (B,) losses; non-finite values are caught by ``observe``'s
-        check of the batch mean. The sums are folded into per-cluster EMAs at the next evaluation.
+        check of the batch mean. The sums are folded into per-cluster EMAs at the next evaluation. ``ok``: a 0-d
+        bool tensor; where it is false nothing is added.
         """
         t = torch.as_tensor(t)
         loss = torch.as_tensor(per_sample_loss).detach()
@@ -322,8 +337,11 @@ class Curriculum:
         if self._cl_sum is None or self._cl_sum.device != loss.device:
             self._move_cluster_sums(loss.device)
         k = self.cluster_of(t.to(loss.device))  # (B,)
-        self._cl_sum.index_add_(0, k, loss.to(torch.float32))
-        self._cl_count.index_add_(0, k, torch.ones_like(loss, dtype=torch.float32))
+        loss, one = loss.to(torch.float32), torch.ones_like(loss, dtype=torch.float32)
+        if ok is not None:  # a skipped step adds 0 to the sums and the counts
+            loss, one = torch.where(ok, loss, 0.0), torch.where(ok, one, 0.0)
+        self._cl_sum.index_add_(0, k, loss)
+        self._cl_count.index_add_(0, k, one)
 
     def cluster_losses(self) -> torch.Tensor:
         """(N,) float64 per-cluster loss EMA as of the last evaluation (NaN for clusters not seen yet)."""
@@ -408,6 +426,18 @@ class Curriculum:
         if changed and self._rule.reweights and self.finished:
             self._weights = None
 
+    def _settled(self) -> bool:
+        """True when the window and stage lengths are exact; otherwise (masked steps were skipped since the last
+        read) take the skipped steps out of both and return False. The count is read back here, at the end of a
+        window or stage only."""
+        if self._skipped is None:
+            return True
+        n = int(self._skipped)
+        self._skipped = None
+        self._win_count -= n
+        self._steps_in_stage -= n
+        return n == 0
+
     def _unlock(self, step: int) -> None:
         self._stage += 1
         self.history.append(step)
@@ -435,6 +465,7 @@ class Curriculum:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume: configuration, decision state and the current window's accumulators."""
+        self._settled()  # exact counts: a skipped masked step is counted until the next read
         return {
             "config": self._config(),
             "stage": self._stage,
@@ -473,3 +504,4 @@ class Curriculum:
         self._cl_fast = [float(v) for v in state["cl_fast"]]
         self._cl_slow = [float(v) for v in state["cl_slow"]]
         self._weights = None
+        self._skipped = None

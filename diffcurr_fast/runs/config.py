@@ -383,10 +383,21 @@ class EngineConfig:
         "CPU: keep freed host memory in the process (glibc mallopt) so each step's "
         "large tensors reuse mapped pages instead of page-faulting new ones",
     )
+    cuda_graphs: bool = _f(
+        False,
+        "a training step that reads nothing back to the host, as CUDA graph capture needs: a non-finite step is "
+        "skipped on the device (optimizer, EMA and sampler statistics masked), the skip counts and stop rules are "
+        "read at the next log step (the graphs themselves are not captured)",
+    )
 
     def validate(self) -> None:
         if self.kind == "deepspeed" and not self.deepspeed_config:
             raise ValueError("engine.deepspeed_config is required when engine.kind is 'deepspeed' (a DeepSpeed JSON)")
+        if self.kind == "deepspeed" and self.cuda_graphs:
+            raise ValueError(
+                "engine.cuda_graphs does not apply to engine.kind 'deepspeed' (DeepSpeed decides its overflow skips "
+                "on the host); use engine.kind single or ddp, or engine.cuda_graphs=false"
+            )
 
 
 @dataclass
@@ -564,6 +575,13 @@ class TrainConfig:
                 f"curriculum.num_clusters ({self.curriculum.num_clusters}) must be <= diffusion.num_timesteps "
                 f"({self.diffusion.num_timesteps})"
             )
+        host_only = {
+            "timesteps.sampler 'anuts'": (self.timesteps.sampler == "anuts", "its policy update reads losses back"),
+            "optim.impl 'apex'": (self.optim.impl == "apex", "its FusedAdam cannot skip an update on the device"),
+        }
+        for what, (used, why) in host_only.items():
+            if self.engine.cuda_graphs and used:
+                raise ValueError(f"engine.cuda_graphs does not work with {what} ({why}); set engine.cuda_graphs=false")
         if self.tdc.num_groups > self.diffusion.num_timesteps:
             raise ValueError(
                 f"tdc.num_groups ({self.tdc.num_groups}) must be <= diffusion.num_timesteps "

@@ -117,7 +117,10 @@ class ANUTS(TimestepSampler):
             return None
         return self.candidates, self.probe_batch, 1_000_003 * (self.updates + 1) + 17
 
-    def observe(self, k: torch.Tensor, per_sample_loss: torch.Tensor, step: int | None = None) -> None:
+    def observe(
+        self, k: torch.Tensor, per_sample_loss: torch.Tensor, step: int | None = None, ok: torch.Tensor | None = None
+    ) -> None:
+        # ok: the config refuses anuts with engine.cuda_graphs (the policy update reads the probe losses on the host)
         self._k = k.detach()  # the draws of the step, for the policy gradient if it is probed
 
     def observe_probe(self, before: torch.Tensor, after: torch.Tensor) -> None:

@@ -5,8 +5,10 @@ EDM: G equal cells of t / ln sigma, ``Formulation.cell_grid``):
 
 - ``weights()``: (G,) non-negative weights (any scale), or None for uniform; a strategy returns the same tensor
   object until its distribution changes, so the composition can cache the device copy;
-- ``observe(k, per_sample_loss, step)``: the statistics of a step's draws k (B,) and their losses (B,), kept on the
-  device; collectives go over ``process_group`` (None: every rank), so all ranks hold the same distribution;
+- ``observe(k, per_sample_loss, step, ok)``: the statistics of a step's draws k (B,) and their losses (B,), kept on
+  the device; collectives go over ``process_group`` (None: every rank), so all ranks hold the same distribution;
+  ``ok`` (the trainer's device-side step, ``engine.cuda_graphs``): a 0-d bool device tensor, the step counts only
+  where it holds, and a strategy masks its statistics with it instead of reading it back;
 - ``loss_weights``: strategies with ``unbiased = True`` (importance sampling) have their draws corrected so that the
   loss keeps the mean it has without them (``Product.loss_weights``);
 - ``probe(step)`` / ``observe_probe(before, after)``: a strategy that measures the objective's decrease asks the
@@ -67,8 +69,10 @@ class TimestepSampler:
         """(G,) non-negative weights, or None for uniform."""
         return None
 
-    def observe(self, k: torch.Tensor, per_sample_loss: torch.Tensor, step: int | None = None) -> None:
-        """Fold the draws ``k`` (B,) and their losses (B,) of one step into the statistics."""
+    def observe(
+        self, k: torch.Tensor, per_sample_loss: torch.Tensor, step: int | None = None, ok: torch.Tensor | None = None
+    ) -> None:
+        """Fold the draws ``k`` (B,) and their losses (B,) of one step into the statistics (where ``ok`` holds)."""
 
     def probe(self, step: int) -> tuple[torch.Tensor, int, int] | None:
         """(cells (P,), n, seed): measure the loss at these cells on the batch's first n samples with noise ``seed``
@@ -171,9 +175,11 @@ class Product(TimestepSampler):
         self._refresh()
         return None if self._corr is None else self._corr[k]
 
-    def observe(self, k: torch.Tensor, per_sample_loss: torch.Tensor, step: int | None = None) -> None:
+    def observe(
+        self, k: torch.Tensor, per_sample_loss: torch.Tensor, step: int | None = None, ok: torch.Tensor | None = None
+    ) -> None:
         for p in self.parts:
-            p.observe(k, per_sample_loss, step)
+            p.observe(k, per_sample_loss, step, ok)
 
     def probe(self, step: int) -> tuple[torch.Tensor, int, int] | None:
         asks = [a for a in (p.probe(step) for p in self.parts) if a is not None]

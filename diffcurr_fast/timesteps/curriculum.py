@@ -45,11 +45,13 @@ class CurriculumMask(TimestepSampler):
             self._src, self._w = w, full
         return self._w
 
-    def observe(self, k: torch.Tensor, per_sample_loss: torch.Tensor, step: int | None = None) -> None:
+    def observe(
+        self, k: torch.Tensor, per_sample_loss: torch.Tensor, step: int | None = None, ok: torch.Tensor | None = None
+    ) -> None:
         step = self._steps if step is None else int(step)
         self._steps = step + 1
-        self.curriculum.observe_per_timestep(k - self.offset if self.offset else k, per_sample_loss)
-        self.curriculum.observe(step, per_sample_loss.mean())
+        self.curriculum.observe_per_timestep(k - self.offset if self.offset else k, per_sample_loss, ok)
+        self.curriculum.observe(step, per_sample_loss.mean(), ok)
 
     def state_dict(self) -> dict[str, Any] | None:
         return None

@@ -56,14 +56,16 @@ class LossSecondMoment(TimestepSampler):
             self._w = torch.where(self.warmed_up, w, torch.full_like(w, 1.0 / g))  # uniform during the warm-up
         return self._w
 
-    def observe(self, k: torch.Tensor, per_sample_loss: torch.Tensor, step: int | None = None) -> None:
+    def observe(
+        self, k: torch.Tensor, per_sample_loss: torch.Tensor, step: int | None = None, ok: torch.Tensor | None = None
+    ) -> None:
         dev = per_sample_loss.device
         if self._hist.device != dev:
             self._hist, self._count = self._hist.to(dev), self._count.to(dev)
         k = all_gather_cat(k.to(dev).long(), self.process_group)  # (W B,) every rank's draws, rank order
         loss = all_gather_cat(per_sample_loss.detach().to(torch.float64), self.process_group)  # (W B,)
-        ok = torch.isfinite(loss)
-        k, loss = k[ok], loss[ok]
+        valid = torch.isfinite(loss) if ok is None else torch.isfinite(loss) & ok.to(dev)  # a skipped step: none
+        k, loss = k[valid], loss[valid]
         g, h = self.num_cells, self.history
         order = torch.argsort(k, stable=True)  # each cell's losses in arrival order
         ks, ls = k[order], loss[order]

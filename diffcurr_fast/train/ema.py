@@ -3,6 +3,11 @@
 ema <- d ema + (1 - d) theta after every optimizer step, with d = ``decay`` (DiT: 0.9999) or, with ``warmup``,
 d_n = min(decay, (1 + n) / (10 + n)) at update n (the usual warm-up, so early averages are not dominated by the
 random initialisation). Buffers are copied. The EMA is kept in float32 whatever the model's dtype.
+
+Masked updates (the device-side step, ``engine.cuda_graphs``): ``update(model, ok)`` with a 0-d bool device tensor
+changes nothing where ``ok`` is false, without reading it back: the update count lives on the device (float64, so
+the decay d_n is the host's double arithmetic), the lerp weight is 1 - d_n or 0, and buffers are copied where ``ok``.
+Where ``ok`` holds it gives the bits of the unmasked update.
 """
 
 from __future__ import annotations
@@ -22,8 +27,18 @@ class EMA:
             raise ValueError(f"EMA decay must lie in [0, 1], got {decay!r}")
         self.decay, self.warmup = float(decay), bool(warmup)
         self.module = copy.deepcopy(model).float().eval().requires_grad_(False)
-        self.num_updates = 0
+        self._updates = 0
+        self._device_updates: torch.Tensor | None = None  # the count of masked updates (0-d float64), once used
         self._cache: tuple | None = None  # (model, its lists) of the last update
+
+    @property
+    def num_updates(self) -> int:
+        """Updates applied so far (a masked update's count is on the device: read back here)."""
+        return self._updates if self._device_updates is None else int(self._device_updates)
+
+    @num_updates.setter
+    def num_updates(self, value: int) -> None:
+        self._updates, self._device_updates = int(value), None
 
     def current_decay(self) -> float:
         """Decay used by the next update."""
@@ -33,9 +48,12 @@ class EMA:
         return min(self.decay, (1.0 + n) / (10.0 + n))
 
     @torch.no_grad()
-    def update(self, model: nn.Module) -> None:
+    def update(self, model: nn.Module, ok: torch.Tensor | None = None) -> None:
         """ema <- d ema + (1 - d) theta for every parameter (one ``_foreach_lerp_``); buffers copied (one
-        ``_foreach_copy_``)."""
+        ``_foreach_copy_``). ``ok``: a 0-d bool device tensor; the update applies only where it holds (module doc)."""
+        if ok is not None:
+            self._masked_update(model, ok)
+            return
         d = self.current_decay()
         ema_p, src_p, ema_b, src_b = self._lists(model)
         if any(p.dtype != torch.float32 for p in src_p):  # a low-precision model: its weights upcast first
@@ -44,6 +62,21 @@ class EMA:
         if ema_b:
             torch._foreach_copy_(ema_b, src_b)
         self.num_updates += 1
+
+    def _masked_update(self, model: nn.Module, ok: torch.Tensor) -> None:
+        ema_p, src_p, ema_b, src_b = self._lists(model)
+        if any(p.dtype != torch.float32 for p in src_p):
+            src_p = [p.to(torch.float32) for p in src_p]
+        if self._device_updates is None or self._device_updates.device != ok.device:
+            self._device_updates = torch.tensor(float(self.num_updates), dtype=torch.float64, device=ok.device)
+        n = self._device_updates
+        d = torch.clamp((1.0 + n) / (10.0 + n), max=self.decay) if self.warmup else torch.full_like(n, self.decay)
+        w = torch.where(ok, 1.0 - d, 0.0).to(torch.float32)  # the host's float(1 - d), or 0: ema unchanged
+        # the List overload takes the weight as a tensor (a 0-d tensor passed as the Scalar weight would be read back)
+        torch._foreach_lerp_(ema_p, src_p, [w.expand_as(e) for e in ema_p])
+        for e, b in zip(ema_b, src_b):
+            e.copy_(torch.where(ok, b, e))
+        n += ok
 
     def _lists(self, model: nn.Module) -> tuple[list[torch.Tensor], ...]:
         """(EMA parameters, model parameters, EMA buffers, model buffers), built once per model: walking the

@@ -5,11 +5,19 @@ The loop never branches on the engine: it asks it for the device, builds the wra
 ``setup``, runs each micro-batch inside ``accumulate`` and back-propagates with ``backward``, clips with
 ``clip_grad_norm`` (None when the engine clips inside its step), steps with ``step`` (which drops the gradients of
 a non-finite step instead), reads or writes full parameters inside ``full_params``, keeps optimizer state with
-``optimizer_state`` / ``load_optimizer_state``, reduces flags with ``all_true`` and sums with ``all_reduce_sum``,
+``optimizer_state`` / ``load_optimizer_state``, reduces flags with ``all_true`` (or ``vote``, on the device) and
+sums with ``all_reduce_sum``,
 gathers per-rank state with ``gather_objects`` and shares one rank's with ``broadcast_object``; ``split`` gives the
 engine of a part of the ranks (DDP over its own process group; TDC's expert parallelism). DDP and DeepSpeed
 read the launcher environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) and use
 NCCL on CUDA, gloo on CPU.
+
+The device-side step (``engine.cuda_graphs``; ``setup`` reads it): ``step`` reads nothing back. It returns the
+finiteness vote of every rank as a 0-d bool tensor on the device instead of a bool, and torch's fused AdamW leaves
+parameters and moments untouched where it is false (its ``found_inf`` argument, CPU and CUDA kernels); the caller
+masks what follows with it (``EMA.update``, the timestep sampler's ``observe``) and counts skips with ``SkipCounts``,
+whose stop rules are read at the next log step. DeepSpeed decides its overflow skips on the host: the config refuses
+the combination.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 import os
 import re
 import shutil
@@ -28,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from diffcurr_fast.objective import resolve_precision
 from diffcurr_fast.runs.checkpoint import list_checkpoints
 from diffcurr_fast.runs.config import DEVICES, ENGINE_KINDS
 
@@ -35,7 +45,7 @@ from diffcurr_fast.runs.config import DEVICES, ENGINE_KINDS
 def apex_fused_adam():
     """NVIDIA apex's ``FusedAdam`` class, or None (apex absent, or the unrelated PyPI package of that name)."""
     try:
-        from apex.optimizers import FusedAdam
+        from apex.optimizers import FusedAdam  # optional dependency (NVIDIA apex, CUDA builds only)
     except Exception:  # ImportError, or a broken apex build
         return None
     return FusedAdam
@@ -78,6 +88,7 @@ class Engine:
 
     kind = "single"
     part = 0  # index of this rank's part after ``split`` (0: not split)
+    device_side = False  # engine.cuda_graphs: ``step`` returns a device flag and reads nothing back (module doc)
     _clip_params: tuple[nn.Module, list[nn.Parameter]] | None = None  # (model, its parameters) of the last clip
 
     def __init__(self, device: str = "auto"):
@@ -107,7 +118,8 @@ class Engine:
         self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Any = None
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
         """(module the loop calls, optimizer the loop steps) for ``model`` and its ``optimizer``; ``cfg`` is the
-        ``TrainConfig`` (used by engines that configure themselves from it)."""
+        ``TrainConfig`` (used by engines that configure themselves from it; ``engine.cuda_graphs`` here)."""
+        self.device_side = bool(cfg is not None and cfg.engine.cuda_graphs)
         return self.wrap(model), optimizer
 
     @contextlib.contextmanager
@@ -136,9 +148,13 @@ class Engine:
         torch._foreach_mul_(grads, torch.clamp(float(max_norm) / (total + 1e-6), max=1.0))
         return total
 
-    def step(self, optimizer: torch.optim.Optimizer, lr: float, ok: bool | torch.Tensor = True) -> bool:
+    def step(self, optimizer: torch.optim.Optimizer, lr: float, ok: bool | torch.Tensor = True) -> bool | torch.Tensor:
         """One optimizer update at learning rate ``lr`` when ``ok`` holds on every rank (a host sync); otherwise
-        drop the accumulated gradients without an update. Returns whether the update was applied."""
+        drop the accumulated gradients without an update. Returns whether the update was applied. Device-side
+        (``device_side``): no host read; the update is masked on the device and the flag is returned as a 0-d bool
+        tensor."""
+        if self.device_side:
+            return self._masked_step(optimizer, lr, ok)
         if not self.all_true(ok):
             optimizer.zero_grad(set_to_none=True)
             return False
@@ -146,6 +162,25 @@ class Engine:
             group["lr"] = lr
         optimizer.step()
         return True
+
+    def _masked_step(self, optimizer: torch.optim.Optimizer, lr: float, ok: bool | torch.Tensor) -> torch.Tensor:
+        """The update of ``step`` applied where the vote holds, decided on the device: torch's fused AdamW returns
+        at once on ``found_inf`` = 1 (parameters, moments and its step count stay as they were), as it does for
+        ``torch.amp.GradScaler``. The gradients of a skipped step are left for the next ``zero_grad``."""
+        applied = self.vote(ok)
+        if not all(group.get("fused") for group in optimizer.param_groups):
+            raise ValueError(
+                "engine.cuda_graphs needs torch's fused AdamW (optim.impl auto or torch on CPU or CUDA), got "
+                f"{type(optimizer).__name__} without fused=True"
+            )
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.found_inf = (~applied).to(torch.float32)  # read by torch.optim.Adam(W).step
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+        return applied
 
     def full_params(self, model: nn.Module, modify: bool = False) -> contextlib.AbstractContextManager:
         """Context in which every parameter of ``model`` holds its full value (``modify``: writes are kept)."""
@@ -162,6 +197,10 @@ class Engine:
     def all_true(self, flag: bool | torch.Tensor) -> bool:
         """True iff ``flag`` holds on every rank (a host sync)."""
         return bool(flag)
+
+    def vote(self, flag: bool | torch.Tensor) -> torch.Tensor:
+        """``all_true`` without the host read: a 0-d bool tensor on the engine's device."""
+        return torch.as_tensor(flag, device=self.device).to(torch.bool).reshape(())
 
     def gather_objects(self, obj: Any) -> list[Any]:
         """``[obj of rank 0, obj of rank 1, ...]``."""
@@ -230,9 +269,15 @@ class DDPEngine(Engine):
         return self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
 
     def all_true(self, flag: bool | torch.Tensor) -> bool:
+        return bool(self._min_over_ranks(flag).item())
+
+    def vote(self, flag: bool | torch.Tensor) -> torch.Tensor:
+        return self._min_over_ranks(flag).to(self.device).to(torch.bool).reshape(())
+
+    def _min_over_ranks(self, flag: bool | torch.Tensor) -> torch.Tensor:
         t = torch.as_tensor(flag).to(self._collective_device(), torch.int32).reshape(1).clone()
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(t.item())
+        return t
 
     def gather_objects(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
@@ -309,8 +354,6 @@ def resolve_deepspeed_config(ds: dict[str, Any], cfg: Any, world_size: int, devi
     if out.get("fp16", {}).get("enabled") not in (None, False, "auto"):
         raise ValueError("DeepSpeed fp16 is not supported; use engine.precision=bf16 (valid choices: fp32, bf16, auto)")
     out.pop("fp16", None)
-    from diffcurr_fast.objective import resolve_precision
-
     bf16 = resolve_precision(cfg.engine.precision, device_type) == "bf16" and device_type == "cuda"
     have = out.get("bf16", {}).get("enabled", "auto")
     if have != "auto" and bool(have) != bf16:
@@ -356,7 +399,7 @@ class DeepSpeedEngine(DDPEngine):
 
     def __init__(self, device: str = "auto"):
         try:
-            import deepspeed
+            import deepspeed  # optional dependency (the deepspeed extra)
         except ImportError as exc:
             raise ImportError(
                 f"engine.kind 'deepspeed' needs the deepspeed package ({exc}); pip install deepspeed "
@@ -398,7 +441,7 @@ class DeepSpeedEngine(DDPEngine):
         )
         self.stage = int(conf["zero_optimization"].get("stage", 0))
         if conf["zero_optimization"].get("offload_optimizer", {}).get("device", "none") == "cpu":
-            from deepspeed.ops.adam import DeepSpeedCPUAdam
+            from deepspeed.ops.adam import DeepSpeedCPUAdam  # optional dependency, as above
 
             d = optimizer.defaults  # ZeRO-Offload steps on the CPU with DeepSpeed's vectorised AdamW
             optimizer = DeepSpeedCPUAdam(
@@ -496,3 +539,50 @@ def unwrap(model: nn.Module) -> nn.Module:
             model = model._orig_mod
         else:
             return model
+
+
+class SkipCounts:
+    """Skipped steps counted on the device, for the device-side step (``engine.cuda_graphs``): ``record`` after each
+    step reads nothing back; ``read`` (at a log step or a checkpoint) returns the counts and, when a stop rule broke
+    since the last read, the step where it did, which the trainer reports as the host path would have at that step.
+
+    The rules are the trainer's (``nan_policy``): a skipped step n breaks them when ``stop_at_once`` (policy stop),
+    when it makes more than ``max_in_a_row`` skips in a row, or more than ``max_total`` in all.
+    """
+
+    # one int64 tensor: steps seen, skipped in all, in a row, the first skipped step (1-based; 0 = none), the step that
+    # broke a rule (0 = none) and the counts in all and in a row at that step
+    STEP, TOTAL, RUN, FIRST, BROKE, BROKE_TOTAL, BROKE_RUN = range(7)
+
+    def __init__(self, device: torch.device, max_in_a_row: int, max_total: float, stop_at_once: bool):
+        # an int n of skips exceeds max_total iff it exceeds its floor: compared on integers, as the host's doubles
+        self.max_in_a_row, self.max_total = int(max_in_a_row), math.floor(max_total)
+        self.stop_at_once = bool(stop_at_once)
+        self.counts = torch.zeros(7, dtype=torch.int64, device=device)
+
+    def reset(self, step: int, total: int, run: int, first: int) -> None:
+        """Continue from the host's counts (a resumed checkpoint): ``step`` steps seen, ``total`` skipped, ``run`` of
+        them in a row at the end, the first at ``first``."""
+        self.counts.copy_(torch.tensor([step, total, run, first, 0, 0, 0], dtype=torch.int64))
+
+    def record(self, applied: torch.Tensor) -> None:
+        """Count one step whose update was applied where ``applied`` (a 0-d bool device tensor) holds."""
+        c = self.counts
+        skip = (~applied).to(torch.int64)
+        step = c[self.STEP] + 1
+        total = c[self.TOTAL] + skip
+        run = (c[self.RUN] + 1) * skip
+        first = torch.where((c[self.FIRST] == 0) & (skip > 0), step, c[self.FIRST])
+        rule = (run > self.max_in_a_row) | (total > self.max_total)
+        if self.stop_at_once:
+            rule = torch.ones_like(rule)
+        broke = (skip > 0) & (c[self.BROKE] == 0) & rule
+        keep = c[self.BROKE :]
+        now = torch.where(broke, torch.stack([step, total, run]), keep)
+        c.copy_(torch.cat([torch.stack([step, total, run, first]), now]))
+
+    def read(self) -> tuple[tuple[int, int, int], tuple[int, int, int] | None]:
+        """((skipped in all, in a row, the first skipped step), (step, in all, in a row) where a stop rule broke, or
+        None); one host read."""
+        step, total, run, first, broke, broke_total, broke_run = self.counts.tolist()
+        return (total, run, first), ((broke, broke_total, broke_run) if broke else None)

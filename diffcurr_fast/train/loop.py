@@ -8,6 +8,10 @@ weight, plus IDDPM's variational term when the variance is learned; ``objective.
 importance correction when it has one, backward, a finiteness vote across ranks, clip, AdamW step, EMA update, and
 the sampler observing the per-sample losses. Everything random comes from one per-rank generator and torch's global
 RNG (label dropout), both checkpointed, so a resumed run repeats the uninterrupted one exactly.
+
+With ``engine.cuda_graphs`` the vote stays on the device (``Engine.step`` returns it as a tensor): the optimizer, the
+EMA and the sampler's statistics are masked by it instead of being skipped on the host, and the skip counts
+(``SkipCounts``) and their stop rules are read at the next log step (or checkpoint).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from diffcurr_fast.data.builtin import BUILTIN_DATASETS, load_builtin
+from diffcurr_fast.data.loader import ArrayDataset, ResumableLoader, load_npz
 from diffcurr_fast.diffusion import build_formulation
 from diffcurr_fast.diffusion.axis import trusted_t
 from diffcurr_fast.objective import Objective, draw_seed
@@ -31,12 +37,18 @@ from diffcurr_fast.runs.sampling import SamplingInterrupted, build_model, grid_u
 from diffcurr_fast.timesteps.build import build_curriculum, build_timesteps
 from diffcurr_fast.train.data import SHARDED_DATASETS, TrainBatches, build_train_batches, load_init_weights
 from diffcurr_fast.train.ema import EMA
-from diffcurr_fast.train.engine import Engine, build_optimizer, create_engine, unwrap
+from diffcurr_fast.train.engine import Engine, SkipCounts, build_optimizer, create_engine, unwrap
 from diffcurr_fast.train.evaluation import Evaluator, eval_due
 from diffcurr_fast.train.host_memory import retain_host_memory
 from diffcurr_fast.train.interrupt import GridInterrupted, StopRequest, TrainingInterrupted
 from diffcurr_fast.train.preflight import check_run
-from diffcurr_fast.train.report import MetricsWriter, gpu_stats, plot_cluster_losses, plot_curriculum_timeline
+from diffcurr_fast.train.report import (
+    MetricsWriter,
+    gpu_stats,
+    plot_cluster_losses,
+    plot_curriculum_timeline,
+    read_metrics,
+)
 from diffcurr_fast.train.rundir import open_run_dir
 
 
@@ -58,9 +70,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 def build_dataset(cfg: TrainConfig):
     """The training dataset of ``cfg.data``, checked against the model's input shape and classes."""
-    from diffcurr_fast.data.builtin import BUILTIN_DATASETS, load_builtin
-    from diffcurr_fast.data.loader import ArrayDataset, load_npz
-
     d, m = cfg.data, cfg.model
     if d.dataset in BUILTIN_DATASETS:  # mnist5k: its training split (the held-out one is the evaluator's)
         x, y = load_builtin(d.dataset)
@@ -119,9 +128,6 @@ class Trainer:
         torch.manual_seed(e.seed + rank)
         random.seed(e.seed + rank)
         self.gen = torch.Generator().manual_seed(e.seed * 7919 + rank)  # timesteps and noise seeds
-
-        from diffcurr_fast.data.loader import ResumableLoader
-
         self.loader: Any
         if dataset is None and cfg.data.dataset in SHARDED_DATASETS:  # through diffcurr_fast.data's ShardedLoader
             self.loader = build_train_batches(cfg, rank, world, self.device)
@@ -175,6 +181,8 @@ class Trainer:
         self.nan_skips = 0  # skipped (non-finite) steps in all, in a row, and the first one (1-based, 0 = none)
         self.skips_in_a_row = 0
         self.first_nan_skip = 0
+        stop_rules = (e.max_nan_skips, e.max_skip_share * e.max_steps, e.nan_policy == "stop")
+        self.skips = SkipCounts(self.device, *stop_rules) if e.cuda_graphs else None  # counted on the device
         self.train_s, self._clock = 0.0, None  # training wall time without evaluations (train_time); checkpointed
         self.resumed_from: Path | None = latest
         if latest is not None:
@@ -210,17 +218,16 @@ class Trainer:
         if grad_norm is not None:  # a finite loss can still overflow a gradient: the norm votes too
             stats["grad_norm"] = grad_norm
             ok = ok & torch.isfinite(grad_norm)
-        if self.engine.step(self.opt, lr_at(self.step, self.cfg), ok):  # every rank steps, or every rank skips
+        applied = self.engine.step(self.opt, lr_at(self.step, self.cfg), ok)  # every rank steps, or every rank skips
+        mask = applied if isinstance(applied, torch.Tensor) else None  # engine.cuda_graphs: the vote, on the device
+        if mask is not None or applied:  # the updates below are masked by it (no host read)
             with self.engine.full_params(self.model):  # ZeRO-3: gathered for the EMA
-                self.ema.update(self.model)
-            self.timesteps.observe(k, per, self.step)
+                self.ema.update(self.model, mask)
+            self.timesteps.observe(k, per, self.step, mask)
             if probe is not None:
                 self.timesteps.observe_probe(before, self._probe_loss(x0, y, *probe))
-            stats["loss"] = loss.detach()
-            self.skips_in_a_row = 0
-        else:
-            self._skipped()
-            stats["skipped"] = True
+            stats["loss"] = loss.detach() if mask is None else torch.where(mask, loss.detach(), 0.0)
+        self._count_skip(applied, stats)
         self.step += 1
         return stats
 
@@ -240,25 +247,49 @@ class Trainer:
             self.model.train(was)
         return per.reshape(len(cells), n)
 
-    def _skipped(self) -> None:
+    def _count_skip(self, applied: bool | torch.Tensor, stats: dict[str, Any]) -> None:
         """Count a skipped (non-finite) step; NonFiniteLossError when the policy says stop: ``nan_policy`` stop,
-        more than ``max_nan_skips`` in a row, or more than ``max_skip_share`` of ``max_steps`` in all."""
-        e, n = self.cfg.engine, self.step + 1  # steps count from 1, as in metrics.jsonl
+        more than ``max_nan_skips`` in a row, or more than ``max_skip_share`` of ``max_steps`` in all. A device
+        flag (``engine.cuda_graphs``) is counted on the device; ``_read_skips`` applies the rules later."""
+        if isinstance(applied, torch.Tensor):
+            self.skips.record(applied)
+            stats["applied"] = applied
+            return
+        if applied:
+            self.skips_in_a_row = 0
+            return
+        stats["skipped"] = True
+        n = self.step + 1  # steps count from 1, as in metrics.jsonl
         self.nan_skips += 1
         self.skips_in_a_row += 1
         self.first_nan_skip = self.first_nan_skip or n
-        if e.nan_policy == "stop":
-            why = "engine.nan_policy is 'stop'"
-        elif self.skips_in_a_row > e.max_nan_skips:
-            why = f"{self.skips_in_a_row} in a row, more than engine.max_nan_skips={e.max_nan_skips}"
-        elif self.nan_skips > e.max_skip_share * e.max_steps:
-            why = f"more than engine.max_skip_share={e.max_skip_share:g} of the {e.max_steps} steps"
-        else:
+        if self._stop_reason(self.nan_skips, self.skips_in_a_row):
+            raise self._diverged(n, self.nan_skips, self.skips_in_a_row)
+
+    def _read_skips(self, check: bool = True) -> None:
+        """The device-side step's skip counts into ``nan_skips``, ``skips_in_a_row`` and ``first_nan_skip`` (one
+        host read); with ``check``, NonFiniteLossError for a stop rule broken since, naming the step it broke at."""
+        if self.skips is None:
             return
-        raise NonFiniteLossError(
-            f"non-finite loss or gradient at step {n}: {self.nan_skips} step(s) skipped, the first at step "
-            f"{self.first_nan_skip} ({why}); the run diverges: lower optim.lr (now {self.cfg.optim.lr:g}) or set "
-            "optim.grad_clip"
+        (self.nan_skips, self.skips_in_a_row, self.first_nan_skip), broke = self.skips.read()
+        if check and broke is not None:
+            raise self._diverged(*broke)
+
+    def _stop_reason(self, skips: int, in_a_row: int) -> str | None:
+        e = self.cfg.engine
+        if e.nan_policy == "stop":
+            return "engine.nan_policy is 'stop'"
+        if in_a_row > e.max_nan_skips:
+            return f"{in_a_row} in a row, more than engine.max_nan_skips={e.max_nan_skips}"
+        if skips > e.max_skip_share * e.max_steps:
+            return f"more than engine.max_skip_share={e.max_skip_share:g} of the {e.max_steps} steps"
+        return None
+
+    def _diverged(self, n: int, skips: int, in_a_row: int) -> NonFiniteLossError:
+        return NonFiniteLossError(
+            f"non-finite loss or gradient at step {n}: {skips} step(s) skipped, the first at step "
+            f"{self.first_nan_skip} ({self._stop_reason(skips, in_a_row)}); the run diverges: lower optim.lr (now "
+            f"{self.cfg.optim.lr:g}) or set optim.grad_clip"
         )
 
     # ---- the run --------------------------------------------------------------------------------------
@@ -298,13 +329,14 @@ class Trainer:
                 y = y.to(self.device, non_blocking=True)
                 stats = self.train_step(x0, y)
                 seen += x0.shape[0] * self.engine.world_size
-                if "loss" in stats:
+                if "loss" in stats:  # engine.cuda_graphs: 0 and a false flag for a skipped step, read at the log
                     win_loss += stats["loss"]
-                    win_n += 1
+                    win_n += stats.get("applied", 1)
                 bar.update(1)
                 if self.step % cfg.logging.log_every == 0 or self.step == cfg.engine.max_steps:
-                    dt = time.perf_counter() - t0
-                    last_loss = float(win_loss) / max(win_n, 1) if win_n else math.nan
+                    self._read_skips()  # engine.cuda_graphs: the stop rules apply here
+                    dt, n = time.perf_counter() - t0, int(win_n)
+                    last_loss = float(win_loss) / n if n else math.nan
                     rec = self._record(last_loss, seen / max(dt, 1e-9), stats)
                     bar.set_postfix(
                         loss=f"{last_loss:.4f}",
@@ -393,8 +425,6 @@ class Trainer:
         elif cfg.logging.num_samples:  # a grid was asked for: say why there is none
             out["no_samples"] = grid_unavailable(cfg)
         if cfg.logging.plots:
-            from diffcurr_fast.train.report import read_metrics
-
             records = read_metrics(self.run_dir / "metrics.jsonl")
             clusters = [list(c) for c in self.curriculum.clusters]
             out["cluster_loss_plot"] = str(plot_cluster_losses(records, clusters, self.run_dir / "cluster_loss.png"))
@@ -421,6 +451,7 @@ class Trainer:
         write its own optimizer shards, e.g. DeepSpeed ZeRO)."""
         with self.engine.full_params(self.model):  # ZeRO-3: gathered, copied out before they are released
             model_state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        self._read_skips(check=False)
         return {
             "step": self.step,
             "config": self.cfg.to_dict(),
@@ -472,6 +503,8 @@ class Trainer:
         self.step = int(state["step"])
         self.nan_skips = int(state["nan_skips"])
         self.skips_in_a_row, self.first_nan_skip = (int(v) for v in state.get("nan_skip_run", (0, 0)))
+        if self.skips is not None:
+            self.skips.reset(self.step, self.nan_skips, self.skips_in_a_row, self.first_nan_skip)
         self.train_s = float(state.get("train_s", 0.0))  # checkpoints from before it was kept: 0
         rng = state["rng"][self.engine.rank]
         torch.set_rng_state(rng["torch"])
@@ -482,6 +515,7 @@ class Trainer:
 
     def save(self) -> Path | None:
         """Write a checkpoint of the current step (rank 0 writes; all ranks take part in the gather)."""
+        self._read_skips()  # engine.cuda_graphs: no checkpoint of a run a stop rule has stopped
         state = self.state_dict()
         path = None
         if self.engine.is_main:
