@@ -1,5 +1,7 @@
 """diffusion_loss: fused target + weighted MSE + one-pass gradient against float64 autograd references."""
 
+import sys
+
 import pytest
 import torch
 
@@ -367,3 +369,22 @@ def test_channel_slice_is_not_copied():
         rtol=0,
         atol=0,
     )
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_skipped_rescale_keeps_bits(backend, dtype, monkeypatch):
+    """An upstream gradient of exactly one: the CPU hands over the forward's buffer, a GPU (emulated: the check
+    off) rescales it by one; the same bits either way, so the skip is a pure saving of one pass."""
+    module = sys.modules["diffcurr_fast.ops.diffusion_loss"]  # the package exports a function of that name
+    _need(backend)
+    x0, noise, t = torch.randn(5, 3, 7, dtype=dtype), torch.randn(5, 3, 7, dtype=dtype), torch.randint(0, 1000, (5,))
+    grads = []
+    for check in (True, False):
+        monkeypatch.setattr(module, "CHECK_UPSTREAM_ON_CPU", check)
+        for reduction, upstream in (("mean", None), ("none", torch.ones(5))):
+            pred = torch.randn(5, 3, 7, generator=torch.Generator().manual_seed(2)).to(dtype).requires_grad_()
+            loss = diffusion_loss(pred, x0, noise, t, SCHED, reduction=reduction, backend=backend)
+            loss.backward(upstream)
+            grads.append(pred.grad)
+    assert torch.equal(grads[0], grads[2]) and torch.equal(grads[1], grads[3])  # (mean, none): skipped vs scaled
