@@ -129,9 +129,28 @@ inline QSampleArgs q_sample_args(const at::Tensor& x0, const at::Tensor& a, cons
 struct LossArgs {
   at::Tensor pred, x0, noise, p, q, w;
   int64_t B, M;
+  int64_t pred_stride;  // elements from one sample of pred to the next (M when contiguous)
   int dt, ndt;
   const void* noise_ptr() const { return noise.defined() ? noise.const_data_ptr() : nullptr; }
 };
+
+// A (B, ...) tensor whose samples are each contiguous and do not overlap (a batch stride >= M, e.g. the first
+// C channels of a (B, 2C, H, W) network output) is read in place; anything else is made contiguous.
+inline at::Tensor sample_rows(const at::Tensor& t, int64_t M, int64_t* stride) {
+  const int64_t B = t.size(0);
+  bool rows = B > 0 && M > 0;
+  int64_t expect = 1;
+  for (int64_t d = t.dim() - 1; rows && d >= 1; --d) {
+    if (t.size(d) != 1 && t.stride(d) != expect) rows = false;
+    expect *= t.size(d);
+  }
+  if (rows && (B == 1 || t.stride(0) >= M)) {
+    *stride = B == 1 ? M : t.stride(0);
+    return t;
+  }
+  *stride = M;
+  return t.contiguous();
+}
 
 inline LossArgs loss_args(const at::Tensor& pred, const at::Tensor& x0, const c10::optional<at::Tensor>& noise,
                           const at::Tensor& p, const at::Tensor& q, const at::Tensor& w, const char* op) {
@@ -142,9 +161,11 @@ inline LossArgs loss_args(const at::Tensor& pred, const at::Tensor& x0, const c1
   check_per_sample(q, pred, B, op, "q");
   check_per_sample(w, pred, B, op, "w");
   check_noise(noise, x0, op);
-  LossArgs r{pred.contiguous(), x0.contiguous(), optional_contig(noise), p.contiguous(), q.contiguous(),
-             w.contiguous(), B, 0, dt, 0};
-  r.M = B ? pred.numel() / B : 0;
+  const int64_t M = B ? pred.numel() / B : 0;
+  int64_t stride = M;
+  at::Tensor rows = sample_rows(pred, M, &stride);
+  LossArgs r{rows, x0.contiguous(), optional_contig(noise), p.contiguous(), q.contiguous(), w.contiguous(),
+             B, M, stride, dt, 0};
   r.ndt = r.noise.defined() ? dtype_code(r.noise, op, "noise") : 0;
   return r;
 }

@@ -100,7 +100,7 @@ std::tuple<at::Tensor, at::Tensor> diffusion_loss_fwd_cpu(const at::Tensor& pred
       const int64_t b = task / nseg;
       const int64_t j0 = (task % nseg) * kLossSegment;
       const int64_t n = std::min(kLossSegment, M - j0);
-      partial[static_cast<size_t>(task)] = K().loss(g.dt, pp, xp, g.ndt, np, pv, qv, wv, gs, gp, M, useed, b, j0, n);
+      partial[static_cast<size_t>(task)] = K().loss(g.dt, pp, g.pred_stride, xp, g.ndt, np, pv, qv, wv, gs, gp, M, useed, b, j0, n);
     }
   });
   // loss[b] = w[b] * (1/M) sum_j (pred - tgt)^2   (docs/ops.md, diffusion_loss)

@@ -69,9 +69,10 @@ std::tuple<at::Tensor, at::Tensor> diffusion_loss_fwd_cuda(const at::Tensor& pre
   at::Tensor grad = with_grad ? at::empty(pred.sizes(), pred.options()) : at::empty({0}, pred.options());
   if (B == 0) return {loss, grad};
   at::Tensor scratch = at::empty({cuda::loss_scratch_size(B, M)}, pred.options().dtype(at::kFloat));
-  DC_CUDA_OK(op, cuda::loss_fwd(g.dt, pred.const_data_ptr(), g.x0.const_data_ptr(), g.ndt, g.noise_ptr(),
-                                g.p.const_data_ptr<float>(), g.q.const_data_ptr<float>(), g.w.const_data_ptr<float>(),
-                                static_cast<float>(grad_scale), with_grad ? grad.mutable_data_ptr() : nullptr, loss.mutable_data_ptr<float>(),
+  DC_CUDA_OK(op, cuda::loss_fwd(g.dt, pred.const_data_ptr(), g.pred_stride, g.x0.const_data_ptr(), g.ndt,
+                                g.noise_ptr(), g.p.const_data_ptr<float>(), g.q.const_data_ptr<float>(),
+                                g.w.const_data_ptr<float>(), static_cast<float>(grad_scale),
+                                with_grad ? grad.mutable_data_ptr() : nullptr, loss.mutable_data_ptr<float>(),
                                 scratch.mutable_data_ptr<float>(), B, M, static_cast<uint64_t>(seed), stream_of(pred)));
   return {loss, grad};
 }

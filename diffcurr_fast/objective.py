@@ -126,7 +126,7 @@ class Objective:
     ) -> torch.Tensor:
         """(B,) loss of the network output ``out`` for the draw (``x_in``, ``terms``, ``seed``)."""
         out = out.to(x0.dtype)  # bf16 autocast output: the loss reads it in the data's precision
-        pred = out[:, : x0.shape[1]]  # (B, C, H, W)
+        pred = out[:, : x0.shape[1]]  # (B, C, H, W), a view with out's batch stride: the loss reads it in place
         per = diffusion_loss_coef(
             pred, x0, None, terms.p, terms.q, terms.w, reduction="none", seed=seed, backend=self.backend
         )

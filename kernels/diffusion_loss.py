@@ -5,7 +5,9 @@ where s (``grad_scale``, folded into the weights the kernel reads for the gradie
 caller expects (1/B for a batch mean), so the backward usually has nothing left to do. With the noise given, a
 zero p[b] skips the loads of x0 (the eps target never reads it).
 A program handles one block of one sample (a 1-D grid over (sample, block), so any batch size fits) and writes
-one partial sum (deterministic, no atomics); the per-sample p, q, w are scalar loads per program.
+one partial sum (deterministic, no atomics); the per-sample p, q, w are scalar loads per program. Sample b of
+pred starts at b * pred_stride (>= M: the first channels of a wider output are read in place); x0, the noise and
+the gradient are contiguous (B, M).
 """
 
 from __future__ import annotations
@@ -42,13 +44,15 @@ def _diffusion_loss_fwd_kernel(
     grad_ptr,
     seed,
     M,
+    pred_stride,
     n_part,
     HAS_NOISE: tl.constexpr,
     WITH_GRAD: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     offs, mask, ctr, b, j = _row_tile(M, tl.program_id(0), BLOCK)
-    pred = tl.load(pred_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # (BLOCK/4, 4)
+    pred_row = pred_ptr + b.to(tl.int64) * (pred_stride - M)  # pred_row + b * M + j: element j of sample b
+    pred = tl.load(pred_row + offs, mask=mask, other=0.0).to(tl.float32)  # (BLOCK/4, 4)
     if HAS_NOISE:  # memory-bound: the eps target (p = 0) never reads x0
         p = tl.load(p_ptr + b)
         tgt = tl.load(q_ptr + b) * tl.load(noise_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -75,11 +79,13 @@ def diffusion_loss_fwd(
     w: torch.Tensor,
     with_grad: bool,
     grad_scale: float = 1.0,
+    pred_stride: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch: contiguous (B, ...) inputs, float32 (B,) p/q/w; returns loss float32 (B,) and grad (or empty)."""
+    """Launch: contiguous (B, ...) inputs but pred, whose samples are contiguous and ``pred_stride`` elements
+    apart (None: M); float32 (B,) p/q/w. Returns loss float32 (B,) and the contiguous grad (or empty)."""
     B = pred.shape[0]
     M = pred.numel() // B if B else 0
-    grad = torch.empty_like(pred) if with_grad else pred.new_empty(0)
+    grad = torch.empty(pred.shape, dtype=pred.dtype, device=pred.device) if with_grad else pred.new_empty(0)
     if B == 0 or M == 0:
         return torch.zeros(B, dtype=torch.float32, device=pred.device), grad
     n_part = row_blocks(M, MIN_BLOCK)
@@ -97,6 +103,7 @@ def diffusion_loss_fwd(
             grad,
             seed,
             M,
+            M if pred_stride is None else pred_stride,
             n_part,
             HAS_NOISE=noise is not None,
             WITH_GRAD=with_grad,
@@ -125,12 +132,18 @@ def aot_launches(dtypes, fast: bool = False) -> list:
                         "grad_ptr": f"*{dt}",
                         "seed": "i64",
                         "M": "i32",
+                        "pred_stride": "i32",
                         "n_part": "i32",
                     }
                     cx = {"HAS_NOISE": has_noise, "WITH_GRAD": with_grad, **cfg.kwargs}
                     out.append(
                         Launch(
-                            _diffusion_loss_fwd_kernel, args, cx, cfg.num_warps, multiple_of_16=("M",), streaming=True
+                            _diffusion_loss_fwd_kernel,
+                            args,
+                            cx,
+                            cfg.num_warps,
+                            multiple_of_16=("M", "pred_stride"),
+                            streaming=True,
                         )
                     )
     return out

@@ -211,3 +211,43 @@ def test_loader_argument_errors(latent_dirs, image_dirs):
         ShardedLoader(root / "fastdit", 0)
     with pytest.raises(ValueError, match="need image_size"):
         ShardedLoader(ImageFolder(image_dirs / "exact"), 2)
+
+
+@needs_dali
+@pytest.mark.parametrize("kind", ["fastdit", "sharded", "images", "images-parallel"])
+def test_dali_pipeline_is_built_once_across_epochs(latent_dirs, image_dirs, kind, monkeypatch):
+    from nvidia.dali import Pipeline
+
+    built = []  # every pipeline that was built (run() calls build() again, a no-op once built)
+    build = Pipeline.build
+    monkeypatch.setattr(Pipeline, "build", lambda self: (built.append(self), build(self))[1])
+    builds = lambda: len({id(p) for p in built})  # noqa: E731
+    if kind.startswith("images"):
+        source, kw = ImageFolder(image_dirs / "exact"), {"image_size": 16, "dali_py_workers": int(kind != "images")}
+    else:
+        source, kw = open_latents(latent_dirs[0] / kind), {}
+    b = 4 if kind.startswith("images") else 3  # 6 images -> batches of 4 and 2; 8 latents -> 3, 3 and 2
+    args = dict(seed=5, shard_id=1, num_shards=2, **kw)
+    dali_loader = ShardedLoader(source, b, backend="dali", **args)
+    torch_loader = ShardedLoader(source, b, backend="torch", **args)
+    for epoch in range(4):  # every epoch in turn: the loader's own position, then epoch_batches
+        got = list(dali_loader) if epoch < 2 else list(dali_loader.epoch_batches(epoch))
+        want = list(torch_loader.epoch_batches(epoch))
+        assert len(got) == len(want) == len(dali_loader)
+        for (xd, yd), (xt, yt) in zip(got, want):
+            torch.testing.assert_close(xd, xt, atol=1e-6, rtol=0)
+            assert torch.equal(yd, yt)
+    assert builds() == 1 and dali_loader.dali_builds == 1
+    # an interrupted epoch continues on the same pipeline; a jump to another position builds a new one
+    it = dali_loader.epoch_batches(4)
+    first = next(it)
+    del it
+    rest = list(dali_loader.epoch_batches(4, start=b))
+    assert builds() == 1
+    for (xd, yd), (xt, yt) in zip([first, *rest], torch_loader.epoch_batches(4)):
+        torch.testing.assert_close(xd, xt, atol=1e-6, rtol=0)
+        assert torch.equal(yd, yt)
+    xj, yj = _collect(dali_loader.epoch_batches(2, start=3))
+    xt, yt = _collect(torch_loader.epoch_batches(2, start=3))
+    assert builds() == 2 and torch.equal(yj, yt)
+    torch.testing.assert_close(xj, xt, atol=1e-6, rtol=0)

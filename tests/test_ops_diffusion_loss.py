@@ -1,5 +1,7 @@
 """diffusion_loss: fused target + weighted MSE + one-pass gradient against float64 autograd references."""
 
+import sys
+
 import pytest
 import torch
 
@@ -296,3 +298,93 @@ def test_eps_target_never_reads_x0():
     torch.testing.assert_close(dirty, clean)
     seeded = diffusion_loss_coef(pred, torch.full_like(x0, float("nan")), None, 0.0, 1.0, seed=5, backend="cpu")
     assert torch.isfinite(seeded)
+
+
+# ---- learned sigma: the loss reads the first C channels of a (B, 2C, H, W) output in place ---------------------
+def _sliced(B, C, H, W, offset, dtype=torch.float32):
+    out = torch.randn(B, 2 * C + offset, H, W, dtype=dtype, requires_grad=True)
+    return out, out[:, offset : offset + C]  # each sample contiguous, (2C + offset) H W elements apart
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("shape", [(1, 3, 5, 7), (5, 3, 5, 7), (4, 4, 4, 4)])
+@pytest.mark.parametrize("offset", [0, 1])  # 1: a storage offset, rows not 16-byte aligned
+@pytest.mark.parametrize("seeded,reduction", [(False, "none"), (True, "none"), (True, "mean")])
+def test_channel_slice_matches_float64(backend, shape, offset, seeded, reduction):
+    _need(backend)
+    B, C, H, W = shape
+    out, pred = _sliced(B, C, H, W, offset)
+    assert not pred.is_contiguous() or B == 1
+    x0 = torch.randn(shape)
+    noise = None if seeded else torch.randn(shape)
+    p, q, w = torch.rand(B) - 0.5, torch.rand(B) + 0.5, torch.rand(B) + 0.1
+    p[0] = 0.0  # an eps row (x0 unread)
+    loss = diffusion_loss_coef(
+        pred, x0, noise, p, q, w, reduction=reduction, seed=11 if seeded else None, backend=backend
+    )
+    g = torch.rand(B) if reduction == "none" else torch.tensor(1.0)
+    loss.backward(g)
+    eps = philox_randn_ref(11, shape) if seeded else noise
+    o64 = out.detach().double().requires_grad_()
+    col = (-1, 1, 1, 1)
+    tgt = p.double().view(col) * x0.double() + q.double().view(col) * eps.double()
+    ref = w.double() * (o64[:, offset : offset + C] - tgt).square().flatten(1).mean(1)
+    ref = ref if reduction == "none" else ref.mean()
+    ref.backward(g.double())
+    torch.testing.assert_close(loss.double(), ref, rtol=2e-5, atol=1e-6)
+    torch.testing.assert_close(out.grad.double(), o64.grad, rtol=2e-5, atol=1e-7)  # zero outside the slice
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_channel_slice_16bit_matches_contiguous(backend, dtype):
+    # the same bits whether pred is the slice or a contiguous copy of it
+    _need(backend)
+    out, pred = _sliced(3, 3, 7, 5, 1, dtype)
+    x0 = torch.randn(3, 3, 7, 5, dtype=dtype)
+    p, q = torch.tensor([0.0, 0.3, -0.8]), torch.tensor([1.0, 0.9, 0.6])
+    got = diffusion_loss_coef(pred, x0, None, p, q, reduction="none", seed=5, backend=backend)
+    got.backward(torch.tensor([0.5, 1.0, 2.0]))
+    copy = pred.detach().contiguous().requires_grad_()
+    want = diffusion_loss_coef(copy, x0, None, p, q, reduction="none", seed=5, backend=backend)
+    want.backward(torch.tensor([0.5, 1.0, 2.0]))
+    assert torch.equal(got, want)
+    assert torch.equal(out.grad[:, 1:4], copy.grad) and not out.grad[:, 4:].any() and not out.grad[:, :1].any()
+
+
+def test_channel_slice_is_not_copied():
+    _need("cpu")
+    out, pred = _sliced(4, 4, 8, 8, 0)
+    x0 = torch.randn(4, 4, 8, 8)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        diffusion_loss_coef(pred, x0, None, 0.0, 1.0, reduction="none", seed=3, backend="cpu")
+    names = {e.name for e in prof.events()}
+    assert "diffcurr_fast_C::diffusion_loss_fwd" in names
+    assert not names & {"aten::clone", "aten::contiguous", "aten::copy_"}, names
+    # a layout whose samples are not contiguous still works (made contiguous first)
+    t = torch.randn(4, 8, 8, 4).permute(0, 3, 1, 2)
+    torch.testing.assert_close(
+        diffusion_loss_coef(t, x0, None, 0.0, 1.0, reduction="none", seed=3, backend="cpu"),
+        diffusion_loss_coef(t.contiguous(), x0, None, 0.0, 1.0, reduction="none", seed=3, backend="cpu"),
+        rtol=0,
+        atol=0,
+    )
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_skipped_rescale_keeps_bits(backend, dtype, monkeypatch):
+    """An upstream gradient of exactly one: the CPU hands over the forward's buffer, a GPU (emulated: the check
+    off) rescales it by one; the same bits either way, so the skip is a pure saving of one pass."""
+    module = sys.modules["diffcurr_fast.ops.diffusion_loss"]  # the package exports a function of that name
+    _need(backend)
+    x0, noise, t = torch.randn(5, 3, 7, dtype=dtype), torch.randn(5, 3, 7, dtype=dtype), torch.randint(0, 1000, (5,))
+    grads = []
+    for check in (True, False):
+        monkeypatch.setattr(module, "CHECK_UPSTREAM_ON_CPU", check)
+        for reduction, upstream in (("mean", None), ("none", torch.ones(5))):
+            pred = torch.randn(5, 3, 7, generator=torch.Generator().manual_seed(2)).to(dtype).requires_grad_()
+            loss = diffusion_loss(pred, x0, noise, t, SCHED, reduction=reduction, backend=backend)
+            loss.backward(upstream)
+            grads.append(pred.grad)
+    assert torch.equal(grads[0], grads[2]) and torch.equal(grads[1], grads[3])  # (mean, none): skipped vs scaled

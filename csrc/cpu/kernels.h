@@ -24,10 +24,10 @@ struct KernelTable {
 
   // Row b, columns [j0, j0 + n): returns sum_j (pred - tgt)^2 (tgt = p[b] x0 + q[b] noise), and writes
   // grad = grad_scale * w[b] * (2 / M) * (pred - tgt) when grad != nullptr. A zero p[b] (q[b]) leaves x0 (the
-  // noise) unread.
-  double (*loss)(int dt, const void* pred, const void* x0, int noise_dt, const void* noise, const float* p,
-                 const float* q, const float* w, float grad_scale, void* grad, int64_t M, uint64_t seed, int64_t b,
-                 int64_t j0, int64_t n);
+  // noise) unread. Row b of pred starts at b * pred_stride (pred_stride >= M); x0, noise and grad are (B, M).
+  double (*loss)(int dt, const void* pred, int64_t pred_stride, const void* x0, int noise_dt, const void* noise,
+                 const float* p, const float* q, const float* w, float grad_scale, void* grad, int64_t M,
+                 uint64_t seed, int64_t b, int64_t j0, int64_t n);
 
   // adaLN-Zero modulate of rows [r0, r0 + nrows) of x viewed as (B * N, D).
   void (*adaln_fwd)(int dt, const void* x, const float* shift, const float* scale, void* y, float* mean,

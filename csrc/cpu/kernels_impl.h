@@ -252,11 +252,13 @@ double loss_rows(const typename T::storage* __restrict pred, const typename T::s
 }
 
 template <class T, class NT, bool kGrad>
-double loss_t(const void* pred_, const void* x0_, const void* noise_, const float* p, const float* q,
-              const float* w, float gscale, void* grad_, int64_t M, uint64_t seed, int64_t b, int64_t j0, int64_t n) {
+double loss_t(const void* pred_, int64_t pstride, const void* x0_, const void* noise_, const float* p,
+              const float* q, const float* w, float gscale, void* grad_, int64_t M, uint64_t seed, int64_t b,
+              int64_t j0, int64_t n) {
   using S = typename T::storage;
   using NS = typename NT::storage;
-  const S* pred = static_cast<const S*>(pred_);
+  // shifted so that pred + b * M + j is element j of row b, which starts at b * pstride (pstride >= M)
+  const S* pred = static_cast<const S*>(pred_) + b * (pstride - M);
   const S* x0 = static_cast<const S*>(x0_);
   const NS* noise = static_cast<const NS*>(noise_);
   S* grad = static_cast<S*>(grad_);
@@ -419,27 +421,27 @@ void q_sample_entry(int dt, const void* x0, int noise_dt, const void* noise, con
 }
 
 template <class T, class NT>
-double loss_grad_dispatch(bool with_grad, const void* pred, const void* x0, const void* noise, const float* p,
-                          const float* q, const float* w, float gs, void* grad, int64_t M, uint64_t seed, int64_t b,
-                          int64_t j0, int64_t n) {
-  return with_grad ? loss_t<T, NT, true>(pred, x0, noise, p, q, w, gs, grad, M, seed, b, j0, n)
-                   : loss_t<T, NT, false>(pred, x0, noise, p, q, w, gs, grad, M, seed, b, j0, n);
+double loss_grad_dispatch(bool with_grad, const void* pred, int64_t ps, const void* x0, const void* noise,
+                          const float* p, const float* q, const float* w, float gs, void* grad, int64_t M,
+                          uint64_t seed, int64_t b, int64_t j0, int64_t n) {
+  return with_grad ? loss_t<T, NT, true>(pred, ps, x0, noise, p, q, w, gs, grad, M, seed, b, j0, n)
+                   : loss_t<T, NT, false>(pred, ps, x0, noise, p, q, w, gs, grad, M, seed, b, j0, n);
 }
 
-double loss_entry(int dt, const void* pred, const void* x0, int noise_dt, const void* noise, const float* p,
-                  const float* q, const float* w, float gs, void* grad, int64_t M, uint64_t seed, int64_t b,
-                  int64_t j0, int64_t n) {
+double loss_entry(int dt, const void* pred, int64_t ps, const void* x0, int noise_dt, const void* noise,
+                  const float* p, const float* q, const float* w, float gs, void* grad, int64_t M, uint64_t seed,
+                  int64_t b, int64_t j0, int64_t n) {
   const bool nf = noise == nullptr || noise_dt == dcf::cpu::kF32;
   const bool g = grad != nullptr;
   if (dt == dcf::cpu::kF32) {
-    return loss_grad_dispatch<F32, F32>(g, pred, x0, noise, p, q, w, gs, grad, M, seed, b, j0, n);
+    return loss_grad_dispatch<F32, F32>(g, pred, ps, x0, noise, p, q, w, gs, grad, M, seed, b, j0, n);
   }
   if (dt == dcf::cpu::kBF16) {
-    return nf ? loss_grad_dispatch<BF16, F32>(g, pred, x0, noise, p, q, w, gs, grad, M, seed, b, j0, n)
-              : loss_grad_dispatch<BF16, BF16>(g, pred, x0, noise, p, q, w, gs, grad, M, seed, b, j0, n);
+    return nf ? loss_grad_dispatch<BF16, F32>(g, pred, ps, x0, noise, p, q, w, gs, grad, M, seed, b, j0, n)
+              : loss_grad_dispatch<BF16, BF16>(g, pred, ps, x0, noise, p, q, w, gs, grad, M, seed, b, j0, n);
   }
-  return nf ? loss_grad_dispatch<F16, F32>(g, pred, x0, noise, p, q, w, gs, grad, M, seed, b, j0, n)
-            : loss_grad_dispatch<F16, F16>(g, pred, x0, noise, p, q, w, gs, grad, M, seed, b, j0, n);
+  return nf ? loss_grad_dispatch<F16, F32>(g, pred, ps, x0, noise, p, q, w, gs, grad, M, seed, b, j0, n)
+            : loss_grad_dispatch<F16, F16>(g, pred, ps, x0, noise, p, q, w, gs, grad, M, seed, b, j0, n);
 }
 
 void adaln_fwd_entry(int dt, const void* x, const float* shift, const float* scale, void* y, float* mean,

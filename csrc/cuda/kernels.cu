@@ -201,16 +201,18 @@ __global__ void q_sample_kernel(const typename T::S* __restrict__ x0, const type
 
 // ---------------------------------------------------------------- diffusion loss
 // Block (b, part) covers the Philox counters of row b's columns [part * E, (part + 1) * E), E =
-// kLossElemsPerBlock; each thread handles whole counters (4 elements), keeping those inside the row.
+// kLossElemsPerBlock; each thread handles whole counters (4 elements), keeping those inside the row. Row b of
+// pred starts at b * pred_stride (pred_stride >= M: a view of the first channels of a wider output).
 template <class T, class NT, bool kHasNoise, bool kGrad>
-__global__ void loss_kernel(const typename T::S* __restrict__ pred, const typename T::S* __restrict__ x0,
-                            const typename NT::S* __restrict__ noise, const float* __restrict__ p,
-                            const float* __restrict__ q, const float* __restrict__ w, typename T::S* __restrict__ grad,
-                            float* __restrict__ partial, int64_t M, int64_t parts, uint64_t seed,
-                            float grad_scale) {
+__global__ void loss_kernel(const typename T::S* __restrict__ pred, int64_t pred_stride,
+                            const typename T::S* __restrict__ x0, const typename NT::S* __restrict__ noise,
+                            const float* __restrict__ p, const float* __restrict__ q, const float* __restrict__ w,
+                            typename T::S* __restrict__ grad, float* __restrict__ partial, int64_t M, int64_t parts,
+                            uint64_t seed, float grad_scale) {
   const int64_t b = blockIdx.x / parts;
   const int64_t part = blockIdx.x % parts;
   const int64_t row0 = b * M;
+  pred += b * (pred_stride - M);  // pred[row0 + j] is element j of row b
   const int64_t j_begin = part * kLossElemsPerBlock;
   const int64_t j_end = (j_begin + kLossElemsPerBlock < M) ? j_begin + kLossElemsPerBlock : M;
   const int64_t lo = row0 + j_begin, hi = row0 + j_end;  // flat element range of this block
@@ -648,9 +650,9 @@ int64_t loss_scratch_size(int64_t B, int64_t M) {
   return B * parts;
 }
 
-int loss_fwd(int dt, const void* pred, const void* x0, int noise_dt, const void* noise, const float* p,
-             const float* q, const float* w, float grad_scale, void* grad, float* loss, float* scratch, int64_t B,
-             int64_t M, uint64_t seed, void* stream) {
+int loss_fwd(int dt, const void* pred, int64_t pred_stride, const void* x0, int noise_dt, const void* noise,
+             const float* p, const float* q, const float* w, float grad_scale, void* grad, float* loss,
+             float* scratch, int64_t B, int64_t M, uint64_t seed, void* stream) {
   if (B == 0) return 0;
   const auto s = static_cast<cudaStream_t>(stream);
   if (M == 0) return static_cast<int>(cudaMemsetAsync(loss, 0, sizeof(float) * B, s));
@@ -664,18 +666,17 @@ int loss_fwd(int dt, const void* pred, const void* x0, int noise_dt, const void*
       const auto* np = static_cast<const typename NT::S*>(noise);
       auto* gp = static_cast<typename T::S*>(grad);
       const auto blocks = static_cast<unsigned>(B * parts);
+      const auto launch = [&](auto kernel) {
+        kernel<<<blocks, kThreads, 0, s>>>(pp, pred_stride, xp, np, p, q, w, gp, scratch, M, parts, seed, grad_scale);
+      };
       if (noise != nullptr && grad != nullptr) {
-        loss_kernel<T, NT, true, true><<<blocks, kThreads, 0, s>>>(pp, xp, np, p, q, w, gp, scratch, M, parts, seed,
-                                                                   grad_scale);
+        launch(loss_kernel<T, NT, true, true>);
       } else if (noise != nullptr) {
-        loss_kernel<T, NT, true, false><<<blocks, kThreads, 0, s>>>(pp, xp, np, p, q, w, gp, scratch, M, parts, seed,
-                                                                   grad_scale);
+        launch(loss_kernel<T, NT, true, false>);
       } else if (grad != nullptr) {
-        loss_kernel<T, NT, false, true><<<blocks, kThreads, 0, s>>>(pp, xp, np, p, q, w, gp, scratch, M, parts, seed,
-                                                                   grad_scale);
+        launch(loss_kernel<T, NT, false, true>);
       } else {
-        loss_kernel<T, NT, false, false><<<blocks, kThreads, 0, s>>>(pp, xp, np, p, q, w, gp, scratch, M, parts, seed,
-                                                                   grad_scale);
+        launch(loss_kernel<T, NT, false, false>);
       }
       return finish();
     });

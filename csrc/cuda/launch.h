@@ -22,10 +22,11 @@ int q_sample(int dt, const void* x0, int noise_dt, const void* noise, const floa
 int64_t loss_scratch_size(int64_t B, int64_t M);
 
 // loss[b] = w[b] * mean_j (pred - p x0 - q noise)^2 and, when grad != nullptr,
-// grad = grad_scale * w (2/M) (pred - tgt). A zero p[b] leaves row b of x0 unread.
-int loss_fwd(int dt, const void* pred, const void* x0, int noise_dt, const void* noise, const float* p,
-             const float* q, const float* w, float grad_scale, void* grad, float* loss, float* scratch, int64_t B,
-             int64_t M, uint64_t seed, void* stream);
+// grad = grad_scale * w (2/M) (pred - tgt). A zero p[b] leaves row b of x0 unread. Row b of pred starts at
+// b * pred_stride (pred_stride >= M); x0, noise and grad are (B, M).
+int loss_fwd(int dt, const void* pred, int64_t pred_stride, const void* x0, int noise_dt, const void* noise,
+             const float* p, const float* q, const float* w, float grad_scale, void* grad, float* loss,
+             float* scratch, int64_t B, int64_t M, uint64_t seed, void* stream);
 
 // t[b], imp[b] for b < batch from weights w (T,) (float64 if w_double else float32). Scratch: cdf (T doubles)
 // only. No host synchronisation: weights with no positive entry give t = -1 and imp = NaN.

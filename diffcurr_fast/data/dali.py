@@ -3,11 +3,14 @@
 DALI is imported lazily: nothing here is needed unless ``backend="dali"`` is chosen. Pipelines run CPU-only
 with ``device_id=None``; with a GPU ``device_id`` images can be decoded with ``decoder_device="mixed"``.
 
-Both pipelines read exactly the dataset indices they are given (one pipeline per epoch), so they yield the
-same samples as the torch DataLoader fallback for the same seed, epoch and shard:
+A pipeline is built once and runs epoch after epoch: its external source maps DALI's running sample position
+to a (dataset index, flip) through an ``EpochStream`` (the loader's order for each epoch in turn, every epoch
+padded to whole batches), so it yields the same samples as the torch DataLoader fallback for the same seed,
+epoch and shard, and the batches DALI prefetches past an epoch's end are already the next epoch's:
 
-* latents, fast-DiT layout: ``fn.readers.numpy`` over the feature/label file lists in that order;
-* latents, sharded layout: ``fn.external_source`` reading rows of the memory-mapped shards in that order;
+* latents, fast-DiT layout: ``fn.external_source`` names each sample's feature and label files,
+  ``fn.io.file.read`` + ``fn.decoders.numpy`` read them in DALI's threads;
+* latents, sharded layout: ``fn.external_source`` reading rows of the memory-mapped shards;
 * images: ``fn.external_source`` supplies encoded bytes, label, flip decision and the ADM crop geometry
   (computed from the image header); DALI decodes, resizes (bicubic, antialiased), slices the centre crop,
   flips and normalises to [-1, 1] in CHW. Crop offsets and sizes equal ``center_crop_arr``'s exactly; the
@@ -17,7 +20,7 @@ same samples as the torch DataLoader fallback for the same seed, epoch and shard
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -54,20 +57,70 @@ def _to_torch(out) -> torch.Tensor:
     return torch.from_numpy(np.array(out.as_tensor()))
 
 
+def _path_bytes(path) -> np.ndarray:
+    """A file path as the 1-D uint8 array ``fn.io.file.read`` takes."""
+    return np.frombuffer(str(path).encode(), dtype=np.uint8)
+
+
+class EpochStream:
+    """The samples of a pipeline that runs epochs back to back, by DALI's sample position.
+
+    Epoch ``epoch`` from position ``start``, then every later epoch from 0; each epoch's samples
+    (``keys(e, s)`` -> (dataset indices, flips)) are padded with its last sample to a whole number of batches,
+    which ``iterate_pipeline`` trims. The external source never ends DALI's epoch, so ``SampleInfo.idx_in_epoch``
+    counts samples from the build on and ``stream(pos)`` is a pure function of it: parallel workers hold a copy
+    (``keys`` must pickle), each caching the keys of the epochs it is reading.
+    """
+
+    def __init__(
+        self,
+        keys: Callable[[int, int], tuple[np.ndarray, np.ndarray]],
+        epoch: int,
+        start: int,
+        samples_per_epoch: int,
+        batch_size: int,
+    ) -> None:
+        if not 0 <= start < samples_per_epoch:
+            raise ValueError(f"EpochStream needs 0 <= start < samples_per_epoch ({samples_per_epoch}), got {start}")
+        self.keys, self.epoch, self.start = keys, int(epoch), int(start)
+        self.samples_per_epoch, self.batch_size = int(samples_per_epoch), int(batch_size)
+        self._cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    def _padded(self, n: int) -> int:
+        return -(-n // self.batch_size) * self.batch_size
+
+    def locate(self, pos: int) -> tuple[int, int, int]:
+        """(epoch, start of that epoch's keys, position within them) of stream position ``pos``."""
+        first = self._padded(self.samples_per_epoch - self.start)
+        if pos < first:
+            return self.epoch, self.start, pos
+        later, k = divmod(pos - first, self._padded(self.samples_per_epoch))
+        return self.epoch + 1 + later, 0, k
+
+    def __call__(self, pos: int) -> tuple[int, bool]:
+        """(dataset index, flip) at stream position ``pos``."""
+        epoch, start, k = self.locate(pos)
+        key = (epoch, start)
+        if key not in self._cache:
+            if len(self._cache) >= 2:  # prefetching reads at most two epochs at a time
+                self._cache.pop(min(self._cache))
+            self._cache[key] = self.keys(epoch, start)
+        idx, flips = self._cache[key]
+        k = min(k, len(idx) - 1)  # the padding of the epoch's last batch
+        return int(idx[k]), bool(flips[k])
+
+
 def latent_pipeline(
     dataset: LatentDataset,
-    indices: Sequence[int],
+    stream: EpochStream,
     batch_size: int,
     num_threads: int = 2,
     device_id: int | None = None,
     prefetch_queue_depth: int = 2,
 ):
-    """A built DALI pipeline yielding ``(latents (B, C, H, W) float32, labels (B,) int64)`` for ``indices``."""
+    """A built DALI pipeline yielding ``(latents (B, C, H, W) float32, labels (B,) int64)`` in ``stream``'s order."""
     dali = require_dali()
     fn, types = dali.fn, dali.types
-    indices = np.asarray(indices, dtype=np.int64)
-    if len(indices) == 0:
-        raise ValueError("latent_pipeline needs at least one index")
     shape = list(dataset.latent_shape)
 
     @dali.pipeline_def(
@@ -77,15 +130,19 @@ def latent_pipeline(
         prefetch_queue_depth=prefetch_queue_depth,
     )
     def pipe():
-        if isinstance(dataset, FastDiTLatents):
-            feats = [str(dataset.feature_files[i]) for i in indices]
-            labs = [str(dataset.label_files[i]) for i in indices]
-            x = fn.readers.numpy(files=feats, random_shuffle=False, pad_last_batch=True, name="latents")
-            y = fn.readers.numpy(files=labs, random_shuffle=False, pad_last_batch=True)
+        if isinstance(dataset, FastDiTLatents):  # the source names the files; DALI's threads read and decode them
+
+            def source(info):
+                i = stream(info.idx_in_epoch)[0]
+                return _path_bytes(dataset.feature_files[i]), _path_bytes(dataset.label_files[i])
+
+            feat, lab = fn.external_source(source=source, num_outputs=2, batch=False, dtype=[types.UINT8] * 2)
+            x = fn.decoders.numpy(fn.io.file.read(feat))
+            y = fn.decoders.numpy(fn.io.file.read(lab))
         else:
 
             def source(info):
-                lat, label = dataset.read(int(indices[info.idx_in_epoch % len(indices)]))
+                lat, label = dataset.read(stream(info.idx_in_epoch)[0])
                 return lat, np.asarray(label, dtype=np.int64)
 
             x, y = fn.external_source(source=source, num_outputs=2, batch=False, dtype=[types.FLOAT, types.INT64])
@@ -101,14 +158,13 @@ def latent_pipeline(
 class _ImageSource:
     """Per-sample callback of the image pipeline: encoded bytes, label, flip and ADM crop geometry."""
 
-    def __init__(self, files: list[str], labels: list[int], indices: np.ndarray, flips: np.ndarray, size: int):
-        self.files, self.labels, self.indices, self.flips, self.size = files, labels, indices, flips, size
+    def __init__(self, files: list[str], labels: list[int], stream: EpochStream, size: int):
+        self.files, self.labels, self.stream, self.size = files, labels, stream, size
 
     def __call__(self, info):
         from PIL import Image
 
-        pos = info.idx_in_epoch % len(self.indices)
-        i = int(self.indices[pos])
+        i, flip = self.stream(info.idx_in_epoch)
         path = self.files[i]
         try:
             with Image.open(path) as img:
@@ -119,7 +175,7 @@ class _ImageSource:
         return (
             np.fromfile(path, dtype=np.uint8),
             np.asarray(self.labels[i], dtype=np.int64),
-            np.asarray(self.flips[pos], dtype=np.int32),
+            np.asarray(flip, dtype=np.int32),
             np.asarray(geo.resized[::-1], dtype=np.float32),  # (H, W)
             np.asarray(geo.offset[::-1], dtype=np.int32),  # (y, x)
         )
@@ -133,8 +189,7 @@ def py_start_method(device_id: int | None) -> str:
 
 def image_pipeline(
     folder: ImageFolder,
-    indices: Sequence[int],
-    flips: Sequence[bool],
+    stream: EpochStream,
     image_size: int,
     batch_size: int,
     num_threads: int = 2,
@@ -143,11 +198,11 @@ def image_pipeline(
     prefetch_queue_depth: int = 2,
     py_workers: int = 0,
 ):
-    """A built DALI pipeline yielding ``(images (B, 3, S, S) float32 in [-1, 1], labels (B,) int64)``.
+    """A built DALI pipeline yielding ``(images (B, 3, S, S) float32 in [-1, 1], labels (B,) int64)`` in
+    ``stream``'s order.
 
     ``py_workers > 0`` reads files and headers in that many Python workers (DALI's parallel external source,
-    started as ``py_start_method`` says; the pipeline is built per epoch, so are its workers); 0 reads them in
-    the pipeline's own thread.
+    started as ``py_start_method`` says, once per pipeline); 0 reads them in the pipeline's own thread.
     """
     dali = require_dali()
     fn, types = dali.fn, dali.types
@@ -155,11 +210,7 @@ def image_pipeline(
         raise ValueError(f"decoder_device must be one of {DECODER_DEVICES}, got {decoder_device!r}")
     if decoder_device == "mixed" and device_id is None:
         raise ValueError("decoder_device='mixed' needs a GPU device_id (got None); use decoder_device='cpu'")
-    indices = np.asarray(indices, dtype=np.int64)
-    flips = np.asarray(flips, dtype=bool)
-    if len(indices) == 0 or len(flips) != len(indices):
-        raise ValueError(f"image_pipeline needs matching non-empty indices and flips, got {len(indices)}/{len(flips)}")
-    source = _ImageSource([str(p) for p in folder.files], list(folder.labels), indices, flips, image_size)
+    source = _ImageSource([str(p) for p in folder.files], list(folder.labels), stream, image_size)
     workers = max(0, int(py_workers))
 
     @dali.pipeline_def(

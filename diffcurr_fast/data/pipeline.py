@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -34,6 +35,29 @@ class ListSampler(Sampler):
 
     def __len__(self) -> int:
         return len(self.keys)
+
+
+@dataclass(frozen=True)
+class EpochKeys:
+    """(dataset indices, flip decisions) a rank reads in an epoch from a start position: ``ShardedOrder``'s, cut
+    to ``samples_per_epoch`` (the ``drop_last`` of whole batches), with no flips unless ``hflip``. Picklable, so
+    DALI's parallel workers compute each epoch's order themselves."""
+
+    order: ShardedOrder
+    samples_per_epoch: int
+    hflip: bool
+
+    def __call__(self, epoch: int, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        idx = self.order.indices(epoch, start)[: max(self.samples_per_epoch - start, 0)]
+        flips = self.order.flips(epoch, start)[: len(idx)] if self.hflip else np.zeros(len(idx), dtype=bool)
+        return idx, flips
+
+
+class _DaliReader:
+    """A built DALI pipeline, reused across epochs while the loader asks for the position it yields next."""
+
+    def __init__(self, pipe, epoch: int, start: int) -> None:
+        self.pipe, self.next, self.busy = pipe, (epoch, start), False
 
 
 class _SkipCollate:
@@ -76,6 +100,8 @@ class ShardedLoader:
         num_workers: DataLoader workers (torch) or DALI CPU threads (at least 1).
         device_id: DALI GPU id (None: CPU-only pipelines); ``decoder_device`` ``"cpu"`` or ``"mixed"`` (GPU).
         dali_py_workers: forked Python workers reading image files for DALI (0: read in the pipeline thread).
+            The DALI pipeline (and its workers) is built once and reused while the epochs are read in turn
+            (``dali_builds`` counts the builds); a jump to another position builds a new one.
         on_bad, check: bad-data policy and image check level when ``source`` is a path.
         epoch, start: initial position (epoch and samples already consumed in it on this rank).
     """
@@ -126,6 +152,8 @@ class ShardedLoader:
         self.backend = resolve_backend(backend, on_gpu=device_id is not None)
         self.num_workers, self.device_id, self.decoder_device = num_workers, device_id, decoder_device
         self.dali_py_workers = dali_py_workers
+        self.dali_builds = 0
+        self._dali: _DaliReader | None = None
         self.skipped = 0
         self.epoch, self.start = 0, 0
         self.load_state_dict({"epoch": epoch, "start": start})
@@ -163,11 +191,11 @@ class ShardedLoader:
 
     def keys(self, epoch: int, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """(dataset indices, flip decisions) this rank reads in ``epoch`` from ``start``."""
-        idx = self.order.indices(epoch, start)
-        if self.drop_last:
-            idx = idx[: max(self.samples_per_epoch - start, 0)]
-        flips = self.order.flips(epoch, start)[: len(idx)] if self.hflip else np.zeros(len(idx), dtype=bool)
-        return idx, flips
+        return self._keys(epoch, start)
+
+    @property
+    def _keys(self) -> EpochKeys:
+        return EpochKeys(self.order, self.samples_per_epoch, self.hflip)
 
     def epoch_batches(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Batches of ``epoch`` from position ``start``, without touching the loader's own position."""
@@ -179,7 +207,7 @@ class ShardedLoader:
         if len(idx) == 0:
             return iter(())
         if self.backend == "dali":
-            return self._dali_batches(idx, flips)
+            return self._dali_batches(epoch, start, idx)
         return self._torch_batches(idx, flips)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -207,13 +235,14 @@ class ShardedLoader:
             self.skipped += skipped
             yield x, y
 
-    def _dali_batches(self, idx: np.ndarray, flips: np.ndarray) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _dali_pipeline(self, epoch: int, start: int):
+        stream = dali.EpochStream(self._keys, epoch, start, self.samples_per_epoch, self.batch_size)
         threads = max(1, self.num_workers)
+        self.dali_builds += 1
         if self.kind == "images":
-            pipe = dali.image_pipeline(
+            return dali.image_pipeline(
                 self.source,
-                idx,
-                flips,
+                stream,
                 self.image_size,
                 self.batch_size,
                 num_threads=threads,
@@ -221,16 +250,29 @@ class ShardedLoader:
                 decoder_device=self.decoder_device,
                 py_workers=self.dali_py_workers,
             )
-            files = self.source.files
-        else:
-            pipe = dali.latent_pipeline(
-                self.source, idx, self.batch_size, num_threads=threads, device_id=self.device_id
-            )
-            files = getattr(self.source, "feature_files", None)
+        return dali.latent_pipeline(self.source, stream, self.batch_size, num_threads=threads, device_id=self.device_id)
+
+    def _dali_batches(self, epoch: int, start: int, idx: np.ndarray) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        reader = self._dali
+        if reader is None or reader.busy or reader.next != (epoch, start):
+            self._dali = reader = None  # the old pipeline (and its workers) goes before the new one starts
+            reader = self._dali = _DaliReader(self._dali_pipeline(epoch, start), epoch, start)
+        files = self.source.files if self.kind == "images" else getattr(self.source, "feature_files", None)
 
         def describe(first: int, last: int) -> str:
             if files is None:
                 return f"samples {idx[first:last].tolist()} of {getattr(self.source, 'root', 'the dataset')}"
             return ", ".join(str(files[i]) for i in idx[first:last])
 
-        yield from dali.iterate_pipeline(pipe, len(idx), self.batch_size, describe)
+        reader.busy, done = True, 0
+        try:
+            for x, y in dali.iterate_pipeline(reader.pipe, len(idx), self.batch_size, describe):
+                done += len(x)
+                reader.next = (epoch, start + done) if done < len(idx) else (epoch + 1, 0)
+                yield x, y
+        except Exception:
+            if self._dali is reader:  # a failed run leaves the pipeline in an unknown state
+                self._dali = None
+            raise
+        finally:
+            reader.busy = False

@@ -47,6 +47,20 @@ def check_like(y: torch.Tensor, x: torch.Tensor, yname: str, xname: str) -> None
         raise ValueError(f"{yname} is on {y.device} but {xname} is on {x.device}")
 
 
+def sample_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(x, batch stride) when each sample of ``x`` (B, ...) is contiguous and the samples do not overlap (e.g. the
+    first C channels of a (B, 2C, H, W) output, read in place); otherwise (a contiguous copy, M)."""
+    B = x.shape[0] if x.ndim else 0
+    M = x.numel() // B if B else 0
+    expect, rows = 1, B > 0 and M > 0
+    for size, stride in zip(reversed(x.shape[1:]), reversed(x.stride()[1:])):
+        rows = rows and (size == 1 or stride == expect)
+        expect *= size
+    if rows and (B == 1 or x.stride(0) >= M):
+        return x, M if B == 1 else x.stride(0)
+    return x.contiguous(), M
+
+
 def per_sample(v: torch.Tensor | float, x: torch.Tensor, name: str, detach: bool = True) -> torch.Tensor:
     """Per-sample coefficient ``v`` (scalar or shape (B,)) as a contiguous compute-dtype (B,) tensor on x's device."""
     dtype = compute_dtype(x.dtype)

@@ -49,12 +49,13 @@ def _reference(pred, x0, noise, seed, p, q, w, with_grad, grad_scale):
 
 def _triton(pred, x0, noise, seed, p, q, w, with_grad, grad_scale):
     noise = noise.contiguous() if noise is not None else None
-    args = (pred.contiguous(), x0.contiguous(), noise, seed, p, q, w, with_grad, grad_scale)
-    loss, grad = _backend.kernels("diffusion_loss").diffusion_loss_fwd(*args)
-    return loss, grad.view(pred.shape) if with_grad else grad
+    pred, stride = _common.sample_rows(pred)  # a channel slice of the network output is read in place
+    args = (pred, x0.contiguous(), noise, seed, p, q, w, with_grad, grad_scale, stride)
+    return _backend.kernels("diffusion_loss").diffusion_loss_fwd(*args)
 
 
-# (loss (B,), grad_scale * d loss / d pred or an empty tensor); p, q, w contiguous (B,)
+# (loss (B,), grad_scale * d loss / d pred (contiguous) or an empty tensor); p, q, w contiguous (B,). pred may
+# be a batch-strided view (each sample contiguous): the C++/CUDA and Triton kernels read it in place.
 _KERNELS = _backend.table(
     reference=_reference, triton=_triton, ext=lambda *a: _backend.ext_ops().diffusion_loss_fwd(*a)
 )
