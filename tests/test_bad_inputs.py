@@ -321,6 +321,11 @@ def test_tdc_groups_checked_before_training(tmp_path):
     with pytest.raises(FileExistsError, match="not empty"):
         check_tdc_run(cfg, TDCConfig(num_groups=3), tmp_path / "tdc")
     assert check_tdc_run(cfg, TDCConfig(num_groups=3), tmp_path / "tdc", overwrite=True).mode == "overwrite"
+    # guidance without a null label: refused before stage 1, as train refuses it
+    nodrop = tiny(tmp_path / "y", "curriculum.pacing=none", "model.class_dropout_prob=0", "logging.num_samples=4")
+    with pytest.raises(ValueError, match="classifier-free guidance needs the null label"):
+        check_tdc_run(nodrop, TDCConfig(num_groups=3), tmp_path / "tdc2")
+    assert not (tmp_path / "tdc2").exists()
 
 
 # ---- sampling in batches, over ranks, in the ADM layout -----------------------------------------------------------

@@ -12,7 +12,7 @@ from typing import Any
 
 from diffcurr_fast.runs.sampling import build_schedule
 from diffcurr_fast.tdc.grouping import group_timesteps
-from diffcurr_fast.train.preflight import check_backends, check_inputs
+from diffcurr_fast.train.preflight import check_backends, check_guidance, check_inputs
 from diffcurr_fast.train.rundir import TDC_LAYOUT, RunStart, check_run_dir
 
 __all__ = ["check_groups", "check_tdc_run"]
@@ -46,6 +46,7 @@ def check_tdc_run(
     opts.validate()
     check_backends(cfg)
     check_inputs(cfg)
+    check_guidance(cfg)
     check_groups(cfg, opts.num_groups, opts.group_method)
     if resume:
         if overwrite:
