@@ -101,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         build_schedule,
         pixel_range,
         sample_batch,
+        sampling_readout,
         save_grid,
         to_uint8_nhwc,
     )
@@ -193,10 +194,8 @@ def run(args: argparse.Namespace) -> int:
             channels=m.in_channels,
             size=m.input_size,
             num_classes=m.num_classes,
-            learn_sigma=cfg.diffusion.learn_sigma,
-            prediction=cfg.diffusion.prediction,
+            readout=sampling_readout(cfg),
             cfg_scale=args.cfg,
-            clip_denoised=pixel_range(cfg),
             device=device,
         )
         x = (x / cfg.data.scale).cpu()  # data units: unscaled latents z for latent models

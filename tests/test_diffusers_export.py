@@ -16,7 +16,7 @@ diffusers = pytest.importorskip("diffusers", reason="diffusers is not installed 
 
 from diffcurr_fast import cli  # noqa: E402
 from diffcurr_fast.cli_export import export_diffusers, scheduler_config, to_diffusers_transformer  # noqa: E402
-from diffcurr_fast.diffusion import ddim_sample, flow_sample, make_generator  # noqa: E402
+from diffcurr_fast.diffusion import Readout, ddim_sample, flow_sample, make_generator  # noqa: E402
 from diffcurr_fast.models import DiT  # noqa: E402
 from diffcurr_fast.models import dit as dit_module  # noqa: E402
 from diffcurr_fast.runs.checkpoint import atomic_save  # noqa: E402
@@ -159,8 +159,7 @@ def test_ddim_loop_through_diffusers_scheduler_equals_ddim_sample(tmp_path, diff
             labels,
             num_classes=7,
             cfg_scale=1.5,
-            learn_sigma=True,
-            prediction=prediction,
+            readout=Readout(prediction, learn_sigma=True),
             timestep_map=tmap,
             noise=noise,
         )
@@ -233,7 +232,7 @@ def test_latent_pipeline_equals_ours(tmp_path, vae_dir, diffusers_time):
             torch.tensor(labels),
             num_classes=1000,
             cfg_scale=2.0,
-            learn_sigma=True,
+            readout=Readout(learn_sigma=True),
             timestep_map=tmap,
             noise=noise,
         )
@@ -376,8 +375,7 @@ def test_edm_export_euler_loop_equals_our_edm_euler(tmp_path, diffusers_time):
             channels=1,
             size=6,
             num_classes=7,
-            learn_sigma=False,
-            prediction="x0",
+            readout=Readout("x0"),
             seed=seed,
         )
     assert (x - ours).abs().max() < 1e-4, (x - ours).abs().max()

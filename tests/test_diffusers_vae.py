@@ -132,7 +132,7 @@ def test_extract_train_and_decode_with_a_real_autoencoder(vae_dir, folder, tmp_p
     z = torch.from_numpy(np.load(tmp_path / "z.npz")["x"])  # (5, 4, 4, 4): unscaled latents
     from diffcurr_fast.runs.checkpoint import latest_checkpoint, load_checkpoint
     from diffcurr_fast.runs.config import config_from_dict
-    from diffcurr_fast.runs.sampling import build_model, build_schedule, sample
+    from diffcurr_fast.runs.sampling import build_model, build_schedule, sample, sampling_readout
 
     state = load_checkpoint(latest_checkpoint(run))
     cfg = config_from_dict(state["config"])
@@ -147,8 +147,7 @@ def test_extract_train_and_decode_with_a_real_autoencoder(vae_dir, folder, tmp_p
         channels=4,
         size=4,
         num_classes=3,
-        learn_sigma=cfg.diffusion.learn_sigma,
-        prediction=cfg.diffusion.prediction,
+        readout=sampling_readout(cfg),
         seed=3,
     )
     torch.testing.assert_close(z, direct / 0.5)  # the model's samples are 0.5 z: the decoder gets z

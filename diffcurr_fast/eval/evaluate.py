@@ -9,7 +9,7 @@ its held-out split).
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +19,7 @@ from diffcurr_fast.eval.features import FeatureExtractor, load_digits_data
 from diffcurr_fast.eval.metrics import feature_statistics, frechet_distance, inception_score, precision_recall
 from diffcurr_fast.runs.checkpoint import check_finite_weights, load_checkpoint, resolve_checkpoint
 from diffcurr_fast.runs.config import config_from_dict
-from diffcurr_fast.runs.sampling import batch_slices, build_model, build_schedule, sample_batch
+from diffcurr_fast.runs.sampling import batch_slices, build_model, build_schedule, sample_batch, sampling_readout
 
 
 def load_images(path: str | os.PathLike) -> torch.Tensor:
@@ -125,6 +125,7 @@ def samples_from_checkpoint(
     model = model.to(device).eval()
     labels = torch.arange(num, dtype=torch.long) % m.num_classes
     schedule, parts = build_schedule(cfg), {}
+    readout = replace(sampling_readout(cfg), clip_denoised=True)  # pixel models (checked above): x0 in [-1, 1]
     for b, sl in tqdm(slices, desc="sampling", unit="batch", disable=not progress, dynamic_ncols=True):
         x = sample_batch(
             model,
@@ -137,10 +138,8 @@ def samples_from_checkpoint(
             channels=m.in_channels,
             size=m.input_size,
             num_classes=m.num_classes,
-            learn_sigma=cfg.diffusion.learn_sigma,
-            prediction=cfg.diffusion.prediction,
+            readout=readout,
             cfg_scale=cfg_scale,
-            clip_denoised=True,
             device=device,
         )
         parts[b] = (x / cfg.data.scale).clamp(-1, 1).float().cpu()

@@ -23,6 +23,7 @@ from diffcurr_fast.diffusion import (
     EDMDenoiser,
     EDMFormulation,
     FlowFormulation,
+    Readout,
     build_formulation,
     ddim_sample,
     ddpm_sample,
@@ -59,8 +60,12 @@ def build_model(cfg: TrainConfig) -> DiT:
     )
     # the config has resolved a preset into its dimensions (``ModelConfig.validate``)
     return DiT(
-        patch_size=m.patch_size, hidden_size=m.hidden_size, depth=m.depth, num_heads=m.num_heads,
-        mlp_ratio=m.mlp_ratio, **kw,
+        patch_size=m.patch_size,
+        hidden_size=m.hidden_size,
+        depth=m.depth,
+        num_heads=m.num_heads,
+        mlp_ratio=m.mlp_ratio,
+        **kw,
     )
 
 
@@ -113,15 +118,14 @@ def sample(
     channels: int,
     size: int,
     num_classes: int,
-    learn_sigma: bool,
-    prediction: str,
+    readout: Readout,
     cfg_scale: float = 1.0,
-    clip_denoised: bool = False,
     seed: int = 0,
     device: torch.device | str = "cpu",
     progress: bool = False,
 ) -> torch.Tensor:
-    """Draw ``len(labels)`` samples (N, C, H, W) in data space with ``sampler`` in ddpm | ddim | heun | euler.
+    """Draw ``len(labels)`` samples (N, C, H, W) in data space with ``sampler`` in ddpm | ddim | heun | euler, the
+    network's output read as ``readout`` says (``sampling_readout`` builds it from a run config).
 
     A flow model (``schedule`` a ``FlowFormulation``) integrates its velocity ODE from t = 1 to 0 with euler or heun;
     an EDM model (raw network F with EDM preconditioning) its probability-flow ODE on the Karras sigma grid.
@@ -150,20 +154,28 @@ def sample(
         common = dict(num_classes=num_classes, cfg_scale=cfg_scale, seed=seed, device=torch.device(device))
         lo, hi = schedule.sigma_min, schedule.sigma_max
         if sampler == "heun":
-            x = edm_heun_sample(den, shape, labels.to(device), num_steps=steps, sigma_min=lo, sigma_max=hi,
-                                progress=progress, **common)
+            x = edm_heun_sample(
+                den, shape, labels.to(device), num_steps=steps, sigma_min=lo, sigma_max=hi, progress=progress, **common
+            )
         else:
             x = _euler(den, shape, labels.to(device), steps, lo, hi, progress=progress, **common)
-        return x.clamp(-1, 1) if clip_denoised else x
+        return x.clamp(-1, 1) if readout.clip_denoised else x
     if isinstance(schedule, FlowFormulation):
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be a positive int, got {steps!r}")
         x = flow_sample(
-            lambda x, t, yy: model(x, t, yy), (len(labels), channels, size, size), labels.to(device),
-            num_steps=steps, method=sampler, num_classes=num_classes, cfg_scale=cfg_scale, seed=seed,
-            device=device, progress=progress,
+            lambda x, t, yy: model(x, t, yy),
+            (len(labels), channels, size, size),
+            labels.to(device),
+            num_steps=steps,
+            method=sampler,
+            num_classes=num_classes,
+            cfg_scale=cfg_scale,
+            seed=seed,
+            device=device,
+            progress=progress,
         )
-        return x.clamp(-1, 1) if clip_denoised else x
+        return x.clamp(-1, 1) if readout.clip_denoised else x
     if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= schedule.num_timesteps:
         raise ValueError(f"steps must be an int in [1, {schedule.num_timesteps}], got {steps!r}")
     device = torch.device(device)
@@ -174,16 +186,20 @@ def sample(
     if sampler in ("ddpm", "ddim"):
         sched, tmap = respaced(schedule, sampler, steps)
         run = ddpm_sample if sampler == "ddpm" else ddim_sample
-        return run(
-            fn, sched, shape, y, learn_sigma=learn_sigma, prediction=prediction, clip_denoised=clip_denoised,
-            timestep_map=tmap.to(device), **common,
-        )
-    den = VEDenoiser(model, schedule, prediction, channels)
+        return run(fn, sched, shape, y, readout=readout, timestep_map=tmap.to(device), **common)
+    den = VEDenoiser(model, schedule, readout.prediction, channels)
     if sampler == "heun":
         x = edm_heun_sample(den, shape, y, num_steps=steps, sigma_min=den.sigma_min, sigma_max=den.sigma_max, **common)
     else:
         x = _euler(den, shape, y, steps, den.sigma_min, den.sigma_max, **common)
-    return x.clamp(-1, 1) if clip_denoised else x
+    return x.clamp(-1, 1) if readout.clip_denoised else x
+
+
+def sampling_readout(cfg: TrainConfig) -> Readout:
+    """How ``sample`` reads the network of ``cfg``: its prediction and learned variance (``cfg.diffusion``), x0
+    clipped to [-1, 1] when the data lies there (``pixel_range``), the fixed variance the large one."""
+    d = cfg.diffusion
+    return Readout(d.prediction, learn_sigma=d.learn_sigma, clip_denoised=pixel_range(cfg))
 
 
 def has_null_label(model: nn.Module) -> bool:
@@ -267,10 +283,18 @@ def sample_grid(
     sampler, steps = grid_sampler(cfg)
     net = model if should_stop is None else _Interruptible(model, should_stop)
     x = sample(
-        net, schedule, sampler=sampler, steps=steps,
-        labels=torch.arange(lg.num_samples) % m.num_classes, channels=m.in_channels, size=m.input_size,
-        num_classes=m.num_classes, learn_sigma=cfg.diffusion.learn_sigma, prediction=cfg.diffusion.prediction,
-        cfg_scale=lg.cfg_scale, clip_denoised=pixel_range(cfg), seed=cfg.engine.seed, device=device,
+        net,
+        schedule,
+        sampler=sampler,
+        steps=steps,
+        labels=torch.arange(lg.num_samples) % m.num_classes,
+        channels=m.in_channels,
+        size=m.input_size,
+        num_classes=m.num_classes,
+        readout=sampling_readout(cfg),
+        cfg_scale=lg.cfg_scale,
+        seed=cfg.engine.seed,
+        device=device,
         progress=lg.progress,
     )
     nrow = m.num_classes if m.num_classes <= 16 else None
