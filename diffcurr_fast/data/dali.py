@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
+from PIL import Image
 
 from diffcurr_fast.data.images import ImageFolder, adm_crop_geometry
 from diffcurr_fast.data.latents import FastDiTLatents, LatentDataset
@@ -105,8 +106,6 @@ class _ImageSource:
         self.files, self.labels, self.indices, self.flips, self.size = files, labels, indices, flips, size
 
     def __call__(self, info):
-        from PIL import Image
-
         pos = info.idx_in_epoch % len(self.indices)
         i = int(self.indices[pos])
         path = self.files[i]

@@ -14,7 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
 
+from diffcurr_fast.data.builtin import load_mnist5k_tensors
 from diffcurr_fast.eval.features import FeatureExtractor, load_digits_data
 from diffcurr_fast.eval.metrics import feature_statistics, frechet_distance, inception_score, precision_recall
 from diffcurr_fast.runs.checkpoint import check_finite_weights, load_checkpoint, resolve_checkpoint
@@ -102,8 +105,6 @@ def samples_from_checkpoint(
     pixel-space models (1 or 3 channels) qualify: latents would need the VAE decoder. A model with NaN or inf
     weights is refused. With ``world`` > 1 (a running process group) rank ``rank`` draws its share of the batches
     and every rank returns all N images: the same as one process draws."""
-    from tqdm.auto import tqdm
-
     if num < 2:
         raise ValueError(f"--num must be >= 2 to evaluate, got {num}")
     if weights not in ("ema", "model"):
@@ -144,8 +145,6 @@ def samples_from_checkpoint(
         )
         parts[b] = (x / cfg.data.scale).clamp(-1, 1).float().cpu()
     if world > 1:  # every rank gets every rank's batches
-        import torch.distributed as dist
-
         shares: list[dict[int, torch.Tensor] | None] = [None] * world
         dist.all_gather_object(shares, parts)
         parts = {b: x for share in shares for b, x in share.items()}
@@ -195,8 +194,6 @@ def load_reference(spec: str, extractor: FeatureExtractor) -> Reference:
         xtr, _, xte, _ = load_digits_data()
         return reference_from_images(torch.cat([xtr, xte]), extractor, "sklearn digits (1797 images)")
     if spec == "mnist5k":
-        from diffcurr_fast.data.builtin import load_mnist5k_tensors
-
         x, _ = load_mnist5k_tensors("heldout")
         return reference_from_images(x, extractor, f"mnist5k held-out split ({len(x)} images)")
     if not os.path.isfile(spec):

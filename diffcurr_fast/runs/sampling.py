@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
+from diffcurr_fast._lazy import pyplot
 from diffcurr_fast.diffusion import (
     DDPMSchedule,
     EDMDenoiser,
@@ -303,8 +305,6 @@ def sample_grid(
 
 def _euler(den, shape, y, steps, sigma_min, sigma_max, *, num_classes, cfg_scale, seed, device, progress):
     # Euler on dx/dsigma = (x - D(x; sigma)) / sigma (EDM Eq. 3 with sigma(t) = t), Karras grid (EDM Eq. 5).
-    from tqdm.auto import tqdm
-
     gen = make_generator(seed, None, device)
     sigmas = karras_sigmas(steps, sigma_min, sigma_max).tolist()
     x = torch.randn(shape, generator=gen, device=device) * sigmas[0]
@@ -332,11 +332,7 @@ def grid_image(x: torch.Tensor, nrow: int | None = None, pad: int = 1) -> torch.
 
 def save_grid(x: torch.Tensor, path: str | Path, nrow: int | None = None, upscale: int = 1) -> Path:
     """Write ``grid_image(x)`` as a PNG, each pixel repeated ``upscale`` times (small images stay visible)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     img = grid_image(x, nrow)
     if upscale > 1:
         img = img.repeat_interleave(upscale, 0).repeat_interleave(upscale, 1)
