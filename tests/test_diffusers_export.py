@@ -14,6 +14,8 @@ import torch
 
 diffusers = pytest.importorskip("diffusers", reason="diffusers is not installed (pip install diffusers)")
 
+from conftest import save_tiny_vae  # noqa: E402
+
 from diffcurr_fast import cli  # noqa: E402
 from diffcurr_fast.cli_export import export_diffusers, scheduler_config, to_diffusers_transformer  # noqa: E402
 from diffcurr_fast.diffusion import Readout, ddim_sample, flow_sample, make_generator  # noqa: E402
@@ -173,21 +175,7 @@ def test_export_clips_like_the_run(tmp_path):
 
 @pytest.fixture(scope="module")
 def vae_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    vae = diffusers.AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        block_out_channels=(8, 8),
-        layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=4,
-        sample_size=12,
-    )
-    path = tmp_path_factory.mktemp("vae") / "tiny-vae"
-    vae.save_pretrained(path)
-    return path
+    return save_tiny_vae(tmp_path_factory.mktemp("vae") / "tiny-vae", levels=2, sample_size=12)
 
 
 def test_latent_pipeline_equals_ours(tmp_path, vae_dir, diffusers_time):
