@@ -70,8 +70,16 @@ def _an(word: str) -> str:
     return f"{'an' if word[:1] in 'aeiou' else 'a'} {word}"
 
 
-def _f(default: Any, doc: str, choices: tuple | Callable[[], tuple] | None = None, *, lo: float | None = None,
-       hi: float = INF, lo_open: bool = False, hi_open: bool = False) -> Any:
+def _f(
+    default: Any,
+    doc: str,
+    choices: tuple | Callable[[], tuple] | None = None,
+    *,
+    lo: float | None = None,
+    hi: float = INF,
+    lo_open: bool = False,
+    hi_open: bool = False,
+) -> Any:
     """A config field: its default, one-line doc, and its valid values (``choices``, or the range [lo, hi] with
     open ends as flagged). ``_check_field`` is the one place these are checked."""
     meta: dict[str, Any] = {"doc": doc}
@@ -112,8 +120,7 @@ class ModelConfig:
     depth: int | None = _f(None, "number of DiT blocks (a preset fills it; custom default 6)", lo=1)
     num_heads: int | None = _f(None, "attention heads (a preset fills it; custom default 4)", lo=1)
     mlp_ratio: float = _f(4.0, "MLP width / hidden_size", lo=0.0, lo_open=True)
-    class_dropout_prob: float = _unit(0.1, "label dropout probability (enables classifier-free guidance)",
-                                      hi_open=True)
+    class_dropout_prob: float = _unit(0.1, "label dropout probability (enables classifier-free guidance)", hi_open=True)
     attn_backend: str = _f("auto", "attention backend", ATTN_BACKENDS)
     fused_adaln: bool = _f(False, "run the blocks' elementwise ops fused (adaLN modulate, gated residual, tanh-GELU)")
     dtr: bool = _f(False, "Denoising Task Routing (timestep-dependent channel masks)")
@@ -149,8 +156,9 @@ class ModelConfig:
                     "preset's value, or use model.preset=custom"
                 )
         if self.input_size % self.patch_size:
-            raise ValueError(f"model.input_size {self.input_size} is not divisible by model.patch_size "
-                             f"{self.patch_size}")
+            raise ValueError(
+                f"model.input_size {self.input_size} is not divisible by model.patch_size {self.patch_size}"
+            )
         if self.hidden_size % self.num_heads or self.hidden_size % 4:
             raise ValueError(
                 f"model.hidden_size {self.hidden_size} must be a multiple of 4 and of model.num_heads {self.num_heads}"
@@ -195,8 +203,11 @@ class DiffusionConfig:
 
     def validate(self) -> None:
         if self.fused_ops is not None:  # the deprecated alias folds into the one knob
-            warnings.warn("diffusion.fused_ops is deprecated; use diffusion.ops_backend (reference = pure torch)",
-                          DeprecationWarning, stacklevel=3)
+            warnings.warn(
+                "diffusion.fused_ops is deprecated; use diffusion.ops_backend (reference = pure torch)",
+                DeprecationWarning,
+                stacklevel=3,
+            )
             if not self.fused_ops:
                 self.ops_backend = "reference"
             self.fused_ops = None
@@ -207,8 +218,10 @@ class DiffusionConfig:
 
         preds = TRAIN_PREDICTIONS[self.formulation]
         if self.prediction not in preds:
-            raise ValueError(f"diffusion.prediction {self.prediction!r} is not {_an(self.formulation)} target; valid "
-                             f"choices: {', '.join(preds)}")
+            raise ValueError(
+                f"diffusion.prediction {self.prediction!r} is not {_an(self.formulation)} target; valid "
+                f"choices: {', '.join(preds)}"
+            )
 
 
 @dataclass
@@ -278,8 +291,12 @@ class DataConfig:
         DATASETS,
     )
     path: str = _f("", "npz: a .npz file or a directory of x.npy and y.npy; latents / images: the directory")
-    scale: float = _f(1.0, "the model trains on scale * data (0.18215 for Stable Diffusion VAE latents; see docs)",
-                      lo=0.0, lo_open=True)
+    scale: float = _f(
+        1.0,
+        "the model trains on scale * data (0.18215 for Stable Diffusion VAE latents; see docs)",
+        lo=0.0,
+        lo_open=True,
+    )
     batch_size: int = _pos(128, "global batch size (split evenly across ranks)")
     num_workers: int = _nonneg(0, "DataLoader worker processes (0 = load in the training process); DALI CPU threads")
     image_size: int = _nonneg(0, "images: ADM centre-crop size (0 = model.input_size)")
@@ -297,8 +314,10 @@ class DataConfig:
             what = {"npz": "a .npz file or a directory", "latents": "a latent directory", "images": "an image folder"}
             raise ValueError(f"data.path is required when data.dataset is {self.dataset!r} ({what[self.dataset]})")
         if self.dataset in ("digits", "mnist5k") and self.path:
-            raise ValueError(f"data.path {self.path!r} is set but data.dataset is {self.dataset!r} (built in, reads no "
-                             "file); set data.dataset to npz, latents or images to train on it")
+            raise ValueError(
+                f"data.path {self.path!r} is set but data.dataset is {self.dataset!r} (built in, reads no "
+                "file); set data.dataset to npz, latents or images to train on it"
+            )
 
 
 @dataclass
@@ -310,8 +329,11 @@ class OptimConfig:
     beta1: float = _unit(0.9, "AdamW beta1", hi_open=True)
     beta2: float = _unit(0.999, "AdamW beta2", hi_open=True)
     eps: float = _f(1e-8, "AdamW epsilon", lo=0.0, lo_open=True)
-    impl: str = _f("auto", "AdamW kernels: auto / torch (torch's fused kernel, CUDA and CPU) or apex (NVIDIA apex "
-                   "FusedAdam)", OPTIM_IMPLS)
+    impl: str = _f(
+        "auto",
+        "AdamW kernels: auto / torch (torch's fused kernel, CUDA and CPU) or apex (NVIDIA apex FusedAdam)",
+        OPTIM_IMPLS,
+    )
     warmup_steps: int = _nonneg(0, "linear warmup steps from 0 to lr")
     schedule: str = _f("constant", "learning-rate schedule after warmup", LR_SCHEDULES)
     min_lr: float = _nonneg(0.0, "final learning rate of the cosine schedule (<= lr)")
@@ -346,8 +368,11 @@ class EngineConfig:
         "policy; the error names the first skipped step)",
     )
     cpu_threads: int = _f(0, "torch intra-op threads on CPU (0 = torch's default)", lo=0, hi=4096)
-    retain_host_memory: bool = _f(True, "CPU: keep freed host memory in the process (glibc mallopt) so each step's "
-                                  "large tensors reuse mapped pages instead of page-faulting new ones")
+    retain_host_memory: bool = _f(
+        True,
+        "CPU: keep freed host memory in the process (glibc mallopt) so each step's "
+        "large tensors reuse mapped pages instead of page-faulting new ones",
+    )
 
     def validate(self) -> None:
         if self.kind == "deepspeed" and not self.deepspeed_config:
@@ -403,18 +428,26 @@ class EvalConfig:
     steps: int = _pos(50, "sampling steps")
     sampler: str = _f("auto", "sampler (auto: ddim for ddpm, heun for flow and edm)", SAMPLERS)
     cfg_scale: float = _nonneg(1.0, "classifier-free guidance scale")
-    features: str = _f("digits", "feature extractor: digits / mnist5k (classifiers of those built-in data) or "
-                       "inception (FID)", EVAL_FEATURES)
+    features: str = _f(
+        "digits",
+        "feature extractor: digits / mnist5k (classifiers of those built-in data) or inception (FID)",
+        EVAL_FEATURES,
+    )
     inception_weights: str = _f("", "inception: local pytorch-fid weights file (never downloaded)")
-    reference: str = _f("", "reference statistics or images .npz ('' = the training data; digits / mnist5k "
-                        "data: all digits / mnist5k's held-out split)")
+    reference: str = _f(
+        "",
+        "reference statistics or images .npz ('' = the training data; digits / mnist5k "
+        "data: all digits / mnist5k's held-out split)",
+    )
     num_reference: int = _f(10000, "'' reference: training images used (at most)", lo=2)
     seed: int = _f(0, "seed of the evaluation samples (the same noise at every evaluation)", lo=0, hi=2**63 - 1)
 
     def validate(self) -> None:
         if self.features == "inception" and not self.inception_weights:
-            raise ValueError("eval.features 'inception' needs eval.inception_weights (a local pytorch-fid weights "
-                             "file; it is never downloaded)")
+            raise ValueError(
+                "eval.features 'inception' needs eval.inception_weights (a local pytorch-fid weights "
+                "file; it is never downloaded)"
+            )
 
 
 # Choices of the tdc section. The config is the lowest layer that needs them, so it owns them; ``diffcurr_fast.tdc``
@@ -432,8 +465,9 @@ class TDCConfig:
     """TDC training (diffcurr-fast tdc): stage 2 after stage 1, which is the rest of this config."""
 
     num_groups: int = _pos(3, "N, the number of timestep groups (one expert each)")
-    k: float = _f(0.5, "budget anchor of TDC Eq. 2, in (0, 1]: FLOPs(i) = (i/N + (N-i)/N k) F", lo=0.0, hi=1.0,
-                  lo_open=True)
+    k: float = _f(
+        0.5, "budget anchor of TDC Eq. 2, in (0, 1]: FLOPs(i) = (i/N + (N-i)/N k) F", lo=0.0, hi=1.0, lo_open=True
+    )
     group_method: str = _f("db", "grouping rule on the SNR axis", GROUP_METHODS)
     full_budget: str = _f("hardest", "which end of t gets the full budget F", FULL_BUDGET_ENDS)
     base_weights: str = _f("ema", "stage-1 weights that stage 2 prunes", BASE_WEIGHTS)
@@ -450,8 +484,11 @@ class TDCConfig:
     drop_empty_blocks: bool = _f(False, "remove blocks left with no head and no channel")
     finetune_steps: int = _pos(200, "stage-2 fine-tuning steps of every expert")
     finetune_lr: float = _nonneg(0.0, "stage-2 peak learning rate (0 = optim.lr)")
-    expert_parallel: bool = _f(False, "stage 2 with the ranks split into min(N, world) parts, each searching and "
-                               "fine-tuning its own groups (DDP; false: every expert over all ranks)")
+    expert_parallel: bool = _f(
+        False,
+        "stage 2 with the ranks split into min(N, world) parts, each searching and "
+        "fine-tuning its own groups (DDP; false: every expert over all ranks)",
+    )
     llm_url: str = _f("", "llm proposer: OpenAI-compatible endpoint (https://host/v1)")
     llm_model: str = _f("", "llm proposer: model name")
     llm_api_key_env: str = _f("", "llm proposer: NAME of the environment variable holding the API key")
@@ -508,8 +545,9 @@ class TrainConfig:
                     )
             for key, sampler in (("logging.sampler", self.logging.sampler), ("eval.sampler", self.eval.sampler)):
                 if sampler not in ("euler", "heun") and (key == "logging.sampler" or self.logging.eval_every):
-                    raise ValueError(f"{key} {sampler!r} cannot sample {_an(d.formulation)} model; valid choices: "
-                                     "euler, heun")
+                    raise ValueError(
+                        f"{key} {sampler!r} cannot sample {_an(d.formulation)} model; valid choices: euler, heun"
+                    )
         if self.curriculum.num_clusters > self.diffusion.num_timesteps:
             raise ValueError(
                 f"curriculum.num_clusters ({self.curriculum.num_clusters}) must be <= diffusion.num_timesteps "
@@ -522,11 +560,15 @@ class TrainConfig:
             )
         m = self.model
         if self.logging.eval_every and m.in_channels not in (1, 3):
-            raise ValueError(f"logging.eval_every needs images (model.in_channels 1 or 3), got {m.in_channels} "
-                             "channels (latents would need the VAE decoder); set logging.eval_every=0")
+            raise ValueError(
+                f"logging.eval_every needs images (model.in_channels 1 or 3), got {m.in_channels} "
+                "channels (latents would need the VAE decoder); set logging.eval_every=0"
+            )
         if self.logging.eval_every and self.data.dataset == "mnist5k" and self.eval.features == "digits":
-            raise ValueError("eval.features 'digits' scores 8x8 digits, but data.dataset is 'mnist5k'; set "
-                             "eval.features=mnist5k (its own classifier)")
+            raise ValueError(
+                "eval.features 'digits' scores 8x8 digits, but data.dataset is 'mnist5k'; set "
+                "eval.features=mnist5k (its own classifier)"
+            )
         if self.data.dataset == "images":
             size = self.data.image_size or m.input_size
             if (m.in_channels, m.input_size) != (3, size):
@@ -768,14 +810,36 @@ def _fix_floats(obj: Any) -> Any:
 # defaults above are the paper settings (DiT: AdamW 1e-4, EMA 0.9999; curriculum: N = 20, tau = 200) that
 # recipes start from.
 DEMO: dict[str, dict[str, Any]] = {
-    "model": {"preset": "custom", "input_size": 8, "in_channels": 1, "num_classes": 10, "patch_size": 2,
-              "hidden_size": 64, "depth": 4, "num_heads": 4, "fused_adaln": True},
+    "model": {
+        "preset": "custom",
+        "input_size": 8,
+        "in_channels": 1,
+        "num_classes": 10,
+        "patch_size": 2,
+        "hidden_size": 64,
+        "depth": 4,
+        "num_heads": 4,
+        "fused_adaln": True,
+    },
     "diffusion": {"num_timesteps": 1000, "beta_schedule": "cosine", "weighting": "min_snr", "min_snr_gamma": 5.0},
-    "curriculum": {"pacing": "patience", "method": "snr", "num_clusters": 10, "patience": 4, "eval_every": 10,
-                   "ema": 0.5, "min_delta": 0.02},
+    "curriculum": {
+        "pacing": "patience",
+        "method": "snr",
+        "num_clusters": 10,
+        "patience": 4,
+        "eval_every": 10,
+        "ema": 0.5,
+        "min_delta": 0.02,
+    },
     "data": {"dataset": "digits", "batch_size": 64},
-    "optim": {"lr": 1e-3, "warmup_steps": 100, "schedule": "cosine", "min_lr": 1e-5, "grad_clip": 1.0,
-              "ema_decay": 0.999},
+    "optim": {
+        "lr": 1e-3,
+        "warmup_steps": 100,
+        "schedule": "cosine",
+        "min_lr": 1e-5,
+        "grad_clip": 1.0,
+        "ema_decay": 0.999,
+    },
     "engine": {"max_steps": 3000, "cpu_threads": 2},
     "logging": {"log_every": 25, "num_samples": 100, "sample_steps": 100, "cfg_scale": 2.0},
     "checkpoint": {"run_dir": "runs/demo", "every": 1000, "keep_last": 2},
@@ -815,8 +879,9 @@ def find_recipe(name: str | Path) -> Path:
     if p.parent == Path(".") and shipped.is_file():
         return shipped
     names = ", ".join(r.stem for r in list_recipes())
-    raise FileNotFoundError(f"recipe {str(name)!r} does not exist (no such file, and no shipped recipe of that "
-                            f"name: {names})")
+    raise FileNotFoundError(
+        f"recipe {str(name)!r} does not exist (no such file, and no shipped recipe of that name: {names})"
+    )
 
 
 def duplicate_keys(node: yaml.Node | None, prefix: str = "") -> list[tuple[str, list[int]]]:
@@ -938,6 +1003,8 @@ def resume_mismatches(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
             if a.get(key) != b.get(key):
                 diffs.append(f"{sec}.{key}: checkpoint {a.get(key)!r} vs now {b.get(key)!r}")
     if saved.get("data", {}).get("batch_size") != now["data"]["batch_size"]:
-        diffs.append(f"data.batch_size: checkpoint {saved.get('data', {}).get('batch_size')!r} vs now "
-                     f"{now['data']['batch_size']!r}")
+        diffs.append(
+            f"data.batch_size: checkpoint {saved.get('data', {}).get('batch_size')!r} vs now "
+            f"{now['data']['batch_size']!r}"
+        )
     return diffs
