@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 
-from diffcurr_fast.diffusion import DDPMSchedule, EDMFormulation, FlowFormulation  # noqa: E402
+from diffcurr_fast.diffusion import DDPMSchedule, EDMFormulation, FlowFormulation, Readout  # noqa: E402
 from diffcurr_fast.models import DiT, create_dit  # noqa: E402
 from diffcurr_fast.runs.sampling import sample  # noqa: E402
 from diffcurr_fast.tdc import (  # noqa: E402
@@ -100,8 +100,7 @@ def bench_formulation(name: str, sampler: str, args: argparse.Namespace, device:
         channels=base.in_channels,
         size=base.input_size,
         num_classes=args.num_classes,
-        learn_sigma=learn_sigma,
-        prediction=prediction,
+        readout=Readout(prediction, learn_sigma=learn_sigma),
         seed=0,
         device=device,
     )

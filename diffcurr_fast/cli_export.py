@@ -20,12 +20,14 @@ An existing OUT is refused unless ``--overwrite`` (and then only a previous expo
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from diffcurr_fast._files import write_json
+from diffcurr_fast.runs.config import config_from_dict
 
 PREDICTION_TYPES = {"eps": "epsilon", "x0": "sample", "v": "v_prediction"}  # ours -> diffusers' prediction_type
 
@@ -43,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _diffusers():
-    try:
+    try:  # optional dependency (the diffusers extra), imported when exporting
         import diffusers
     except ImportError:
         raise ImportError("export --to diffusers needs diffusers: pip install 'diffcurr-fast[diffusers]'") from None
@@ -52,6 +54,7 @@ def _diffusers():
 
 def scheduler_config(cfg: Any) -> tuple[str, dict[str, Any]]:
     """(diffusers scheduler class name, its config) describing the formulation of a ``TrainConfig``."""
+    # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.runs.sampling import build_schedule, pixel_range
 
     d = cfg.diffusion
@@ -84,9 +87,9 @@ def scheduler_config(cfg: Any) -> tuple[str, dict[str, Any]]:
 
 def load_model(source: str, weights: str = "ema"):
     """(model on CPU with the checkpoint's weights, its TrainConfig, the checkpoint path)."""
+    # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.models import DiT
     from diffcurr_fast.runs.checkpoint import check_finite_weights, load_checkpoint, resolve_checkpoint
-    from diffcurr_fast.runs.config import config_from_dict
     from diffcurr_fast.runs.sampling import build_model
 
     path = resolve_checkpoint(source)
@@ -101,6 +104,7 @@ def load_model(source: str, weights: str = "ema"):
 
 def to_diffusers_transformer(model):
     """A diffusers ``DiTTransformer2DModel`` holding ``model``'s weights (loaded strictly)."""
+    # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.models.diffusers_dit import diffusers_config, to_diffusers_state
 
     diffusers = _diffusers()
@@ -167,7 +171,7 @@ def export_diffusers(
             "num_classes": cfg.model.num_classes,
             "data_scale": cfg.data.scale,
         }
-        (tmp / "diffcurr_fast.json").write_text(json.dumps(info, indent=1) + "\n")
+        write_json(info, tmp / "diffcurr_fast.json", indent=1)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

@@ -19,6 +19,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+from tqdm.auto import tqdm
+
+from diffcurr_fast.runs.config import config_from_dict, resolve_sampler
+
 # torch is imported inside the functions, so --help stays instant; the names are runs.sampling's (tested)
 SAMPLERS = ("ddpm", "ddim", "heun", "euler")
 
@@ -60,13 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _distributed() -> tuple[int, int, Any]:
     """(rank, world, device) under torchrun (a process group is started), else (0, 1, None)."""
+    # imported here, not at the top: keeps --help free of torch
     import torch
+    import torch.distributed as dist
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return 0, 1, None
-    import torch.distributed as dist
-
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
@@ -77,8 +82,6 @@ def _distributed() -> tuple[int, int, Any]:
 
 
 def _save_npz(path: Path, arrays: dict[str, Any]) -> None:
-    import numpy as np
-
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as fh:
         np.savez(fh, **arrays)
@@ -87,20 +90,19 @@ def _save_npz(path: Path, arrays: dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Sample from a checkpoint and write the grid or arrays. Returns the exit status."""
-    import numpy as np
-    import torch
-    from tqdm.auto import tqdm
-
     # imported here, not at the top: keeps --help free of torch
+    import torch
+    import torch.distributed as dist
+
     from diffcurr_fast.data.extract import decode_latents, load_decoder
     from diffcurr_fast.runs.checkpoint import check_finite_weights, load_checkpoint, resolve_checkpoint
-    from diffcurr_fast.runs.config import config_from_dict, resolve_sampler
     from diffcurr_fast.runs.sampling import (
         batch_slices,
         build_model,
         build_schedule,
         pixel_range,
         sample_batch,
+        sampling_readout,
         save_grid,
         to_uint8_nhwc,
     )
@@ -175,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     labels = torch.tensor([base[i % len(base)] for i in range(args.num)], dtype=torch.long)
     images = vae is not None or (m.in_channels in (1, 3) and pixel_range(cfg))
     adm = out.suffix == ".npz" and images  # the ADM evaluation suite's layout: uint8 (N, H, W, C)
-    schedule = build_schedule(cfg)
+    schedule, readout = build_schedule(cfg), sampling_readout(cfg)
     mine = batch_slices(args.num, args.batch_size, rank, world)
     parts: dict[int, Any] = {}
     for b, sl in tqdm(mine, desc="sampling", unit="batch", disable=rank != 0, dynamic_ncols=True):
@@ -190,10 +192,8 @@ def run(args: argparse.Namespace) -> int:
             channels=m.in_channels,
             size=m.input_size,
             num_classes=m.num_classes,
-            learn_sigma=cfg.diffusion.learn_sigma,
-            prediction=cfg.diffusion.prediction,
+            readout=readout,
             cfg_scale=args.cfg,
-            clip_denoised=pixel_range(cfg),
             device=device,
         )
         x = (x / cfg.data.scale).cpu()  # data units: unscaled latents z for latent models
@@ -201,8 +201,6 @@ def run(args: argparse.Namespace) -> int:
             x = decode_latents(vae, x, args.vae_batch)  # (b, 3, H', W') in [-1, 1]
         parts[b] = (to_uint8_nhwc(x) if adm else x.float()).numpy()
     if world > 1:  # every rank writes its batches; rank 0 merges them in batch order
-        import torch.distributed as dist
-
         shard = out.with_name(f"{out.name}.rank{rank}.npz")
         _save_npz(shard, {f"b{b}": a for b, a in parts.items()})
         dist.barrier()

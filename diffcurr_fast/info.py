@@ -15,6 +15,7 @@ import os
 import platform
 import sys
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -97,10 +98,6 @@ def backend_table() -> list[tuple[str, str, str, str]]:
 def selected_backends() -> tuple[str, list[tuple[str, str, str]]]:
     """What a run would use for each op called without a backend argument, under ``DIFFCURR_OPS_BACKEND`` (or
     auto): (the request, rows (device, op, backend or why it cannot run))."""
-    import warnings
-
-    from diffcurr_fast.ops import _backend
-
     try:
         name = _backend.requested(None)
     except ValueError as exc:

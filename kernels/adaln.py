@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .aot import Launch
 from .philox import device_guard
 
 TILE_ELEMS = 4096  # elements of one (ROWS, BLOCK_D) tile
@@ -266,8 +267,6 @@ AOT_DIMS_FAST = (384, 1152)
 
 def aot_launches(dtypes, fast: bool = False) -> list:
     """The launches these launchers can make: dtype (and the mixed autocast pair) x tile for each D class."""
-    from .aot import Launch
-
     dims = AOT_DIMS_FAST if fast else AOT_DIMS
     out = []
     pairs = [(dt, dt) for dt in dtypes] + ([("fp32", "bf16")] if "bf16" in dtypes else [])

@@ -15,8 +15,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import importlib
 import io
 import json
+import multiprocessing as mp
 import os
 import re
 import sys
@@ -66,6 +68,7 @@ def _aux(name: str) -> bool:  # per-sample / statistics pointers, float32 whatev
 
 
 def _jit_fn(kernel):
+    # optional dependency (triton), imported when compiling
     from triton.runtime.jit import JITFunction
 
     while not isinstance(kernel, JITFunction):  # Autotuner / Heuristics -> JITFunction
@@ -80,8 +83,6 @@ def autotune_configs(kernel) -> list:
 
 def launches(fast: bool = False) -> list[Launch]:
     """Every launch of every kernel module (``fast``: fp32 and bf16, one config per kernel and flags)."""
-    import importlib
-
     out = []
     for name in MODULES:
         mod = importlib.import_module(f"diffcurr_fast.kernels.{name}")
@@ -121,6 +122,7 @@ def untested_configs(table: list[Launch]) -> list[str]:
 
 
 def _source(launch: Launch):
+    # optional dependency (triton), imported when compiling
     import triton
 
     fn = _jit_fn(launch.kernel)
@@ -166,6 +168,7 @@ def _load_stats(ptx: str) -> tuple[int, int, int, int]:
 
 def compile_launch(launch: Launch, arch: int) -> dict:
     """Compile ``launch`` for sm_``arch``; returns its resources (registers, spills, shared memory, loads)."""
+    # optional dependency (triton), imported when compiling
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -235,6 +238,7 @@ def compile_all(archs=ARCHS, fast: bool = False, jobs: int | None = None) -> lis
     """Compile every launch for every arch (in ``jobs`` processes); one result dict per (launch, arch)."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise RuntimeError("AOT compilation needs the real Triton compiler: unset TRITON_INTERPRET")
+    # optional dependency (triton), imported when compiling
     import triton
 
     if not hasattr(triton, "knobs"):  # the kernels themselves run on Triton >= 3.0; this tool reads ptxas via knobs
@@ -243,8 +247,6 @@ def compile_all(archs=ARCHS, fast: bool = False, jobs: int | None = None) -> lis
     jobs = jobs or min(len(items), os.cpu_count() or 1)
     if jobs <= 1:
         return [_work(it) for it in items]
-    import multiprocessing as mp
-
     with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
         return list(pool.map(_work, items, chunksize=4))
 

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .aot import Launch
 from .philox import INTERPRET, _philox_normal4, _row_tile, device_guard, row_blocks
 
 
@@ -113,8 +114,6 @@ def diffusion_loss_fwd(
 
 def aot_launches(dtypes, fast: bool = False) -> list:
     """The launches ``diffusion_loss_fwd`` can make: dtype x noise given or not x gradient or not x config."""
-    from .aot import Launch
-
     cfgs = _configs(interpret=False)
     out = []
     for dt in dtypes:

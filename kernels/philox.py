@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .aot import Launch
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -127,8 +129,6 @@ def philox_randn_fwd(seed: int, shape: tuple[int, ...], device: torch.device) ->
 
 def aot_launches(dtypes, fast: bool = False) -> list:
     """The launches ``philox_randn_fwd`` can make (for kernels/aot.py): every autotune config."""
-    from .aot import Launch
-
     cfgs = elementwise_configs(interpret=False)[:1] if fast else elementwise_configs(interpret=False)
     return [
         Launch(

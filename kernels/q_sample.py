@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .aot import Launch
 from .philox import _philox_normal4, _row_tile, device_guard, elementwise_configs, row_blocks
 
 
@@ -50,8 +51,6 @@ def q_sample_fwd(
 
 def aot_launches(dtypes, fast: bool = False) -> list:
     """The launches ``q_sample_fwd`` can make (for kernels/aot.py): dtype x noise given or not x autotune config."""
-    from .aot import Launch
-
     cfgs = elementwise_configs(interpret=False)
     out = []
     for dt in dtypes:

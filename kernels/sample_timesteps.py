@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .aot import Launch
 from .philox import _philox4x32_10, _uniform, device_guard
 
 BLOCK = 256
@@ -63,8 +64,6 @@ def sample_timesteps_fwd(weights: torch.Tensor, batch_size: int, seed: int) -> t
 def aot_launches(dtypes, fast: bool = False) -> list:
     """The launches ``sample_timesteps_fwd`` makes: weights are float64 whatever their dtype; N_ITER for
     T = 1000 (DDPM) and T up to 2**16 (every N_ITER compiles the same loop, unrolled)."""
-    from .aot import Launch
-
     args = {
         "cdf_ptr": "*fp64",
         "w_ptr": "*fp64",

@@ -1,4 +1,7 @@
+import json
 import os
+import subprocess
+import sys
 
 # The Triton kernels run on CPU tensors through the interpreter; the variable must be set before anything
 # imports them. On a CUDA machine the real compiler is used.
@@ -13,6 +16,21 @@ if not _cuda:
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# ``torchrun --standalone --nproc_per_node 2``: two ranks on CPU (gloo), for the multi-process tests
+TORCHRUN2 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+# The overrides of a tiny digits run (a one-block DiT of width 32, T = 40) that tests extend with their own
+TINY_SETS = [
+    "model.hidden_size=32",
+    "model.depth=1",
+    "model.num_heads=2",
+    "diffusion.num_timesteps=40",
+    "curriculum.num_clusters=4",
+    "data.batch_size=16",
+    "logging.progress=false",
+    "logging.num_samples=0",
+    "logging.plots=false",
+]
 
 # Under pytest-xdist each worker gets one thread: with as many workers as cores, more threads only fight.
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -45,22 +63,35 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def save_tiny_vae(path, levels: int, sample_size: int):
+    """A random diffusers ``AutoencoderKL`` (RGB, 4 latent channels, ``levels`` levels of width 8, so latents are
+    2^(levels - 1) times smaller) written to ``path`` with ``save_pretrained``; returns ``path``."""
+    # imported here, not at the top: diffusers is optional, and only the tests that build a VAE need it
+    import diffusers
+
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * levels,
+        up_block_types=("UpDecoderBlock2D",) * levels,
+        block_out_channels=(8,) * levels,
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=sample_size,
+    )
+    vae.save_pretrained(path)
+    return path
+
+
 def run_torchrun2(tmp_path, script_text: str, *args, timeout: int = 300) -> list:
     """``script_text`` under ``torchrun --nproc_per_node 2`` (CPU, gloo), asserting a zero exit; the script gets
     ``*args`` and an output prefix last, and each rank writes ``<prefix>.<rank>.json``, returned in rank order."""
-    import json
-    import subprocess
-    import sys
-
     script, prefix = tmp_path / "torchrun_script.py", tmp_path / "torchrun_out"
     script.write_text(script_text)
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
+        *TORCHRUN2,
         str(script),
         *map(str, args),
         str(prefix),

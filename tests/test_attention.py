@@ -27,6 +27,19 @@ def _ref(q, k, v, scale=None):
     return torch.einsum("bhnm,bhmd->bhnd", p, v)
 
 
+def _check_against_ref(out, q, k, v, tol: float, grad_tol: float) -> None:
+    """``out`` = attention(q, k, v) and its gradients against the float64 reference (tolerances absolute and
+    relative)."""
+    qr, kr, vr = (a.detach().double().requires_grad_(True) for a in (q, k, v))
+    ref = _ref(qr, kr, vr)
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    g = torch.randn_like(ref)
+    out.backward(g.to(out.dtype))
+    ref.backward(g)
+    for a, r in ((q, qr), (k, kr), (v, vr)):
+        torch.testing.assert_close(a.grad.double(), r.grad, atol=grad_tol, rtol=grad_tol)
+
+
 def _inputs(shape, dtype, m=None):
     b, h, n, d = shape
     m = n if m is None else m
@@ -43,15 +56,8 @@ def test_backend_matches_float64_reference(backend, shape, dtype):
     q, k, v = _inputs(shape, dtype)
     out = attention(q, k, v, backend)
     assert out.shape == shape and out.dtype == dtype
-    qr, kr, vr = (a.detach().double().requires_grad_(True) for a in (q, k, v))
-    ref = _ref(qr, kr, vr)
     tol = 1e-10 if dtype == torch.float64 else 2e-5
-    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
-    g = torch.randn_like(ref)
-    out.backward(g.to(dtype))
-    ref.backward(g)
-    for a, r in ((q, qr), (k, kr), (v, vr)):
-        torch.testing.assert_close(a.grad.double(), r.grad, atol=tol * 10, rtol=tol * 10)
+    _check_against_ref(out, q, k, v, tol, tol * 10)
 
 
 @pytest.mark.parametrize("backend", ["math", "sdpa"])
@@ -131,15 +137,8 @@ def test_cuda_backends_match_reference(backend, shape, dtype):
         pytest.skip(f"flash_attn unusable here: {flash_attn_reason(torch.empty(1, device='cuda', dtype=dtype))}")
     q, k, v = (a.detach().cuda().requires_grad_(True) for a in _inputs(shape, dtype))
     out = attention(q, k, v, backend)
-    qr, kr, vr = (a.detach().double().requires_grad_(True) for a in (q, k, v))
-    ref = _ref(qr, kr, vr)
     tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
-    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
-    g = torch.randn_like(ref)
-    out.backward(g.to(dtype))
-    ref.backward(g)
-    for a, r in ((q, qr), (k, kr), (v, vr)):
-        torch.testing.assert_close(a.grad.double(), r.grad, atol=tol * 4, rtol=tol * 4)
+    _check_against_ref(out, q, k, v, tol, tol * 4)
 
 
 def test_flash_attn_reason_checks_k_and_v(monkeypatch):

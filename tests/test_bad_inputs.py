@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import TINY_SETS, TORCHRUN2
 
 from diffcurr_fast import cli_sample as sample_cli
 from diffcurr_fast.data.errors import BadDataError
@@ -24,18 +25,7 @@ from diffcurr_fast.train.loop import Trainer
 from diffcurr_fast.train.preflight import check_run
 
 ROOT = Path(__file__).resolve().parents[1]
-SETS = [
-    "model.hidden_size=32",
-    "model.depth=1",
-    "model.num_heads=2",
-    "diffusion.num_timesteps=40",
-    "curriculum.num_clusters=4",
-    "data.batch_size=16",
-    "logging.progress=false",
-    "logging.num_samples=0",
-    "logging.plots=false",
-    "checkpoint.keep_last=5",
-]
+SETS = [*TINY_SETS, "checkpoint.keep_last=5"]
 
 
 def tiny(run_dir, *extra):
@@ -364,12 +354,7 @@ def test_sample_under_torchrun_matches_one_process(trained, tmp_path):
     assert sample_cli.run(_sample_args(*common, "--out", str(tmp_path / "one.npz"))) == 0
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
+        *TORCHRUN2,
         "-m",
         "diffcurr_fast.cli",
         "sample",
@@ -398,6 +383,8 @@ ARGVS = [
     ["sample", "--ckpt", "x"],
     ["recipes"],
     ["tdc", "--help"],
+    ["study", "--help"],
+    ["export", "--help"],
 ]
 
 

@@ -8,27 +8,16 @@ import os
 import numpy as np
 import pytest
 import torch
+from conftest import TINY_SETS
 
 from diffcurr_fast import cli
 from diffcurr_fast.runs.config import load_config, read_recipe
 from diffcurr_fast.train.loop import Trainer
 from diffcurr_fast.train.preflight import check_run
 
-SETS = [
-    "model.hidden_size=32",
-    "model.depth=1",
-    "model.num_heads=2",
-    "diffusion.num_timesteps=40",
-    "curriculum.num_clusters=4",
-    "data.batch_size=16",
-    "logging.progress=false",
-    "logging.num_samples=0",
-    "logging.plots=false",
-]
-
 
 def tiny(run_dir, *extra):
-    return load_config(None, [f"checkpoint.run_dir={run_dir}", *SETS, *extra])
+    return load_config(None, [f"checkpoint.run_dir={run_dir}", *TINY_SETS, *extra])
 
 
 def _main(capsys, *argv):
@@ -240,7 +229,7 @@ def test_mostly_skipped_run_stops_with_the_first_bad_step(tmp_path, capsys):
         "train",
         "--run-dir",
         str(run),
-        *(a for s in SETS for a in ("--set", s)),
+        *(a for s in TINY_SETS for a in ("--set", s)),
         "--set",
         "engine.max_steps=15",
         "--set",
@@ -393,7 +382,7 @@ def test_sampler_errors_use_the_right_article():
 
 # ---- the end-of-run grid: a progress bar, Ctrl-C honoured, and a word when there can be no grid ---------------
 def _sets(*extra):
-    return [a for s in (*SETS, *extra) for a in ("--set", s)]
+    return [a for s in (*TINY_SETS, *extra) for a in ("--set", s)]
 
 
 def test_grid_shows_progress_and_a_latent_model_says_why_no_grid(tmp_path, capsys):

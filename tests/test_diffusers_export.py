@@ -14,9 +14,11 @@ import torch
 
 diffusers = pytest.importorskip("diffusers", reason="diffusers is not installed (pip install diffusers)")
 
+from conftest import save_tiny_vae  # noqa: E402
+
 from diffcurr_fast import cli  # noqa: E402
 from diffcurr_fast.cli_export import export_diffusers, scheduler_config, to_diffusers_transformer  # noqa: E402
-from diffcurr_fast.diffusion import ddim_sample, flow_sample, make_generator  # noqa: E402
+from diffcurr_fast.diffusion import Readout, ddim_sample, flow_sample, make_generator  # noqa: E402
 from diffcurr_fast.models import DiT  # noqa: E402
 from diffcurr_fast.models import dit as dit_module  # noqa: E402
 from diffcurr_fast.runs.checkpoint import atomic_save  # noqa: E402
@@ -159,8 +161,7 @@ def test_ddim_loop_through_diffusers_scheduler_equals_ddim_sample(tmp_path, diff
             labels,
             num_classes=7,
             cfg_scale=1.5,
-            learn_sigma=True,
-            prediction=prediction,
+            readout=Readout(prediction, learn_sigma=True),
             timestep_map=tmap,
             noise=noise,
         )
@@ -174,21 +175,7 @@ def test_export_clips_like_the_run(tmp_path):
 
 @pytest.fixture(scope="module")
 def vae_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    vae = diffusers.AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        block_out_channels=(8, 8),
-        layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=4,
-        sample_size=12,
-    )
-    path = tmp_path_factory.mktemp("vae") / "tiny-vae"
-    vae.save_pretrained(path)
-    return path
+    return save_tiny_vae(tmp_path_factory.mktemp("vae") / "tiny-vae", levels=2, sample_size=12)
 
 
 def test_latent_pipeline_equals_ours(tmp_path, vae_dir, diffusers_time):
@@ -233,7 +220,7 @@ def test_latent_pipeline_equals_ours(tmp_path, vae_dir, diffusers_time):
             torch.tensor(labels),
             num_classes=1000,
             cfg_scale=2.0,
-            learn_sigma=True,
+            readout=Readout(learn_sigma=True),
             timestep_map=tmap,
             noise=noise,
         )
@@ -376,8 +363,7 @@ def test_edm_export_euler_loop_equals_our_edm_euler(tmp_path, diffusers_time):
             channels=1,
             size=6,
             num_classes=7,
-            learn_sigma=False,
-            prediction="x0",
+            readout=Readout("x0"),
             seed=seed,
         )
     assert (x - ours).abs().max() < 1e-4, (x - ours).abs().max()

@@ -11,6 +11,8 @@ from PIL import Image
 
 diffusers = pytest.importorskip("diffusers", reason="diffusers is not installed (pip install diffusers)")
 
+from conftest import save_tiny_vae  # noqa: E402
+
 from diffcurr_fast import cli_sample as sample_cli  # noqa: E402
 from diffcurr_fast.data import cli_extract, extract  # noqa: E402
 from diffcurr_fast.data.images import ImageDataset, ImageFolder  # noqa: E402
@@ -29,21 +31,7 @@ def _offline_one_thread(monkeypatch):
 
 @pytest.fixture(scope="module")
 def vae_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    vae = diffusers.AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(8, 8, 8, 8),
-        layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=4,
-        sample_size=32,
-    )
-    path = tmp_path_factory.mktemp("vae") / "tiny-vae"
-    vae.save_pretrained(path)
-    return path
+    return save_tiny_vae(tmp_path_factory.mktemp("vae") / "tiny-vae", levels=4, sample_size=32)
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +120,7 @@ def test_extract_train_and_decode_with_a_real_autoencoder(vae_dir, folder, tmp_p
     z = torch.from_numpy(np.load(tmp_path / "z.npz")["x"])  # (5, 4, 4, 4): unscaled latents
     from diffcurr_fast.runs.checkpoint import latest_checkpoint, load_checkpoint
     from diffcurr_fast.runs.config import config_from_dict
-    from diffcurr_fast.runs.sampling import build_model, build_schedule, sample
+    from diffcurr_fast.runs.sampling import build_model, build_schedule, sample, sampling_readout
 
     state = load_checkpoint(latest_checkpoint(run))
     cfg = config_from_dict(state["config"])
@@ -147,8 +135,7 @@ def test_extract_train_and_decode_with_a_real_autoencoder(vae_dir, folder, tmp_p
         channels=4,
         size=4,
         num_classes=3,
-        learn_sigma=cfg.diffusion.learn_sigma,
-        prediction=cfg.diffusion.prediction,
+        readout=sampling_readout(cfg),
         seed=3,
     )
     torch.testing.assert_close(z, direct / 0.5)  # the model's samples are 0.5 z: the decoder gets z

@@ -10,6 +10,7 @@ import torch
 
 from diffcurr_fast.diffusion import (
     DDPMSchedule,
+    Readout,
     RespacedModel,
     approx_standard_normal_cdf,
     discretized_gaussian_log_likelihood,
@@ -172,7 +173,7 @@ def test_p_mean_variance_learned_range(b):
     out = torch.randn(b, 2 * c, 5, dtype=torch.float64)
     t = torch.randint(0, 1000, (b,))
     t[0] = 0
-    res = s.p_mean_variance(out, xt, t, learn_sigma=True)
+    res = s.p_mean_variance(out, xt, t, Readout(learn_sigma=True))
     tn = t.numpy()
     xn, on = xt.reshape(b, -1).numpy(), out.numpy()
     eps, v = on[:, :c].reshape(b, -1), on[:, c:].reshape(b, -1)
@@ -189,7 +190,7 @@ def test_p_mean_variance_fixed(fixed_variance):
     s, ref = DDPMSchedule(1000), NpDDPM(np_linear_betas(1000))
     xt, out = torch.randn(3, 2, dtype=torch.float64), torch.randn(3, 2, dtype=torch.float64)
     t = torch.tensor([0, 1, 999])
-    res = s.p_mean_variance(out, xt, t, fixed_variance=fixed_variance, prediction="x0", clip_denoised=True)
+    res = s.p_mean_variance(out, xt, t, Readout("x0", clip_denoised=True, fixed_variance=fixed_variance))
     if fixed_variance == "large":
         var = np.append(ref.post_var[1], ref.betas[1:])[t.numpy()]
     else:
@@ -316,6 +317,11 @@ def test_vb_with_true_posterior_is_zero():
     out = torch.cat([noise, -torch.ones_like(noise)], dim=1)
     vb = vb_terms_bpd(s, out, x0, xt, t)["output"]
     torch.testing.assert_close(vb, torch.zeros(3, dtype=torch.float64), atol=1e-9, rtol=0)
+    # the same posterior from an exact x0 prediction, read as such
+    out_x0 = torch.cat([x0, -torch.ones_like(noise)], dim=1)
+    vb = vb_terms_bpd(s, out_x0, x0, xt, t, Readout("x0", learn_sigma=True))["output"]
+    torch.testing.assert_close(vb, torch.zeros(3, dtype=torch.float64), atol=1e-9, rtol=0)
+    assert float(vb_terms_bpd(s, out_x0, x0, xt, t)["output"].min()) > 1e-3  # read as eps, it is wrong
 
 
 def test_training_losses_calls_model_with_xt():
@@ -419,10 +425,18 @@ def test_bad_input_raises():
         DDPMSchedule(1000, "sqrt")
     with pytest.raises(ValueError, match="num_timesteps"):
         DDPMSchedule(0)
-    with pytest.raises(ValueError, match="unknown fixed_variance"):
-        s.p_mean_variance(x, x, torch.tensor([0, 1]), fixed_variance="medium")
+    with pytest.raises(ValueError, match="unknown fixed_variance 'medium'; choose one of"):
+        Readout(fixed_variance="medium")
+    with pytest.raises(ValueError, match="learn_sigma must be true or false, got 'yes'"):
+        Readout(learn_sigma="yes")
+    with pytest.raises(ValueError, match="clip_denoised must be true or false"):
+        Readout(clip_denoised=1)
+    with pytest.raises(ValueError, match="prediction must be a name"):
+        Readout(None)
+    with pytest.raises(ValueError, match="unknown prediction 'velocity'"):
+        s.p_mean_variance(x, x, torch.tensor([0, 1]), Readout("velocity"))
     with pytest.raises(ValueError, match="expected 6 channels"):
-        s.p_mean_variance(x, x, torch.tensor([0, 1]), learn_sigma=True)
+        s.p_mean_variance(x, x, torch.tensor([0, 1]), Readout(learn_sigma=True))
     with pytest.raises(ValueError, match="expected 6 channels"):
         hybrid_loss(s, x, x, x, torch.tensor([0, 1]), x)
     with pytest.raises(ValueError, match="weights must have shape"):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from diffcurr_fast import cli_sample
-from diffcurr_fast.diffusion import DDPMSchedule
+from diffcurr_fast.diffusion import DDPMSchedule, Readout
 from diffcurr_fast.runs.config import load_config
 from diffcurr_fast.runs.sampling import VEDenoiser, grid_image
 from diffcurr_fast.train.loop import train
@@ -256,10 +256,8 @@ def _direct(ckpt_dir, weights, *, seed, cfg_scale, steps=3, num=6, sampler="ddim
         channels=1,
         size=8,
         num_classes=10,
-        learn_sigma=cfg.diffusion.learn_sigma,
-        prediction=cfg.diffusion.prediction,
+        readout=Readout(cfg.diffusion.prediction, learn_sigma=cfg.diffusion.learn_sigma),
         cfg_scale=cfg_scale,
-        clip_denoised=False,
         seed=seed,
     )
     return (x / cfg.data.scale).numpy(), labels.numpy()

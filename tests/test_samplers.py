@@ -14,6 +14,7 @@ import torch
 
 from diffcurr_fast.diffusion import (
     DDPMSchedule,
+    Readout,
     ddim_sample,
     ddim_step,
     ddpm_sample,
@@ -114,7 +115,7 @@ def test_ddpm_step_learned_sigma():
     x, eps, z = (torch.randn(4, 2, 3, dtype=torch.float64) for _ in range(3))
     v = torch.rand(4, 2, 3, dtype=torch.float64) * 2 - 1
     t = torch.tensor([5, 100, 500, 999])
-    x_prev, _ = ddpm_step(s, torch.cat([eps, v], dim=1), x, t, z, learn_sigma=True)
+    x_prev, _ = ddpm_step(s, torch.cat([eps, v], dim=1), x, t, z, Readout(learn_sigma=True))
     x_fixed, _ = ddpm_step(s, eps, x, t, torch.zeros_like(z))
     beta = s.betas[t].reshape(-1, 1, 1)
     post = s.posterior_variance[t].reshape(-1, 1, 1)
@@ -140,7 +141,7 @@ def test_ddim_step_closed_form(eta, b):
     torch.testing.assert_close(x_prev, ref)
     torch.testing.assert_close(x0, x0_ref)
     if eta == 1.0:  # DDIM with eta = 1 is ancestral sampling with the posterior ("small") variance
-        x_anc, _ = ddpm_step(s, eps, x, t, z, fixed_variance="small")
+        x_anc, _ = ddpm_step(s, eps, x, t, z, Readout(fixed_variance="small"))
         torch.testing.assert_close(x_prev, x_anc)
 
 
@@ -227,7 +228,9 @@ def test_discrete_samplers_gaussian(kind):
 def test_ddpm_learned_sigma_at_upper_end_equals_fixed_large():
     base = DDPMSchedule(1000)
     sched, tmap = respace(base, "ddim40")
-    a = ddpm_sample(ddpm_eps_model(base, 1.0), sched, (7, 3), learn_sigma=True, timestep_map=tmap, seed=5)
+    a = ddpm_sample(
+        ddpm_eps_model(base, 1.0), sched, (7, 3), readout=Readout(learn_sigma=True), timestep_map=tmap, seed=5
+    )
     b = ddpm_sample(ddpm_eps_model(base), sched, (7, 3), timestep_map=tmap, seed=5)
     torch.testing.assert_close(a, b)
 
@@ -298,7 +301,7 @@ def test_sampler_bad_input():
     with pytest.raises(ValueError, match="unknown flow sampling method 'rk4'"):
         flow_sample(flow_velocity, (2, 2), method="rk4")
     with pytest.raises(ValueError, match="unknown prediction"):
-        ddpm_sample(m, base, (2, 2), prediction="score")
+        ddpm_sample(m, base, (2, 2), readout=Readout("score"))
     with pytest.raises(ValueError, match="either seed or generator"):
         ddpm_sample(m, base, (2, 2), seed=1, generator=torch.Generator())
     with pytest.raises(ValueError, match="timestep_map must have shape"):
@@ -377,8 +380,7 @@ def test_checkpoint_ode_samplers_gaussian(kind, sampler, steps):
         channels=1,
         size=2,
         num_classes=4,
-        learn_sigma=False,
-        prediction="eps",
+        readout=Readout("eps"),
         seed=6,
     )
     assert x.shape == (N // 2, 1, 2, 2)

@@ -10,7 +10,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from diffcurr_fast.curriculum.clustering import interval_cost_matrix
-from diffcurr_fast.diffusion import DDPMSchedule, ddim_sample, ddpm_sample, respace
+from diffcurr_fast.diffusion import DDPMSchedule, Readout, ddim_sample, ddpm_sample, respace
 from diffcurr_fast.models import DiT
 from diffcurr_fast.tdc import (
     MultiExpertDenoiser,
@@ -304,12 +304,12 @@ def test_k1_routing_reproduces_base_in_sampling(cfg_scale, kind):
     y = torch.tensor([0, 4, 2])
     if kind == "ddim":
         sched, tmap = respace(s, "ddim10")
-        kw = dict(timestep_map=tmap, seed=3, learn_sigma=True, cfg_scale=cfg_scale, num_classes=5)
+        kw = dict(timestep_map=tmap, seed=3, readout=Readout(learn_sigma=True), cfg_scale=cfg_scale, num_classes=5)
         a = ddim_sample(base, sched, (3, 3, 6, 6), y, **kw)
         b = ddim_sample(multi, sched, (3, 3, 6, 6), y, **kw)
     else:
         sched, tmap = respace(s, "7")
-        kw = dict(timestep_map=tmap, seed=3, learn_sigma=True, cfg_scale=cfg_scale, num_classes=5)
+        kw = dict(timestep_map=tmap, seed=3, readout=Readout(learn_sigma=True), cfg_scale=cfg_scale, num_classes=5)
         a = ddpm_sample(base, sched, (3, 3, 6, 6), y, **kw)
         b = ddpm_sample(multi, sched, (3, 3, 6, 6), y, **kw)
     assert torch.equal(a, b)

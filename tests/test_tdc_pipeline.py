@@ -9,6 +9,7 @@ import yaml
 from safetensors.torch import load_file
 
 from diffcurr_fast import cli_sample
+from diffcurr_fast.diffusion import Readout
 from diffcurr_fast.models import DiT
 from diffcurr_fast.runs.checkpoint import latest_checkpoint, load_checkpoint
 from diffcurr_fast.runs.config import TDCConfig, config_from_dict, load_config
@@ -110,8 +111,7 @@ def test_bundle_loads_and_samples(tdc_run):
         channels=1,
         size=8,
         num_classes=10,
-        learn_sigma=True,
-        prediction="eps",
+        readout=Readout("eps", learn_sigma=True),
         cfg_scale=1.5,
         seed=1,
     )

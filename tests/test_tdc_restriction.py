@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from diffcurr_fast.diffusion import DDPMSchedule
+from diffcurr_fast.diffusion import DDPMSchedule, Readout
 from diffcurr_fast.models import DiT
 from diffcurr_fast.runs.config import load_config
 from diffcurr_fast.tdc import (
@@ -236,8 +236,7 @@ def test_sampling_routes_each_step_to_its_groups_expert(sampler, cfg_scale):
         channels=3,
         size=4,
         num_classes=4,
-        learn_sigma=True,
-        prediction="eps",
+        readout=Readout("eps", learn_sigma=True),
         cfg_scale=cfg_scale,
         seed=5,
     )

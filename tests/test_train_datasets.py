@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import TORCHRUN2
 from PIL import Image
 from torch import nn
 
@@ -510,17 +511,11 @@ def test_latents_ddp_two_ranks_resume(tmp_path, latents):
     import json
     import os
     import subprocess
-    import sys
 
     script = tmp_path / "ddp_latents.py"
     script.write_text(DDP_SCRIPT)
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
+        *TORCHRUN2,
         str(script),
         str(latents["sharded"]),
         str(tmp_path),

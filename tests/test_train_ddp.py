@@ -3,11 +3,11 @@
 import json
 import os
 import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from conftest import TORCHRUN2
 
 SCRIPT = textwrap.dedent(
     """
@@ -46,12 +46,7 @@ def test_ddp_two_ranks_gloo(tmp_path):
     script.write_text(SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
+        *TORCHRUN2,
         str(script),
         str(tmp_path / "run"),
         str(tmp_path / "res"),

@@ -11,7 +11,6 @@ cached afterwards).
 import json
 import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -19,6 +18,8 @@ import pytest
 import torch
 
 deepspeed = pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install deepspeed)")
+
+from conftest import TORCHRUN2  # noqa: E402
 
 from diffcurr_fast.runs.config import load_config  # noqa: E402
 from diffcurr_fast.train.engine import resolve_deepspeed_config  # noqa: E402
@@ -102,12 +103,7 @@ def _launch(tmp_path: Path, names: list[str]) -> tuple[dict, dict]:
     script.write_text(SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
+        *TORCHRUN2,
         str(script),
         str(tmp_path),
         str(recipes),

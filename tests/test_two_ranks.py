@@ -6,13 +6,12 @@ samples and metrics of one process) and a study worker (one status file, the ste
 import json
 import os
 import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 import yaml
-from conftest import run_torchrun2
+from conftest import TORCHRUN2, run_torchrun2
 
 BASE = [
     "model.hidden_size=32",
@@ -128,12 +127,7 @@ def test_eval_two_ranks_match_one_process(checkpoint, tmp_path, monkeypatch, one
     assert main(_eval_args(checkpoint, tmp_path / "one.json")) == 0
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DIFFCURR_FAST_CACHE": cache}
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
+        *TORCHRUN2,
         "-m",
         "diffcurr_fast.cli",
         *_eval_args(checkpoint, tmp_path / "two.json"),

@@ -85,9 +85,9 @@ def _prepare_out(out: Path, names: tuple[str, ...], overwrite: bool) -> list[Pat
 
 def run(args: argparse.Namespace) -> int:
     """Run the analysis named by ``args.analysis``; returns 0 on success."""
+    # imported here, not at the top: keeps --help free of torch
     import torch
 
-    # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.curriculum.clustering import cluster_timesteps
     from diffcurr_fast.diffusion.ddpm import DDPMSchedule
 
@@ -152,9 +152,9 @@ def run(args: argparse.Namespace) -> int:
 
 def digits_fd(data: torch.Tensor):
     """images -> Frechet distance of their digits-classifier features to those of ``data`` (N, 1, 8, 8)."""
+    # imported here, not at the top: keeps --help free of torch
     import torch
 
-    # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.eval.features import get_extractor
     from diffcurr_fast.eval.metrics import feature_statistics, frechet_distance
 
@@ -169,9 +169,9 @@ def digits_fd(data: torch.Tensor):
 
 
 def _run_clusters(args: argparse.Namespace, schedule, path: Path) -> int:
+    # imported here, not at the top: keeps --help free of torch
     import torch
 
-    # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.curriculum.clustering import cluster_timesteps
 
     rows = []

@@ -27,7 +27,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
+from diffcurr_fast._lazy import pyplot
 from diffcurr_fast.models.dit import DiT
 from diffcurr_fast.objective import Objective, batch_loss, fit_steps
 
@@ -146,8 +148,6 @@ def consecutive_kl(
     kl, se = [], []
     iterator = range(ts.numel())
     if progress:
-        from tqdm import tqdm
-
         iterator = tqdm(iterator, desc="KL(p_t || p_t+1)", unit="t")
     for k in iterator:
         use_ratio = estimator == "ratio" or (estimator == "auto" and float(c_n[k] ** 2) <= 1.5 * float(c_t[k] ** 2))
@@ -313,8 +313,6 @@ def convergence_by_interval(
     records = []
     bar = None
     if progress:
-        from tqdm import tqdm
-
         bar = tqdm(total=steps * len(checked), desc="convergence", unit="step")
     for k, (lo, hi) in enumerate(checked):
         gen = torch.Generator().manual_seed(seed * 1_000_003 + k)
@@ -468,18 +466,9 @@ def write_convergence_csv(result: ConvergenceResult, curves_path: str | Path, su
             )
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_kl(result: KLEstimate, path: str | Path) -> Path:
     """Plot KL(p_t || p_{t+1}) against t (log scale) with +-2 standard-error bands."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     t = result.t.numpy()
     kl = result.kl.numpy()
@@ -499,7 +488,7 @@ def plot_kl(result: KLEstimate, path: str | Path) -> Path:
 
 def plot_convergence(result: ConvergenceResult, path: str | Path) -> Path:
     """Normalised held-out loss curves per interval, and steps-to-fraction per interval."""
-    plt = _pyplot()
+    plt = pyplot()
     fd = any(rec.eval_fd for rec in result.intervals)
     fig, axes = plt.subplots(1, 3 if fd else 2, figsize=(16 if fd else 11, 4))
     ax0, ax1 = axes[0], axes[-1]

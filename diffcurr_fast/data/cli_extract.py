@@ -43,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _cuda() -> bool:
+    # imported here, not at the top: keeps --help free of torch
     import torch
 
     return torch.cuda.is_available()

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
+from PIL import Image
 
 from diffcurr_fast.data.images import ImageFolder, adm_crop_geometry
 from diffcurr_fast.data.latents import FastDiTLatents, LatentDataset
@@ -162,8 +163,6 @@ class _ImageSource:
         self.files, self.labels, self.stream, self.size = files, labels, stream, size
 
     def __call__(self, info):
-        from PIL import Image
-
         i, flip = self.stream(info.idx_in_epoch)
         path = self.files[i]
         try:

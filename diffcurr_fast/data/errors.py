@@ -11,6 +11,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 ON_BAD = ("skip", "stop")
 
 
@@ -63,8 +65,6 @@ class BadDataReport:
 def first_nonfinite(x: Any) -> int | None:
     """Index along the first axis of the first sample of ``x`` (numpy array or tensor) holding a NaN or inf, or None
     when every value is finite. Reads ``x`` in chunks of samples (memory-mapped arrays stay cheap)."""
-    import numpy as np
-
     n = int(x.shape[0]) if getattr(x, "ndim", 0) else 1
     step = max(1, (1 << 22) // max(1, int(np.prod(x.shape[1:])) if getattr(x, "ndim", 0) > 1 else 1))
     for lo in range(0, n, step):

@@ -10,6 +10,7 @@ resumed run writes the same latents as an uninterrupted one.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 from pathlib import Path
 from typing import Protocol
@@ -17,6 +18,7 @@ from typing import Protocol
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
+from tqdm import tqdm
 
 from diffcurr_fast.data.errors import check_on_bad
 from diffcurr_fast.data.images import ImageDataset, ImageFolder
@@ -125,8 +127,6 @@ def extract_latents(
     if layout == "fastdit":
         writer = FastDiTLatentWriter(out)
     elif (Path(out) / "index.json").is_file():
-        import json
-
         meta = json.loads((Path(out) / "index.json").read_text(encoding="utf-8"))
         writer = ShardedLatentWriter(out, tuple(meta["latent_shape"]), shard_size, meta["dtype"], scale)
     start = writer.num_written if writer is not None else 0
@@ -143,8 +143,6 @@ def extract_latents(
     )
     bar = None
     if progress:
-        from tqdm import tqdm
-
         bar = tqdm(total=n, initial=start, unit="img", desc="extract-latents")
     done = first
     for x, y, skipped in loader:

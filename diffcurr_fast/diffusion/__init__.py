@@ -6,7 +6,7 @@ linear-interpolant flow (``FlowFormulation``, t in [0, 1]).
 """
 
 from diffcurr_fast.diffusion.axis import Formulation, TrainingTerms, log_snr_to_snr, snr_to_db, snr_to_log_snr
-from diffcurr_fast.diffusion.ddpm import BETA_SCHEDULES, FIXED_VARIANCES, PREDICTIONS, DDPMSchedule
+from diffcurr_fast.diffusion.ddpm import BETA_SCHEDULES, PREDICTIONS, DDPMSchedule
 from diffcurr_fast.diffusion.edm import (
     EDM_PREDICTIONS,
     EDMDenoiser,
@@ -27,6 +27,7 @@ from diffcurr_fast.diffusion.losses import (
     vb_terms_bpd,
     weighted_mse,
 )
+from diffcurr_fast.diffusion.readout import FIXED_VARIANCES, Readout
 from diffcurr_fast.diffusion.respace import RespacedModel, respace, space_timesteps
 from diffcurr_fast.diffusion.samplers import (
     FLOW_METHODS,
@@ -93,6 +94,7 @@ __all__ = [
     "EDMPrecond",
     "FlowFormulation",
     "Formulation",
+    "Readout",
     "RespacedModel",
     "approx_standard_normal_cdf",
     "ddim_sample",

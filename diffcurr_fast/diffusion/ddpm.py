@@ -14,11 +14,11 @@ import torch
 
 from diffcurr_fast.diffusion.axis import Formulation, TrainingTerms, t_trusted
 from diffcurr_fast.diffusion.losses import vb_terms_bpd
+from diffcurr_fast.diffusion.readout import Readout
 from diffcurr_fast.diffusion.weights import loss_weights
 
 PREDICTIONS = ("eps", "x0", "v")
 BETA_SCHEDULES = ("linear", "cosine")
-FIXED_VARIANCES = ("large", "small")
 
 
 def _linear_betas(num_timesteps: int) -> torch.Tensor:
@@ -207,7 +207,7 @@ class DDPMSchedule(Formulation):
         """IDDPM's variational term L_vlb (Nichol & Dhariwal Eq. 16) on the learned variance, the mean detached."""
         c = x0.shape[1]
         frozen = torch.cat([out[:, :c].detach(), out[:, c:]], dim=1)  # (B, 2C, H, W): trains the variance only
-        return vb_terms_bpd(self, frozen, x0, x_t, t, learn_sigma=True, prediction=prediction)["output"]
+        return vb_terms_bpd(self, frozen, x0, x_t, t, Readout(prediction, learn_sigma=True))["output"]
 
     def t_range(self) -> tuple[float, float]:
         """(0, T - 1): the index range."""
@@ -277,37 +277,29 @@ class DDPMSchedule(Formulation):
         return model_out
 
     def p_mean_variance(
-        self,
-        model_out: torch.Tensor,
-        x_t: torch.Tensor,
-        t: torch.Tensor,
-        learn_sigma: bool = False,
-        prediction: str = "eps",
-        clip_denoised: bool = False,
-        fixed_variance: str = "large",
+        self, model_out: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor, readout: Readout = Readout()
     ) -> dict[str, torch.Tensor]:
         """Mean and variance of p(x_{t-1} | x_t) from a network output (IDDPM ``p_mean_variance``).
 
-        ``model_out`` is (B, C, ...) with C = x_t's channels, or 2 C when ``learn_sigma`` (split along dim 1 as
-        DiT does: the first half is the ``prediction``, the second the variance interpolation value v). With
-        learned variance, log sigma^2 = frac log beta_t + (1 - frac) log beta_tilde_t, frac = (v + 1) / 2
-        (IDDPM Eq. 15); otherwise the fixed ``"large"`` (beta_t) or ``"small"`` (beta_tilde_t) variance.
+        ``model_out`` is (B, C, ...) with C = x_t's channels, or 2 C when ``readout.learn_sigma`` (split along dim 1
+        as DiT does: the first half is the ``readout.prediction``, the second the variance interpolation value v).
+        With learned variance, log sigma^2 = frac log beta_t + (1 - frac) log beta_tilde_t, frac = (v + 1) / 2
+        (IDDPM Eq. 15); otherwise ``readout.fixed_variance``: ``"large"`` (beta_t) or ``"small"`` (beta_tilde_t).
         Returns a dict with ``mean``, ``variance``, ``log_variance``, ``pred_x0`` and ``pred_eps``.
         """
         t = self.check_t(t)
         if t.ndim != 1 or t.shape[0] != x_t.shape[0]:
             raise ValueError(f"t must have shape ({x_t.shape[0]},), got {tuple(t.shape)}")
-        if fixed_variance not in FIXED_VARIANCES:
-            raise ValueError(f"unknown fixed_variance {fixed_variance!r}; choose one of {FIXED_VARIANCES}")
+        prediction = readout.prediction
         self.check_prediction(prediction)
         channels = x_t.shape[1] if x_t.ndim > 1 else 1
-        expected = 2 * channels if learn_sigma else channels
+        expected = readout.out_channels(channels)
         if model_out.ndim != x_t.ndim or model_out.shape[0] != x_t.shape[0] or model_out.shape[1] != expected:
             raise ValueError(
                 f"model_out shape {tuple(model_out.shape)} does not fit x_t shape {tuple(x_t.shape)} "
-                f"with learn_sigma={learn_sigma} (expected {expected} channels along dim 1)"
+                f"with learn_sigma={readout.learn_sigma} (expected {expected} channels along dim 1)"
             )
-        if learn_sigma:
+        if readout.learn_sigma:
             out, var_values = torch.split(model_out, channels, dim=1)  # (B, C, ...) each
             min_log = self.coef("posterior_log_variance_clipped", t, x_t)
             max_log = self.coef("betas", t, x_t).log()
@@ -316,15 +308,17 @@ class DDPMSchedule(Formulation):
             var = torch.exp(log_var)
         else:
             out = model_out
-            large = fixed_variance == "large"
+            large = readout.fixed_variance == "large"
             table_var = "large_variance" if large else "posterior_variance"
             table_log = "large_log_variance" if large else "posterior_log_variance_clipped"
             var = self.coef(table_var, t, x_t).expand_as(x_t)
             log_var = self.coef(table_log, t, x_t).expand_as(x_t)
         pred_x0 = self.predict_x0(out, x_t, t, prediction)
-        if clip_denoised:
+        if readout.clip_denoised:
             pred_x0 = pred_x0.clamp(-1, 1)
         # eps implied by (possibly clipped) x0_hat; for an unclipped eps network that is the output itself.
-        pred_eps = out if (prediction == "eps" and not clip_denoised) else self.predict_eps_from_x0(x_t, t, pred_x0)
+        pred_eps = (
+            out if (prediction == "eps" and not readout.clip_denoised) else self.predict_eps_from_x0(x_t, t, pred_x0)
+        )
         mean, _, _ = self.q_posterior_mean_variance(pred_x0, x_t, t)
         return {"mean": mean, "variance": var, "log_variance": log_var, "pred_x0": pred_x0, "pred_eps": pred_eps}

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from diffcurr_fast.diffusion.readout import Readout
+
 if TYPE_CHECKING:  # annotations only: ddpm imports this module
     from diffcurr_fast.diffusion.ddpm import DDPMSchedule
 
@@ -89,30 +91,20 @@ def vb_terms_bpd(
     x0: torch.Tensor,
     x_t: torch.Tensor,
     t: torch.Tensor,
-    learn_sigma: bool = True,
-    prediction: str = "eps",
-    clip_denoised: bool = False,
-    fixed_variance: str = "large",
+    readout: Readout = Readout(learn_sigma=True),
 ) -> dict[str, torch.Tensor]:
     """Per-sample variational-bound term in bits/dim (IDDPM ``_vb_terms_bpd``).
 
     L_{t-1} = KL(q(x_{t-1} | x_t, x0) || p(x_{t-1} | x_t)) for t > 0 and the decoder NLL L_0 = -log p(x0 | x1)
-    at t == 0 (Ho et al. Eq. 5), each averaged over dimensions and divided by ln 2. Returns ``output`` (B,) and
+    at t == 0 (Ho et al. Eq. 5), each averaged over dimensions and divided by ln 2, with p read from ``model_out``
+    as ``readout`` says (by default an eps prediction followed by the learned variance). Returns ``output`` (B,) and
     ``pred_x0``.
     """
     t = schedule.check_t(t)
     dtype = _loss_dtype(model_out, x_t)
     model_out, x0, x_t = model_out.to(dtype), x0.to(dtype), x_t.to(dtype)
     true_mean, _, true_log_var = schedule.q_posterior_mean_variance(x0, x_t, t)
-    out = schedule.p_mean_variance(
-        model_out,
-        x_t,
-        t,
-        learn_sigma=learn_sigma,
-        prediction=prediction,
-        clip_denoised=clip_denoised,
-        fixed_variance=fixed_variance,
-    )
+    out = schedule.p_mean_variance(model_out, x_t, t, readout)
     kl = mean_flat(normal_kl(true_mean, true_log_var, out["mean"], out["log_variance"])) / math.log(2.0)  # (B,)
     nll = -discretized_gaussian_log_likelihood(x0, out["mean"], 0.5 * out["log_variance"])
     nll = mean_flat(nll) / math.log(2.0)  # (B,)
@@ -157,7 +149,7 @@ def hybrid_loss(
     if learn_sigma:
         pred, var_values = torch.split(model_out, channels, dim=1)  # (B, C, ...) each
         frozen = torch.cat([pred.detach(), var_values], dim=1)  # (B, 2C, ...): VB trains the variance only
-        vb = vb_terms_bpd(schedule, frozen, x0, x_t, t, learn_sigma=True, prediction=prediction)["output"]
+        vb = vb_terms_bpd(schedule, frozen, x0, x_t, t, Readout(prediction, learn_sigma=True))["output"]
         if rescale_vb:
             vb = vb * (schedule.num_timesteps / 1000.0)
         terms["vb"] = vb

@@ -5,7 +5,7 @@ None) and ``t`` is, per formulation:
 
 - DDPM / DDIM: the int64 timestep index tensor (B,) of the ORIGINAL schedule (a respaced sampler maps its indices
   through ``timestep_map`` first, as DiT's ``_WrappedModel``); ``out`` is the eps / x0 / v prediction, with the
-  variance values appended along dim 1 when ``learn_sigma``;
+  variance values appended along dim 1 when the ``Readout`` says ``learn_sigma``;
 - EDM: sigma (B,) in ``x``'s dtype; ``out`` is the denoised D(x; sigma) (wrap a raw network with
   ``EDMDenoiser``);
 - flow: continuous t (B,) in [0, 1] in ``x``'s dtype; ``out`` is the velocity d x_t / dt = eps - x0.
@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from diffcurr_fast.diffusion.ddpm import DDPMSchedule
 from diffcurr_fast.diffusion.edm import karras_sigmas
+from diffcurr_fast.diffusion.readout import Readout
 from diffcurr_fast.diffusion.respace import RespacedModel
 
 FLOW_METHODS = ("euler", "heun")
@@ -117,25 +118,12 @@ def ddpm_step(
     x_t: torch.Tensor,
     t: torch.Tensor,
     noise: torch.Tensor,
-    *,
-    learn_sigma: bool = False,
-    prediction: str = "eps",
-    clip_denoised: bool = False,
-    fixed_variance: str = "large",
+    readout: Readout = Readout(),
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One ancestral step x_{t-1} = mu_theta(x_t, t) + sigma_t z, no noise at t = 0 (Ho et al. Alg. 2).
-
-    Returns ``(x_prev, pred_x0)``.
+    """One ancestral step x_{t-1} = mu_theta(x_t, t) + sigma_t z, no noise at t = 0 (Ho et al. Alg. 2), with
+    ``model_out`` read as ``readout`` says. Returns ``(x_prev, pred_x0)``.
     """
-    out = schedule.p_mean_variance(
-        model_out,
-        x_t,
-        t,
-        learn_sigma=learn_sigma,
-        prediction=prediction,
-        clip_denoised=clip_denoised,
-        fixed_variance=fixed_variance,
-    )
+    out = schedule.p_mean_variance(model_out, x_t, t, readout)
     nonzero = (t != 0).to(x_t.dtype).reshape((-1,) + (1,) * (x_t.ndim - 1))  # (B, 1, ...)
     return out["mean"] + nonzero * torch.exp(0.5 * out["log_variance"]) * noise, out["pred_x0"]
 
@@ -147,24 +135,19 @@ def ddim_step(
     t: torch.Tensor,
     noise: torch.Tensor | None = None,
     eta: float = 0.0,
-    *,
-    learn_sigma: bool = False,
-    prediction: str = "eps",
-    clip_denoised: bool = False,
+    readout: Readout = Readout(),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One DDIM step (Song et al. 2021, Eq. 12 with sigma_t(eta) of Eq. 16). Returns ``(x_prev, pred_x0)``.
 
     x_{t-1} = sqrt(abar_{t-1}) x0_hat + sqrt(1 - abar_{t-1} - sigma_t^2) eps_hat + sigma_t z,
     sigma_t = eta sqrt((1 - abar_{t-1}) / (1 - abar_t)) sqrt(1 - abar_t / abar_{t-1}); no noise at t = 0.
-    Learned variance values, if any, are ignored (as in IDDPM).
+    Learned variance values, if any, are ignored (as in IDDPM), and so is ``readout.fixed_variance``.
     """
     if not eta >= 0:
         raise ValueError(f"eta must be non-negative, got {eta}")
     if eta > 0 and noise is None:
         raise ValueError("ddim_step with eta > 0 needs noise")
-    out = schedule.p_mean_variance(
-        model_out, x_t, t, learn_sigma=learn_sigma, prediction=prediction, clip_denoised=clip_denoised
-    )
+    out = schedule.p_mean_variance(model_out, x_t, t, readout)
     x0, eps = out["pred_x0"], out["pred_eps"]
     abar = schedule.coef("alphas_cumprod", t, x_t)
     abar_prev = schedule.coef("alphas_cumprod_prev", t, x_t)
@@ -186,10 +169,7 @@ def _discrete_sample(
     eta: float,
     num_classes,
     cfg_scale,
-    learn_sigma,
-    prediction,
-    clip_denoised,
-    fixed_variance,
+    readout,
     timestep_map,
     noise,
     generator,
@@ -199,7 +179,7 @@ def _discrete_sample(
     progress,
     guide_channels,
 ) -> torch.Tensor:
-    schedule.check_prediction(prediction)
+    schedule.check_prediction(readout.prediction)
     shape, device = _check_common(shape, y, device)
     gen = make_generator(seed, generator, device)
     if timestep_map is not None:
@@ -217,30 +197,10 @@ def _discrete_sample(
         out = guided_model_output(model, x, t, y, cfg_scale, num_classes, guide_channels).to(dtype)
         if kind == "ddpm":
             z = _randn(shape, gen, device, dtype)
-            x, _ = ddpm_step(
-                schedule,
-                out,
-                x,
-                t,
-                z,
-                learn_sigma=learn_sigma,
-                prediction=prediction,
-                clip_denoised=clip_denoised,
-                fixed_variance=fixed_variance,
-            )
+            x, _ = ddpm_step(schedule, out, x, t, z, readout)
         else:
             z = _randn(shape, gen, device, dtype) if eta > 0 else None
-            x, _ = ddim_step(
-                schedule,
-                out,
-                x,
-                t,
-                z,
-                eta,
-                learn_sigma=learn_sigma,
-                prediction=prediction,
-                clip_denoised=clip_denoised,
-            )
+            x, _ = ddim_step(schedule, out, x, t, z, eta, readout)
     return x
 
 
@@ -252,10 +212,7 @@ def ddpm_sample(
     *,
     num_classes: int | None = None,
     cfg_scale: float = 1.0,
-    learn_sigma: bool = False,
-    prediction: str = "eps",
-    clip_denoised: bool = False,
-    fixed_variance: str = "large",
+    readout: Readout = Readout(),
     timestep_map: torch.Tensor | None = None,
     noise: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
@@ -267,8 +224,10 @@ def ddpm_sample(
 ) -> torch.Tensor:
     """Ancestral sampling (Ho et al. Alg. 2) from x_T ~ N(0, I) down to x_0, fixed or learned variance.
 
-    For a respaced schedule pass ``(schedule, timestep_map) = respace(base, "250")``: the model then receives
-    the original indices ``timestep_map[t]``. ``noise`` fixes x_T; ``seed`` / ``generator`` drive all draws.
+    ``readout`` says how to read the model's output (its prediction, a learned variance, x0 clipping, the fixed
+    variance); the default reads an eps prediction with the fixed large variance. For a respaced schedule pass
+    ``(schedule, timestep_map) = respace(base, "250")``: the model then receives the original indices
+    ``timestep_map[t]``. ``noise`` fixes x_T; ``seed`` / ``generator`` drive all draws.
     """
     return _discrete_sample(
         "ddpm",
@@ -279,10 +238,7 @@ def ddpm_sample(
         eta=0.0,
         num_classes=num_classes,
         cfg_scale=cfg_scale,
-        learn_sigma=learn_sigma,
-        prediction=prediction,
-        clip_denoised=clip_denoised,
-        fixed_variance=fixed_variance,
+        readout=readout,
         timestep_map=timestep_map,
         noise=noise,
         generator=generator,
@@ -303,9 +259,7 @@ def ddim_sample(
     eta: float = 0.0,
     num_classes: int | None = None,
     cfg_scale: float = 1.0,
-    learn_sigma: bool = False,
-    prediction: str = "eps",
-    clip_denoised: bool = False,
+    readout: Readout = Readout(),
     timestep_map: torch.Tensor | None = None,
     noise: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
@@ -330,10 +284,7 @@ def ddim_sample(
         eta=float(eta),
         num_classes=num_classes,
         cfg_scale=cfg_scale,
-        learn_sigma=learn_sigma,
-        prediction=prediction,
-        clip_denoised=clip_denoised,
-        fixed_variance="large",
+        readout=readout,
         timestep_map=timestep_map,
         noise=noise,
         generator=generator,

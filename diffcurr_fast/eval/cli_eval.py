@@ -112,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
         return _run(args, rank, world)
     finally:
         if world > 1:
+            # imported here, not at the top: keeps --help free of torch
             import torch.distributed as dist
 
             dist.destroy_process_group()
@@ -122,6 +123,7 @@ def _ranks(args: argparse.Namespace) -> tuple[int, int]:
     (0, 1)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return 0, 1
+    # imported here, not at the top: keeps --help free of torch
     import torch
     import torch.distributed as dist
 
@@ -189,6 +191,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> int:
         reference.save(args.save_ref)
         print(f"reference statistics ({extractor.name}: {extractor.label}) written to {args.save_ref}")
     if args.samples is not None and args.vae is not None:
+        # imported here, not at the top: keeps --help free of torch
         from diffcurr_fast.data.extract import decode_latents, load_decoder
 
         z = load_latents(args.samples)  # (N, C, h, w) unscaled latents

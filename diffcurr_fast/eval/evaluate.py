@@ -9,18 +9,21 @@ its held-out split).
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
 
+from diffcurr_fast.data.builtin import load_mnist5k_tensors
 from diffcurr_fast.eval.features import FeatureExtractor, load_digits_data
 from diffcurr_fast.eval.metrics import feature_statistics, frechet_distance, inception_score, precision_recall
 from diffcurr_fast.runs.checkpoint import check_finite_weights, load_checkpoint, resolve_checkpoint
 from diffcurr_fast.runs.config import TrainConfig, config_from_dict, resolve_sampler
-from diffcurr_fast.runs.sampling import batch_slices, build_model, build_schedule, sample_batch
+from diffcurr_fast.runs.sampling import batch_slices, build_model, build_schedule, sample_batch, sampling_readout
 
 
 def load_images(path: str | os.PathLike) -> torch.Tensor:
@@ -141,7 +144,6 @@ def samples_from_model(
     in batches of ``batch_size`` (seeded as ``diffcurr-fast sample`` seeds them); ``sampler`` ``auto`` is the
     formulation's own (``resolve_sampler``). With ``world`` > 1 (a running process group) rank ``rank`` draws its
     share of the batches and every rank returns all N images: the same as one process draws."""
-    from tqdm.auto import tqdm
 
     check_draw(num, batch_size)
     m = cfg.model
@@ -149,6 +151,7 @@ def samples_from_model(
     slices = batch_slices(num, batch_size, rank, world)
     labels = torch.arange(num, dtype=torch.long) % m.num_classes
     schedule, parts = build_schedule(cfg), {}
+    readout = replace(sampling_readout(cfg), clip_denoised=True)  # pixel models (checked above): x0 in [-1, 1]
     for b, sl in tqdm(slices, desc="sampling", unit="batch", disable=not progress, dynamic_ncols=True):
         x = sample_batch(
             model,
@@ -161,16 +164,12 @@ def samples_from_model(
             channels=m.in_channels,
             size=m.input_size,
             num_classes=m.num_classes,
-            learn_sigma=cfg.diffusion.learn_sigma,
-            prediction=cfg.diffusion.prediction,
+            readout=readout,
             cfg_scale=cfg_scale,
-            clip_denoised=True,
             device=device,
         )
         parts[b] = (x / cfg.data.scale).clamp(-1, 1).float().cpu()
     if world > 1:  # every rank gets every rank's batches
-        import torch.distributed as dist
-
         shares: list[dict[int, torch.Tensor] | None] = [None] * world
         dist.all_gather_object(shares, parts)
         parts = {b: x for share in shares for b, x in share.items()}
@@ -220,8 +219,6 @@ def load_reference(spec: str, extractor: FeatureExtractor) -> Reference:
         xtr, _, xte, _ = load_digits_data()
         return reference_from_images(torch.cat([xtr, xte]), extractor, "sklearn digits (1797 images)")
     if spec == "mnist5k":
-        from diffcurr_fast.data.builtin import load_mnist5k_tensors
-
         x, _ = load_mnist5k_tensors("heldout")
         return reference_from_images(x, extractor, f"mnist5k held-out split ({len(x)} images)")
     if not os.path.isfile(spec):

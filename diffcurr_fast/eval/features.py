@@ -53,6 +53,7 @@ def single_thread() -> Iterator[None]:
 
 def load_digits_data(seed: int = 0, test_fraction: float = 0.2) -> tuple[torch.Tensor, ...]:
     """scikit-learn digits as (x_train (N, 1, 8, 8) in [-1, 1], y_train, x_test, y_test), stratified split."""
+    # optional dependency (scikit-learn, as the digits themselves): imported when they are split
     from sklearn.model_selection import train_test_split
 
     x, y = load_digits_tensors()
@@ -81,13 +82,14 @@ class DigitsCNN(nn.Module):
         return self.head(self.features(x))  # (N, num_classes)
 
 
-def train_digits_classifier(epochs: int = 12, seed: int = 0, lr: float = 3e-3) -> tuple[DigitsCNN, float]:
-    """Train ``DigitsCNN`` on the digits training split; returns (model in eval mode, held-out accuracy)."""
-    xtr, ytr, xte, yte = load_digits_data(seed)
+def _train_classifier(build, train, heldout, epochs: int, seed: int, lr: float) -> tuple[nn.Module, float]:
+    """``build()`` (under ``seed``) trained on ``train`` = (x, y) with Adam and a cosine schedule, batches of 64 in
+    an order drawn from ``seed``, on one thread; returns (model in eval mode, accuracy on ``heldout``)."""
+    (xtr, ytr), (xte, yte) = train, heldout
     gen = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = DigitsCNN()
+        model = build()
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, epochs)
     with single_thread():
@@ -101,10 +103,16 @@ def train_digits_classifier(epochs: int = 12, seed: int = 0, lr: float = 3e-3) -
                 loss.backward()
                 opt.step()
             sched.step()
-    model.eval()
-    with torch.no_grad():
-        acc = float((model(xte).argmax(1) == yte).float().mean())
+        model.eval()
+        with torch.no_grad():
+            acc = float((model(xte).argmax(1) == yte).float().mean())
     return model, acc
+
+
+def train_digits_classifier(epochs: int = 12, seed: int = 0, lr: float = 3e-3) -> tuple[DigitsCNN, float]:
+    """Train ``DigitsCNN`` on the digits training split; returns (model in eval mode, held-out accuracy)."""
+    xtr, ytr, xte, yte = load_digits_data(seed)
+    return _train_classifier(DigitsCNN, (xtr, ytr), (xte, yte), epochs, seed, lr)
 
 
 class MnistCNN(nn.Module):
@@ -128,29 +136,8 @@ class MnistCNN(nn.Module):
 
 def train_mnist5k_classifier(epochs: int = 6, seed: int = 0, lr: float = 3e-3) -> tuple[MnistCNN, float]:
     """Train ``MnistCNN`` on mnist5k's training split; returns (model in eval mode, accuracy on the held-out split)."""
-    xtr, ytr = load_mnist5k_tensors("train")
-    xte, yte = load_mnist5k_tensors("heldout")
-    gen = torch.Generator().manual_seed(seed)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = MnistCNN()
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, epochs)
-    with single_thread():
-        for _ in range(epochs):
-            model.train()
-            perm = torch.randperm(len(xtr), generator=gen)
-            for s in range(0, len(xtr), 64):
-                b = perm[s : s + 64]
-                loss = F.cross_entropy(model(xtr[b]), ytr[b])
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-            sched.step()
-        model.eval()
-        with torch.no_grad():
-            acc = float((model(xte).argmax(1) == yte).float().mean())
-    return model, acc
+    train, heldout = load_mnist5k_tensors("train"), load_mnist5k_tensors("heldout")
+    return _train_classifier(MnistCNN, train, heldout, epochs, seed, lr)
 
 
 def _cached_classifier(

@@ -51,7 +51,7 @@ def _flash_attn_func():
     skip the whole frame (the model then runs eager)."""
     global _FLASH_IMPORT
     if _FLASH_IMPORT is None:
-        try:
+        try:  # optional dependency (the flash extra), imported once here
             from flash_attn import flash_attn_func
 
             _FLASH_IMPORT = (flash_attn_func, None)

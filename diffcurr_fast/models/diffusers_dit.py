@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
 __all__ = [
     "DIFFUSERS_CLASS",
@@ -186,8 +187,6 @@ def read_diffusers_dir(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[
             f"{str(p)!r} holds no weights ({' or '.join(_WEIGHTS)}); sharded or variant files are not read"
         )
     if weights.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
         state = load_file(str(weights), device="cpu")
     else:
         state = torch.load(weights, map_location="cpu", weights_only=True)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 CKPT_DIR = "checkpoints"
 _NAME = re.compile(r"^ckpt_(\d{8,})\.pt$")
@@ -176,8 +177,6 @@ def resolve_checkpoint(path_or_run: str | Path) -> Path:
 
 def export_safetensors(state_dict: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, Any]) -> Path:
     """Write tensors as safetensors (atomically) with ``metadata`` stored as JSON strings."""
-    from safetensors.torch import save_file
-
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import importlib.util
 import math
 import types
 import typing
@@ -612,6 +613,7 @@ class TrainConfig:
         (``diffusion.FORMULATION_DEFAULTS``). One set by an earlier source than ``diffusion.formulation`` (the recipe
         when the formulation is an override) that does not apply to that formulation yields to it as well; set in
         the same source or a later one, it stays, and ``validate`` says why it cannot be used."""
+        # imported here, not at the top: keeps --help free of torch
         from diffcurr_fast.diffusion import FORMULATION_DEFAULTS, TRAIN_PREDICTIONS
 
         form = self.diffusion.formulation
@@ -886,8 +888,6 @@ RECIPE_PATH_KEYS = (("data", "path"), ("engine", "deepspeed_config"), ("model", 
 
 def recipes_dir() -> Path:
     """The folder of the shipped recipes (package data ``diffcurr_fast.recipes``; a source checkout's recipes/)."""
-    import importlib.util
-
     spec = importlib.util.find_spec("diffcurr_fast.recipes")
     if spec is not None and spec.submodule_search_locations:
         return Path(list(spec.submodule_search_locations)[0])

@@ -17,12 +17,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
+from diffcurr_fast._lazy import pyplot
 from diffcurr_fast.diffusion import (
     DDPMSchedule,
     EDMDenoiser,
     EDMFormulation,
     FlowFormulation,
+    Readout,
     build_formulation,
     ddim_sample,
     ddpm_sample,
@@ -35,6 +38,7 @@ from diffcurr_fast.diffusion import (
 )
 from diffcurr_fast.models import DiT, DTRConfig
 from diffcurr_fast.models.dit import LabelEmbedder
+from diffcurr_fast.runs.config import with_article
 
 if TYPE_CHECKING:
     from diffcurr_fast.runs.config import TrainConfig
@@ -117,15 +121,14 @@ def sample(
     channels: int,
     size: int,
     num_classes: int,
-    learn_sigma: bool,
-    prediction: str,
+    readout: Readout,
     cfg_scale: float = 1.0,
-    clip_denoised: bool = False,
     seed: int = 0,
     device: torch.device | str = "cpu",
     progress: bool = False,
 ) -> torch.Tensor:
-    """Draw ``len(labels)`` samples (N, C, H, W) in data space with ``sampler`` in ddpm | ddim | heun | euler.
+    """Draw ``len(labels)`` samples (N, C, H, W) in data space with ``sampler`` in ddpm | ddim | heun | euler, the
+    network's output read as ``readout`` says (``sampling_readout`` builds it from a run config).
 
     A flow model (``schedule`` a ``FlowFormulation``) integrates its velocity ODE from t = 1 to 0 with euler or heun;
     an EDM model (raw network F with EDM preconditioning) its probability-flow ODE on the Karras sigma grid.
@@ -142,10 +145,7 @@ def sample(
         )
     if isinstance(schedule, (FlowFormulation, EDMFormulation)) and sampler not in ("euler", "heun"):
         kind = "flow" if isinstance(schedule, FlowFormulation) else "edm"
-        raise ValueError(
-            f"sampler {sampler!r} cannot sample {'an' if kind == 'edm' else 'a'} {kind} model; valid "
-            "choices: euler, heun"
-        )
+        raise ValueError(f"sampler {sampler!r} cannot sample {with_article(kind)} model; valid choices: euler, heun")
     if isinstance(schedule, EDMFormulation):
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be a positive int, got {steps!r}")
@@ -159,7 +159,7 @@ def sample(
             )
         else:
             x = _euler(den, shape, labels.to(device), steps, lo, hi, progress=progress, **common)
-        return x.clamp(-1, 1) if clip_denoised else x
+        return x.clamp(-1, 1) if readout.clip_denoised else x
     if isinstance(schedule, FlowFormulation):
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be a positive int, got {steps!r}")
@@ -175,7 +175,7 @@ def sample(
             device=device,
             progress=progress,
         )
-        return x.clamp(-1, 1) if clip_denoised else x
+        return x.clamp(-1, 1) if readout.clip_denoised else x
     if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= schedule.num_timesteps:
         raise ValueError(f"steps must be an int in [1, {schedule.num_timesteps}], got {steps!r}")
     device = torch.device(device)
@@ -186,23 +186,20 @@ def sample(
     if sampler in ("ddpm", "ddim"):
         sched, tmap = respaced(schedule, sampler, steps)
         run = ddpm_sample if sampler == "ddpm" else ddim_sample
-        return run(
-            fn,
-            sched,
-            shape,
-            y,
-            learn_sigma=learn_sigma,
-            prediction=prediction,
-            clip_denoised=clip_denoised,
-            timestep_map=tmap.to(device),
-            **common,
-        )
-    den = VEDenoiser(model, schedule, prediction, channels)
+        return run(fn, sched, shape, y, readout=readout, timestep_map=tmap.to(device), **common)
+    den = VEDenoiser(model, schedule, readout.prediction, channels)
     if sampler == "heun":
         x = edm_heun_sample(den, shape, y, num_steps=steps, sigma_min=den.sigma_min, sigma_max=den.sigma_max, **common)
     else:
         x = _euler(den, shape, y, steps, den.sigma_min, den.sigma_max, **common)
-    return x.clamp(-1, 1) if clip_denoised else x
+    return x.clamp(-1, 1) if readout.clip_denoised else x
+
+
+def sampling_readout(cfg: TrainConfig) -> Readout:
+    """How ``sample`` reads the network of ``cfg``: its prediction and learned variance (``cfg.diffusion``), x0
+    clipped to [-1, 1] when the data lies there (``pixel_range``), the fixed variance the large one."""
+    d = cfg.diffusion
+    return Readout(d.prediction, learn_sigma=d.learn_sigma, clip_denoised=pixel_range(cfg))
 
 
 def has_null_label(model: nn.Module) -> bool:
@@ -294,10 +291,8 @@ def sample_grid(
         channels=m.in_channels,
         size=m.input_size,
         num_classes=m.num_classes,
-        learn_sigma=cfg.diffusion.learn_sigma,
-        prediction=cfg.diffusion.prediction,
+        readout=sampling_readout(cfg),
         cfg_scale=lg.cfg_scale,
-        clip_denoised=pixel_range(cfg),
         seed=cfg.engine.seed,
         device=device,
         progress=lg.progress,
@@ -308,8 +303,6 @@ def sample_grid(
 
 def _euler(den, shape, y, steps, sigma_min, sigma_max, *, num_classes, cfg_scale, seed, device, progress):
     # Euler on dx/dsigma = (x - D(x; sigma)) / sigma (EDM Eq. 3 with sigma(t) = t), Karras grid (EDM Eq. 5).
-    from tqdm.auto import tqdm
-
     gen = make_generator(seed, None, device)
     sigmas = karras_sigmas(steps, sigma_min, sigma_max).tolist()
     x = torch.randn(shape, generator=gen, device=device) * sigmas[0]
@@ -337,11 +330,7 @@ def grid_image(x: torch.Tensor, nrow: int | None = None, pad: int = 1) -> torch.
 
 def save_grid(x: torch.Tensor, path: str | Path, nrow: int | None = None, upscale: int = 1) -> Path:
     """Write ``grid_image(x)`` as a PNG, each pixel repeated ``upscale`` times (small images stay visible)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     img = grid_image(x, nrow)
     if upscale > 1:
         img = img.repeat_interleave(upscale, 0).repeat_interleave(upscale, 1)

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import yaml
 
+from diffcurr_fast.study.presets import PRESETS, preset_spec
+from diffcurr_fast.study.spec import check_spec, load_spec, spec_from_dict
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``study``."""
-    # imported here, not at the top: keeps --help free of torch
-    from diffcurr_fast.study.presets import PRESETS
-
     parser.add_argument("spec", nargs="?", default=None, help="study spec YAML, or 'report' followed by a study folder")
     parser.add_argument("folder", nargs="?", default=None, help="with 'report': the study folder")
     parser.add_argument("--preset", choices=sorted(PRESETS), help="a built-in spec instead of SPEC.yaml")
@@ -65,9 +65,7 @@ def run(args: argparse.Namespace) -> int:
     if args.folder is not None:
         raise ValueError(f"unexpected argument {args.folder!r} (only 'study report DIR' takes a folder)")
     # imported here, not at the top: keeps --help free of torch
-    from diffcurr_fast.study.presets import preset_spec
     from diffcurr_fast.study.runner import run_study
-    from diffcurr_fast.study.spec import check_spec, load_spec, spec_from_dict
 
     if (args.spec is None) == (args.preset is None):
         raise ValueError("give a spec file or --preset NAME (one of them)")

@@ -21,6 +21,7 @@ import sys
 import types
 from collections import OrderedDict
 from collections.abc import Callable
+from copy import deepcopy
 from pathlib import Path
 
 import torch
@@ -173,8 +174,6 @@ def official_step(
 
     ``label(name, fn)`` may wrap the parts a profile should name (``timesteps``, ``forward process``, ``ema``).
     """
-    from copy import deepcopy
-
     models, diffusion_pkg, stubbed = import_peer(path)
     torch.manual_seed(seed)
     size = {"input_size": input_size, "num_classes": num_classes, "in_channels": in_channels}

@@ -69,7 +69,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from diffcurr_fast.runs.config import SECTIONS
 from diffcurr_fast.study.spec import StudySpec, check_spec, spec_from_dict
+from diffcurr_fast.study.speedrun import best_arms
 
 STEPS, SHORT = 1500, 375
 DIGITS_SET = [
@@ -247,8 +249,6 @@ SPEEDRUN = {
 
 def has_timesteps_section() -> bool:
     """Whether this build's config has the ``timesteps`` section the timestep-sampler arms set."""
-    from diffcurr_fast.runs.config import SECTIONS
-
     return "timesteps" in SECTIONS
 
 
@@ -305,8 +305,6 @@ def speedrun_preset(timesteps: bool | None = None) -> dict[str, Any]:
 def speedrun_mnist5k_preset(screen: str | None = None, timesteps: bool | None = None) -> dict[str, Any]:
     """The second stage: the official arm, the best 4 arms of the screening at ``screen`` and the plain-step twin
     of the best (its fused/plain pair splits the speed-up), on mnist5k with 3 seeds."""
-    from diffcurr_fast.study.speedrun import best_arms
-
     if screen is None:
         raise ValueError(
             "preset speedrun_mnist5k runs the best arms of the digits screening: pass --screen DIR (a "

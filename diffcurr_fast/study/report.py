@@ -19,12 +19,15 @@ from __future__ import annotations
 import csv
 import json
 import math
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from diffcurr_fast._lazy import pyplot
+from diffcurr_fast.study import speedrun
 from diffcurr_fast.study.runner import eval_records, load_study, read_status, run_dir_of
 from diffcurr_fast.study.spec import METRICS, StudySpec
 from diffcurr_fast.train.report import read_metrics
@@ -56,6 +59,7 @@ def mean_std(values: list[float]) -> tuple[float, float]:
 def paired_t(diffs: list[float], lower_is_better: bool = True, level: float = 0.95) -> Paired:
     """Mean of the paired differences with its ``level`` t confidence interval; improved = seeds where the arm
     is better (difference < 0 for a lower-is-better metric)."""
+    # optional dependency (scipy, a dev extra): imported when a statistic is computed
     from scipy import stats
 
     d = np.asarray(diffs, dtype=np.float64)
@@ -222,15 +226,6 @@ def write_markdown(spec: StudySpec, arms: dict[str, Any], path: Path, study_dir:
     return path
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _color(plt, i: int):
     """Distinct colours for up to 20 arms: the dark tab20 shades first, then the light ones."""
     return plt.get_cmap("tab20")((2 * i) % 20 + (2 * i // 20) % 2)
@@ -238,7 +233,7 @@ def _color(plt, i: int):
 
 def plot_metric(spec: StudySpec, rows: list[dict[str, Any]], path: Path) -> Path:
     """Mean over seeds of the spec's metric against step, with a +- std band, one line per arm."""
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     for i, arm in enumerate(spec.arms):
         by_step: dict[int, list[float]] = {}
@@ -279,7 +274,7 @@ def _train_records(study_dir: Path, arm: Any, seed: int) -> list[dict[str, Any]]
 
 def plot_timelines(spec: StudySpec, study_dir: Path, path: Path) -> Path:
     """Unlocked clusters against step, one panel per arm, one line per seed."""
-    plt = _plt()
+    plt = pyplot()
     n = len(spec.arms)
     cols = min(4, n)
     rows_ = math.ceil(n / cols)
@@ -308,7 +303,7 @@ def plot_timelines(spec: StudySpec, study_dir: Path, path: Path) -> Path:
 
 def plot_cluster_loss(spec: StudySpec, study_dir: Path, path: Path) -> Path:
     """Final per-cluster training loss (EMA), mean over seeds, against cluster index (0 = lowest t), per arm."""
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for i, arm in enumerate(spec.arms):
         finals = []
@@ -353,15 +348,13 @@ def write_report(study_dir: str | Path) -> dict[str, Path]:
 
 def write_speedrun(spec: StudySpec, rows: list[dict[str, Any]], study_dir: Path) -> dict[str, Path]:
     """The time-to-quality section (appended to report.md), speedrun.json and the two FD plots."""
-    from diffcurr_fast.study import speedrun
-
     st_path = study_dir / speedrun.STEP_TIME_FILE
     res = speedrun.analyse(spec, rows, json.loads(st_path.read_text()) if st_path.is_file() else None)
     report = study_dir / "report.md"
     report.write_text(report.read_text() + "\n" + "\n".join(speedrun.markdown(spec, res)) + "\n")
     plots = speedrun.plot(spec, rows, res, study_dir)
     return {
-        "speedrun": speedrun.write_json(res, study_dir / "speedrun.json"),
+        "speedrun": speedrun.write_analysis(res, study_dir / "speedrun.json"),
         "fd_vs_wall": plots["wall_s"],
         "fd_vs_step": plots["step"],
     }
@@ -369,8 +362,6 @@ def write_speedrun(spec: StudySpec, rows: list[dict[str, Any]], study_dir: Path)
 
 def copy_samples(spec: StudySpec, study_dir: Path) -> Path:
     """``samples/<arm>.png``: the end-of-run sample grid of each arm's first finished seed."""
-    import shutil
-
     dest = study_dir / "samples"
     dest.mkdir(exist_ok=True)
     for arm in spec.arms:

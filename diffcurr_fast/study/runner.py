@@ -32,13 +32,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from diffcurr_fast._files import write_json
 from diffcurr_fast.eval.features import digits_classifier, mnist5k_classifier
 from diffcurr_fast.runs.checkpoint import latest_checkpoint
 from diffcurr_fast.runs.sampling import build_model, build_schedule
+from diffcurr_fast.study.peer_dit import check_checkout
 from diffcurr_fast.study.spec import StudySpec, arm_config, check_spec, spec_from_dict
+from diffcurr_fast.study.speedrun import STEP_TIME_FILE
 from diffcurr_fast.tdc.flops import dit_flops
 from diffcurr_fast.tdc.pipeline import load_bundle_with_config, run_tdc
 from diffcurr_fast.train.evaluation import Evaluator
@@ -109,15 +112,11 @@ def run_study(
     """Run every unfinished (arm, seed) of ``spec`` in ``study_dir`` with ``workers`` processes at once; returns
     {"ran": [...], "failed": [...], "kept": n}. Failed runs are listed, not retried (a rerun resumes them).
     ``peer_dit`` (a speedrun): a facebookresearch/DiT checkout whose step time is measured first (module doc)."""
-    from diffcurr_fast.study.speedrun import STEP_TIME_FILE
-
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
     if peer_dit is not None:
         if not spec.speedrun:
             raise ValueError(f"--peer-dit times the official arm of a speedrun; study {spec.name!r} has no speedrun")
-        from diffcurr_fast.study.peer_dit import check_checkout
-
         check_checkout(peer_dit)
     check_spec(spec)
     study_dir = prepare_study(spec, study_dir)
@@ -187,8 +186,6 @@ def run_study(
 
 def _gpu_count() -> int:
     """Visible CUDA devices (0 without CUDA)."""
-    import torch
-
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 

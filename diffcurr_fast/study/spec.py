@@ -32,6 +32,8 @@ from typing import Any
 
 import yaml
 
+from diffcurr_fast.runs.config import duplicate_keys, load_config
+
 KINDS = ("train", "tdc")
 METRICS = {"fd": "lower", "is": "higher", "precision": "higher", "recall": "higher"}
 SPEC_KEYS = ("name", "recipe", "set", "seeds", "metric", "reference", "eval_every", "eval", "arms", "notes", "speedrun")
@@ -185,8 +187,6 @@ def load_spec(path: str | Path) -> StudySpec:
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"study spec {str(p)!r} does not exist")
-    from diffcurr_fast.runs.config import duplicate_keys
-
     text = p.read_text()
     dups = duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader))
     if dups:
@@ -198,9 +198,6 @@ def load_spec(path: str | Path) -> StudySpec:
 def arm_config(spec: StudySpec, arm: Arm, seed: int, run_dir: str | Path, cpu_threads: int = 0):
     """The validated ``TrainConfig`` of run (``arm``, ``seed``): the recipe (None: the embedded digits demo) with
     ``spec.overrides`` (a tdc arm's options are its tdc section)."""
-    # imported here, not at the top: keeps --help free of torch
-    from diffcurr_fast.runs.config import load_config
-
     try:
         return load_config(spec.recipe, spec.overrides(arm, seed, run_dir, cpu_threads))
     except ValueError as exc:

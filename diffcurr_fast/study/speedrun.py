@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +42,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from diffcurr_fast._files import write_json
+from diffcurr_fast._lazy import pyplot
+from diffcurr_fast.study.spec import arm_config
 
 STEP_TIME_FILE = "step_time.json"
 OFFICIAL_CODE = "official code"  # step_time.json's name for the facebookresearch/DiT step
@@ -70,6 +75,7 @@ def crossing(points: list[dict[str, float]], threshold: float, window: int) -> d
 
 def mean_ci(values: list[float], level: float = 0.95) -> tuple[float, float, float]:
     """(mean, lo, hi): mean +- t_{(1 + level) / 2, n - 1} s / sqrt(n) (NaN interval for fewer than two)."""
+    # optional dependency (scipy, a dev extra): imported when a statistic is computed
     from scipy import stats
 
     a = np.asarray(values, dtype=np.float64)
@@ -84,6 +90,7 @@ def mean_ci(values: list[float], level: float = 0.95) -> tuple[float, float, flo
 
 def speedup(reference: list[float], arm: list[float], level: float = 0.95) -> tuple[float, float, float]:
     """(ratio, lo, hi) of geometric means reference / arm with the Welch interval on the logs (module doc)."""
+    # optional dependency (scipy, a dev extra): imported when a statistic is computed
     from scipy import stats
 
     r, a = np.log(np.asarray(reference, dtype=np.float64)), np.log(np.asarray(arm, dtype=np.float64))
@@ -273,11 +280,7 @@ def markdown(spec: Any, res: dict[str, Any]) -> list[str]:
 
 def plot(spec: Any, rows: list[dict[str, Any]], res: dict[str, Any], study_dir: Path) -> dict[str, Path]:
     """FD against wall time and against steps: per arm the mean over seeds with a +- std band, the threshold."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     out = {}
     for axis, fname, label in (
         ("wall_s", "fd_vs_wall.png", "training wall time (s)"),
@@ -313,16 +316,14 @@ def plot(spec: Any, rows: list[dict[str, Any]], res: dict[str, Any], study_dir: 
     return out
 
 
-def write_json(res: dict[str, Any], path: Path) -> Path:
+def write_analysis(res: dict[str, Any], path: Path) -> Path:
     """``speedrun.json``: the analysis (the screening's input to the second stage)."""
     arms = {
         n: {"seeds": a["seeds"], "reached": a["reached"], "axes": a["axes"], "speedup": a["speedup"]}
         for n, a in res["arms"].items()
     }
     data = {k: v for k, v in res.items() if k != "arms"} | {"arms": arms}
-    from diffcurr_fast._files import write_json as write_atomic
-
-    return write_atomic(json.loads(json.dumps(data, default=float)), path, indent=1)  # numpy scalars as floats
+    return write_json(json.loads(json.dumps(data, default=float)), path, indent=1)  # numpy scalars as floats
 
 
 def best_arms(path: str | Path, count: int) -> list[str]:
@@ -368,6 +369,7 @@ def measure_step_times(
     data, measured side by side in one process in alternating blocks of ``reps`` steps (after ``warmup`` steps per
     block). Measured together, the arms' times compare whatever the load and the machine were when each run
     trained."""
+    # imported here, not at the top: study.presets imports this module, and --help stays free of torch
     import torch
 
     from diffcurr_fast.train.loop import Trainer
@@ -442,8 +444,6 @@ def measure_step_times(
 
 def _git_commit(path: str | Path) -> str:
     """The checked-out commit of a git checkout ('' when it is not one); the report names the peer by it."""
-    import subprocess
-
     try:
         out = subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
@@ -453,9 +453,8 @@ def _git_commit(path: str | Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """The worker: ``python -m diffcurr_fast.study.speedrun STUDY_DIR PEER_DIT_PATH|- [THREADS]``."""
-    from diffcurr_fast._files import write_json
+    # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.study.runner import load_study
-    from diffcurr_fast.study.spec import arm_config
 
     argv = sys.argv[1:] if argv is None else argv
     study_dir, peer = Path(argv[0]), (None if argv[1] == "-" else argv[1])

@@ -51,7 +51,7 @@ from diffcurr_fast.models import DiT
 from diffcurr_fast.objective import Objective
 from diffcurr_fast.runs.checkpoint import export_safetensors, latest_checkpoint
 from diffcurr_fast.runs.config import TDCConfig, TrainConfig, config_from_dict, load_config, resume_mismatches
-from diffcurr_fast.runs.sampling import build_model, grid_sampler, sample, sample_grid
+from diffcurr_fast.runs.sampling import build_model, grid_sampler, sample, sample_grid, sampling_readout
 from diffcurr_fast.tdc.accounting import sampling_flops, training_flops, visited_input_times
 from diffcurr_fast.tdc.experts import MultiExpertDenoiser, load_bundle, save_bundle
 from diffcurr_fast.tdc.flops import dit_flops
@@ -531,8 +531,7 @@ def visited_times(multi: MultiExpertDenoiser, base: Stage1, cfg: TrainConfig) ->
             channels=m.in_channels,
             size=m.input_size,
             num_classes=m.num_classes,
-            learn_sigma=cfg.diffusion.learn_sigma,
-            prediction=cfg.diffusion.prediction,
+            readout=sampling_readout(cfg),
             seed=cfg.engine.seed,
             device=base.device,
         ),

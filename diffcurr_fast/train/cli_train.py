@@ -8,6 +8,7 @@ under ``deepspeed --num_gpus N --module diffcurr_fast.cli train ...`` (or torchr
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
 from diffcurr_fast.runs.config import config_to_yaml, describe_config, load_config
@@ -45,8 +46,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def resume_command(args: argparse.Namespace) -> str:
     """The command line that continues the run of ``args``: its recipe and overrides, with ``--resume``."""
-    import shlex
-
     parts = ["diffcurr-fast", "train", *([args.recipe] if args.recipe else [])]
     for o in args.overrides:
         parts += ["--set", o]

@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors.torch import load_file
 
 from diffcurr_fast.data import ImageFolder, ShardedLatents, ShardedLoader, open_latents, pipeline
 from diffcurr_fast.data.errors import BadDataError
+from diffcurr_fast.models.diffusers_dit import from_diffusers_state, is_diffusers_dir, read_diffusers_dir
 from diffcurr_fast.runs.config import SHARDED_DATASETS
 
 if TYPE_CHECKING:
@@ -187,8 +189,6 @@ def read_init_state(path: str | Path, own: dict[str, torch.Tensor] | None = None
     weights are taken), or a diffusers ``DiTTransformer2DModel`` directory (or a ``DiTPipeline`` directory holding
     one), mapped back to the release's keys for the model whose state dict is ``own`` (its fixed sin-cos
     ``pos_embed``, which diffusers does not store, is filled in). Loaded with ``weights_only=True`` or safetensors."""
-    from diffcurr_fast.models.diffusers_dit import from_diffusers_state, is_diffusers_dir, read_diffusers_dir
-
     p = Path(path)
     if is_diffusers_dir(p):
         if own is None or "pos_embed" not in own:
@@ -202,8 +202,6 @@ def read_init_state(path: str | Path, own: dict[str, torch.Tensor] | None = None
     if not p.is_file():
         raise FileNotFoundError(f"model.init_from {str(p)!r} does not exist")
     if p.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
         state: Any = load_file(str(p), device="cpu")
     else:
         try:

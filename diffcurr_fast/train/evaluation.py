@@ -23,7 +23,7 @@ import torch
 
 from diffcurr_fast.eval.evaluate import evaluate, load_reference, reference_from_images
 from diffcurr_fast.eval.features import get_extractor
-from diffcurr_fast.runs.sampling import pixel_range, sample
+from diffcurr_fast.runs.sampling import sample, sampling_readout
 
 if TYPE_CHECKING:
     from diffcurr_fast.runs.config import TrainConfig
@@ -94,10 +94,8 @@ class Evaluator:
                     channels=m.in_channels,
                     size=m.input_size,
                     num_classes=m.num_classes,
-                    learn_sigma=cfg.diffusion.learn_sigma,
-                    prediction=cfg.diffusion.prediction,
+                    readout=sampling_readout(cfg),
                     cfg_scale=e.cfg_scale,
-                    clip_denoised=pixel_range(cfg),
                     seed=e.seed,
                     device=self.device,
                 )

@@ -17,6 +17,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import torch
+
 __all__ = ["GridInterrupted", "StopRequest", "TrainingInterrupted"]
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -77,8 +79,6 @@ class StopRequest:
 
     def should_stop(self, engine: Any) -> bool:
         """Whether any rank received a signal (a collective vote: every rank must call it at the same step)."""
-        import torch
-
         return not engine.all_true(torch.tensor(self.signum is None))
 
     def vote_signal(self) -> int:

@@ -14,7 +14,10 @@ import os
 import warnings
 from pathlib import Path
 
+import torch
+
 from diffcurr_fast.models.attention import flash_attn_reason
+from diffcurr_fast.models.diffusers_dit import is_diffusers_dir
 from diffcurr_fast.ops._backend import CHOICES, unavailable_reason
 from diffcurr_fast.runs.config import TrainConfig
 from diffcurr_fast.train.engine import load_deepspeed_config
@@ -24,8 +27,6 @@ __all__ = ["check_backends", "check_guidance", "check_inputs", "check_run"]
 
 
 def _device_type(cfg: TrainConfig):
-    import torch
-
     if cfg.engine.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("engine.device is 'cuda' but no CUDA device is available; use 'cpu' or 'auto'")
     return "cuda" if cfg.engine.device != "cpu" and torch.cuda.is_available() else "cpu"
@@ -47,8 +48,6 @@ BF16_ON_CPU = (
 def check_backends(cfg: TrainConfig) -> None:
     """The engine, attention and fused-op backends asked for by name can run here; an explicit bf16 on a CPU warns
     (``BF16_ON_CPU``)."""
-    import torch
-
     dev = torch.device(_device_type(cfg))
     e, m, d = cfg.engine, cfg.model, cfg.diffusion
     if e.kind == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
@@ -110,8 +109,6 @@ def check_inputs(cfg: TrainConfig) -> None:
         if not any(f.is_file() for c in classes for f in c.iterdir()):
             raise ValueError(f"data.path {d.path!r} holds no image files (its class folders are empty)")
     if cfg.model.init_from and not Path(cfg.model.init_from).is_file():
-        from diffcurr_fast.models.diffusers_dit import is_diffusers_dir
-
         if not is_diffusers_dir(cfg.model.init_from):
             raise FileNotFoundError(
                 f"model.init_from {cfg.model.init_from!r} does not exist (a weights file or a diffusers DiT directory)"

@@ -8,6 +8,8 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+from diffcurr_fast._lazy import pyplot
+
 WANDB_ID = "wandb_id.txt"  # the run's wandb id, kept in the run directory so that a resume continues the same run
 
 
@@ -35,7 +37,7 @@ class MetricsWriter:
         self.path = run_dir / "metrics.jsonl"
         self._tb = self._wandb = None
         if tensorboard:  # asked for by name: a missing package is an error, not a silent no-op
-            try:
+            try:  # optional dependency, imported when asked for
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 raise ImportError(
@@ -43,7 +45,7 @@ class MetricsWriter:
                     "tensorboard, or set logging.tensorboard=false"
                 ) from None
         if wandb is not None:
-            try:
+            try:  # optional dependency, imported when asked for
                 import wandb as wandb_module
             except ImportError:
                 raise ImportError(
@@ -106,6 +108,7 @@ def gpu_stats(device_index: int = 0) -> dict[str, Any]:
     global _NVML
     try:
         if _NVML is None:
+            # imported on first use, inside the try: no pynvml (or no driver) means "no GPU", not an error
             import pynvml
 
             pynvml.nvmlInit()
@@ -119,18 +122,9 @@ def gpu_stats(device_index: int = 0) -> dict[str, Any]:
         return {"gpu": "no GPU"}
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_cluster_losses(records: list[dict[str, Any]], clusters: list[list[int]], path: str | Path) -> Path:
     """Per-cluster training loss (EMA) over steps, one line per cluster (ascending t)."""
-    plt = _plt()
+    plt = pyplot()
     steps = [r["step"] for r in records if "cluster_loss" in r]
     fig, ax = plt.subplots(figsize=(7, 4))
     cmap = plt.get_cmap("viridis")
@@ -156,7 +150,7 @@ def plot_curriculum_timeline(
     records: list[dict[str, Any]], history: list[int], num_clusters: int, max_steps: int, path: str | Path
 ) -> Path:
     """Unlocked clusters over steps (a staircase with the unlock steps marked) and the training loss."""
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     xs = [0] + list(history) + [max_steps]
     ys = list(range(1, len(history) + 2)) + [len(history) + 1]
