@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from diffcurr_fast.diffusion import Formulation, TrainingTerms, build_formulation
-from diffcurr_fast.ops import diffusion_loss_coef, q_sample_coef
+from diffcurr_fast.ops import diffusion_loss_coef, q_sample_coef, sample_timesteps
 
 PRECISIONS = ("fp32", "bf16", "auto")
 
@@ -154,23 +154,21 @@ def draw_seed(generator: torch.Generator) -> int:
     return int(torch.randint(0, 2**62, (1,), generator=generator))
 
 
-def sample_cells(n: int, lo: int, hi: int, generator: torch.Generator, device: torch.device | str) -> torch.Tensor:
-    """(n,) int64 cells uniform in [lo, hi) (a TDC group, an analysis interval)."""
-    if hi <= lo:
-        raise ValueError(f"cell range must be non-empty, got [{lo}, {hi})")
-    return torch.randint(lo, hi, (n,), generator=generator).to(device)
-
-
 def batch_loss(
     objective: Objective,
     model: Callable[..., torch.Tensor],
     x0: torch.Tensor,
     y: torch.Tensor,
-    cells: tuple[int, int],
+    weights: torch.Tensor,
     generator: torch.Generator,
 ) -> torch.Tensor:
-    """Mean loss of ``model`` on x0 with cells uniform in ``cells`` = [lo, hi), drawn from ``generator``."""
-    k = sample_cells(x0.shape[0], cells[0], cells[1], generator, x0.device)
+    """Mean loss of ``model`` on x0 with cells drawn from ``weights`` (G,) by ``ops.sample_timesteps`` (as the
+    trainer draws; e.g. the timesteps component's ``weights()`` on a TDC group or an analysis interval), its seed and
+    the noise's from ``generator``."""
+    if not isinstance(weights, torch.Tensor) or weights.shape != (objective.num_cells,):
+        got = tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__
+        raise ValueError(f"cell weights must be a ({objective.num_cells},) tensor, got {got}")
+    k = sample_timesteps(x0.shape[0], weights, generator=generator, device=x0.device, backend=objective.backend)
     return objective(model, x0, y, k, seed=draw_seed(generator), generator=generator).mean()
 
 
@@ -178,7 +176,7 @@ def fit_steps(
     model: nn.Module,
     objective: Objective,
     batches: Sequence[tuple[torch.Tensor, torch.Tensor]] | Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-    cells: tuple[int, int],
+    weights: torch.Tensor,
     steps: int,
     *,
     lr: float,
@@ -186,7 +184,8 @@ def fit_steps(
     generator: torch.Generator,
     on_step: Callable[[int, float], None] | None = None,
 ) -> list[float]:
-    """``steps`` plain AdamW steps of ``objective`` on cells [lo, hi); returns the per-step losses.
+    """``steps`` plain AdamW steps of ``objective`` on cells drawn from ``weights`` (G,) (``batch_loss``); returns the
+    per-step losses.
 
     ``batches`` is a sequence of ``(x0, y)`` batches (cycled) or a function of the step giving one. ``on_step(step,
     loss)`` runs after each step (1-based).
@@ -205,7 +204,7 @@ def fit_steps(
     model.train()
     for step in range(steps):
         x0, y = get(step)
-        loss = batch_loss(objective, model, x0, y, cells, generator)
+        loss = batch_loss(objective, model, x0, y, weights, generator)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -224,5 +223,4 @@ __all__ = [
     "draw_seed",
     "fit_steps",
     "resolve_precision",
-    "sample_cells",
 ]

@@ -266,9 +266,15 @@ def test_one_step_x0_is_exact_for_the_true_noise():
     x0 = torch.rand(6, 1, 8, 8) * 1.6 - 0.8
     gen = torch.Generator().manual_seed(3)
 
+    seen = []
+
     def oracle(xt, tt, y):
+        seen.append(tt)
         abar = sched.alphas_cumprod[tt].double().reshape(-1, 1, 1, 1)
         return ((xt.double() - abar.sqrt() * x0.double()) / (1 - abar).sqrt()).float()
 
-    est = one_step_x0(oracle, sched, x0, torch.zeros(6, dtype=torch.long), (10, 20), gen)
+    weights = torch.zeros(50)
+    weights[10:20] = 1.0  # t ~ U[10, 20)
+    est = one_step_x0(oracle, sched, x0, torch.zeros(6, dtype=torch.long), weights, gen)
     assert torch.allclose(est, x0, atol=1e-5)
+    assert int(seen[0].min()) >= 10 and int(seen[0].max()) < 20

@@ -16,13 +16,14 @@ from diffcurr_fast.diffusion import (
     FlowFormulation,
     Formulation,
     edm_loss,
-    edm_sample_sigma,
     flow_loss,
     log_snr_to_snr,
     loss_weights,
     snr_to_db,
     snr_to_log_snr,
 )
+from diffcurr_fast.ops import sample_timesteps
+from diffcurr_fast.timesteps.build import build_timesteps
 
 # ---- EDM ---------------------------------------------------------------------------------------------------
 
@@ -60,7 +61,7 @@ def test_edm_denoiser_and_loss(b):
     den = EDMDenoiser(net)
     x0 = torch.randn(b, 7, dtype=torch.float64)
     noise = torch.randn(b, 7, dtype=torch.float64)
-    sigma = edm_sample_sigma(b, generator=torch.Generator().manual_seed(0))
+    sigma = torch.exp(-1.2 + 1.2 * torch.randn(b, generator=torch.Generator().manual_seed(0), dtype=torch.float64))
     loss = edm_loss(den, x0, sigma, noise)
     # float64 reference of EDM Eq. 2 with Table 1 preconditioning
     sd, s = 0.5, sigma[:, None]
@@ -82,14 +83,6 @@ def test_edm_denoiser_and_loss(b):
     torch.testing.assert_close(g_ours, g_ref)
     w = torch.rand(b, dtype=torch.float64)
     torch.testing.assert_close(edm_loss(den, x0, sigma, noise, weights=w), w * ref)
-
-
-def test_edm_sample_sigma_distribution():
-    sig = edm_sample_sigma(40000, generator=torch.Generator().manual_seed(1))
-    assert sig.dtype == torch.float64 and bool((sig > 0).all())
-    ln = torch.log(sig)
-    assert ln.mean().item() == pytest.approx(-1.2, abs=0.03)
-    assert ln.std().item() == pytest.approx(1.2, rel=0.02)
 
 
 def test_edm_formulation_axis():
@@ -126,20 +119,6 @@ def test_flow_formulation_values():
     torch.testing.assert_close(f.target(x0, noise, t, "velocity"), noise - x0)
     torch.testing.assert_close(f.target(x0, noise, t, "eps"), noise)
     torch.testing.assert_close(f.target(x0, noise, t, "x0"), x0)
-
-
-def test_flow_sample_t():
-    g = torch.Generator().manual_seed(0)
-    t = FlowFormulation(train_eps=0.05).sample_t(20000, g)
-    assert t.dtype == torch.float64 and float(t.min()) >= 0.05 and float(t.max()) <= 0.95
-    assert t.mean().item() == pytest.approx(0.5, abs=0.01)
-    assert t.std().item() == pytest.approx(0.9 / math.sqrt(12), rel=0.03)
-    u = FlowFormulation().sample_t(20000, torch.Generator().manual_seed(0))
-    assert 0.0 <= float(u.min()) and float(u.max()) < 1.0
-    ln = FlowFormulation(t_sampling="logit_normal", logit_mean=0.5).sample_t(20000, torch.Generator().manual_seed(2))
-    logit = torch.log(ln / (1 - ln))
-    assert logit.mean().item() == pytest.approx(0.5, abs=0.03)
-    assert logit.std().item() == pytest.approx(1.0, rel=0.03)
 
 
 @pytest.mark.parametrize("b", [1, 3, 17])
@@ -198,7 +177,9 @@ def test_common_axis(idx):
     for weighting in ("none", "min_snr", "p2"):
         w = loss_weights(snr, "eps", weighting)
         assert not bool(torch.isnan(w).any())
-    n = form.sample_t(64, torch.Generator().manual_seed(0))
+    g = form.num_timesteps if form.discrete else 50  # the trainer's draws: cells from the timesteps component
+    k = sample_timesteps(64, build_timesteps(None, form, g).weights(), generator=torch.Generator().manual_seed(0))
+    n = form.training_terms(k, g, generator=torch.Generator().manual_seed(1)).t
     assert n.shape == (64,)
     form.check_t(n)
     lo, hi = form.t_range()
@@ -229,17 +210,13 @@ def test_formulation_bad_input():
         flow.snr(torch.tensor([1]))
     with pytest.raises(ValueError, match="unknown prediction 'v'"):
         flow.target(torch.zeros(1, 2), torch.zeros(1, 2), torch.tensor([0.5]), "v")
-    with pytest.raises(ValueError, match="unknown t_sampling 'beta'"):
-        FlowFormulation(t_sampling="beta")
-    with pytest.raises(ValueError, match="train_eps"):
-        FlowFormulation(train_eps=0.7)
     with pytest.raises(ValueError, match="sigma_data must be positive"):
         EDMPrecond(0.0)
     with pytest.raises(ValueError, match="P_std must be positive"):
-        edm_sample_sigma(3, P_std=0.0)
+        EDMFormulation(P_std=0.0)
     with pytest.raises(ValueError, match="t must have shape"):
         flow.q_sample(torch.zeros(2, 3), torch.tensor([0.5]), torch.zeros(2, 3))
     with pytest.raises(ValueError, match="sigma must have shape"):
         edm_loss(lambda x, s, y: x, torch.zeros(2, 3), torch.ones(3))
     with pytest.raises(ValueError, match="weights must have shape"):
-        flow_loss(lambda x, t, y: x, torch.zeros(2, 3), weights=torch.ones(5))
+        flow_loss(lambda x, t, y: x, torch.zeros(2, 3), torch.full((2,), 0.5), weights=torch.ones(5))

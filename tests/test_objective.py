@@ -180,18 +180,31 @@ def test_objective_rejects_what_a_formulation_cannot_train():
         FlowFormulation().variance_loss(None, None, None, None, "velocity")
 
 
-def test_fit_steps_and_batch_loss_use_the_cell_range():
+def test_fit_steps_and_batch_loss_draw_from_the_cell_weights():
+    """The cells come from the weights through ops.sample_timesteps, as the trainer draws: a range [10, 20) gives
+    cells in it only, a weight vector is followed, and the same generator seed gives the same loss."""
     sched = DDPMSchedule(30)
     obj = Objective(sched, num_cells=30, prediction="eps")
     net = _Net()
     x0 = torch.randn(4, 1, 5, 7, dtype=torch.float64)
     y = torch.zeros(4, dtype=torch.long)
-    losses = fit_steps(net, obj, [(x0, y)], (10, 20), 3, lr=1e-3, generator=torch.Generator().manual_seed(0))
+    w = torch.zeros(30)
+    w[10:20] = 1.0
+    losses = fit_steps(net, obj, [(x0, y)], w, 3, lr=1e-3, generator=torch.Generator().manual_seed(0))
     assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
     ts = torch.cat([t for _, t in net.seen])
     assert int(ts.min()) >= 10 and int(ts.max()) < 20
-    a = batch_loss(obj, net, x0, y, (10, 20), torch.Generator().manual_seed(1))
-    b = batch_loss(obj, net, x0, y, (10, 20), torch.Generator().manual_seed(1))
+    a = batch_loss(obj, net, x0, y, w, torch.Generator().manual_seed(1))
+    b = batch_loss(obj, net, x0, y, w, torch.Generator().manual_seed(1))
     assert torch.equal(a, b)
-    with pytest.raises(ValueError, match="cell range must be non-empty"):
-        batch_loss(obj, net, x0, y, (5, 5), torch.Generator())
+    net.seen.clear()
+    x_big = torch.randn(4000, 1, 1, 1, dtype=torch.float64)
+    skew = torch.zeros(30, dtype=torch.float64)
+    skew[[3, 7]] = torch.tensor([1.0, 3.0], dtype=torch.float64)
+    batch_loss(obj, net, x_big, torch.zeros(4000, dtype=torch.long), skew, torch.Generator().manual_seed(2))
+    ts = net.seen[0][1]
+    assert set(ts.tolist()) == {3, 7} and float((ts == 7).double().mean()) == pytest.approx(0.75, abs=0.03)
+    with pytest.raises(ValueError, match=r"cell weights must be a \(30,\) tensor, got \(20,\)"):
+        batch_loss(obj, net, x0, y, torch.ones(20), torch.Generator())
+    with pytest.raises(ValueError, match="weights are all zero"):
+        batch_loss(obj, net, x0, y, torch.zeros(30), torch.Generator())

@@ -442,6 +442,7 @@ def test_search_scores_on_the_training_objective(tmp_path, monkeypatch):
     proxy of every candidate equals the held-out loss recomputed with that objective."""
     from diffcurr_fast.objective import batch_loss
     from diffcurr_fast.tdc import search
+    from diffcurr_fast.timesteps.base import range_mask
 
     seen = []
     real = search.proxy_loss
@@ -450,7 +451,8 @@ def test_search_scores_on_the_training_objective(tmp_path, monkeypatch):
         value = real(model, group, heldout, objective=objective, seed=seed)
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
-            again = sum(float(batch_loss(objective, model.eval(), x, y, (group.lo, group.hi), gen)) for x, y in heldout)
+            w = range_mask(objective.num_cells, (group.lo, group.hi)).weights()  # DDPM: t ~ U[group]
+            again = sum(float(batch_loss(objective, model.eval(), x, y, w, gen)) for x, y in heldout)
         seen.append((objective.prediction, objective.weighting, objective.gamma, value, again / len(heldout)))
         return value
 

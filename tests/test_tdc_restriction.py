@@ -125,6 +125,43 @@ def test_importance_recovery_and_proxy_see_only_the_group(setup, gi):
     assert not torch.allclose(torch.cat(imp.heads), torch.cat(other.heads))
 
 
+@pytest.mark.parametrize("formulation", ["ddpm", "edm"])
+def test_pruning_draws_the_groups_cells_as_its_fine_tune_does(tmp_path, formulation):
+    """Importance, recovery and the proxy draw a group's cells from the weights the stage-2 trainer draws from
+    (``timesteps.sampler=uniform`` on ``timestep_range``): for DDPM the indicator of the group, for EDM its
+    log-normal sigma prior restricted to the group (not uniform over the group's cells)."""
+    from diffcurr_fast.objective import Objective
+    from diffcurr_fast.tdc.prune import group_weights
+    from diffcurr_fast.train.loop import Trainer
+
+    lo, hi = 12, 31
+    cfg = load_config(
+        None,
+        [
+            f"checkpoint.run_dir={tmp_path}",
+            f"diffusion.formulation={formulation}",
+            "diffusion.num_timesteps=40",
+            "curriculum.pacing=none",
+            "model.hidden_size=24",
+            "model.depth=1",
+            "model.num_heads=2",
+            "logging.num_samples=0",
+            "logging.plots=false",
+        ],
+    )
+    tr = Trainer(cfg, timestep_range=(lo, hi), overwrite=True)
+    w = group_weights(Objective.from_config(cfg), (lo, hi)).double()
+    torch.testing.assert_close(w / w.sum(), tr.timesteps.weights().double() / tr.timesteps.weights().double().sum())
+    assert bool((w[:lo] == 0).all()) and bool((w[hi:] == 0).all())
+    inside = w[lo:hi] / w[lo:hi].sum()
+    if formulation == "ddpm":
+        torch.testing.assert_close(inside, torch.full((hi - lo,), 1.0 / (hi - lo), dtype=torch.float64))
+    else:  # ln sigma ~ N(P_mean, P_std^2) on the group's cells
+        prior = tr.formulation.cell_prior(40)[lo:hi]
+        torch.testing.assert_close(inside, prior / prior.sum(), rtol=1e-5, atol=1e-9)
+        assert float(inside.max() / inside.min()) > 2.0
+
+
 def test_run_tdc_search_and_finetune_stay_in_their_groups(tmp_path, monkeypatch):
     from diffcurr_fast.tdc import pipeline
     from diffcurr_fast.train.loop import Trainer

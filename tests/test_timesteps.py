@@ -315,6 +315,58 @@ def test_state_round_trip_continues_identically(sampler):
     assert torch.equal(a.weights(), b.weights())
 
 
+# ---- collectives stay inside the run's process group ------------------------------------------------------------
+def _feed_group(sampler: str, rank: int, group=None) -> dict:
+    """A strategy x patience curriculum on ``group``, fed 8 steps of rank-dependent draws, losses and probes; each
+    factor's weights and the unlock history at the end. Rank 0's loss plateaus, rank 1's halves every step."""
+    g, form = 24, DDPMSchedule(24)
+    c = CurriculumConfig(num_clusters=3, pacing="patience", patience=1, eval_every=2, ema=0.0, min_delta=0.5)
+    cur = build_curriculum(c, form, g, None)
+    t = _t(sampler=sampler, importance_history=1, anuts_every=2, anuts_candidates=5, anuts_probes=2)
+    ts = build_timesteps(t, form, g, cur, process_group=group)
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(8):
+        k = sample_timesteps(6, ts.weights(), generator=gen)
+        scale = 1.0 if rank == 0 else 10.0 * 0.5**step
+        ts.observe(k, scale * (1.0 + k.double() / g), step)
+        p = ts.probe(step)
+        if p is not None:
+            before = torch.rand(len(p[0]), p[1], generator=gen, dtype=torch.float64) * (1 + 3 * rank)
+            ts.observe_probe(before, before * torch.rand(len(p[0]), 1, generator=gen, dtype=torch.float64))
+    return {"w": [w.double().tolist() for w in (p.weights() for p in ts.parts) if w is not None], "h": cur.history}
+
+
+def _subgroup_worker(rank: int, init_file: str, out_dir: str) -> None:
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        groups = [dist.new_group([0]), dist.new_group([1])]  # every rank creates every group, in one order
+        res = {s: _feed_group(s, rank, groups[rank]) for s in SAMPLERS}
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+            json.dump(res, fh)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_runs_on_their_own_rank_subgroups_do_not_mix(tmp_path):
+    """Two gloo ranks, each its own run (``engine.split``, as TDC trains its groups): every strategy's collectives
+    and the curriculum's go over the run's group only, so each rank ends exactly where it would alone."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    mp.spawn(_subgroup_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for s in SAMPLERS:
+        alone = [_feed_group(s, r) for r in (0, 1)]
+        assert alone[0] != alone[1], s  # the ranks' data lead to different distributions
+        assert got[0][s] == alone[0] and got[1][s] == alone[1], s
+
+
 def test_a_new_strategy_is_one_class_and_one_registry_line(monkeypatch):
     class Reverse(TimestepSampler):
         name = "reverse"

@@ -32,6 +32,8 @@ from tqdm import tqdm
 from diffcurr_fast._lazy import pyplot
 from diffcurr_fast.models.dit import DiT
 from diffcurr_fast.objective import Objective, batch_loss, fit_steps
+from diffcurr_fast.ops import sample_timesteps
+from diffcurr_fast.timesteps.build import build_timesteps
 
 
 def _sqrt_coefficients(schedule: Any, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -315,6 +317,8 @@ def convergence_by_interval(
     if progress:
         bar = tqdm(total=steps * len(checked), desc="convergence", unit="step")
     for k, (lo, hi) in enumerate(checked):
+        # t ~ U[lo, hi): the timesteps component's uniform strategy on the interval (EDM: times its cell prior)
+        weights = build_timesteps(None, objective.formulation, objective.num_cells, timestep_range=(lo, hi)).weights()
         gen = torch.Generator().manual_seed(seed * 1_000_003 + k)
         eval_idx = torch.randint(n, (eval_size,), generator=gen).to(device)
         eval_batch = (x_all[eval_idx], y_all[eval_idx])
@@ -323,18 +327,18 @@ def convergence_by_interval(
             torch.manual_seed(seed)
             model = factory().to(device)
 
-        def evaluate(model: nn.Module = model, batch: tuple = eval_batch, cells=(lo, hi), s=eval_seed) -> float:
+        def evaluate(model: nn.Module = model, batch: tuple = eval_batch, w=weights, s=eval_seed) -> float:
             model.eval()  # the same images, cells, noise and in-cell points at every evaluation
             with torch.no_grad():
-                value = float(batch_loss(objective, model, *batch, cells, torch.Generator().manual_seed(s)))
+                value = float(batch_loss(objective, model, *batch, w, torch.Generator().manual_seed(s)))
             model.train()
             return value
 
-        def evaluate_fd(model: nn.Module = model, batch: tuple = eval_batch, cells=(lo, hi), s=eval_seed) -> float:
+        def evaluate_fd(model: nn.Module = model, batch: tuple = eval_batch, w=weights, s=eval_seed) -> float:
             if image_metric is None:
                 return math.nan
             model.eval()
-            x0 = one_step_x0(model, schedule, *batch, cells, torch.Generator().manual_seed(s + 1), prediction)
+            x0 = one_step_x0(model, schedule, *batch, w, torch.Generator().manual_seed(s + 1), prediction)
             model.train()
             return float(image_metric(x0))
 
@@ -363,7 +367,7 @@ def convergence_by_interval(
             idx = torch.randint(n, (batch_size,), generator=gen).to(device)
             return x_all[idx], y_all[idx]
 
-        train_loss = fit_steps(model, objective, batch, (lo, hi), steps, lr=lr, generator=gen, on_step=on_step)
+        train_loss = fit_steps(model, objective, batch, weights, steps, lr=lr, generator=gen, on_step=on_step)
         records.append(
             IntervalConvergence(
                 interval=(lo, hi),
@@ -387,17 +391,17 @@ def one_step_x0(
     schedule: Any,
     x0: torch.Tensor,
     y: torch.Tensor,
-    cells: tuple[int, int],
+    weights: torch.Tensor,
     generator: torch.Generator,
     prediction: str = "eps",
 ) -> torch.Tensor:
     """The model's one-step estimate of x0 (N, C, H, W), clipped to [-1, 1], from x_t = sqrt(abar_t) x0 +
-    sqrt(1 - abar_t) eps with t uniform in [lo, hi) and eps drawn from ``generator`` (a DDPM schedule; the network
-    predicts ``prediction``: eps, x0 or v; extra output channels, a learned variance, are dropped)."""
+    sqrt(1 - abar_t) eps with t drawn from ``weights`` (T,) by ``ops.sample_timesteps`` and eps from
+    ``generator`` (a DDPM schedule; the network predicts ``prediction``: eps, x0 or v; extra output channels, a
+    learned variance, are dropped)."""
     if not hasattr(schedule, "alphas_cumprod"):
         raise ValueError("one_step_x0 needs a DDPM schedule (alphas_cumprod)")
-    lo, hi = cells
-    t = torch.randint(lo, hi, (x0.shape[0],), generator=generator).to(x0.device)
+    t = sample_timesteps(x0.shape[0], weights, generator=generator, device=x0.device)
     eps = torch.randn(x0.shape, generator=generator).to(x0.device, x0.dtype)
     abar = schedule.alphas_cumprod.to(x0.device)[t].to(torch.float64).reshape(-1, *([1] * (x0.ndim - 1)))
     a, c = abar.sqrt(), (1.0 - abar).sqrt()

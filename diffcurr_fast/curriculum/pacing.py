@@ -105,14 +105,15 @@ ORDERS = ("easy_to_hard", "hard_to_easy")
 _NO_BAD_STEP = 2**62
 
 
-def _dist_active() -> bool:
+def dist_active() -> bool:
+    """``torch.distributed`` is initialised with more than one rank."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _collective_device() -> torch.device:
-    # NCCL only reduces CUDA tensors; gloo (and MPI) reduce CPU tensors.
+def collective_device(device: torch.device) -> torch.device:
+    """Where a collective on tensors of ``device`` runs: NCCL reduces CUDA tensors, gloo (and MPI) CPU tensors."""
     if "nccl" in str(dist.get_backend()).lower():
-        return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cuda", torch.cuda.current_device()) if device.type != "cuda" else device
     return torch.device("cpu")
 
 
@@ -366,9 +367,9 @@ class Curriculum:
         dev = self._win_sum.device
         packed = torch.cat([self._win_sum.reshape(1), self._cl_sum.to(dev), self._cl_count.to(dev)])  # (1 + 2N,)
         world = 1
-        if _dist_active():
+        if dist_active():
             world = dist.get_world_size(self.process_group)
-            dev = _collective_device()
+            dev = collective_device(dev)
             buf = packed.to(dev)
             dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.process_group)
             packed = buf
@@ -379,8 +380,8 @@ class Curriculum:
 
     def _first_bad_step(self) -> int:
         bad = self._bad_step
-        if _dist_active():
-            buf = bad.to(_collective_device()).clone()
+        if dist_active():
+            buf = bad.to(collective_device(bad.device)).clone()
             dist.all_reduce(buf, op=dist.ReduceOp.MIN, group=self.process_group)
             bad = buf
         value = int(bad)

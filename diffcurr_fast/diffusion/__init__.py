@@ -13,10 +13,9 @@ from diffcurr_fast.diffusion.edm import (
     EDMFormulation,
     EDMPrecond,
     edm_loss,
-    edm_sample_sigma,
     karras_sigmas,
 )
-from diffcurr_fast.diffusion.flow import FLOW_PREDICTIONS, FLOW_T_SAMPLINGS, FlowFormulation, flow_loss
+from diffcurr_fast.diffusion.flow import FLOW_PREDICTIONS, FlowFormulation, flow_loss
 from diffcurr_fast.diffusion.losses import (
     approx_standard_normal_cdf,
     discretized_gaussian_log_likelihood,
@@ -85,7 +84,6 @@ __all__ = [
     "FIXED_VARIANCES",
     "FLOW_METHODS",
     "FLOW_PREDICTIONS",
-    "FLOW_T_SAMPLINGS",
     "PREDICTIONS",
     "WEIGHTINGS",
     "DDPMSchedule",
@@ -105,7 +103,6 @@ __all__ = [
     "edm_heun_sample",
     "edm_heun_step",
     "edm_loss",
-    "edm_sample_sigma",
     "flow_euler_step",
     "flow_heun_step",
     "flow_loss",

@@ -105,12 +105,6 @@ class Formulation(ABC):
             raise ValueError("snr must be non-negative and not NaN")
         return self.t_from_log_snr(torch.log(snr))
 
-    @abstractmethod
-    def sample_t(
-        self, n: int, generator: torch.Generator | None = None, device: torch.device | str | None = None
-    ) -> torch.Tensor:
-        """Draw ``n`` training noise levels from the formulation's default training distribution."""
-
     # ---- training on G cells of the difficulty axis -------------------------------------------------
     # The curriculum and TDC work on G cells: the T timesteps of DDPM, or G equal cells of a continuous axis
     # (flow t, EDM ln sigma). A training draw picks a cell k and, for a continuous axis, a point inside it.

@@ -225,15 +225,6 @@ class DDPMSchedule(Formulation):
         pick = torch.where((flat - table[lo]).abs() <= (table[hi] - flat).abs(), lo, hi)
         return (self.num_timesteps - 1 - pick).reshape(lam.shape)
 
-    def sample_t(
-        self, n: int, generator: torch.Generator | None = None, device: torch.device | str | None = None
-    ) -> torch.Tensor:
-        """Uniform timestep indices in [0, T) (int64), the IDDPM / DiT training distribution."""
-        if not isinstance(n, int) or n < 0:
-            raise ValueError(f"n must be a non-negative int, got {n!r}")
-        dev = generator.device if generator is not None else device
-        return torch.randint(0, self.num_timesteps, (n,), generator=generator, device=dev).to(device)
-
     # ---- posterior and reparameterisations (IDDPM gaussian_diffusion.py) ------------------------------
     def q_posterior_mean_variance(
         self, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor

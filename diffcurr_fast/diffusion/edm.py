@@ -87,23 +87,6 @@ class EDMDenoiser:
         return self.precond.denoise(self.net, x, sigma, y)
 
 
-def edm_sample_sigma(
-    n: int,
-    P_mean: float = -1.2,
-    P_std: float = 1.2,
-    generator: torch.Generator | None = None,
-    device: torch.device | str | None = None,
-) -> torch.Tensor:
-    """Training noise levels ln(sigma) ~ N(P_mean, P_std^2) (EDM Table 1), float64 of shape (n,)."""
-    if not isinstance(n, int) or n < 0:
-        raise ValueError(f"n must be a non-negative int, got {n!r}")
-    if not P_std > 0:
-        raise ValueError(f"P_std must be positive, got {P_std}")
-    dev = generator.device if generator is not None else device
-    z = torch.randn(n, generator=generator, device=dev, dtype=torch.float64)
-    return torch.exp(z * P_std + P_mean).to(device)
-
-
 def karras_sigmas(
     num_steps: int = 18, sigma_min: float = 0.002, sigma_max: float = 80.0, rho: float = 7.0
 ) -> torch.Tensor:
@@ -183,12 +166,6 @@ class EDMFormulation(Formulation):
             raise ValueError("log_snr must not be NaN")
         return torch.exp(-lam / 2.0)
 
-    def sample_t(
-        self, n: int, generator: torch.Generator | None = None, device: torch.device | str | None = None
-    ) -> torch.Tensor:
-        """ln sigma ~ N(P_mean, P_std^2) (EDM Table 1)."""
-        return edm_sample_sigma(n, self.P_mean, self.P_std, generator=generator, device=device)
-
     def log_sigma_edges(self, num_cells: int) -> torch.Tensor:
         """(G + 1,) float64 edges of G equal cells of ln sigma on [ln sigma_min, ln sigma_max]."""
         return torch.linspace(math.log(self.sigma_min), math.log(self.sigma_max), num_cells + 1, dtype=torch.float64)
@@ -263,24 +240,21 @@ class EDMFormulation(Formulation):
 def edm_loss(
     denoiser: Callable[..., torch.Tensor],
     x0: torch.Tensor,
-    sigma: torch.Tensor | None = None,
+    sigma: torch.Tensor,
     noise: torch.Tensor | None = None,
     y: torch.Tensor | None = None,
     *,
     sigma_data: float = 0.5,
-    P_mean: float = -1.2,
-    P_std: float = 1.2,
     weights: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """EDM training loss per sample: lambda(sigma) mean_j (D(x0 + sigma n; sigma)_j - x0_j)^2 (EDM Eq. 2, Table 1).
 
-    ``denoiser(x, sigma, y) -> x0_hat`` (e.g. an ``EDMDenoiser``). ``sigma`` defaults to ``edm_sample_sigma`` and
-    ``noise`` to standard normal; ``weights`` (B,) multiply the result. Reduced in float32 (or wider), shape (B,).
+    ``denoiser(x, sigma, y) -> x0_hat`` (e.g. an ``EDMDenoiser``); ``sigma`` (B,) the noise levels (the trainer
+    draws them through ``diffcurr_fast.timesteps``: EDM's log-normal prior on cells of ln sigma); ``noise`` defaults
+    to standard normal; ``weights`` (B,) multiply the result. Reduced in float32 (or wider), shape (B,).
     """
     b = x0.shape[0]
-    if sigma is None:
-        sigma = edm_sample_sigma(b, P_mean, P_std, generator=generator, device=x0.device)
     sigma = _check_sigma(sigma)
     if sigma.shape != (b,):
         raise ValueError(f"sigma must have shape ({b},), got {tuple(sigma.shape)}")
@@ -304,7 +278,6 @@ __all__ = [
     "EDMPrecond",
     "EDMDenoiser",
     "EDMFormulation",
-    "edm_sample_sigma",
     "edm_loss",
     "karras_sigmas",
     "EDM_PREDICTIONS",

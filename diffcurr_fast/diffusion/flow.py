@@ -14,38 +14,18 @@ from diffcurr_fast.diffusion.axis import Formulation, TrainingTerms, t_trusted, 
 from diffcurr_fast.diffusion.losses import weighted_mse
 
 FLOW_PREDICTIONS = ("velocity", "eps", "x0")
-FLOW_T_SAMPLINGS = ("uniform", "logit_normal")
 
 
 class FlowFormulation(Formulation):
-    """Linear-interpolant flow as a ``Formulation``.
-
-    ``train_eps`` clips training times to [train_eps, 1 - train_eps] (SiT's ``train_eps``); ``t_sampling`` is
-    ``"uniform"`` (SiT) or ``"logit_normal"`` (t = sigmoid(N(logit_mean, logit_std^2)), Esser et al. 2024).
-    """
+    """Linear-interpolant flow as a ``Formulation``. Training times are drawn by ``diffcurr_fast.timesteps`` on G
+    equal cells of t (``training_terms``): uniform t (SiT) with ``timesteps.sampler=uniform``, SD3's logit-normal t
+    with ``lognormal``."""
 
     discrete = False
     predictions = FLOW_PREDICTIONS
 
-    def __init__(
-        self,
-        train_eps: float = 0.0,
-        t_sampling: str = "uniform",
-        logit_mean: float = 0.0,
-        logit_std: float = 1.0,
-    ):
-        if not 0.0 <= train_eps < 0.5:
-            raise ValueError(f"train_eps must lie in [0, 0.5), got {train_eps}")
-        if t_sampling not in FLOW_T_SAMPLINGS:
-            raise ValueError(f"unknown t_sampling {t_sampling!r}; choose one of {FLOW_T_SAMPLINGS}")
-        if not logit_std > 0:
-            raise ValueError(f"logit_std must be positive, got {logit_std}")
-        self.train_eps = float(train_eps)
-        self.t_sampling = t_sampling
-        self.logit_mean, self.logit_std = float(logit_mean), float(logit_std)
-
     def __repr__(self) -> str:
-        return f"FlowFormulation(train_eps={self.train_eps}, t_sampling={self.t_sampling!r})"
+        return "FlowFormulation()"
 
     def check_t(self, t: torch.Tensor) -> torch.Tensor:
         """t as float64; must lie in [0, 1]."""
@@ -69,8 +49,8 @@ class FlowFormulation(Formulation):
         return (1.0 - t) ** 2 / t**2
 
     def t_range(self) -> tuple[float, float]:
-        """(train_eps, 1 - train_eps)."""
-        return self.train_eps, 1.0 - self.train_eps
+        """(0, 1)."""
+        return 0.0, 1.0
 
     def t_from_log_snr(self, log_snr: torch.Tensor) -> torch.Tensor:
         """t = 1 / (1 + exp(log_snr / 2)) = sigmoid(-log_snr / 2) (monotone decreasing)."""
@@ -78,20 +58,6 @@ class FlowFormulation(Formulation):
         if bool(torch.isnan(lam).any()):
             raise ValueError("log_snr must not be NaN")
         return torch.sigmoid(-lam / 2.0)
-
-    def sample_t(
-        self, n: int, generator: torch.Generator | None = None, device: torch.device | str | None = None
-    ) -> torch.Tensor:
-        """Training times in [train_eps, 1 - train_eps], float64 of shape (n,)."""
-        if not isinstance(n, int) or n < 0:
-            raise ValueError(f"n must be a non-negative int, got {n!r}")
-        dev = generator.device if generator is not None else device
-        if self.t_sampling == "uniform":
-            u = torch.rand(n, generator=generator, device=dev, dtype=torch.float64)
-        else:
-            z = torch.randn(n, generator=generator, device=dev, dtype=torch.float64)
-            u = torch.sigmoid(z * self.logit_std + self.logit_mean)
-        return (self.train_eps + (1.0 - 2.0 * self.train_eps) * u).to(device)
 
     def cell_grid(self, num_cells: int) -> torch.Tensor:
         """(G,) cell centres (k + 0.5) / G of t in [0, 1] (SNR finite on all of them)."""
@@ -138,25 +104,21 @@ class FlowFormulation(Formulation):
 def flow_loss(
     model: Callable[..., torch.Tensor],
     x0: torch.Tensor,
-    t: torch.Tensor | None = None,
+    t: torch.Tensor,
     noise: torch.Tensor | None = None,
     y: torch.Tensor | None = None,
     *,
-    formulation: FlowFormulation | None = None,
     prediction: str = "velocity",
     weights: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Per-sample flow-matching loss mean_j (model(x_t, t, y) - target)^2 with target = eps - x0 for velocity.
 
-    ``t`` defaults to ``formulation.sample_t`` and ``noise`` to standard normal; ``weights`` (B,) multiply the
-    result. Reduced in float32 (or wider), shape (B,).
+    ``t`` (B,) in [0, 1] (the trainer draws it through ``diffcurr_fast.timesteps``); ``noise`` defaults to standard
+    normal; ``weights`` (B,) multiply the result. Reduced in float32 (or wider), shape (B,).
     """
-    form = formulation if formulation is not None else FlowFormulation()
+    form = FlowFormulation()
     form.check_prediction(prediction)
-    b = x0.shape[0]
-    if t is None:
-        t = form.sample_t(b, generator=generator, device=x0.device)
     if noise is None:
         noise = torch.randn(x0.shape, generator=generator, device=x0.device, dtype=x0.dtype)
     x_t = form.q_sample(x0, t, noise)  # (B, ...)

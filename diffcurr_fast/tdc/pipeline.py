@@ -89,8 +89,9 @@ def resolve_config(cfg: TrainConfig | dict[str, Any] | str | Path, options: TDCC
 
 
 def stage2_config(cfg: TrainConfig, run_dir: Path) -> TrainConfig:
-    """The fine-tuning config of one expert: ``cfg`` with ``tdc.finetune_steps`` steps, no curriculum (t is
-    restricted to the group), no per-expert sample grid, plots or evaluation, and ``run_dir``."""
+    """The fine-tuning config of one expert: ``cfg`` with ``tdc.finetune_steps`` steps, no curriculum (a short
+    fine-tune of trained weights, restricted to the group: docs/tdc.md), no per-expert sample grid, plots or
+    evaluation, and ``run_dir``."""
     d, steps = cfg.to_dict(), cfg.tdc.finetune_steps
     d["engine"]["max_steps"] = steps
     d["curriculum"]["pacing"] = "none"

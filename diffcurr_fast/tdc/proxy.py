@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from diffcurr_fast.objective import default_objective, fit_steps
-from diffcurr_fast.tdc.prune import Batches, group_cells, group_loss
+from diffcurr_fast.tdc.prune import Batches, group_loss, group_weights
 
 __all__ = ["proxy_loss", "recover"]
 
@@ -30,11 +30,12 @@ def recover(
     data = list(data)
     if steps and not data:
         raise ValueError("recover needs at least one (x0, y) batch")
+    objective = default_objective(objective, model)
     losses = fit_steps(
         model,
-        default_objective(objective, model),
+        objective,
         data,
-        group_cells(group),
+        group_weights(objective, group),
         steps,
         lr=lr,
         weight_decay=weight_decay,

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from diffcurr_fast.objective import batch_loss, default_objective
+from diffcurr_fast.objective import Objective, batch_loss, default_objective
 from diffcurr_fast.runs.config import IMPORTANCE_METHODS
 from diffcurr_fast.tdc.flops import block_flops, default_widths, widths_flops
+from diffcurr_fast.timesteps.build import build_timesteps
 
 __all__ = [
     "IMPORTANCE_METHODS",
@@ -33,6 +34,7 @@ __all__ = [
     "Batches",
     "group_cells",
     "group_loss",
+    "group_weights",
     "importance_scores",
     "keep_indices",
     "prune_dit",
@@ -71,10 +73,18 @@ def group_cells(group) -> tuple[int, int]:
     return lo, hi
 
 
+def group_weights(objective: Objective, group) -> torch.Tensor:
+    """(G,) cell weights of the group: the timesteps component's uniform strategy on the range [lo, hi), so t ~
+    U[group] (times EDM's cell prior, as the group's fine-tune draws with ``timesteps.sampler=uniform``)."""
+    lo, hi = group_cells(group)
+    return build_timesteps(None, objective.formulation, objective.num_cells, timestep_range=(lo, hi)).weights()
+
+
 def group_loss(model, objective, group, x0: torch.Tensor, y: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Mean training-objective loss of ``model`` on x0 with t ~ U[group] (``objective``: an ``Objective``, or a
-    formulation for its plain eps objective)."""
-    return batch_loss(default_objective(objective, model), model, x0, y, group_cells(group), generator)
+    """Mean training-objective loss of ``model`` on x0 with t ~ U[group] (``group_weights``; ``objective``: an
+    ``Objective``, or a formulation for its plain eps objective)."""
+    objective = default_objective(objective, model)
+    return batch_loss(objective, model, x0, y, group_weights(objective, group), generator)
 
 
 def _unit_sums(block, values: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -124,7 +124,8 @@ class ANUTS(TimestepSampler):
         self._k = k.detach()  # the draws of the step, for the policy gradient if it is probed
 
     def observe_probe(self, before: torch.Tensor, after: torch.Tensor) -> None:
-        d = all_reduce_mean((before - after).to(torch.float64).mean(dim=1)).cpu()  # (C,) averaged over ranks
+        d = (before - after).to(torch.float64).mean(dim=1)
+        d = all_reduce_mean(d, self.process_group).cpu()  # (C,) averaged over the run's ranks
         self.rows = (self.rows + [d])[-self.buffer :]
         if len(self.rows) >= 2:
             x = torch.stack(self.rows)  # (R, C)
@@ -142,7 +143,7 @@ class ANUTS(TimestepSampler):
         objective = adv * logp[k].mean() if k.numel() else logp.sum() * 0.0
         objective = objective - self.entropy * (p * logp).sum()  # + entropy bonus H(pi)
         (-objective).backward()
-        self.theta.grad = all_reduce_mean(self.theta.grad)
+        self.theta.grad = all_reduce_mean(self.theta.grad, self.process_group)
         self.opt.step()
         self.updates += 1
         self._w = None

@@ -24,20 +24,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-
-def dist_active() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+from diffcurr_fast.curriculum.pacing import collective_device, dist_active
 
 
-def collective_device(device: torch.device) -> torch.device:
-    """Where a collective on tensors of ``device`` runs: NCCL reduces CUDA tensors, gloo (and MPI) CPU tensors."""
-    if "nccl" in str(dist.get_backend()).lower():
-        return torch.device("cuda", torch.cuda.current_device()) if device.type != "cuda" else device
-    return torch.device("cpu")
-
-
-def all_reduce_mean(x: torch.Tensor, group: Any = None) -> torch.Tensor:
-    """The mean of ``x`` over the ranks of ``group`` (``x`` itself on one process), on ``x``'s device."""
+def all_reduce_mean(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """The mean of ``x`` over the ranks of ``group`` (None: every rank; ``x`` itself on one process), on ``x``'s
+    device. ``group`` has no default: a sampler passes its ``process_group``, the ranks of its run."""
     if not dist_active():
         return x
     buf = x.to(collective_device(x.device)).clone()
@@ -45,8 +37,9 @@ def all_reduce_mean(x: torch.Tensor, group: Any = None) -> torch.Tensor:
     return (buf / dist.get_world_size(group)).to(x.device)
 
 
-def all_gather_cat(x: torch.Tensor, group: Any = None) -> torch.Tensor:
-    """``x`` (B, ...) of every rank of ``group`` concatenated in rank order (``x`` itself on one process)."""
+def all_gather_cat(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """``x`` (B, ...) of every rank of ``group`` (None: every rank) concatenated in rank order (``x`` itself on one
+    process); ``group`` has no default, as for ``all_reduce_mean``."""
     if not dist_active():
         return x
     buf = x.to(collective_device(x.device)).contiguous()

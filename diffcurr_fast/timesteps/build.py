@@ -49,13 +49,14 @@ def build_timesteps(
     process_group: Any = None,
     device: torch.device | str = "cpu",
 ) -> Product:
-    """The product of the formulation's cell prior, the strategy ``t.sampler`` (a ``TimestepsConfig``-like ``t``),
-    ``curriculum`` (placed at the range's start) and the indicator of ``timestep_range`` [lo, hi)."""
+    """The product of the formulation's cell prior, the strategy ``t.sampler`` (a ``TimestepsConfig``-like ``t``;
+    None: ``uniform``), ``curriculum`` (placed at the range's start) and the indicator of ``timestep_range`` [lo, hi).
+    ``process_group``: the ranks of the run, over which every factor's collectives go (the curriculum's too)."""
     parts: list[TimestepSampler] = []
     prior = formulation.cell_prior(num_cells)
     if prior is not None:
         parts.append(Fixed(prior, "prior"))
-    strategy = strategy_class(t.sampler).from_config(t, formulation, num_cells)
+    strategy = strategy_class("uniform" if t is None else t.sampler).from_config(t, formulation, num_cells)
     parts.append(strategy)
     if curriculum is not None:
         offset = 0 if timestep_range is None else int(timestep_range[0])

@@ -35,6 +35,15 @@ class CurriculumMask(TimestepSampler):
         self._w: torch.Tensor | None = None
         self._steps = 0
 
+    @property
+    def process_group(self) -> Any:
+        """The curriculum's own: its window statistics are reduced over these ranks."""
+        return self.curriculum.process_group
+
+    @process_group.setter
+    def process_group(self, group: Any) -> None:
+        self.curriculum.process_group = group
+
     def weights(self) -> torch.Tensor:
         w = self.curriculum.timestep_weights()  # (T_c,) float32, the same object until the curriculum changes
         if self.offset == 0 and w.numel() == self.num_cells:

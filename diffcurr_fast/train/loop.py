@@ -149,7 +149,6 @@ class Trainer:
         # inside the sampled cell; EDM's log-normal sigma density (EDM Table 1) is the product's cell prior.
         group = getattr(self.engine, "group", None)  # the ranks of this run
         self.curriculum = build_curriculum(cfg.curriculum, self.formulation, d.num_timesteps, timestep_range)
-        self.curriculum.process_group = group
         self.timesteps = build_timesteps(
             cfg.timesteps,
             self.formulation,
