@@ -386,7 +386,8 @@ __global__ void adaln_fwd_reg_kernel(const typename T::S* __restrict__ x, const 
   }
 }
 
-// grad_x of the fast path: grad_y and x rows in registers, read once.
+// grad_x of the fast path: the scaled grad_y row in registers; the x row is read twice (the second read hits the
+// cache the first one filled), so that a lane holds K V values of the row, not 2 K V (registers, occupancy).
 template <class T, int V, int K>
 __global__ void adaln_bwd_dx_reg_kernel(const typename T::S* __restrict__ gyp, const typename T::S* __restrict__ x,
                                         const float* __restrict__ scale, const float* __restrict__ mean,
@@ -400,22 +401,22 @@ __global__ void adaln_bwd_dx_reg_kernel(const typename T::S* __restrict__ gyp, c
        r += warps) {
     const int64_t b = r / N;
     const float mu = mean[r], rs = rstd[r];
-    float g[K][V], xh[K][V];
+    const typename T::S* xr = x + r * D;
+    float g[K][V];
     float s1 = 0.0f, s2 = 0.0f;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       const int j = lane + k * kWarp;
       if (j < nv) {
-        float sc[V];
+        float sc[V], xv[V];
         loadv<T, V>(gyp + r * D + j * V, g[k]);
-        loadv<T, V>(x + r * D + j * V, xh[k]);
+        loadv<T, V>(xr + j * V, xv);
         loadf<V>(scale + b * D + j * V, sc);
 #pragma unroll
         for (int e = 0; e < V; ++e) {
           g[k][e] *= 1.0f + sc[e];  // gy = grad_y * (1 + scale)
-          xh[k][e] = (xh[k][e] - mu) * rs;
           s1 += g[k][e];
-          s2 += g[k][e] * xh[k][e];
+          s2 += g[k][e] * ((xv[e] - mu) * rs);  // gy * xhat
         }
       }
     }
@@ -424,9 +425,10 @@ __global__ void adaln_bwd_dx_reg_kernel(const typename T::S* __restrict__ gyp, c
     for (int k = 0; k < K; ++k) {
       const int j = lane + k * kWarp;
       if (j < nv) {
-        float o[V];
+        float xv[V], o[V];
+        loadv<T, V>(xr + j * V, xv);
 #pragma unroll
-        for (int e = 0; e < V; ++e) o[e] = rs * (g[k][e] - m1 - xh[k][e] * m2);
+        for (int e = 0; e < V; ++e) o[e] = rs * (g[k][e] - m1 - ((xv[e] - mu) * rs) * m2);
         storev<T, V>(gx + r * D + j * V, o);
       }
     }
@@ -501,39 +503,54 @@ __global__ void adaln_bwd_dx_kernel(const typename T::S* __restrict__ gyp, const
   }
 }
 
-// Column sums over n for each (b, d): block (32 x 8) per (b, 32 columns); with kLayerNorm the second output is
-// sum_n g * xhat (grad_scale), otherwise sum_n g * other (grad_gate) and only that one is written.
-template <class T, bool kLayerNorm>
+// Column sums over n for each (b, d): block (32 x 8) per (b, 32 V columns), each lane V consecutive columns with
+// one 16-byte load per row (V = 1: scalar loads, for D % V != 0 or unaligned data); with kLayerNorm the second
+// output is sum_n g * xhat (grad_scale), otherwise sum_n g * other (grad_gate) and only that one is written.
+template <class T, int V, bool kLayerNorm>
 __global__ void column_sums_kernel(const typename T::S* __restrict__ g, const typename T::S* __restrict__ other,
                                    const float* __restrict__ mean, const float* __restrict__ rstd,
                                    float* __restrict__ out_sum, float* __restrict__ out_prod, int64_t N, int64_t D,
                                    int64_t col_blocks) {
-  __shared__ float s_sum[8][kWarp + 1];
-  __shared__ float s_prod[8][kWarp + 1];
+  __shared__ float s_sum[kLayerNorm ? 8 : 1][V][kWarp + 1];  // [warp][element][lane]: no bank conflicts
+  __shared__ float s_prod[8][V][kWarp + 1];
   const int64_t b = blockIdx.x / col_blocks;
-  const int64_t d = (blockIdx.x % col_blocks) * kWarp + threadIdx.x;
-  float acc_s = 0.0f, acc_p = 0.0f;
-  if (d < D) {
+  const int64_t d0 = ((blockIdx.x % col_blocks) * kWarp + threadIdx.x) * V;  // D % V == 0 when V > 1
+  float acc_s[V], acc_p[V];
+#pragma unroll
+  for (int e = 0; e < V; ++e) acc_s[e] = acc_p[e] = 0.0f;
+  if (d0 < D) {
     for (int64_t n = threadIdx.y; n < N; n += blockDim.y) {
       const int64_t r = b * N + n;
-      const float gv = T::load(g[r * D + d]);
-      float o = T::load(other[r * D + d]);
-      if constexpr (kLayerNorm) o = (o - mean[r]) * rstd[r];
-      acc_s += gv;
-      acc_p += gv * o;
+      float gv[V], o[V];
+      loadv<T, V>(g + r * D + d0, gv);
+      loadv<T, V>(other + r * D + d0, o);
+      float mu = 0.0f, rs = 1.0f;
+      if constexpr (kLayerNorm) mu = mean[r], rs = rstd[r];
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        if constexpr (kLayerNorm) o[e] = (o[e] - mu) * rs;
+        acc_s[e] += gv[e];
+        acc_p[e] += gv[e] * o[e];
+      }
     }
   }
-  s_sum[threadIdx.y][threadIdx.x] = acc_s;
-  s_prod[threadIdx.y][threadIdx.x] = acc_p;
+#pragma unroll
+  for (int e = 0; e < V; ++e) {
+    if constexpr (kLayerNorm) s_sum[threadIdx.y][e][threadIdx.x] = acc_s[e];
+    s_prod[threadIdx.y][e][threadIdx.x] = acc_p[e];
+  }
   __syncthreads();
-  if (threadIdx.y == 0 && d < D) {
-    float ts = 0.0f, tp = 0.0f;
-    for (int k = 0; k < static_cast<int>(blockDim.y); ++k) {
-      ts += s_sum[k][threadIdx.x];
-      tp += s_prod[k][threadIdx.x];
+  if (threadIdx.y == 0 && d0 < D) {
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      float ts = 0.0f, tp = 0.0f;
+      for (int k = 0; k < static_cast<int>(blockDim.y); ++k) {
+        if constexpr (kLayerNorm) ts += s_sum[k][e][threadIdx.x];
+        tp += s_prod[k][e][threadIdx.x];
+      }
+      if constexpr (kLayerNorm) out_sum[b * D + d0 + e] = ts;  // grad_shift = sum_n grad_y
+      out_prod[b * D + d0 + e] = tp;
     }
-    if constexpr (kLayerNorm) out_sum[b * D + d] = ts;  // grad_shift = sum_n grad_y
-    out_prod[b * D + d] = tp;
   }
 }
 
@@ -582,6 +599,23 @@ void launch_gated(const typename T::S* a, const float* gate, const typename T::S
     gated_kernel<T, V, kBackward><<<blocks, kThreads, 0, s>>>(a, gate, y, out, rows, N, D);
   } else {
     gated_kernel<T, 1, kBackward><<<blocks, kThreads, 0, s>>>(a, gate, y, out, rows, N, D);
+  }
+}
+
+// Column sums of (g, other) per (b, d) with 16-byte loads when D % V == 0 and both are aligned, else scalar loads.
+template <class T, bool kLayerNorm>
+void launch_column_sums(const typename T::S* g, const typename T::S* other, const float* mean, const float* rstd,
+                        float* out_sum, float* out_prod, int64_t B, int64_t N, int64_t D, cudaStream_t s) {
+  constexpr int V = kVec<T>;
+  const dim3 block(kWarp, 8);
+  if (D % V == 0 && aligned(g, 16) && aligned(other, 16)) {
+    const int64_t col_blocks = (D + kWarp * V - 1) / (kWarp * V);
+    column_sums_kernel<T, V, kLayerNorm><<<static_cast<unsigned>(B * col_blocks), block, 0, s>>>(
+        g, other, mean, rstd, out_sum, out_prod, N, D, col_blocks);
+  } else {
+    const int64_t col_blocks = (D + kWarp - 1) / kWarp;
+    column_sums_kernel<T, 1, kLayerNorm><<<static_cast<unsigned>(B * col_blocks), block, 0, s>>>(
+        g, other, mean, rstd, out_sum, out_prod, N, D, col_blocks);
   }
 }
 
@@ -736,7 +770,6 @@ int adaln_bwd(int dt, const void* grad_y, const void* x, const float* scale, con
   const int64_t rows = B * N;
   if (B == 0 || D == 0) return 0;
   const auto s = static_cast<cudaStream_t>(stream);
-  const int64_t col_blocks = (D + kWarp - 1) / kWarp;
   return with_type(dt, [&](auto t) {
     using T = decltype(t);
     const auto* gp = static_cast<const typename T::S*>(grad_y);
@@ -756,10 +789,7 @@ int adaln_bwd(int dt, const void* grad_y, const void* x, const float* scale, con
       }
       if (k == 0) adaln_bwd_dx_kernel<T><<<blocks, kThreads, 0, s>>>(gp, xp, scale, mean, rstd, gxp, rows, N, D);
     }
-    if (gshift != nullptr) {
-      column_sums_kernel<T, true><<<static_cast<unsigned>(B * col_blocks), dim3(kWarp, 8), 0, s>>>(
-          gp, xp, mean, rstd, gshift, gscale, N, D, col_blocks);
-    }
+    if (gshift != nullptr) launch_column_sums<T, true>(gp, xp, mean, rstd, gshift, gscale, B, N, D, s);
     return finish();
   });
 }
@@ -782,7 +812,6 @@ int gated_bwd(int dt, const void* grad_out, const float* gate, const void* y, vo
   const int64_t total = B * N * D;
   if (B == 0 || D == 0) return 0;
   const auto s = static_cast<cudaStream_t>(stream);
-  const int64_t col_blocks = (D + kWarp - 1) / kWarp;
   return with_type(dt, [&](auto t) {
     using T = decltype(t);
     const auto* gp = static_cast<const typename T::S*>(grad_out);
@@ -790,9 +819,7 @@ int gated_bwd(int dt, const void* grad_out, const float* gate, const void* y, vo
     if (total > 0) {
       launch_gated<T, true>(gp, gate, nullptr, static_cast<typename T::S*>(gy), B, N, D, s);
     }
-    // grad_gate = sum_n grad_out * y
-    column_sums_kernel<T, false><<<static_cast<unsigned>(B * col_blocks), dim3(kWarp, 8), 0, s>>>(
-        gp, yp, nullptr, nullptr, nullptr, ggate, N, D, col_blocks);
+    launch_column_sums<T, false>(gp, yp, nullptr, nullptr, nullptr, ggate, B, N, D, s);  // grad_gate = sum_n grad_out * y
     return finish();
   });
 }
