@@ -8,6 +8,7 @@ recovery, the scale of the evaluation's reference, and the weights the logged ev
 import dataclasses
 import json
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -34,6 +35,24 @@ def test_stop_vote_defaults_to_sigterm_and_a_sigterm_stop_exits_143():
         signal.raise_signal(signal.SIGINT)
         assert got.vote_signal() == signal.SIGINT
     assert TrainingInterrupted(signal.SIGINT, 3, None).exit_code == 130
+
+
+def test_a_repeated_signal_stops_at_once_only_after_the_grace(monkeypatch):
+    from pathlib import Path
+
+    from diffcurr_fast.train import interrupt
+    from diffcurr_fast.train.interrupt import REPEAT_GRACE_S, StopRequest, TrainingInterrupted
+
+    with StopRequest() as req:  # the same signal twice at once (a launcher forwarding it): still a checkpointed stop
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGTERM)
+        assert req.signum == signal.SIGTERM
+        now = req._first + REPEAT_GRACE_S + 0.5  # asked again after the grace: stop now, without a checkpoint
+        monkeypatch.setattr(interrupt.time, "monotonic", lambda: now)
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGTERM)
+    stopped = TrainingInterrupted(signal.SIGTERM, 5, Path("ckpt_00000005.pt"))
+    assert str(stopped) == "SIGTERM received: stopped at step 5, checkpoint ckpt_00000005.pt"
 
 
 # ---- config range bounds, generated from the field metadata ------------------------------------------------------
@@ -81,6 +100,13 @@ def test_every_range_bound_is_open_or_closed_as_declared(key, end, bound, is_ope
         assert getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) == value
 
 
+def test_validate_names_the_field_of_a_wrong_type_set_in_code():
+    cfg = TrainConfig()
+    cfg.optim.lr = "fast"  # not through load_config: validate() is the one check
+    with pytest.raises(ValueError, match=r"^optim\.lr must be of type float, got 'fast' \(str\)$"):
+        cfg.validate()
+
+
 # ---- sample sharding ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
 def test_batch_slices_of_all_ranks_partition_the_samples(world):
@@ -100,8 +126,25 @@ def test_batch_slices_of_all_ranks_partition_the_samples(world):
                     assert sl.start == b * batch_size and sl.stop == min(num, (b + 1) * batch_size)
 
 
+@pytest.mark.parametrize("bad", [0, -2, 2.5, True, "4"])
+def test_batch_slices_refuses_a_batch_size_that_is_not_a_positive_int(bad):
+    from diffcurr_fast.runs.sampling import batch_slices
+
+    with pytest.raises(ValueError, match=r"^--batch-size must be a positive int, got "):
+        batch_slices(10, bad)
+
+
+def test_grid_sampler_is_the_logging_sampler_with_at_most_T_steps():
+    from diffcurr_fast.runs.sampling import grid_sampler
+
+    assert grid_sampler(load_config(None, ["logging.sampler=ddpm", "logging.sample_steps=25"])) == ("ddpm", 25)
+    capped = load_config(None, ["logging.sampler=ddim", "logging.sample_steps=50", "diffusion.num_timesteps=40"])
+    assert grid_sampler(capped) == ("ddim", 40)  # TDC's sampling accounting and the grid visit the same steps
+
+
 # ---- TDC recovery seeds ---------------------------------------------------------------------------------------------
-def test_tdc_recovery_seeds_are_the_documented_function_of_seed_round_candidate(monkeypatch):
+@pytest.mark.parametrize("seed", [7, 2**62 + 1])  # a large seed: the mod 2^63 of the documented function matters
+def test_tdc_recovery_seeds_are_the_documented_function_of_seed_round_candidate(monkeypatch, seed):
     from diffcurr_fast.diffusion import DDPMSchedule
     from diffcurr_fast.models import DiT
     from diffcurr_fast.tdc import LocalProposer, dit_flops, importance_scores, make_groups, proxy_search
@@ -132,7 +175,6 @@ def test_tdc_recovery_seeds_are_the_documented_function_of_seed_round_candidate(
         return real(*a, **k)
 
     monkeypatch.setattr(search_mod, "recover", spy)
-    seed = 7
     proxy_search(
         model,
         group,
@@ -166,10 +208,44 @@ def test_evaluator_reference_from_training_data_undoes_data_scale(tmp_path, _sha
     cfg.data.dataset, cfg.data.scale, cfg.eval.num_reference = "npz", 0.5, 32
     ev = Evaluator(cfg, tmp_path, dataset)
     want = reference_from_images(images[:32], ev.extractor, "expected")
-    assert ev.reference.count == 32
+    assert ev.reference.count == 32 and ev.reference.source == "training data (32 images)"
     np.testing.assert_array_equal(ev.reference.mu, want.mu)
     np.testing.assert_array_equal(ev.reference.sigma, want.sigma)
     assert (tmp_path / REFERENCE_FILE).is_file()
+
+
+def test_evaluator_reference_of_a_builtin_dataset_needs_no_dataset(tmp_path, _shared_cache):
+    from diffcurr_fast.eval.evaluate import load_reference
+    from diffcurr_fast.train.evaluation import REFERENCE_FILE, Evaluator, eval_due
+
+    ev = Evaluator(TrainConfig(), tmp_path)  # digits: the built-in reference, no dataset given
+    want = load_reference("digits", ev.extractor)
+    assert ev.reference.source == want.source and ev.reference.count == 1797
+    np.testing.assert_array_equal(ev.reference.mu, want.mu)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [REFERENCE_FILE]  # cached for the run, nothing else left
+    cfg = TrainConfig()
+    cfg.data.dataset = "npz"  # a dataset without a built-in reference, and none given
+    with pytest.raises(ValueError, match=r"^eval\.reference is empty and no training dataset was given"):
+        Evaluator(cfg, tmp_path / "other")
+    cfg = load_config(None, ["logging.eval_every=1", "engine.max_steps=5"])
+    assert [eval_due(s, cfg) for s in range(1, 6)] == [True] * 5
+
+
+def test_evaluator_builds_its_extractor_from_the_eval_section(tmp_path, monkeypatch, _shared_cache):
+    from diffcurr_fast.eval.features import get_extractor
+    from diffcurr_fast.train import evaluation
+
+    asked = []
+
+    def spy(features, **kw):  # the inception network needs real weights: build the digits one, record the call
+        asked.append((features, kw))
+        return get_extractor("digits", device=kw["device"])
+
+    monkeypatch.setattr(evaluation, "get_extractor", spy)
+    weights = tmp_path / "pt_inception.pth"
+    cfg = load_config(None, ["eval.features=inception", f"eval.inception_weights={weights}"])
+    evaluation.Evaluator(cfg, tmp_path, device="cpu")
+    assert asked == [("inception", {"inception_weights": str(weights), "device": torch.device("cpu")})]
 
 
 def test_logged_fd_is_the_ema_weights_fd(tmp_path, _shared_cache):
@@ -209,6 +285,43 @@ def test_logged_fd_is_the_ema_weights_fd(tmp_path, _shared_cache):
     for name, sd in (("ema", state["ema"]["module"]), ("model", state["model"])):
         model = build_model(cfg)
         model.load_state_dict(sd)
-        fds[name] = Evaluator(cfg, run)(3, model, build_schedule(cfg))["fd"]
+        t0 = time.perf_counter()
+        rec = Evaluator(cfg, run)(3, model, build_schedule(cfg))
+        wall = time.perf_counter() - t0
+        assert {"step", "eval", "fd", "is", "is_std", "extractor", "eval_s"} <= set(rec) and rec["step"] == 3
+        assert 0 < rec["eval_s"] <= wall  # the evaluation's own time, which the time axis leaves out
+        fds[name] = rec["fd"]
     assert fds["ema"] == logged[0]["fd"]  # exactly: the same weights, seed and reference
     assert fds["model"] != fds["ema"]  # the raw weights score differently, so the check can fail
+
+
+class _Batched:
+    """A dataset read in whole batches (``batch``), as the built-in ones are; reading it item by item fails."""
+
+    def __init__(self, items: list):
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int):
+        raise AssertionError("a dataset with batch() is read in one batch")
+
+    def batch(self, idx: list[int]):
+        return torch.stack([self.items[i][0] for i in idx]), torch.tensor([self.items[i][1] for i in idx])
+
+
+def test_dataset_images_undo_the_scale_clamp_and_read_either_kind_of_dataset():
+    from diffcurr_fast.train.evaluation import _dataset_images
+
+    g = torch.Generator().manual_seed(3)
+    seen = (torch.rand(12, 1, 4, 4, generator=g, dtype=torch.float64) - 0.5) * 1.2  # what the model sees
+    seen[0, 0, 0, :2] = torch.tensor([0.75, -0.75], dtype=torch.float64)  # outside [-1, 1] once divided by 0.5
+    items = [(x, i % 3) for i, x in enumerate(seen)]
+    want = (seen[:10] / 0.5).clamp(-1, 1).float()
+    assert float(want.abs().max()) == 1.0 and float((seen[:10] / 0.5).abs().max()) == 1.5
+    for dataset in (items, _Batched(items)):
+        got = _dataset_images(dataset, 10, 0.5)
+        assert got.dtype == torch.float32 and got.shape == (10, 1, 4, 4)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert _dataset_images(items, 50, 0.5).shape[0] == 12  # at most the dataset

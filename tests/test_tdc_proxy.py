@@ -83,11 +83,163 @@ def test_validate_widths(setup):
     state = SearchState.for_model(model, group.flops, imp)
     h, m = select_widths(model.config(), imp, group.flops)
     assert validate_widths(state, h, m) is None
-    assert "out of range" in validate_widths(state, [4, 0, 0], [0, 0, 0])
-    assert "out of range" in validate_widths(state, [0, 0, 0], [61, 0, 0])
-    assert "must be a list" in validate_widths(state, [1, 1], [1, 1, 1])
-    assert "must be an int" in validate_widths(state, [1, 1.5, 1], [1, 1, 1])
+    assert validate_widths(state, [4, 0, 0], [0, 0, 0]) == "heads[0]=4 out of range [0, 3]"
+    assert validate_widths(state, [0, 0, 0], [61, 0, 0]) == "mlp_hidden[0]=61 out of range [0, 60]"
+    assert validate_widths(state, [1, 1], [1, 1, 1]) == "heads must be a list of 3 ints"
+    assert validate_widths(state, [1, 1, 1], [1, 1]) == "mlp_hidden must be a list of 3 ints"
+    assert validate_widths(state, [1, 1.5, 1], [1, 1, 1]) == "heads[1] must be an int, got 1.5"
     assert "over budget" in validate_widths(state, [3] * 3, [60] * 3)
+
+
+def test_search_state_describe_is_what_the_llm_proposer_sees(setup):
+    from diffcurr_fast.tdc.prune import unit_costs
+
+    model, s, group, *_, imp = setup
+    bank = MemoryBank()
+    for i, score in enumerate([0.5, 0.25, 0.75]):
+        bank.add(Candidate([3, 3, i + 1], [60, 60, 60 - i], 100 + i, score))
+    state = SearchState.for_model(model, group.flops, imp, bank, round=2)
+    per_head, per_channel = unit_costs(model.config())
+    got = state.describe(top=2)
+    assert got == {
+        "depth": 3,
+        "max_heads": [3, 3, 3],
+        "max_mlp_hidden": [60, 60, 60],
+        "flops_budget": float(group.flops),
+        "base_flops": dit_flops(model),
+        "flops_per_head": per_head,
+        "flops_per_mlp_channel": per_channel,
+        "round": 2,
+        "memory_bank_best_first": [
+            {"heads": [3, 3, 2], "mlp_hidden": [60, 60, 59], "flops": 101, "proxy_loss": 0.25},
+            {"heads": [3, 3, 1], "mlp_hidden": [60, 60, 60], "flops": 100, "proxy_loss": 0.5},
+        ],
+    }
+    assert json.loads(json.dumps(got)) == got  # the prompt is JSON
+
+
+def test_search_state_file_resumes_exactly_and_loads_no_pickled_objects(setup, tmp_path):
+    import copy
+    import pickle
+
+    from diffcurr_fast.tdc.search import _load_state, _rebuild, _save_state
+
+    model = setup[0]
+    path = tmp_path / "search_state.pt"
+    rng = random.Random(5)
+    rng.random()
+    bank = MemoryBank()
+    bank.add(Candidate([3, 3, 3], [60, 60, 60], 10, 0.5, 0, "local"))
+    # a round whose candidates all scored non-finite leaves no best model: the resume must accept that
+    _save_state(path, 1, bank, rng, [{"round": 0}], {"nonfinite": 1}, None)
+    bank2, rng2, history, rejected = MemoryBank(), random.Random(0), [], {}
+    assert _load_state(path, model, bank2, rng2, history, rejected) == (1, None)
+    assert bank2.to_list() == bank.to_list() and history == [{"round": 0}] and rejected == {"nonfinite": 1}
+    assert rng2.random() == rng.random()  # the proposer's RNG continues where it stopped
+    # the best model is rebuilt in the searched model's class and dtype, from weights that must match its config
+    like = copy.deepcopy(model).double()
+    weights = {k: v.double() for k, v in model.state_dict().items()}
+    best = _rebuild(like, model.config(), weights)
+    assert next(best.parameters()).dtype == torch.float64 and not best.training
+    weights.pop(next(iter(weights)))
+    with pytest.raises(RuntimeError, match="Missing key"):
+        _rebuild(like, model.config(), weights)
+    # weights_only: a state file that carries a pickled object is refused, not executed
+    state = torch.load(path, weights_only=True)
+    state["history"] = [Candidate([1], [1], 1)]
+    torch.save(state, path)
+    with pytest.raises(pickle.UnpicklingError):
+        _load_state(path, model, MemoryBank(), random.Random(0), [], {})
+
+
+def _search(setup, **kw):
+    model, s, group, train, held, imp = setup
+    base = dict(objective=s, importance=imp, proposer=LocalProposer(), rounds=2, candidates_per_round=2, seed=3)
+    return proxy_search(model, group, group.flops, train, held, **{"recover_steps": 1, **base, **kw})
+
+
+def test_an_interrupted_search_resumes_from_its_state_file(setup, tmp_path, monkeypatch):
+    from diffcurr_fast.tdc import search as search_mod
+
+    whole = _search(setup)
+    assert _search(setup).bank.to_list() == whole.bank.to_list()  # the proposer's RNG is seeded from seed
+    path = tmp_path / "search_state.pt"
+    _search(setup, rounds=1, state_path=path)  # stopped after round 0
+    assert path.is_file()
+    scored, real = [], search_mod._score_candidate
+    monkeypatch.setattr(search_mod, "_score_candidate", lambda *a: scored.append(a[10]) or real(*a))
+    resumed = _search(setup, state_path=path)
+    assert scored == [1, 1]  # round 0 came from the file
+    assert [c["round"] for c in resumed.bank.to_list()] == [0, 0, 1, 1]
+    assert resumed.bank.to_list() == whole.bank.to_list() and resumed.history == whole.history
+    assert resumed.rejected == whole.rejected and resumed.best == whole.best
+    for a, b in zip(resumed.model.state_dict().values(), whole.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_nonfinite_candidate_is_counted_and_the_search_goes_on(setup, monkeypatch, caplog):
+    import logging
+
+    from diffcurr_fast.tdc import search as search_mod
+
+    calls, real = [], search_mod.proxy_loss
+
+    def round0_diverges(*a, **k):  # both recoveries of round 0 diverged
+        calls.append(1)
+        return float("nan") if len(calls) <= 2 else real(*a, **k)
+
+    monkeypatch.setattr(search_mod, "proxy_loss", round0_diverges)
+    with caplog.at_level(logging.INFO, logger=search_mod.__name__):
+        res = _search(setup)
+    assert len(calls) == 4 and len(res.bank) == 2 and res.rejected["nonfinite"] == 2
+    assert [h["n"] for h in res.history] == [0, 2]
+    assert all(math.isnan(res.history[0][k]) for k in ("mean", "std", "min", "best_so_far"))
+    best = min(c.score for c in res.bank.entries)
+    assert f"proxy search round 1: 2 candidates, proxy mean {res.history[1]['mean']:.5g} std " in caplog.text
+    assert f"best so far {best:.5g}" in caplog.text
+
+
+def test_proxy_search_passes_its_options_on(setup, monkeypatch, tmp_path):
+    from diffcurr_fast.tdc import search as search_mod
+
+    pruned, recovered = [], []
+    real_prune, real_recover = search_mod.prune_to_widths, search_mod.recover
+    monkeypatch.setattr(search_mod, "prune_to_widths", lambda *a, **k: pruned.append(k) or real_prune(*a, **k))
+    monkeypatch.setattr(search_mod, "recover", lambda *a, **k: recovered.append(k) or real_recover(*a, **k))
+    res = _search(setup, rounds=1, drop_empty_blocks=True, lr=3e-3, log_path=tmp_path / "search.json")
+    assert pruned and all(k["drop_empty_blocks"] is True for k in pruned)
+    assert recovered and all(k["lr"] == 3e-3 for k in recovered)
+    log = json.loads((tmp_path / "search.json").read_text())
+    assert log["history"] == json.loads(json.dumps(res.history)) and log["rejected"] == res.rejected
+
+    class Untouched:  # a fallback must not be asked (nor draw from the RNG) when the proposer filled the round
+        name = "untouched"
+
+        def propose(self, state, n, rng):
+            raise AssertionError("the fallback was asked for a full round")
+
+    assert len(_search(setup, rounds=1, candidates_per_round=1, fallback=Untouched()).bank) == 1
+
+
+def test_proxy_search_input_errors_name_the_argument(setup):
+    from diffcurr_fast.tdc.flops import widths_flops
+    from diffcurr_fast.tdc.search import _check_search
+
+    model = setup[0]
+    for kw, exc, match in (
+        ({"rounds": 0}, ValueError, r"^rounds must be an int >= 1, got 0$"),
+        ({"rounds": True}, ValueError, r"^rounds must be an int >= 1, got True$"),
+        ({"candidates_per_round": 2.5}, ValueError, r"^candidates_per_round must be an int >= 1, got 2.5$"),
+        ({"proposer": None}, TypeError, r"^proposer must be a Proposer"),
+        ({"fallback": "local"}, TypeError, r"^fallback must be a Proposer"),
+    ):
+        with pytest.raises(exc, match=match):
+            _search(setup, **kw)
+    floor = widths_flops(model.config(), [0, 0, 0], [0, 0, 0])  # every unit removed
+    _check_search(model, floor, LocalProposer(), None, 1, 1)  # the floor itself is a valid budget
+    for budget in (floor - 1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=r"^budget .* must be a finite number >= "):
+            _check_search(model, budget, LocalProposer(), None, 1, 1)
 
 
 @pytest.mark.parametrize("name", ["local", "uniform"])
