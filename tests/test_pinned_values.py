@@ -216,7 +216,7 @@ def test_evaluator_reference_from_training_data_undoes_data_scale(tmp_path, _sha
 
 def test_evaluator_reference_of_a_builtin_dataset_needs_no_dataset(tmp_path, _shared_cache):
     from diffcurr_fast.eval.evaluate import load_reference
-    from diffcurr_fast.train.evaluation import REFERENCE_FILE, Evaluator, eval_due
+    from diffcurr_fast.train.evaluation import REFERENCE_FILE, Evaluator
 
     ev = Evaluator(TrainConfig(), tmp_path)  # digits: the built-in reference, no dataset given
     want = load_reference("digits", ev.extractor)
@@ -227,6 +227,11 @@ def test_evaluator_reference_of_a_builtin_dataset_needs_no_dataset(tmp_path, _sh
     cfg.data.dataset = "npz"  # a dataset without a built-in reference, and none given
     with pytest.raises(ValueError, match=r"^eval\.reference is empty and no training dataset was given"):
         Evaluator(cfg, tmp_path / "other")
+
+
+def test_eval_every_1_evaluates_after_every_step():
+    from diffcurr_fast.train.evaluation import eval_due
+
     cfg = load_config(None, ["logging.eval_every=1", "engine.max_steps=5"])
     assert [eval_due(s, cfg) for s in range(1, 6)] == [True] * 5
 
