@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), help="a built-in spec instead of SPEC.yaml")
     parser.add_argument("--recipe", default=None, help="base training recipe replacing the spec's (default: its own)")
     parser.add_argument("--workers", type=int, default=1, help="runs at once (CPU threads are split between them)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="CPU threads per run (default: the cores split between the workers)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="study folder (default studies/<name>)")
     parser.add_argument("--no-report", action="store_true", help="run only; write the report later with 'report'")
     parser.add_argument("--print-spec", action="store_true", help="print the resolved spec and exit")
@@ -43,6 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="speedrun: a local facebookresearch/DiT checkout; its own training step is timed in the "
         "study (same model, data, batch, threads) and gives the official arm its time axis. Without "
         "it the official arm keeps our step's time and the report flags it",
+    )
+    parser.add_argument(
+        "--official-from",
+        default=None,
+        metavar="DIR",
+        help="with 'report' of a speedrun: also compare every arm with the official-arm runs of the study in DIR "
+        "(e.g. --preset speedrun_plateau: the official recipe trained until its FD stops falling)",
     )
     parser.add_argument(
         "--screen",
@@ -59,9 +69,11 @@ def run(args: argparse.Namespace) -> int:
     if args.spec == "report":
         if args.folder is None:
             raise ValueError("study report needs the study folder: diffcurr-fast study report DIR")
-        for name, path in write_report(args.folder).items():
+        for name, path in write_report(args.folder, args.official_from).items():
             print(f"  {name}: {path}")
         return 0
+    if args.official_from is not None:
+        raise ValueError("--official-from is an option of 'study report DIR'")
     if args.folder is not None:
         raise ValueError(f"unexpected argument {args.folder!r} (only 'study report DIR' takes a folder)")
     # imported here, not at the top: keeps --help free of torch
@@ -78,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(yaml.safe_dump(spec.to_dict(), sort_keys=False))
         return 0
     out = args.out or Path("studies") / spec.name
-    res = run_study(spec, out, args.workers, peer_dit=args.peer_dit)
+    res = run_study(spec, out, args.workers, peer_dit=args.peer_dit, threads=args.threads)
     if not args.no_report:
         for name, path in write_report(out).items():
             print(f"  {name}: {path}")

@@ -333,11 +333,37 @@ def speedrun_mnist5k_preset(screen: str | None = None, timesteps: bool | None = 
     }
 
 
+SR_PLATEAU_STEPS, SR_PLATEAU_EVERY = 48_000, 1_600
+
+
+def speedrun_plateau_preset() -> dict[str, Any]:
+    """The official arm of ``speedrun`` trained 4x as long (its EMA scaled to the longer run), 3 seeds: where the
+    official recipe's FD stops falling on the digits (``study report DIR --official-from`` this folder)."""
+    digits = [s for s in SR_DIGITS if not s.startswith(("engine.max_steps=", "optim.ema_decay="))]
+    return {
+        "name": "speedrun_plateau",
+        "recipe": None,
+        "set": SR_SHARED
+        + digits
+        + [f"engine.max_steps={SR_PLATEAU_STEPS}", f"optim.ema_decay={ema_decay_for(SR_PLATEAU_STEPS)}"],
+        "seeds": [0, 1, 2],
+        "metric": "fd",
+        "reference": "official",
+        "eval_every": SR_PLATEAU_EVERY,
+        "eval": {**SR_EVAL, "features": "digits"},
+        "arms": [{**_arm("official", OFFICIAL), "reference": "official"}],
+        "notes": "The official DiT recipe on the built-in digits, 4x the speedrun's steps, until its FD stops "
+        "falling (settings: diffcurr_fast.study.presets).",
+        "speedrun": dict(SPEEDRUN),
+    }
+
+
 PRESETS = {
     "curriculum": curriculum_preset,
     "tdc": tdc_preset,
     "speedrun": speedrun_preset,
     "speedrun_mnist5k": speedrun_mnist5k_preset,
+    "speedrun_plateau": speedrun_plateau_preset,
 }
 DIGITS_ONLY = (
     "diffusion.weighting",

@@ -330,8 +330,10 @@ def plot_cluster_loss(spec: StudySpec, study_dir: Path, path: Path) -> Path:
     return path
 
 
-def write_report(study_dir: str | Path) -> dict[str, Path]:
-    """results.csv, report.md and the three plots of the study in ``study_dir``; their paths."""
+def write_report(study_dir: str | Path, official_from: str | Path | None = None) -> dict[str, Path]:
+    """results.csv, report.md and the three plots of the study in ``study_dir``; their paths. ``official_from``
+    (a speedrun): another study whose official-arm runs the report also compares every arm with
+    (``speedrun.with_official_runs``)."""
     study_dir = Path(study_dir)
     spec, rows, status = collect(study_dir)
     arms = summarize(spec, status)
@@ -342,18 +344,37 @@ def write_report(study_dir: str | Path) -> dict[str, Path]:
     out["cluster_loss"] = plot_cluster_loss(spec, study_dir, study_dir / "cluster_loss.png")
     out["samples"] = copy_samples(spec, study_dir)
     if spec.speedrun:
-        out.update(write_speedrun(spec, rows, study_dir))
+        out.update(write_speedrun(spec, rows, study_dir, official_from))
+    elif official_from is not None:
+        raise ValueError(f"--official-from applies to a speedrun study; {str(study_dir)!r} is not one")
     return out
 
 
-def write_speedrun(spec: StudySpec, rows: list[dict[str, Any]], study_dir: Path) -> dict[str, Path]:
-    """The time-to-quality section (appended to report.md), speedrun.json and the two FD plots."""
+def write_speedrun(
+    spec: StudySpec, rows: list[dict[str, Any]], study_dir: Path, official_from: str | Path | None = None
+) -> dict[str, Path]:
+    """The time-to-quality section (appended to report.md), speedrun.json and the two FD plots; with
+    ``official_from`` a section against that study's official runs too (``speedrun_official.json``)."""
     st_path = study_dir / speedrun.STEP_TIME_FILE
-    res = speedrun.analyse(spec, rows, json.loads(st_path.read_text()) if st_path.is_file() else None)
+    st = json.loads(st_path.read_text()) if st_path.is_file() else None
+    res = speedrun.analyse(spec, rows, st)
+    eff = speedrun.efficiency(spec, rows, st, res["threshold"])
+    text = speedrun.markdown(spec, res, eff)
+    extra = {}
+    if official_from is not None:
+        other, other_rows, _ = collect(official_from)
+        if not other.speedrun or not any(r["arm"] == spec.speedrun["official_arm"] for r in other_rows):
+            raise ValueError(
+                f"{str(official_from)!r} has no finished runs of arm {spec.speedrun['official_arm']!r} of a speedrun"
+            )
+        ext = speedrun.with_official_runs(spec, rows, st, other_rows)
+        text += speedrun.official_runs_section(spec, ext, str(official_from))
+        extra["speedrun_official"] = speedrun.write_analysis(ext, study_dir / "speedrun_official.json")
     report = study_dir / "report.md"
-    report.write_text(report.read_text() + "\n" + "\n".join(speedrun.markdown(spec, res)) + "\n")
+    report.write_text(report.read_text() + "\n" + "\n".join(text) + "\n")
     plots = speedrun.plot(spec, rows, res, study_dir)
     return {
+        **extra,
         "speedrun": speedrun.write_analysis(res, study_dir / "speedrun.json"),
         "fd_vs_wall": plots["wall_s"],
         "fd_vs_step": plots["step"],

@@ -16,7 +16,7 @@ A run with a status file is finished and kept. Any other run is started again by
 (``python -m diffcurr_fast.study.runner STUDY_DIR ARM SEED``): a train run with checkpoints resumes from the newest
 (the trainer's ``--resume``, which repeats the uninterrupted run exactly), one without starts over; a tdc run
 with its ``tdc.json`` resumes too (``tdc --resume``: stage 1, finished groups and search rounds are kept), one
-without starts over. ``workers`` runs go at once, each with ``cpu_threads`` = cores // workers
+without starts over. ``workers`` runs go at once, each with ``cpu_threads`` = cores // workers (or ``--threads``)
 and, on a machine with GPUs, one GPU per worker slot (``CUDA_VISIBLE_DEVICES``).
 A worker launched by hand under ``torchrun`` trains its run data-parallel (``engine.kind`` auto); rank 0 alone
 evaluates a tdc bundle and writes the status.
@@ -108,12 +108,16 @@ def run_study(
     *,
     verbose: bool = True,
     peer_dit: str | Path | None = None,
+    threads: int | None = None,
 ) -> dict[str, Any]:
     """Run every unfinished (arm, seed) of ``spec`` in ``study_dir`` with ``workers`` processes at once; returns
     {"ran": [...], "failed": [...], "kept": n}. Failed runs are listed, not retried (a rerun resumes them).
-    ``peer_dit`` (a speedrun): a facebookresearch/DiT checkout whose step time is measured first (module doc)."""
+    ``peer_dit`` (a speedrun): a facebookresearch/DiT checkout whose step time is measured first (module doc).
+    ``threads``: CPU threads per worker (default: the cores split between the workers)."""
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
     if peer_dit is not None:
         if not spec.speedrun:
             raise ValueError(f"--peer-dit times the official arm of a speedrun; study {spec.name!r} has no speedrun")
@@ -123,7 +127,7 @@ def run_study(
     todo = pending(spec, study_dir)
     kept = len(jobs(spec)) - len(todo)
     _prepare_features(spec)
-    threads = max(1, (os.cpu_count() or 1) // workers)
+    threads = threads or max(1, (os.cpu_count() or 1) // workers)
     gpus = _gpu_count()
     running: list[tuple[tuple[str, int], subprocess.Popen, Any, int]] = []
     ran, failed = [], []

@@ -150,21 +150,34 @@ def arm_step_s(step_time: dict[str, Any] | None, arm: str, official: str) -> flo
     return st.get("arms", {}).get(arm)
 
 
-def analyse(spec: Any, rows: list[dict[str, Any]], step_time: dict[str, Any] | None) -> dict[str, Any]:
-    """Threshold, plateau, per-(arm, seed) crossings, per-arm means and speed-ups (module doc)."""
+def analyse(
+    spec: Any,
+    rows: list[dict[str, Any]],
+    step_time: dict[str, Any] | None,
+    *,
+    reference: str | None = None,
+    threshold: float | None = None,
+) -> dict[str, Any]:
+    """Threshold, plateau, per-(arm, seed) crossings, per-arm means and speed-ups (module doc). ``reference``: the
+    arm that sets the threshold and the plateau and that speed-ups divide (default: the official arm);
+    ``threshold``: a stated FD instead of the spec's rule."""
     sr = spec.speedrun
     window, official = int(sr["smooth"]), sr["official_arm"]
+    ref_name = reference or official
     points = {
         (a.name, s): run_points(rows, a.name, s, arm_step_s(step_time, a.name, official))
         for a in spec.arms
         for s in spec.seeds
     }
     points = {k: v for k, v in points.items() if v}
-    ref_runs = [v for (a, _), v in points.items() if a == official]
+    ref_runs = [v for (a, _), v in points.items() if a == ref_name]
     finals = [smooth([p["fd"] for p in v], window)[-1] for v in ref_runs]
-    if sr["threshold"] == "reference":
+    if threshold is not None:
+        threshold, thr_rule = float(threshold), "stated"
+    elif sr["threshold"] == "reference":
         threshold = max(finals) if finals else math.nan
-        thr_rule = f"the official arm's worst final smoothed FD over its {len(finals)} seeds"
+        who = "the official arm" if ref_name == official else f"arm {ref_name}"
+        thr_rule = f"{who}'s worst final smoothed FD over its {len(finals)} seeds"
     else:
         threshold, thr_rule = float(sr["threshold"]), "stated in the spec"
     curve: list[tuple[int, float]] = []
@@ -185,13 +198,13 @@ def analyse(spec: Any, rows: list[dict[str, Any]], step_time: dict[str, Any] | N
             "axes": {ax: mean_ci([h[ax] for h in hit.values()]) for ax in AXES},
             "per_seed": {s: h for s, h in hit.items()},
         }
-    ref = arms.get(official, {"seeds": [], "reached": []})
+    ref = arms.get(ref_name, {"seeds": [], "reached": []})
     for name, a in arms.items():
         complete = bool(a["seeds"]) and len(a["reached"]) == len(a["seeds"])
         ref_complete = bool(ref["seeds"]) and len(ref["reached"]) == len(ref["seeds"])
         a["speedup"] = {
             ax: speedup([ref["per_seed"][s][ax] for s in ref["reached"]], [a["per_seed"][s][ax] for s in a["reached"]])
-            if complete and ref_complete and name != official
+            if complete and ref_complete and name != ref_name
             else None
             for ax in AXES
         }
@@ -200,6 +213,7 @@ def analyse(spec: Any, rows: list[dict[str, Any]], step_time: dict[str, Any] | N
         "threshold_rule": thr_rule,
         "smooth": window,
         "official_arm": official,
+        "reference": ref_name,
         "plateau": plateau(curve, sr["plateau_share"], sr["plateau_tol"]),
         "official_curve": curve,
         "step_time": step_time,
@@ -211,8 +225,8 @@ def _f(v: float | None, digits: int = 3) -> str:
     return "n/a" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{v:.{digits}g}"
 
 
-def markdown(spec: Any, res: dict[str, Any]) -> list[str]:
-    """The report's time-to-quality section."""
+def markdown(spec: Any, res: dict[str, Any], eff: list[dict[str, Any]] | None = None) -> list[str]:
+    """The report's time-to-quality section; ``eff``: the steps over uniform t (``efficiency``)."""
     sr, st, pl = spec.speedrun, res["step_time"], res["plateau"]
     lines = ["## Time to quality", ""]
     lines.append(
@@ -254,28 +268,139 @@ def markdown(spec: Any, res: dict[str, Any]) -> list[str]:
             "difference.**"
         )
     lines.append("")
+    lines.append(plateau_line(sr, pl))
+    lines += ["", *table(res), ""]
+    if eff:
+        lines += efficiency_section(eff)
+    lines += targets_section(res, eff)
+    lines += ["", "![FD vs wall time](fd_vs_wall.png)", "", "![FD vs steps](fd_vs_step.png)", ""]
+    return lines
+
+
+def plateau_line(sr: dict[str, Any], pl: dict[str, Any]) -> str:
     k = pl.get("evaluations")
     verdict = "stopped falling" if pl["plateaued"] else "**still falling: the budget is too short for the rule**"
-    lines.append(
+    return (
         f"Plateau rule (the official arm's mean smoothed FD over its last {sr['plateau_share']:.0%} of "
         f"evaluations, {k} evaluations from step {pl['from_step']} to {pl['to_step']}, must improve by "
         f"< {sr['plateau_tol']:.0%}): improved {_f(100 * pl['improvement'], 3)}%: {verdict}."
     )
-    lines += [
+
+
+def with_official_runs(
+    spec: Any, rows: list[dict[str, Any]], step_time: dict[str, Any] | None, official_rows: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The analysis with the official arm's runs taken from another study (``official_rows``, e.g. the official
+    recipe trained longer, ``speedrun_plateau``) in place of this study's: its threshold, plateau and time to it;
+    this study's step times give every time axis."""
+    official = spec.speedrun["official_arm"]
+    merged = [r for r in rows if r["arm"] != official] + [r for r in official_rows if r["arm"] == official]
+    return analyse(spec, merged, step_time)
+
+
+def official_runs_section(spec: Any, res: dict[str, Any], source: str) -> list[str]:
+    """The report's section for ``with_official_runs``."""
+    seeds = res["arms"][res["official_arm"]]["seeds"]
+    last = res["official_curve"][-1][0] if res["official_curve"] else "n/a"
+    return [
+        f"## Against the official recipe run longer (`{source}`)",
         "",
-        "| arm | reached | steps (95% CI) | wall s (95% CI) | FLOPs (95% CI) | speed-up steps | "
-        "speed-up wall | speed-up FLOPs |",
-        "|---|---|---|---|---|---|---|---|",
+        f"The official arm's runs here are those of `{source}` (seeds {seeds}, {last} steps); every other arm "
+        f"keeps its runs above. Threshold FD {_f(res['threshold'], 4)} ({res['threshold_rule']}).",
+        "",
+        plateau_line(spec.speedrun, res["plateau"]),
+        "",
+        *table(res),
+        "",
+        *targets_section(res, None),
+    ]
+
+
+def _ratio(v: tuple[float, float, float] | None, ref: bool) -> str:
+    return ("-" if ref else "n/a") if v is None else f"x{_f(v[0])} [{_f(v[1])}, {_f(v[2])}]"
+
+
+def table(res: dict[str, Any], axes: tuple[str, ...] = AXES) -> list[str]:
+    """Per arm: seeds that reached the threshold, each axis's mean [95% CI] and the speed-ups over the reference."""
+    head = {"step": "steps", "wall_s": "wall s", "train_flops": "FLOPs"}
+    lines = [
+        "| arm | reached | "
+        + " | ".join(f"{head[ax]} (95% CI)" for ax in axes)
+        + " | "
+        + " | ".join(f"speed-up {head[ax]}" for ax in axes)
+        + " |",
+        "|---|---|" + "---|" * (2 * len(axes)),
     ]
     for name, a in res["arms"].items():
-        cells = [f"{_f(m)} [{_f(lo)}, {_f(hi)}]" for m, lo, hi in (a["axes"][ax] for ax in AXES)]
-        ups = [
-            ("-" if name == res["official_arm"] else "n/a") if v is None else f"x{_f(v[0])} [{_f(v[1])}, {_f(v[2])}]"
-            for v in (a["speedup"][ax] for ax in AXES)
-        ]
+        cells = [f"{_f(m)} [{_f(lo)}, {_f(hi)}]" for m, lo, hi in (a["axes"][ax] for ax in axes)]
+        ups = [_ratio(a["speedup"][ax], name == res["reference"]) for ax in axes]
         lines.append(f"| {name} | {len(a['reached'])}/{len(a['seeds'])} | " + " | ".join(cells + ups) + " |")
-    lines += ["", "![FD vs wall time](fd_vs_wall.png)", "", "![FD vs steps](fd_vs_step.png)", ""]
     return lines
+
+
+# ---- the timestep strategy alone and the issue's targets -----------------------------------------------------------
+UNIFORM_ARM = "vanilla"  # uniform t on our step: the baseline of sample efficiency
+STEP_TARGET, WALL_TARGET, WALL_TARGET_LO = 1.3, 2.0, 1.5  # the targets the report checks (targets_section)
+
+
+def efficiency(
+    spec: Any, rows: list[dict[str, Any]], step_time: dict[str, Any] | None, threshold: float
+) -> list[dict[str, Any]]:
+    """Steps to a threshold over the uniform-t arm (``UNIFORM_ARM``) at equal step speed: at ``threshold`` (the
+    main one) and at the uniform arm's own worst final smoothed FD. [] without that arm."""
+    if UNIFORM_ARM not in {a.name for a in spec.arms}:
+        return []
+    return [
+        analyse(spec, rows, step_time, reference=UNIFORM_ARM, threshold=threshold),
+        analyse(spec, rows, step_time, reference=UNIFORM_ARM),
+    ]
+
+
+def efficiency_section(eff: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "### Sample efficiency: steps over uniform t",
+        "",
+        f"The steps each arm needs against arm `{UNIFORM_ARM}` (uniform t, no weighting, our step), so step speed "
+        "drops out; arms with another step (`*_plain`, the official recipe) compare in steps too. Two thresholds: "
+        f"the one above, and `{UNIFORM_ARM}`'s own worst final smoothed FD (the quality uniform t ends at).",
+        "",
+    ]
+    for res in eff:
+        lines += [f"At FD {_f(res['threshold'], 4)} ({res['threshold_rule']}):", "", *table(res, ("step",)), ""]
+    return lines
+
+
+def _best(res: dict[str, Any], axis: str, skip: tuple[str, ...]) -> tuple[str, tuple[float, float, float]] | None:
+    ups = [(n, a["speedup"][axis]) for n, a in res["arms"].items() if n not in skip and a["speedup"][axis]]
+    return max(ups, key=lambda t: t[1][0]) if ups else None
+
+
+def targets_section(res: dict[str, Any], eff: list[dict[str, Any]] | None) -> list[str]:
+    """The issue's two targets, met or not, from the numbers above."""
+    lines = ["### Targets", ""]
+    best = _best(res, "wall_s", (res["reference"],))
+    if best is None:
+        lines.append(
+            "- Wall time to the threshold at least 2x faster than the official recipe: **n/a** (no arm has a speed-up)."
+        )
+    else:
+        (name, (up, lo, _)), met = best, best[1][0] >= WALL_TARGET and best[1][1] > WALL_TARGET_LO
+        lines.append(
+            f"- Best recipe `{name}` reaches the threshold in 1/{_f(up)} of the official recipe's wall time, 95% "
+            f"interval lower end x{_f(lo)} (target: x{WALL_TARGET:g} with the interval above x{WALL_TARGET_LO:g}): "
+            f"**{'met' if met else 'not met'}** on this dataset."
+        )
+    for r in eff or []:
+        b = _best(r, "step", (r["reference"], r["official_arm"]))
+        if b is None:
+            lines.append(f"- At FD {_f(r['threshold'], 4)}: no arm has a steps speed-up over `{UNIFORM_ARM}`.")
+            continue
+        (name, (up, lo, _)), met = b, b[1][0] >= STEP_TARGET
+        lines.append(
+            f"- At FD {_f(r['threshold'], 4)}, the fewest steps: `{name}`, x{_f(up)} fewer than `{UNIFORM_ARM}` "
+            f"(95% interval lower end x{_f(lo)}; target x{STEP_TARGET:g}): **{'met' if met else 'not met'}**."
+        )
+    return lines + [""]
 
 
 def plot(spec: Any, rows: list[dict[str, Any]], res: dict[str, Any], study_dir: Path) -> dict[str, Path]:
