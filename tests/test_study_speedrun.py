@@ -7,6 +7,7 @@ import os
 import shutil
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -121,6 +122,79 @@ def test_analyse_threshold_time_axes_and_flag_by_hand():
     spec2 = spec_from_dict({**spec.to_dict(), "arms": [*spec.to_dict()["arms"], {"name": "slow"}]})
     slow = sr.analyse(spec2, rows2, None)["arms"]["slow"]
     assert slow["reached"] == [1] and slow["speedup"]["step"] is None
+
+
+def _three_arm_spec(seeds=(0, 1)):
+    return spec_from_dict(
+        {
+            "name": "s",
+            "seeds": list(seeds),
+            "eval_every": 100,
+            "reference": "official",
+            "arms": [{"name": "official"}, {"name": "vanilla"}, {"name": "fast"}],
+            "speedrun": {"official_arm": "official", "smooth": 1},
+        }
+    )
+
+
+def test_sample_efficiency_over_uniform_t_and_the_targets_by_hand():
+    spec = _three_arm_spec()
+    rows = _rows("official", 0, [9, 8, 7, 6]) + _rows("official", 1, [9, 8, 7, 6])
+    rows += _rows("vanilla", 0, [8, 6, 4, 3]) + _rows("vanilla", 1, [8, 6, 5, 3])
+    rows += _rows("fast", 0, [6, 4, 3, 2]) + _rows("fast", 1, [5, 3, 3, 3])
+    st = {
+        "official_s": 0.04,
+        "ours_s": 0.01,
+        "arms": dict.fromkeys(("official", "vanilla", "fast"), 0.01),
+        "steps_each": 9,
+    }
+    res = sr.analyse(spec, rows, st)
+    assert res["threshold"] == 6 and res["reference"] == "official"
+    eff = sr.efficiency(spec, rows, st, res["threshold"])
+    # at FD 6: vanilla at step 200 (both seeds), fast at 100 (seed 0) and 150 (seed 1: 5 at step 100, so 100)
+    assert eff[0]["threshold"] == 6 and eff[0]["reference"] == "vanilla"
+    assert [eff[0]["arms"]["vanilla"]["per_seed"][s]["step"] for s in (0, 1)] == [200, 200]
+    assert [eff[0]["arms"]["fast"]["per_seed"][s]["step"] for s in (0, 1)] == [100, 100]
+    assert eff[0]["arms"]["fast"]["speedup"]["step"][0] == pytest.approx(2.0)
+    assert eff[0]["arms"]["vanilla"]["speedup"]["step"] is None  # the reference itself
+    # at vanilla's own worst final FD (3 and 3): vanilla at 400 both, fast at 300 (seed 0) and 200 (seed 1)
+    assert eff[1]["threshold"] == 3 and "arm vanilla's worst final" in eff[1]["threshold_rule"]
+    assert eff[1]["arms"]["fast"]["speedup"]["step"][0] == pytest.approx(400 / math.sqrt(300 * 200))
+    text = "\n".join(sr.markdown(spec, res, eff))
+    assert "### Sample efficiency: steps over uniform t" in text and "At FD 3 (arm vanilla's" in text
+    # the targets: the best wall speed-up over the official arm; official at 400 steps x 0.04 s, fast at 100 x 0.01
+    # s: x16 with no spread (a point interval), so met; the steps target met by fast at both thresholds
+    assert res["arms"]["fast"]["speedup"]["wall_s"] == pytest.approx((16.0, 16.0, 16.0))
+    targets = "\n".join(sr.targets_section(res, eff))
+    assert "Best recipe `fast` reaches the threshold in 1/16" in targets and "**met** on this dataset" in targets
+    assert targets.count("the fewest steps: `fast`") == 2 and "**not met**" not in targets
+    # a slower uniform arm than the threshold needs: the target is not met
+    slow = [r for r in rows if r["arm"] != "fast"] + _rows("fast", 0, [8, 6, 4, 3]) + _rows("fast", 1, [8, 6, 5, 3])
+    eff = sr.efficiency(spec, slow, st, 6.0)
+    assert "**not met**" in "\n".join(sr.targets_section(sr.analyse(spec, slow, st), eff))
+    assert sr.efficiency(spec_from_dict({**spec.to_dict(), "arms": [{"name": "official"}]}), rows, st, 6.0) == []
+
+
+def test_the_official_runs_of_a_longer_study_replace_the_studys_own():
+    spec = _three_arm_spec((0, 1, 2))
+    rows = _rows("official", 0, [9, 8]) + _rows("official", 1, [9, 8]) + _rows("official", 2, [9, 8])
+    rows += _rows("fast", 0, [6, 5, 4, 4]) + _rows("fast", 1, [5, 4, 4, 4]) + _rows("fast", 2, [5, 4, 4, 3.5])
+    longer = _rows("official", 0, [9, 8, 7, 6, 5, 4, 3.5, 3.4], every=200) + _rows(
+        "official", 1, [9, 7, 5, 3], every=400
+    )
+    longer += _rows("vanilla", 0, [1, 1])  # not the official arm: ignored
+    st = {"official_s": 0.02, "ours_s": 0.01, "arms": {"official": 0.01, "vanilla": 0.01, "fast": 0.01}}
+    assert sr.analyse(spec, rows, st)["threshold"] == 8
+    res = sr.with_official_runs(spec, rows, st, longer)
+    assert res["threshold"] == 3.4  # the worst final FD of the longer runs (3.4 and 3); seed 2 has none there
+    assert res["arms"]["official"]["seeds"] == [0, 1] and res["arms"]["official"]["reached"] == [0, 1]
+    assert res["official_curve"][-1] == (1600, pytest.approx((3.4 + 3) / 2))  # the steps both longer runs share
+    assert res["arms"]["fast"]["reached"] == []  # never at 3.4 in its 400 steps
+    # official: seed 0 at step 1600, seed 1 between 1200 (5) and 1600 (3): 1200 + 400 * 1.6 / 2 = 1520
+    assert [res["arms"]["official"]["per_seed"][s]["step"] for s in (0, 1)] == [1600, pytest.approx(1520)]
+    assert res["arms"]["official"]["per_seed"][0]["wall_s"] == pytest.approx(1600 * 0.02)  # this study's step time
+    text = "\n".join(sr.official_runs_section(spec, res, "elsewhere"))
+    assert "## Against the official recipe run longer (`elsewhere`)" in text and "| fast | 0/3 |" in text
 
 
 def test_speedrun_spec_errors():
@@ -292,6 +366,11 @@ def test_tiny_speedrun_end_to_end(tmp_path):
     off = data["arms"]["official"]["axes"]
     assert off["wall_s"][0] == pytest.approx(off["step"][0] * step_time["official_s"])
     assert run_study(spec, out, workers=2, verbose=False, peer_dit=peer)["kept"] == 2  # measured once: kept
+    # its own official runs as "the longer study": the same numbers in the added section
+    files = write_report(out, official_from=out)
+    assert json.loads(files["speedrun_official"].read_text())["threshold"] == data["threshold"]
+    assert "## Against the official recipe run longer" in files["report"].read_text()
+    data = json.loads((out / "speedrun.json").read_text())
     # the status files alone carry the report: the run folders (checkpoints, never committed) can go
     shutil.rmtree(out / "runs")
     (out / "speedrun.json").unlink()
@@ -339,6 +418,48 @@ def test_speedrun_preset_settings():
     assert all(spec.reference_of(a) == "official" for a in spec.arms)
 
 
+def test_speedrun_plateau_preset_is_the_official_arm_run_longer():
+    spec, main = preset_spec("speedrun_plateau"), preset_spec("speedrun")
+    assert [a.name for a in spec.arms] == ["official"] and spec.arm("official").set == main.arm("official").set
+    assert f"optim.ema_decay={ema_decay_for(48_000)}" in spec.set and "engine.max_steps=48000" in spec.set
+    assert not [s for s in spec.set if s.startswith(("engine.max_steps", "optim.ema_decay"))][2:]
+    same = [s for s in main.set if not s.startswith(("engine.max_steps", "optim.ema_decay"))]
+    assert [s for s in spec.set if not s.startswith(("engine.max_steps", "optim.ema_decay"))] == same
+    assert spec.eval == main.eval and spec.speedrun == main.speedrun and spec.eval_every == 1600
+
+
+def test_speedrun_tdc_preset_spends_the_vanilla_budget(tmp_path):
+    from diffcurr_fast.study.presets import tdc_finetune_steps
+    from diffcurr_fast.study.spec import arm_config
+
+    # experts of 3 groups at k = 0.5 cost 2/3, 5/6 and 1 of the base model: 2.5 base steps per fine-tuning step
+    assert tdc_finetune_steps(12_000, 9_600, 3, 0.5) == 960 and tdc_finetune_steps(100, 40, 2, 0.5) == 34
+    spec, main = preset_spec("speedrun_tdc"), preset_spec("speedrun")
+    assert [(a.name, a.kind) for a in spec.arms] == [("vanilla", "train"), ("tdc", "tdc")]
+    tdc = spec.arm("tdc")
+    assert "engine.max_steps=9600" in tdc.set and "tdc.finetune_steps=960" in tdc.set and "tdc.k=0.5" in tdc.set
+    # the vanilla arm is the screening's, run for run
+    ours = arm_config(spec, spec.arm("vanilla"), 1, tmp_path / "r", 1).to_dict()
+    theirs = arm_config(main, main.arm("vanilla"), 1, tmp_path / "r", 1).to_dict()
+    assert ours == theirs
+    cfg = arm_config(spec, tdc, 0, tmp_path / "t", 1)
+    assert cfg.engine.max_steps == 9600 and cfg.tdc.num_groups == 3 and cfg.tdc.finetune_lr == 1e-4
+
+
+def test_the_presets_reproduce_the_committed_studies():
+    """A study's settings are fixed when it starts: the presets still give the committed study.yaml files (a
+    preset edited after its study began would make the study refuse to resume)."""
+    root = Path(__file__).resolve().parents[1] / "docs" / "results"
+    checked = 0
+    for name in ("speedrun", "speedrun_plateau", "speedrun_tdc"):
+        path = root / name / "study.yaml"
+        if path.is_file():
+            assert spec_from_dict(yaml.safe_load(path.read_text())).to_dict() == preset_spec(name).to_dict(), name
+            checked += 1
+    if not checked:
+        pytest.skip("no committed speedrun study.yaml in this checkout")
+
+
 def test_every_arm_of_the_speedrun_builds():
     if not has_timesteps_section():
         pytest.skip("the timestep-sampler arms need the config's timesteps section, which this build does not have")
@@ -383,3 +504,22 @@ def test_mnist_stage_takes_the_best_arms_of_the_screening(tmp_path):
         "cl_minsnr_plain",
     ]
     assert "data.dataset=mnist5k" in spec.set and spec.eval["features"] == "mnist5k" and len(spec.seeds) == 3
+
+
+def test_study_cli_options_are_checked(tmp_path):
+    import argparse
+
+    from diffcurr_fast.study import cli
+
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    with pytest.raises(ValueError, match="--official-from is an option of 'study report DIR'"):
+        cli.run(p.parse_args(["--preset", "speedrun", "--official-from", str(tmp_path)]))
+    with pytest.raises(ValueError, match="--threads must be >= 1, got 0"):
+        run_study(preset_spec("speedrun"), tmp_path / "s", threads=0, verbose=False)
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "study.yaml").write_text(
+        yaml.safe_dump({"name": "p", "seeds": [0], "arms": [{"name": "a"}], "reference": "a", "eval_every": 10})
+    )
+    with pytest.raises(ValueError, match="--official-from applies to a speedrun study"):
+        cli.run(p.parse_args(["report", str(tmp_path / "plain"), "--official-from", str(tmp_path)]))

@@ -629,3 +629,38 @@ def test_resume_of_a_moved_run_names_where_it_is_now(tmp_path):
     assert out["stage1"]["run_dir"] == str(new / "stage1")
     assert [g["finetune_dir"] for g in out["groups"]] == [str(new / f"group_{i}" / "finetune") for i in range(2)]
     assert (new / "bundle" / "weights.safetensors").is_file()
+
+
+def test_study_evaluates_the_bundle_at_the_base_models_sampling_flops(tdc_run, tmp_path, monkeypatch):
+    """A study's tdc arm evaluates the bundle twice: at ``eval.steps`` and at the most steps whose multi-expert
+    FLOPs stay within the base model's at ``eval.steps`` (checked by hand against the accounting)."""
+    import shutil
+
+    from diffcurr_fast.study import runner
+    from diffcurr_fast.tdc.accounting import sampling_flops
+    from diffcurr_fast.tdc.pipeline import equal_sampling_steps, visited_times
+
+    ref_run, _ = tdc_run
+    run = tmp_path / "run"
+    shutil.copytree(ref_run, run)
+    monkeypatch.setattr(Trainer, "fit", lambda self: pytest.fail("nothing should train"))
+    evals = ["eval.num_samples=20", "eval.steps=10", "eval.sampler=ddim", "eval.features=digits"]
+    cfg = config_from_dict({**tiny_cfg(ref_run, *evals).to_dict(), "tdc": TINY_TDC})
+    torch.set_num_threads(1)
+    out = runner._run_tdc(cfg, run)
+    multi, bcfg = load_bundle_with_config(run / "bundle")
+    base_f = json.loads((run / "accounting.json").read_text())["base_flops_per_forward"]
+    schedule = build_schedule(bcfg)
+
+    def cost(n):
+        return sampling_flops(multi, base_f, visited_times(multi, schedule, bcfg, "cpu", "ddim", n))
+
+    eq = out["equal_sampling"]
+    n = eq["sampling_steps"]
+    assert cost(10)["base_flops_per_image"] == pytest.approx(10 * base_f)  # the budget: the base model at 10
+    assert n > 10  # the experts are smaller than the base model (k = 0.5), so more steps fit
+    assert cost(n)["multi_expert_flops_per_image"] <= 10 * base_f < cost(n + 1)["multi_expert_flops_per_image"]
+    assert eq["sampling"]["multi_expert_flops_per_image"] == cost(n)["multi_expert_flops_per_image"]
+    assert equal_sampling_steps(multi, schedule, bcfg, base_f, "ddim", 10)[0] == n
+    assert eq["fd"] != out["final"]["fd"] and out["final"]["step"] == eq["step"]  # two evaluations of one bundle
+    assert json.loads((run / "bundle_eval_equal_sampling.json").read_text())["sampling_steps"] == n

@@ -1,5 +1,6 @@
 """Built-in studies (``diffcurr-fast study --preset NAME``): ``curriculum`` and ``tdc`` on the built-in digits, and
-the time-to-quality benchmark ``speedrun`` (digits, every arm) with its second stage ``speedrun_mnist5k``.
+the time-to-quality benchmark ``speedrun`` (digits, every arm) with its second stage ``speedrun_mnist5k`` and its
+companions ``speedrun_plateau`` and ``speedrun_tdc``.
 
 The settings below were fixed before any of their results were seen; they are what the committed digits study
 ran (docs/results/). Sizes are chosen so both presets finish in about an hour on two CPU cores (two
@@ -58,6 +59,20 @@ plain-step twin of the best of them on the 28x28 mnist5k with 3 seeds. Settings:
   vanilla 235 ms (ours), 285 ms (official): load-bound figures, the study measures its own;
 * speedrun: threshold = the official arm's worst final smoothed FD over its seeds, a trailing 3-evaluation moving
   average, plateau = the last 20% of the official arm's evaluations improve by < 3%.
+
+``speedrun_plateau`` and ``speedrun_tdc`` were added after the screening's first seed had finished, and say so: its
+official arm was still falling steeply at 12,000 steps (smoothed FD 44, falling about 4 per 400 steps), so the plateau
+rule could not hold at that budget, and the TDC arm needs a base trained to its plateau:
+
+* ``speedrun_plateau``: the official arm alone, 48,000 steps (4x; EMA by the same rule, 0.999167), FD every 1,600
+  steps, seeds 0-2. ``study report SPEEDRUN_DIR --official-from PLATEAU_DIR`` adds the comparison with those
+  longer official runs (their worst final smoothed FD as the threshold; the time axes of the screening);
+* ``speedrun_tdc``: TDC against vanilla at equal training FLOPs, seeds 0-2. Vanilla is the screening's arm (the same
+  runs, seed for seed); TDC's stage 1 is vanilla for 9,600 steps (where vanilla's smoothed FD had stopped falling
+  in the first seed), then N = 3 groups (k = 0.5, 2 rounds x 3 candidates, 10 recovery steps) fine-tuned 960
+  steps each at 1e-4 (the official DiT rate), so that 9,600 + 960 x (2/3 + 5/6 + 1) = 12,000 base-model steps
+  (``tdc_finetune_steps``; the search is counted apart). The bundle is evaluated at the evaluation's 10 steps (less
+  sampling compute than the base model) and at the most steps within the base model's sampling FLOPs at 10.
 
 ``--recipe R`` keeps a preset's arms and regimes but trains from ``R`` instead of the digits sizes: the digits
 model, data, step and evaluation sizes are dropped (the recipe's own apply), so e.g. ``recipes/dit_b2_curriculum.yaml``
@@ -358,12 +373,52 @@ def speedrun_plateau_preset() -> dict[str, Any]:
     }
 
 
+SR_TDC_BASE_STEPS = 9_600  # vanilla's smoothed FD stopped falling by then in the speedrun (module doc)
+SR_TDC = [
+    "tdc.num_groups=3",
+    "tdc.k=0.5",
+    "tdc.rounds=2",
+    "tdc.candidates=3",
+    "tdc.recover_steps=10",
+    "tdc.finetune_lr=1e-4",
+]
+
+
+def tdc_finetune_steps(total: int, base: int, num_groups: int, k: float) -> int:
+    """Fine-tuning steps per expert that bring stage 1 (``base`` steps) and the experts to ``total`` base-model
+    steps of training FLOPs: expert i of N costs (i/N + (N-i)/N k) of the base model (TDC Eq. 2)."""
+    share = sum(i / num_groups + (num_groups - i) / num_groups * k for i in range(1, num_groups + 1))
+    return round((total - base) / share)
+
+
+def speedrun_tdc_preset() -> dict[str, Any]:
+    """TDC against vanilla on the digits at equal training FLOPs (12,000 base-model steps): stage 1 is vanilla for
+    ``SR_TDC_BASE_STEPS`` steps, then 3 experts fine-tuned for the rest; the report adds the bundle at the base
+    model's sampling FLOPs."""
+    steps = tdc_finetune_steps(SR_DIGITS_STEPS, SR_TDC_BASE_STEPS, 3, 0.5)
+    tdc = [f"engine.max_steps={SR_TDC_BASE_STEPS}", *SR_TDC, f"tdc.finetune_steps={steps}"]
+    return {
+        "name": "speedrun_tdc",
+        "recipe": None,
+        "set": SR_SHARED + SR_DIGITS,
+        "seeds": [0, 1, 2],
+        "metric": "fd",
+        "reference": "vanilla",
+        "eval_every": SR_DIGITS_EVERY,
+        "eval": {**SR_EVAL, "features": "digits"},
+        "arms": [_arm("vanilla", VANILLA), _arm("tdc", VANILLA, tdc, kind="tdc")],
+        "notes": "TDC against vanilla at equal training FLOPs on the built-in digits (settings: "
+        "diffcurr_fast.study.presets).",
+    }
+
+
 PRESETS = {
     "curriculum": curriculum_preset,
     "tdc": tdc_preset,
     "speedrun": speedrun_preset,
     "speedrun_mnist5k": speedrun_mnist5k_preset,
     "speedrun_plateau": speedrun_plateau_preset,
+    "speedrun_tdc": speedrun_tdc_preset,
 }
 DIGITS_ONLY = (
     "diffusion.weighting",

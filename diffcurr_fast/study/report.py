@@ -138,6 +138,7 @@ def summarize(spec: StudySpec, status: dict[tuple[str, int], dict]) -> dict[str,
             "wall_s": mean_std([st["wall_s"] for st in done.values()]),
             "sampling_flops": next(iter(done.values())).get("sampling_flops_per_image") if done else None,
             "base_sampling_flops": next(iter(done.values())).get("base_sampling_flops_per_image") if done else None,
+            "equal_sampling": {s: st["equal_sampling"] for s, st in done.items() if st.get("equal_sampling")},
         }
     lower = METRICS[spec.metric] == "lower"
     for name, a in arms.items():
@@ -209,6 +210,7 @@ def write_markdown(spec: StudySpec, arms: dict[str, Any], path: Path, study_dir:
             for k, v in a["sampling_flops"].items():
                 b = a["base_sampling_flops"][k]
                 lines.append(f"- {name}, {k}: {v:.3e} vs {b:.3e} for the base (x{b / v:.3f} fewer)")
+        lines += equal_sampling_lines(spec, arms, tdc)
     lines += [
         "",
         "## Plots",
@@ -224,6 +226,31 @@ def write_markdown(spec: StudySpec, arms: dict[str, Any], path: Path, study_dir:
     ]
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def equal_sampling_lines(spec: StudySpec, arms: dict[str, Any], tdc: dict[str, Any]) -> list[str]:
+    """The TDC bundles evaluated at the base model's sampling FLOPs (``runner._run_tdc``): FD per seed and the paired
+    difference with the reference arm's final FD."""
+    lines = []
+    for name, a in tdc.items():
+        eq = a["equal_sampling"]
+        if not eq or spec.metric not in next(iter(eq.values())):
+            continue
+        first = next(iter(eq.values()))
+        ref = arms[a["reference"]]["final"][spec.metric]
+        common = sorted(set(ref) & set(eq))
+        p = paired_t([eq[s][spec.metric] - ref[s] for s in common], METRICS[spec.metric] == "lower")
+        mean, std = mean_std([v[spec.metric] for v in eq.values()])
+        budget = first["sampling"]
+        lines += [
+            "",
+            f"At equal sampling FLOPs ({name}: {first['sampling_steps']} {spec.eval.get('sampler', '')} steps, "
+            f"{budget['multi_expert_flops_per_image']:.3e} FLOPs per image, within the base model's "
+            f"{budget['budget_flops_per_image']:.3e} at {budget['budget_base_steps']} steps): {spec.metric} "
+            f"{_fmt(mean)} +- {_fmt(std, 2)}; against {a['reference']}: mean diff {_fmt(p.mean)} "
+            f"[{_fmt(p.ci_lo)}, {_fmt(p.ci_hi)}], improved {p.improved}/{p.n}.",
+        ]
+    return lines
 
 
 def _color(plt, i: int):
@@ -336,6 +363,8 @@ def write_report(study_dir: str | Path, official_from: str | Path | None = None)
     (``speedrun.with_official_runs``)."""
     study_dir = Path(study_dir)
     spec, rows, status = collect(study_dir)
+    if official_from is not None and not spec.speedrun:
+        raise ValueError(f"--official-from applies to a speedrun study; {str(study_dir)!r} is not one")
     arms = summarize(spec, status)
     out = {"csv": write_csv(rows, study_dir / "results.csv")}
     out["report"] = write_markdown(spec, arms, study_dir / "report.md", study_dir)
@@ -345,8 +374,6 @@ def write_report(study_dir: str | Path, official_from: str | Path | None = None)
     out["samples"] = copy_samples(spec, study_dir)
     if spec.speedrun:
         out.update(write_speedrun(spec, rows, study_dir, official_from))
-    elif official_from is not None:
-        raise ValueError(f"--official-from applies to a speedrun study; {str(study_dir)!r} is not one")
     return out
 
 

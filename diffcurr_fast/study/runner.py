@@ -38,12 +38,13 @@ import yaml
 from diffcurr_fast._files import write_json
 from diffcurr_fast.eval.features import digits_classifier, mnist5k_classifier
 from diffcurr_fast.runs.checkpoint import latest_checkpoint
+from diffcurr_fast.runs.config import apply_overrides
 from diffcurr_fast.runs.sampling import build_model, build_schedule
 from diffcurr_fast.study.peer_dit import check_checkout
 from diffcurr_fast.study.spec import StudySpec, arm_config, check_spec, spec_from_dict
 from diffcurr_fast.study.speedrun import STEP_TIME_FILE
 from diffcurr_fast.tdc.flops import dit_flops
-from diffcurr_fast.tdc.pipeline import load_bundle_with_config, run_tdc
+from diffcurr_fast.tdc.pipeline import equal_sampling_steps, load_bundle_with_config, run_tdc
 from diffcurr_fast.train.evaluation import Evaluator
 from diffcurr_fast.train.loop import train
 from diffcurr_fast.train.report import read_metrics
@@ -252,9 +253,16 @@ def _run_tdc(cfg: Any, run_dir: Path) -> dict[str, Any]:
     multi, bcfg = load_bundle_with_config(out["bundle"])
     steps = int(acc["training"]["total_steps"])
     final: dict[str, Any] = {}
+    equal: dict[str, Any] = {}
     if _rank() == 0:
-        final = Evaluator(bcfg, run_dir)(steps, multi, build_schedule(bcfg))
+        schedule, e = build_schedule(bcfg), bcfg.eval
+        final = Evaluator(bcfg, run_dir)(steps, multi, schedule)
         write_json(final, run_dir / "bundle_eval.json", indent=1)
+        # the same evaluation at the base model's sampling FLOPs: the experts are smaller, so more steps
+        n, flops = equal_sampling_steps(multi, schedule, bcfg, acc["base_flops_per_forward"], e.sampler, e.steps)
+        equal = Evaluator(apply_overrides(bcfg, [f"eval.steps={n}"]), run_dir)(steps, multi, schedule)
+        equal |= {"sampling_steps": n, "sampling": flops}
+        write_json(equal, run_dir / "bundle_eval_equal_sampling.json", indent=1)
     sampling = {k: v["multi_expert_flops_per_image"] for k, v in acc["sampling"].items()}
     return {
         "steps": steps,
@@ -265,6 +273,7 @@ def _run_tdc(cfg: Any, run_dir: Path) -> dict[str, Any]:
         "sampling_flops_per_image": sampling,
         "base_sampling_flops_per_image": {k: v["base_flops_per_image"] for k, v in acc["sampling"].items()},
         "final": final,
+        "equal_sampling": equal,  # the bundle at the base model's sampling FLOPs (eval.steps of the base)
     }
 
 

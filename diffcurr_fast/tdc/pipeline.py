@@ -501,7 +501,8 @@ def accounting(
     train["ratio_with_search"] = train["tdc_flops_with_search"] / train["single_model_flops"]
     sampler, steps = grid_sampler(cfg)
     guided, T = cfg.logging.cfg_scale != 1.0, cfg.diffusion.num_timesteps
-    sampling = {f"{sampler}{steps}": sampling_flops(multi, base.flops, visited_times(multi, base, cfg), cfg=guided)}
+    visited = visited_times(multi, base.schedule, cfg, base.device, sampler, steps)
+    sampling = {f"{sampler}{steps}": sampling_flops(multi, base.flops, visited, cfg=guided)}
     if cfg.diffusion.formulation == "ddpm":
         sampling[f"ddpm{T}"] = sampling_flops(multi, base.flops, torch.arange(T), cfg=guided)
     return {
@@ -517,15 +518,17 @@ def accounting(
     }
 
 
-def visited_times(multi: MultiExpertDenoiser, base: Stage1, cfg: TrainConfig) -> torch.Tensor:
-    """The network input time of every evaluation the grid's sampler makes for one image (without guidance, which
-    doubles the batch, not the evaluations)."""
-    m, (sampler, steps) = cfg.model, grid_sampler(cfg)
+def visited_times(
+    multi: MultiExpertDenoiser, schedule: Any, cfg: TrainConfig, device: Any, sampler: str, steps: int
+) -> torch.Tensor:
+    """The network input time of every evaluation ``sampler`` at ``steps`` steps makes for one image (without
+    guidance, which doubles the batch, not the evaluations)."""
+    m = cfg.model
     return visited_input_times(
         multi,
         lambda model: sample(
             model,
-            base.schedule,
+            schedule,
             sampler=sampler,
             steps=steps,
             labels=torch.zeros(1, dtype=torch.long),
@@ -534,9 +537,29 @@ def visited_times(multi: MultiExpertDenoiser, base: Stage1, cfg: TrainConfig) ->
             num_classes=m.num_classes,
             readout=sampling_readout(cfg),
             seed=cfg.engine.seed,
-            device=base.device,
+            device=device,
         ),
     )
+
+
+def equal_sampling_steps(
+    multi: MultiExpertDenoiser, schedule: Any, cfg: TrainConfig, base_flops: float, sampler: str, steps: int
+) -> tuple[int, dict[str, Any]]:
+    """The most steps of ``sampler`` at which the multi-expert model costs no more sampling FLOPs per image than the
+    base model at ``steps`` (at least ``steps``), and the multi-expert FLOPs accounting there."""
+
+    def cost(n: int) -> dict[str, Any]:
+        return sampling_flops(multi, base_flops, visited_times(multi, schedule, cfg, device, sampler, n))
+
+    device = next(multi.parameters()).device
+    budget = cost(steps)["base_flops_per_image"]
+    n, acc = steps, cost(steps)
+    while n < cfg.diffusion.num_timesteps:
+        nxt = cost(n + 1)
+        if nxt["multi_expert_flops_per_image"] > budget:
+            break
+        n, acc = n + 1, nxt
+    return n, {**acc, "budget_base_steps": steps, "budget_flops_per_image": budget}
 
 
 def format_accounting(acc: dict[str, Any]) -> str:
