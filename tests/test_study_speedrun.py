@@ -162,6 +162,7 @@ def test_sample_efficiency_over_uniform_t_and_the_targets_by_hand():
     assert eff[1]["arms"]["fast"]["speedup"]["step"][0] == pytest.approx(400 / math.sqrt(300 * 200))
     text = "\n".join(sr.markdown(spec, res, eff))
     assert "### Sample efficiency: steps over uniform t" in text and "At FD 3 (arm vanilla's" in text
+    assert "At FD 6 (the threshold above)" in text
     # the targets: the best wall speed-up over the official arm; official at 400 steps x 0.04 s, fast at 100 x 0.01
     # s: x16 with no spread (a point interval), so met; the steps target met by fast at both thresholds
     assert res["arms"]["fast"]["speedup"]["wall_s"] == pytest.approx((16.0, 16.0, 16.0))

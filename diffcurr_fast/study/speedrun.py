@@ -350,10 +350,9 @@ def efficiency(
     main one) and at the uniform arm's own worst final smoothed FD. [] without that arm."""
     if UNIFORM_ARM not in {a.name for a in spec.arms}:
         return []
-    return [
-        analyse(spec, rows, step_time, reference=UNIFORM_ARM, threshold=threshold),
-        analyse(spec, rows, step_time, reference=UNIFORM_ARM),
-    ]
+    main = analyse(spec, rows, step_time, reference=UNIFORM_ARM, threshold=threshold)
+    main["threshold_rule"] = "the threshold above"
+    return [main, analyse(spec, rows, step_time, reference=UNIFORM_ARM)]
 
 
 def efficiency_section(eff: list[dict[str, Any]]) -> list[str]:
