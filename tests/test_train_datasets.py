@@ -491,16 +491,19 @@ def cfg(run, steps):
         "data.dataset=latents", f"data.path={data}", "data.backend=torch", "data.scale=0.5", "logging.progress=false",
         "logging.num_samples=0", "logging.plots=false", "checkpoint.export_ema=false", "engine.kind=ddp",
         "engine.device=cpu", f"engine.max_steps={steps}"])
+def run(engine):  # the trainers (and their DDP reducers) die on return, before the process group is destroyed
+    full = Trainer(cfg("full", 4), engine)
+    full.fit()
+    Trainer(cfg("part", 2), engine).fit()
+    resumed = Trainer(cfg("part", 4), engine, resume=True)
+    pos = resumed.loader.state_dict()
+    resumed.fit()
+    same = all(torch.equal(a, b) for a, b in zip(full.model.parameters(), resumed.model.parameters()))
+    return {"same": same, "shard": pos["shard_id"], "epoch": pos["epoch"], "start": pos["start"]}
 engine = create_engine("ddp", "cpu")
-full = Trainer(cfg("full", 4), engine)
-full.fit()
-Trainer(cfg("part", 2), engine).fit()
-resumed = Trainer(cfg("part", 4), engine, resume=True)
-pos = resumed.loader.state_dict()
-resumed.fit()
-same = all(torch.equal(a, b) for a, b in zip(full.model.parameters(), resumed.model.parameters()))
+res = run(engine)
 with open(f"{out}.{engine.rank}.json", "w") as fh:
-    json.dump({"same": same, "shard": pos["shard_id"], "epoch": pos["epoch"], "start": pos["start"]}, fh)
+    json.dump(res, fh)
 engine.close()
 """
 

@@ -35,6 +35,7 @@ SCRIPT = textwrap.dedent(
            "ema0": float(next(tr2.ema.module.parameters()).sum())}
     with open(f"{out}.{engine.rank}.json", "w") as fh:
         json.dump(res, fh)
+    del tr, tr2  # their DDP reducers die before the process group is destroyed, not at interpreter exit
     engine.close()
     """
 )

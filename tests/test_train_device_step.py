@@ -256,6 +256,7 @@ DDP_SCRIPT = textwrap.dedent(
             torch.save(_state(tr), f"{out}.{variant}.{name}.{engine.rank}.pt")
     with open(f"{out}.{engine.rank}.json", "w") as fh:
         json.dump({"rank": engine.rank}, fh)
+    del tr  # its DDP reducer dies before the process group is destroyed, not at interpreter exit
     engine.close()
     """
 )

@@ -168,16 +168,21 @@ DDP_SCRIPT = textwrap.dedent(
             "logging.num_samples=0", "logging.plots=false", "checkpoint.export_ema=false", "checkpoint.every=1000",
             "engine.kind=ddp", "engine.device=cpu", "engine.max_steps=12", "timesteps.importance_history=1",
             "timesteps.anuts_every=2", "timesteps.anuts_candidates=5", "timesteps.anuts_probes=2"]
+
+    def run(engine):  # the trainers (and their DDP reducers) die on return, before the process group is destroyed
+        res = {}
+        for sampler in ("importance", "anuts"):
+            tr = Trainer(load_config(None, base + [f"timesteps.sampler={sampler}"]), engine, overwrite=True)
+            x0, y = next(tr.loader)
+            ws, ks = [], []
+            for _ in range(12):
+                ks.append(tr.train_step(x0, y)["k"].tolist())
+                ws.append(tr.timesteps.weights().double().tolist())
+            res[sampler] = {"w": ws, "k": ks}
+        return res
+
     engine = create_engine("ddp", "cpu")
-    res = {}
-    for sampler in ("importance", "anuts"):
-        tr = Trainer(load_config(None, base + [f"timesteps.sampler={sampler}"]), engine, overwrite=True)
-        x0, y = next(tr.loader)
-        ws, ks = [], []
-        for _ in range(12):
-            ks.append(tr.train_step(x0, y)["k"].tolist())
-            ws.append(tr.timesteps.weights().double().tolist())
-        res[sampler] = {"w": ws, "k": ks}
+    res = run(engine)
     with open(f"{out}.{engine.rank}.json", "w") as fh:
         json.dump(res, fh)
     engine.close()
