@@ -164,7 +164,7 @@ def labelled(name: str, fn: Callable) -> Callable:
 def _op_category(name: str) -> str:
     base = name.split("::", 1)[1] if "::" in name else name
     ns = name.split("::", 1)[0] if "::" in name else ""
-    if ns == "diffcurr_fast" or base.startswith("diffcurr"):
+    if ns in ("diffcurr_fast", "diffcurr_fast_C") or base.startswith("diffcurr"):  # custom ops and raw kernels
         return "fused ops"
     if (
         "scaled_dot_product" in base
@@ -215,7 +215,8 @@ def breakdown(step: Callable[[], object], steps: int = 2, sync: Callable[[], Non
             if ev.name.startswith("## Call CompiledFxGraph"):  # inductor's own kernels report as their graph
                 cat = "compiled kernels"
             else:
-                cat = _op_category(ev.name) if ev.name.startswith(("aten::", "diffcurr_fast::")) else "unattributed"
+                op = ev.name.startswith(("aten::", "diffcurr_fast::", "diffcurr_fast_C::"))
+                cat = _op_category(ev.name) if op else "unattributed"
         out[cat] += ev.self_cpu_time_total / 1e3
     top_level = sum(ev.cpu_time_total for ev in events if ev.cpu_parent is None) / 1e3
     out["unattributed"] += max(wall * 1e3 - top_level, 0.0)  # Python between the ops

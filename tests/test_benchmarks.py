@@ -48,3 +48,23 @@ def test_bench_train_compiled_step(tmp_path):
     for mode in ("given", "seed"):
         for label in ("plain-torch loss", "our ops"):
             assert f"compiled step, {label}, {mode} noise:" in out
+
+
+def test_step_breakdown_counts_the_raw_kernels_as_fused_ops():
+    """The C++ kernels (``diffcurr_fast_C::*``) are ops of the step, not unattributed Python time."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import step_breakdown as sb
+
+    from diffcurr_fast.ops import _backend
+
+    if _backend.unavailable_reason("cpu", "gated_residual_fwd", torch.device("cpu")) is not None:
+        import pytest
+
+        pytest.skip("the C++ extension is not built")
+    x, gate = torch.randn(64, 256, 256), torch.randn(64, 256)
+    kernel = torch.ops.diffcurr_fast_C.gated_residual_fwd
+    assert sb._op_category("diffcurr_fast_C::gated_residual_fwd") == "fused ops"
+    out = sb.breakdown(lambda: [kernel(x, gate, x) for _ in range(4)], steps=2)
+    assert out["fused ops"] > 0.5 * out["total"], out  # the kernels' own time, not "unattributed"
