@@ -232,7 +232,7 @@ def test_auto_runs_mixed_dtype_gated_residual_on_triton_instead_of_a_cuda_cast(m
     seen = []
     monkeypatch.setattr(mod._common, "backend_for", lambda op, x, backend: backend or "cuda")
     monkeypatch.setattr(mod._backend, "unavailable_reason", lambda b, op, dev: None)
-    monkeypatch.setattr(mod, "_gated_fwd_op", lambda x, g, y, name: seen.append(name))
+    monkeypatch.setattr(mod, "_gated_apply", lambda x, g, y, name: seen.append(name))
     monkeypatch.delenv(_backend.ENV_VAR, raising=False)
     x, gate = torch.randn(2, 3, 8), torch.randn(2, 8, dtype=torch.bfloat16)
     y = torch.randn(2, 3, 8, dtype=torch.bfloat16)
@@ -242,3 +242,37 @@ def test_auto_runs_mixed_dtype_gated_residual_on_triton_instead_of_a_cuda_cast(m
     monkeypatch.setenv(_backend.ENV_VAR, "cuda")
     gated_residual(x, gate, y)
     assert seen == ["triton", "cuda", "cuda", "cuda"]
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("wanted", [(True, True, True), (True, False, True), (False, True, False)])
+@pytest.mark.parametrize("shape", [(1, 1, 5), (3, 7, 24), (2, 19, 72)])
+def test_eager_functions_equal_the_custom_ops_bitwise(backend, wanted, shape):
+    """Eager calls go through plain autograd Functions; the custom ops (what torch.compile traces) give the same
+    outputs and the same gradients, bit for bit, with every subset of gradients asked for."""
+    import sys
+
+    mod = sys.modules[gated_residual.__module__]
+    _need(backend, "adaln_modulate_fwd")
+    B, N, D = shape
+    x, y = torch.randn(shape) * 3 + 1, torch.randn(shape)
+    shift, scale, gate = torch.randn(B, D), torch.randn(B, D), torch.randn(B, D)
+    g = torch.randn(shape)
+
+    def run(adaln, gated):
+        leaves = [v.clone().requires_grad_(w) for v, w in zip((x, shift, scale), wanted)]
+        leaves += [v.clone().requires_grad_(w) for v, w in zip((gate, y), wanted[1:])]
+        h = adaln(leaves[0], leaves[1], leaves[2], 1e-6, backend)[0]
+        out = gated(h, leaves[3], leaves[4], backend)
+        out.backward(g)
+        return [out.detach()] + [v.grad for v in leaves]
+
+    eager = run(mod._AdalnModulateFunction.apply, mod._GatedResidualFunction.apply)
+    ops = run(mod._adaln_fwd_op, mod._gated_fwd_op)
+    for a, b in zip(eager, ops):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.equal(a, b)
+    h = mod._adaln_apply(x.requires_grad_(), shift, scale, 1e-6, backend)[0]
+    assert type(h.grad_fn).__name__ == "_AdalnModulateFunctionBackward"  # eager calls take the Functions
+    assert type(mod._gated_apply(h, gate, y, backend).grad_fn).__name__ == "_GatedResidualFunctionBackward"

@@ -8,6 +8,7 @@ forward and one backward kernel (definitions and backward formulas in docs/ops.m
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from diffcurr_fast.ops import _backend, _common
 
@@ -142,12 +143,17 @@ def _adaln_setup(ctx, inputs, output):
     ctx.save_for_backward(x, scale, mean, rstd)
 
 
-def _adaln_backward(ctx, grad_y, grad_mean, grad_rstd):
+def _adaln_grads(ctx, grad_y, bwd):
+    """The input gradients from ``bwd`` (the backward custom op, or its table lookup in eager mode)."""
     x, scale, mean, rstd = ctx.saved_tensors
     need_shift, need_scale = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
     # without shift / scale gradients the kernel skips their column sums over N
-    gx, gshift, gscale = _adaln_bwd_op(grad_y, x, scale, mean, rstd, ctx.backend, need_shift or need_scale)
+    gx, gshift, gscale = bwd(grad_y, x, scale, mean, rstd, ctx.backend, need_shift or need_scale)
     return gx, gshift if need_shift else None, gscale if need_scale else None, None, None
+
+
+def _adaln_backward(ctx, grad_y, grad_mean, grad_rstd):
+    return _adaln_grads(ctx, grad_y, _adaln_bwd_op)
 
 
 _adaln_fwd_op.register_autograd(_adaln_backward, setup_context=_adaln_setup)
@@ -184,11 +190,12 @@ def _gated_setup(ctx, inputs, output):
     ctx.save_for_backward(gate, y)
 
 
-def _gated_backward(ctx, grad_out):
+def _gated_grads(ctx, grad_out, bwd):
+    """The input gradients from ``bwd`` (the backward custom op, or its table lookup in eager mode)."""
     gate, y = ctx.saved_tensors
     ggate = gy = None
     if ctx.needs_input_grad[1]:
-        ggate, gy = _gated_bwd_op(grad_out, gate, y, ctx.backend)
+        ggate, gy = bwd(grad_out, gate, y, ctx.backend)
         if not ctx.needs_input_grad[2]:
             gy = None
     elif ctx.needs_input_grad[2]:
@@ -198,7 +205,52 @@ def _gated_backward(ctx, grad_out):
     return grad_out, ggate, gy, None  # d out / d x is the identity
 
 
+def _gated_backward(ctx, grad_out):
+    return _gated_grads(ctx, grad_out, _gated_bwd_op)
+
+
 _gated_fwd_op.register_autograd(_gated_backward, setup_context=_gated_setup)
+
+
+# ---- eager mode: the same kernels and backward formulas through plain autograd Functions -------------------
+# A custom op's Python dispatch costs about 50 us per call and backward on a CPU, most of a small DiT block's
+# overhead; eager calls skip it. Under torch.compile the custom ops above are traced instead (their fake kernels).
+class _AdalnModulateFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, shift, scale, eps, backend):
+        y, mean, rstd = _ADALN_FWD[backend](x, shift, scale, eps)
+        _adaln_setup(ctx, (x, shift, scale, eps, backend), (y, mean, rstd))
+        ctx.mark_non_differentiable(mean, rstd)
+        return y, mean, rstd
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y, grad_mean, grad_rstd):
+        return _adaln_grads(ctx, grad_y, lambda g, x, s, m, r, b, aff: _ADALN_BWD[b](g, x, s, m, r, aff))
+
+
+class _GatedResidualFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, gate, y, backend):
+        _gated_setup(ctx, (x, gate, y, backend), None)
+        return _GATED_FWD[backend](x, gate, y)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        return _gated_grads(ctx, grad_out, lambda g, gate, y, b: _GATED_BWD[b](g, gate, y))
+
+
+def _adaln_apply(x, shift, scale, eps, backend):
+    if torch.compiler.is_compiling():
+        return _adaln_fwd_op(x, shift, scale, eps, backend)
+    return _AdalnModulateFunction.apply(x, shift, scale, eps, backend)
+
+
+def _gated_apply(x, gate, y, backend):
+    if torch.compiler.is_compiling():
+        return _gated_fwd_op(x, gate, y, backend)
+    return _GatedResidualFunction.apply(x, gate, y, backend)
 
 
 # ---- public API -------------------------------------------------------------------------------------------
@@ -229,7 +281,7 @@ def adaln_modulate(
     _check_block(x, {"shift": shift, "scale": scale})
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
         raise ValueError(f"eps must be a positive float, got {eps!r}")
-    y, _, _ = _adaln_fwd_op(x, shift, scale, float(eps), _common.backend_for("adaln_modulate_fwd", x, backend))
+    y, _, _ = _adaln_apply(x, shift, scale, float(eps), _common.backend_for("adaln_modulate_fwd", x, backend))
     return y
 
 
@@ -254,4 +306,4 @@ def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, *, back
         and _backend.available("triton", "gated_residual_fwd", x.device)
     ):
         name = "triton"  # auto: the CUDA kernel takes one dtype (it would need a cast copy of y); Triton reads both
-    return _gated_fwd_op(x, gate, y, name)
+    return _gated_apply(x, gate, y, name)
