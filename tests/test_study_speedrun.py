@@ -169,6 +169,10 @@ def test_sample_efficiency_over_uniform_t_and_the_targets_by_hand():
     targets = "\n".join(sr.targets_section(res, eff))
     assert "Best recipe `fast` reaches the threshold in 1/16" in targets and "**met** on this dataset" in targets
     assert targets.count("the fewest steps: `fast`") == 2 and "**not met**" not in targets
+    # at FD 6 both seeds agree (a point interval); at FD 3 two seeds of fast (300, 200) leave an interval below x1
+    assert targets.count("**met**.") == 1, targets
+    assert "x1.63 fewer than `vanilla`" in targets
+    assert "**met on the mean only: the 95% interval includes no gain**" in targets
     # a slower uniform arm than the threshold needs: the target is not met
     slow = [r for r in rows if r["arm"] != "fast"] + _rows("fast", 0, [8, 6, 4, 3]) + _rows("fast", 1, [8, 6, 5, 3])
     eff = sr.efficiency(spec, slow, st, 6.0)
