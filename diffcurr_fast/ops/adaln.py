@@ -97,11 +97,14 @@ _GATED_BWD = _backend.table(
 
 
 # ---- adaln_modulate ---------------------------------------------------------------------------------------
-@torch.library.custom_op("diffcurr_fast::adaln_modulate", mutates_args=())
-def _adaln_fwd_op(
+# Each op's body is a plain function: the custom op wraps it (for torch.compile), eager calls run it directly.
+def _adaln_fwd(
     x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _ADALN_FWD[backend](x, shift, scale, eps)
+
+
+_adaln_fwd_op = torch.library.custom_op("diffcurr_fast::adaln_modulate", mutates_args=())(_adaln_fwd)
 
 
 @_adaln_fwd_op.register_fake
@@ -111,8 +114,7 @@ def _(x, shift, scale, eps, backend):
     return torch.empty_like(x, memory_format=torch.contiguous_format), stats, torch.empty_like(stats)
 
 
-@torch.library.custom_op("diffcurr_fast::adaln_modulate_backward", mutates_args=())
-def _adaln_bwd_op(
+def _adaln_bwd(
     grad_y: torch.Tensor,
     x: torch.Tensor,
     scale: torch.Tensor,
@@ -123,6 +125,9 @@ def _adaln_bwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_x, grad_shift, grad_scale); without ``affine_grads`` the last two are empty (0,) tensors."""
     return _ADALN_BWD[backend](grad_y, x, scale, mean, rstd, affine_grads)
+
+
+_adaln_bwd_op = torch.library.custom_op("diffcurr_fast::adaln_modulate_backward", mutates_args=())(_adaln_bwd)
 
 
 @_adaln_bwd_op.register_fake
@@ -144,7 +149,7 @@ def _adaln_setup(ctx, inputs, output):
 
 
 def _adaln_grads(ctx, grad_y, bwd):
-    """The input gradients from ``bwd`` (the backward custom op, or its table lookup in eager mode)."""
+    """The input gradients from ``bwd`` (the backward custom op, or its plain body in eager mode)."""
     x, scale, mean, rstd = ctx.saved_tensors
     need_shift, need_scale = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
     # without shift / scale gradients the kernel skips their column sums over N
@@ -160,9 +165,11 @@ _adaln_fwd_op.register_autograd(_adaln_backward, setup_context=_adaln_setup)
 
 
 # ---- gated_residual ---------------------------------------------------------------------------------------
-@torch.library.custom_op("diffcurr_fast::gated_residual", mutates_args=())
-def _gated_fwd_op(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, backend: str) -> torch.Tensor:
+def _gated_fwd(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, backend: str) -> torch.Tensor:
     return _GATED_FWD[backend](x, gate, y)
+
+
+_gated_fwd_op = torch.library.custom_op("diffcurr_fast::gated_residual", mutates_args=())(_gated_fwd)
 
 
 @_gated_fwd_op.register_fake
@@ -170,11 +177,13 @@ def _(x, gate, y, backend):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("diffcurr_fast::gated_residual_backward", mutates_args=())
-def _gated_bwd_op(
+def _gated_bwd(
     grad_out: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _GATED_BWD[backend](grad_out, gate, y)
+
+
+_gated_bwd_op = torch.library.custom_op("diffcurr_fast::gated_residual_backward", mutates_args=())(_gated_bwd)
 
 
 @_gated_bwd_op.register_fake
@@ -191,7 +200,7 @@ def _gated_setup(ctx, inputs, output):
 
 
 def _gated_grads(ctx, grad_out, bwd):
-    """The input gradients from ``bwd`` (the backward custom op, or its table lookup in eager mode)."""
+    """The input gradients from ``bwd`` (the backward custom op, or its plain body in eager mode)."""
     gate, y = ctx.saved_tensors
     ggate = gy = None
     if ctx.needs_input_grad[1]:
@@ -218,7 +227,7 @@ _gated_fwd_op.register_autograd(_gated_backward, setup_context=_gated_setup)
 class _AdalnModulateFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, shift, scale, eps, backend):
-        y, mean, rstd = _ADALN_FWD[backend](x, shift, scale, eps)
+        y, mean, rstd = _adaln_fwd(x, shift, scale, eps, backend)
         _adaln_setup(ctx, (x, shift, scale, eps, backend), (y, mean, rstd))
         ctx.mark_non_differentiable(mean, rstd)
         return y, mean, rstd
@@ -226,19 +235,19 @@ class _AdalnModulateFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_y, grad_mean, grad_rstd):
-        return _adaln_grads(ctx, grad_y, lambda g, x, s, m, r, b, aff: _ADALN_BWD[b](g, x, s, m, r, aff))
+        return _adaln_grads(ctx, grad_y, _adaln_bwd)
 
 
 class _GatedResidualFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gate, y, backend):
         _gated_setup(ctx, (x, gate, y, backend), None)
-        return _GATED_FWD[backend](x, gate, y)
+        return _gated_fwd(x, gate, y, backend)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        return _gated_grads(ctx, grad_out, lambda g, gate, y, b: _GATED_BWD[b](g, gate, y))
+        return _gated_grads(ctx, grad_out, _gated_bwd)
 
 
 def _adaln_apply(x, shift, scale, eps, backend):
