@@ -5,6 +5,8 @@ Providers, same model and batch:
 - ``reference``: ``diffusion.ops_backend=reference`` (the same objective in pure torch, Philox noise in torch);
 - ``fused``: the fused ops (seeded Philox q_sample, fused diffusion_loss, on-device timestep sampling);
 - ``fused+compile``: the fused ops with ``torch.compile`` of the model (``--compile``);
+- ``fused+graphs``: the fused ops with ``engine.cuda_graphs`` (on CUDA the model compiled with mode
+  reduce-overhead, its forward and backward replayed as CUDA graphs; on CPU the device-side step alone);
 - ``official`` (``--peer-dit PATH``): the official DiT step (facebookresearch/DiT ``models.py``, its IDDPM
   ``training_losses``, AdamW(lr=1e-4, weight_decay=0) and ``update_ema``, as its ``train.py`` runs them), imported
   from the checkout at PATH (timm's three layers stubbed when timm is missing, see ``peer_dit.py``); it needs a
@@ -72,7 +74,7 @@ COLUMNS = [
     "torch",
     "git_rev",
 ]
-PROVIDERS = ("reference", "fused", "fused+compile", "official", "official+malloc")
+PROVIDERS = ("reference", "fused", "fused+compile", "fused+graphs", "official", "official+malloc")
 
 
 def _config(provider: str, args: argparse.Namespace, run_dir: str):
@@ -83,6 +85,7 @@ def _config(provider: str, args: argparse.Namespace, run_dir: str):
         f"engine.precision={args.precision}",
         "diffusion.ops_backend=" + ("reference" if provider == "reference" else "auto"),
         f"engine.compile={str(provider.endswith('compile')).lower()}",
+        f"engine.cuda_graphs={str(provider.endswith('graphs')).lower()}",
         "logging.progress=false",
         "data.dataset=digits",
         "data.path=",

@@ -62,7 +62,7 @@ _LOSS = (
     "--copy-mib {copy_mib} "
 )
 _TRAIN = (
-    "{py} benchmarks/bench_train.py --device {dev} --precision {dtype_lo} --providers fused --batch {train_batch} "
+    "{py} benchmarks/bench_train.py --device {dev} --precision {dtype_lo} "
     "--warmup {warmup} --reps {reps} --set model.input_size={latent} --peak-tflops {peak_tflops} "
     "--out {out}/train.csv "
 )
@@ -83,8 +83,16 @@ STEPS: tuple[Step, ...] = (
     Step("info_check", 90, "{py} -m diffcurr_fast.cli info --check --device {dev}"),
     Step("ops_loss_fp32", 60, _LOSS + "--warmup {warmup} --dtype fp32 --sizes {loss_size} --out {out}"),
     Step("ops_loss_bf16", 60, _LOSS + "--warmup {warmup} --dtype {dtype_lo} --sizes {loss_size} --out {out}"),
-    Step("train_b2", 60, _TRAIN + "--recipe dit_b2_vanilla --set model.preset={preset_b2}"),
-    Step("train_xl2", 75, _TRAIN + "--recipe dit_xl2 --set model.preset={preset_xl2}"),
+    Step(
+        "train_b2",
+        60,
+        _TRAIN + "--providers fused --batch {train_batch} --recipe dit_b2_vanilla --set model.preset={preset_b2}",
+    ),
+    Step(
+        "train_xl2",
+        75,
+        _TRAIN + "--providers fused --batch {train_batch} --recipe dit_xl2 --set model.preset={preset_xl2}",
+    ),
     # ---- everything else
     Step(
         "tests",
@@ -104,6 +112,13 @@ STEPS: tuple[Step, ...] = (
         "{py} benchmarks/bench_sampling.py --device {dev} --preset {preset_b2} --input-size {latent} "
         "--batch {sample_batch} --steps {sample_steps} --num-classes 1000 --attn-backend auto --no-compile --reps "
         "{reps_few} --groups {groups} --formulations ddpm,flow,edm --csv {out}/tdc_sampling.csv",
+    ),
+    # a small DiT, where launches and host reads cost most: the model replayed as CUDA graphs against eager
+    Step(
+        "train_graphs",
+        90,
+        _TRAIN + "--providers fused,fused+graphs --batch {graphs_batch} --recipe dit_b2_vanilla "
+        "--set model.preset={preset_s2}",
     ),
 )
 
@@ -127,6 +142,8 @@ VALUES: dict[str, tuple[str | list[str], str | list[str]]] = {
     "train_batch": ("256", "2"),
     "preset_b2": ("DiT-B/2", "DiT-S/2"),
     "preset_xl2": ("DiT-XL/2", "DiT-S/2"),
+    "preset_s2": ("DiT-S/2", "DiT-S/2"),
+    "graphs_batch": ("32", "2"),
     "peak_tflops": ("989", "1"),  # dense bf16 of an H100/H200 (datasheet)
     "sample_batch": ("64", "2"),
     "sample_steps": ("50", "2"),

@@ -8,7 +8,7 @@ import torch
 
 from diffcurr_fast.runs.config import load_config
 from diffcurr_fast.train.ema import EMA
-from diffcurr_fast.train.loop import NonFiniteLossError, Trainer, lr_at, train
+from diffcurr_fast.train.loop import NonFiniteLossError, Trainer, compile_mode, lr_at, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -320,6 +320,45 @@ def test_cuda_bf16_step(tmp_path):
     x, y = next(tr.loader)
     stats = tr.train_step(x.cuda(), y.cuda())
     assert math.isfinite(float(stats["loss"]))
+
+
+def test_compile_mode_captures_the_model_only_where_cuda_graphs_can(tmp_path):
+    """engine.cuda_graphs compiles the model with mode reduce-overhead on CUDA (engine.compile or not), nothing on
+    CPU; refused with one line for gradient accumulation and for more than one rank."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert compile_mode(tiny(tmp_path), cpu, 1) is None
+    assert compile_mode(tiny(tmp_path, "engine.compile=true"), cpu, 1) == "default"
+    assert compile_mode(tiny(tmp_path, "engine.compile=true"), cuda, 1) == "default"
+    assert compile_mode(tiny(tmp_path, "engine.cuda_graphs=true"), cpu, 1) is None
+    assert compile_mode(tiny(tmp_path, "engine.cuda_graphs=true", "engine.compile=true"), cpu, 1) == "default"
+    assert compile_mode(tiny(tmp_path, "engine.cuda_graphs=true"), cuda, 1) == "reduce-overhead"
+    assert compile_mode(tiny(tmp_path, "engine.cuda_graphs=true", "engine.compile=true"), cuda, 1) == "reduce-overhead"
+    with pytest.raises(ValueError, match="optim.grad_accum_steps=2"):
+        compile_mode(tiny(tmp_path, "engine.cuda_graphs=true", "optim.grad_accum_steps=2"), cuda, 1)
+    with pytest.raises(ValueError, match="2 ranks"):
+        compile_mode(tiny(tmp_path, "engine.cuda_graphs=true"), cuda, 2)
+    assert compile_mode(tiny(tmp_path, "engine.cuda_graphs=true", "optim.grad_accum_steps=2"), cpu, 2) is None
+    assert Trainer(tiny(tmp_path / "r", "engine.cuda_graphs=true", "engine.device=cpu")).graphs is False
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_step_matches_the_compiled_step(tmp_path):
+    """On CUDA, engine.cuda_graphs replays the model's forward and backward as CUDA graphs: the same weights, EMA
+    and losses as the model compiled without graphs, step after step (replays reuse the captured buffers)."""
+    runs = {}
+    for name, flag in (("graphs", "engine.cuda_graphs=true"), ("compiled", "engine.compile=true")):
+        tr = Trainer(tiny(tmp_path / name, "engine.device=cuda", flag, "optim.grad_clip=1.0"))
+        batches = [next(tr.loader) for _ in range(6)]
+        losses = [float(tr.train_step(x.cuda(), y.cuda())["loss"]) for x, y in batches]
+        runs[name] = (tr, losses)
+    (g, g_loss), (c, c_loss) = runs["graphs"], runs["compiled"]
+    assert g.graphs and not c.graphs
+    torch.testing.assert_close(g_loss, c_loss, rtol=1e-5, atol=1e-6)
+    for part in ("model", "ema"):
+        mine = (g.model if part == "model" else g.ema.module).parameters()
+        theirs = (c.model if part == "model" else c.ema.module).parameters()
+        for a, b in zip(mine, theirs, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_metrics_writer_and_telemetry(tmp_path):

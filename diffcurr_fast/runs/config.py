@@ -388,7 +388,8 @@ class EngineConfig:
         False,
         "a training step that reads nothing back to the host, as CUDA graph capture needs: a non-finite step is "
         "skipped on the device (optimizer, EMA and sampler statistics masked), the skip counts and stop rules are "
-        "read at the next log step (the graphs themselves are not captured)",
+        "read at the next log step; on CUDA the model is also compiled with mode reduce-overhead (its forward and "
+        "backward replayed as CUDA graphs; one process, no gradient accumulation)",
     )
 
     def validate(self) -> None:

@@ -11,7 +11,8 @@ RNG (label dropout), both checkpointed, so a resumed run repeats the uninterrupt
 
 With ``engine.cuda_graphs`` the vote stays on the device (``Engine.step`` returns it as a tensor): the optimizer, the
 EMA and the sampler's statistics are masked by it instead of being skipped on the host, and the skip counts
-(``SkipCounts``) and their stop rules are read at the next log step (or checkpoint).
+(``SkipCounts``) and their stop rules are read at the next log step (or checkpoint). On a CUDA device the model is
+then compiled with ``mode="reduce-overhead"`` (``compile_mode``): its forward and backward run as CUDA graphs.
 """
 
 from __future__ import annotations
@@ -86,6 +87,31 @@ def build_dataset(cfg: TrainConfig):
     if ymax >= m.num_classes:
         raise ValueError(f"data has label {ymax} but model.num_classes is {m.num_classes}")
     return ds
+
+
+def compile_mode(cfg: TrainConfig, device: torch.device, world_size: int) -> str | None:
+    """The model's ``torch.compile`` mode: None (eager), ``"default"`` (``engine.compile``) or ``"reduce-overhead"``
+    (``engine.cuda_graphs`` on a CUDA device, with or without ``engine.compile``): inductor captures the model's
+    forward and backward passes as CUDA graphs and replays them, and the step around them (the fused forward
+    process and loss, the clip, fused AdamW, the EMA, the sampler statistics) reads nothing back to the host. On
+    CPU there are no CUDA graphs: ``engine.cuda_graphs`` is the device-side step alone. ValueError for what the
+    capture does not cover: gradient accumulation (a micro-batch's replay would overwrite the gradients of the one
+    before it, which ``.grad`` still holds) and more than one rank (DDP's gradient hooks run between the graphs)."""
+    e = cfg.engine
+    if not (e.cuda_graphs and device.type == "cuda"):
+        return "default" if e.compile else None
+    if cfg.optim.grad_accum_steps > 1:
+        raise ValueError(
+            f"engine.cuda_graphs on CUDA captures the model's backward, which gradient accumulation cannot replay "
+            f"(optim.grad_accum_steps={cfg.optim.grad_accum_steps}); set optim.grad_accum_steps=1 or "
+            "engine.cuda_graphs=false"
+        )
+    if world_size > 1:
+        raise ValueError(
+            f"engine.cuda_graphs on CUDA captures the model on one process only ({world_size} ranks here: DDP's "
+            "gradient hooks run between the captured graphs); set engine.cuda_graphs=false"
+        )
+    return "reduce-overhead"
 
 
 class Trainer:
@@ -173,8 +199,10 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = build_optimizer(params, o, self.device)  # torch's fused AdamW (CUDA, CPU) or apex FusedAdam
         self.net, self.opt = self.engine.setup(self.model, self.opt, cfg)  # DeepSpeed: its engine, ZeRO optimizer
-        if e.compile:
-            self.net = torch.compile(self.net)
+        mode = compile_mode(cfg, self.device, self.engine.world_size)
+        if mode is not None:
+            self.net = torch.compile(self.net, mode=mode)
+        self.graphs = mode == "reduce-overhead"  # the model's CUDA graphs: each train_step begins a new replay
         self.backend = d.ops_backend
         self.step = 0
         self.nan_skips = 0  # skipped (non-finite) steps in all, in a row, and the first one (1-based, 0 = none)
@@ -195,6 +223,8 @@ class Trainer:
     def train_step(self, x0: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
         """One optimizer step on the per-rank batch (x0 (b, C, H, W), y (b,)); returns step statistics."""
         b, o = x0.shape[0], self.cfg.optim
+        if self.graphs:  # the previous step's graph outputs are dead: the replay may overwrite them
+            torch.compiler.cudagraph_mark_step_begin()
         k = sample_timesteps(
             b, self.timesteps.weights(), generator=self.gen, validate=False, backend=self.backend
         )  # (b,) cells of the composed sampler
