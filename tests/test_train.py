@@ -345,6 +345,9 @@ def test_compile_mode_captures_the_model_only_where_cuda_graphs_can(tmp_path):
 def test_cuda_graphs_step_matches_the_compiled_step(tmp_path):
     """On CUDA, engine.cuda_graphs replays the model's forward and backward as CUDA graphs: the same weights, EMA
     and losses as the model compiled without graphs, step after step (replays reuse the captured buffers)."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     runs = {}
     for name, flag in (("graphs", "engine.cuda_graphs=true"), ("compiled", "engine.compile=true")):
         tr = Trainer(tiny(tmp_path / name, "engine.device=cuda", flag, "optim.grad_clip=1.0"))
@@ -353,6 +356,7 @@ def test_cuda_graphs_step_matches_the_compiled_step(tmp_path):
         runs[name] = (tr, losses)
     (g, g_loss), (c, c_loss) = runs["graphs"], runs["compiled"]
     assert g.graphs and not c.graphs
+    assert not counters["inductor"]["cudagraph_skips"], "inductor fell back to eager instead of CUDA graphs"
     torch.testing.assert_close(g_loss, c_loss, rtol=1e-5, atol=1e-6)
     for part in ("model", "ema"):
         mine = (g.model if part == "model" else g.ema.module).parameters()
