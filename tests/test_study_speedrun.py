@@ -163,6 +163,12 @@ def test_sample_efficiency_over_uniform_t_and_the_targets_by_hand():
     text = "\n".join(sr.markdown(spec, res, eff))
     assert "### Sample efficiency: steps over uniform t" in text and "At FD 3 (arm vanilla's" in text
     assert "At FD 6 (the threshold above)" in text
+    # x16 = the step (0.04 / 0.01 s) x the recipe (vanilla 200 steps vs official 400) x the strategy (fast 100 vs 200)
+    assert (
+        "Where `fast`'s x16 comes from (ratios of geometric means; they multiply to it): the time per step x4 "
+        "(the official arm's over `fast`'s), the recipe x2 " in text
+    )
+    assert "the official arm sets nothing) and the timestep strategy x2 (`fast` over `vanilla`, in steps)" in text
     # the targets: the best wall speed-up over the official arm; official at 400 steps x 0.04 s, fast at 100 x 0.01
     # s: x16 with no spread (a point interval), so met; the steps target met by fast at both thresholds
     assert res["arms"]["fast"]["speedup"]["wall_s"] == pytest.approx((16.0, 16.0, 16.0))
@@ -200,6 +206,13 @@ def test_the_official_runs_of_a_longer_study_replace_the_studys_own():
     assert res["arms"]["official"]["per_seed"][0]["wall_s"] == pytest.approx(1600 * 0.02)  # this study's step time
     text = "\n".join(sr.official_runs_section(spec, res, "elsewhere"))
     assert "## Against the official recipe run longer (`elsewhere`)" in text and "| fast | 0/3 |" in text
+    assert "Where " not in text  # no arm reached it: no speed-up to split
+    # the steps over uniform t at this threshold, with the longer official runs in its table
+    rows += _rows("vanilla", 0, [6, 5, 4, 3.4]) + _rows("vanilla", 1, [6, 5, 4, 3])
+    eff = sr.efficiency(spec, sr.merged_rows(spec, rows, longer), st, res["threshold"])
+    text = "\n".join(sr.official_runs_section(spec, res, "elsewhere", eff[:1]))
+    assert "Steps over uniform t at FD 3.4 (this threshold):" in text
+    assert "| vanilla | 2/2 |" in text and "| official | 2/2 |" in text
 
 
 def test_speedrun_spec_errors():

@@ -395,7 +395,8 @@ def write_speedrun(
                 f"{str(official_from)!r} has no finished runs of arm {spec.speedrun['official_arm']!r} of a speedrun"
             )
         ext = speedrun.with_official_runs(spec, rows, st, other_rows)
-        text += speedrun.official_runs_section(spec, ext, str(official_from))
+        ext_eff = speedrun.efficiency(spec, speedrun.merged_rows(spec, rows, other_rows), st, ext["threshold"])
+        text += speedrun.official_runs_section(spec, ext, str(official_from), ext_eff[:1])
         extra["speedrun_official"] = speedrun.write_analysis(ext, study_dir / "speedrun_official.json")
     report = study_dir / "report.md"
     report.write_text(report.read_text() + "\n" + "\n".join(text) + "\n")

@@ -269,7 +269,7 @@ def markdown(spec: Any, res: dict[str, Any], eff: list[dict[str, Any]] | None = 
         )
     lines.append("")
     lines.append(plateau_line(sr, pl))
-    lines += ["", *table(res), ""]
+    lines += ["", *table(res), "", *decomposition(spec, res)]
     if eff:
         lines += efficiency_section(eff)
     lines += targets_section(res, eff)
@@ -293,16 +293,22 @@ def with_official_runs(
     """The analysis with the official arm's runs taken from another study (``official_rows``, e.g. the official
     recipe trained longer, ``speedrun_plateau``) in place of this study's: its threshold, plateau and time to it;
     this study's step times give every time axis."""
+    return analyse(spec, merged_rows(spec, rows, official_rows), step_time)
+
+
+def merged_rows(spec: Any, rows: list[dict[str, Any]], official_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` with the official arm's runs taken from ``official_rows`` (``with_official_runs``)."""
     official = spec.speedrun["official_arm"]
-    merged = [r for r in rows if r["arm"] != official] + [r for r in official_rows if r["arm"] == official]
-    return analyse(spec, merged, step_time)
+    return [r for r in rows if r["arm"] != official] + [r for r in official_rows if r["arm"] == official]
 
 
-def official_runs_section(spec: Any, res: dict[str, Any], source: str) -> list[str]:
-    """The report's section for ``with_official_runs``."""
+def official_runs_section(
+    spec: Any, res: dict[str, Any], source: str, eff: list[dict[str, Any]] | None = None
+) -> list[str]:
+    """The report's section for ``with_official_runs``; ``eff``: the steps over uniform t at its threshold."""
     seeds = res["arms"][res["official_arm"]]["seeds"]
     last = res["official_curve"][-1][0] if res["official_curve"] else "n/a"
-    return [
+    lines = [
         f"## Against the official recipe run longer (`{source}`)",
         "",
         f"The official arm's runs here are those of `{source}` (seeds {seeds}, {last} steps); every other arm "
@@ -312,7 +318,33 @@ def official_runs_section(spec: Any, res: dict[str, Any], source: str) -> list[s
         "",
         *table(res),
         "",
-        *targets_section(res, None),
+        *decomposition(spec, res),
+    ]
+    for r in eff or []:
+        lines += [f"Steps over uniform t at FD {_f(r['threshold'], 4)} (this threshold):", "", *table(r, ("step",)), ""]
+    return lines + targets_section(res, eff)
+
+
+def decomposition(spec: Any, res: dict[str, Any]) -> list[str]:
+    """The best arm's wall-time speed-up over the official recipe as three factors that multiply to it (ratios of
+    geometric means over seeds): the time per step (the official arm's over the arm's), the recipe (uniform t on the
+    base recipe, ``UNIFORM_ARM``, over the official recipe, in steps) and the timestep strategy (the arm over
+    ``UNIFORM_ARM``, in steps). [] when an arm or a speed-up is missing."""
+    best = _best(res, "wall_s", (res["reference"],))
+    uniform = res["arms"].get(UNIFORM_ARM, {}).get("speedup", {}).get("step")
+    if best is None or uniform is None or res["reference"] != res["official_arm"]:
+        return []
+    name, (wall, _, _) = best
+    steps = res["arms"][name]["speedup"]["step"][0]
+    official = next(a for a in spec.arms if a.name == res["official_arm"])
+    sets = ", ".join(f"`{s}`" for s in official.set) or "nothing"
+    return [
+        f"Where `{name}`'s x{_f(wall)} comes from (ratios of geometric means; they multiply to it): the time per "
+        f"step x{_f(wall / steps)} (the official arm's over `{name}`'s), the recipe x{_f(uniform[0])} "
+        f"(`{UNIFORM_ARM}`, uniform t on the base recipe, over the official recipe, in steps; the official arm "
+        f"sets {sets}) and the timestep strategy x{_f(steps / uniform[0])} (`{name}` over `{UNIFORM_ARM}`, in "
+        "steps).",
+        "",
     ]
 
 
