@@ -14,7 +14,7 @@ import yaml
 
 from diffcurr_fast.runs.config import load_config
 from diffcurr_fast.study.presets import preset_spec
-from diffcurr_fast.study.report import collect, mean_std, paired_t, summarize, write_report
+from diffcurr_fast.study.report import collect, mean_std, paired_t, sample_line, summarize, write_report
 from diffcurr_fast.study.runner import read_status, run_dir_of, run_study
 from diffcurr_fast.study.spec import load_spec, spec_from_dict
 from diffcurr_fast.train.loop import Trainer, train
@@ -308,3 +308,12 @@ def test_tdc_arm_resumes_a_started_run_and_restarts_one_killed_before_it_began(t
         with pytest.raises(RuntimeError, match="stop here"):
             runner._run_tdc(None, run_dir)
     assert seen == [(False, False), (False, True), (True, False)]
+
+
+def test_report_links_only_the_sample_grids_that_exist(tmp_path):
+    (tmp_path / "a.png").write_bytes(b"png")
+    line = sample_line({"a": {}, "b": {}}, tmp_path)
+    assert "[a](samples/a.png)" in line and "samples/b.png" not in line
+    assert "No grid for b" in line
+    assert "none" in sample_line({"b": {}}, tmp_path / "absent")
+    assert "No grid" not in sample_line({"a": {}}, tmp_path)

@@ -221,11 +221,26 @@ def write_markdown(spec: StudySpec, arms: dict[str, Any], path: Path, study_dir:
         "",
         "![loss per cluster](cluster_loss.png)",
         "",
-        "End-of-run sample grids (first seed of each arm): " + ", ".join(f"[{n}](samples/{n}.png)" for n in arms),
+        sample_line(arms, study_dir / "samples"),
         "",
     ]
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def sample_line(arms: dict[str, Any], samples: Path) -> str:
+    """Links to the arms' end-of-run grids in ``samples`` (``copy_samples``), naming the arms that have none."""
+    have = [n for n in arms if (samples / f"{n}.png").is_file()]
+    line = "End-of-run sample grids (first seed of each arm): " + (
+        ", ".join(f"[{n}](samples/{n}.png)" for n in have) if have else "none"
+    )
+    missing = [n for n in arms if n not in have]
+    if missing:
+        line += (
+            f". No grid for {', '.join(missing)}: no finished run directory of theirs was here when the report was "
+            "written (a report keeps the grids it copied before)"
+        )
+    return line + "."
 
 
 def equal_sampling_lines(spec: StudySpec, arms: dict[str, Any], tdc: dict[str, Any]) -> list[str]:
@@ -366,12 +381,11 @@ def write_report(study_dir: str | Path, official_from: str | Path | None = None)
     if official_from is not None and not spec.speedrun:
         raise ValueError(f"--official-from applies to a speedrun study; {str(study_dir)!r} is not one")
     arms = summarize(spec, status)
-    out = {"csv": write_csv(rows, study_dir / "results.csv")}
+    out = {"csv": write_csv(rows, study_dir / "results.csv"), "samples": copy_samples(spec, study_dir)}
     out["report"] = write_markdown(spec, arms, study_dir / "report.md", study_dir)
     out["metric_plot"] = plot_metric(spec, rows, study_dir / "metric_vs_step.png")
     out["timelines"] = plot_timelines(spec, study_dir, study_dir / "curriculum_timelines.png")
     out["cluster_loss"] = plot_cluster_loss(spec, study_dir, study_dir / "cluster_loss.png")
-    out["samples"] = copy_samples(spec, study_dir)
     if spec.speedrun:
         out.update(write_speedrun(spec, rows, study_dir, official_from))
     return out
