@@ -317,3 +317,25 @@ def test_report_links_only_the_sample_grids_that_exist(tmp_path):
     assert "No grid for b" in line
     assert "none" in sample_line({"b": {}}, tmp_path / "absent")
     assert "No grid" not in sample_line({"a": {}}, tmp_path)
+
+
+def test_copy_samples_keeps_an_earlier_seeds_grid_once_its_run_directory_is_gone(tmp_path):
+    from diffcurr_fast.study.report import copy_samples
+    from diffcurr_fast.study.runner import status_path
+
+    spec = spec_from_dict({"name": "s", "seeds": [0, 1], "eval_every": 1, "arms": [{"name": "a"}]})
+
+    def finished(seed: int, grid: bytes) -> None:
+        run_dir_of(tmp_path, "a", seed).mkdir(parents=True)
+        (run_dir_of(tmp_path, "a", seed) / "samples.png").write_bytes(grid)
+        status_path(tmp_path, "a", seed).parent.mkdir(exist_ok=True)
+        status_path(tmp_path, "a", seed).write_text("{}")
+
+    finished(0, b"seed0")
+    finished(1, b"seed1")
+    out = copy_samples(spec, tmp_path) / "a.png"
+    assert out.read_bytes() == b"seed0"
+    (run_dir_of(tmp_path, "a", 0) / "samples.png").unlink()  # seed 0's run directory lost, its grid kept
+    assert copy_samples(spec, tmp_path) / "a.png" == out and out.read_bytes() == b"seed0"
+    out.unlink()  # no grid kept: the first seed that has one
+    assert copy_samples(spec, tmp_path) / "a.png" == out and out.read_bytes() == b"seed1"

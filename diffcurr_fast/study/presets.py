@@ -41,8 +41,9 @@ plain-step twin of the best of them on the 28x28 mnist5k with 3 seeds. Settings:
   (``study --peer-dit PATH``);
 * our arms start from the embedded demo (cosine betas, AdamW 1e-3 after a 100-step warmup with cosine decay to
   1e-5, clip 1, the fused blocks): vanilla (uniform t, no weighting); MinSNR-5; the SNR curriculum (the demo's
-  patience pacing, N = 10) alone and with MinSNR (the demo default); the anti-curriculum; the adaptive pacing; the
-  timestep samplers lognormal, importance, SpeeD (with its weighting) and the CVPR 2025 adaptive sampler (anuts),
+  patience pacing, N = 10) alone and with MinSNR (the demo's default when the study was set, since replaced by
+  MinSNR alone); the anti-curriculum; the adaptive pacing; the timestep samplers lognormal, importance, SpeeD
+  (with its weighting) and the CVPR 2025 adaptive sampler (anuts),
   when the config has their ``timesteps`` section (left out, and said in the notes, otherwise); and vanilla on our
   plain step (``model.fused_adaln=false``, ``diffusion.ops_backend=reference``; the same math) so that the report
   splits the speed-up into step speed and sample efficiency;

@@ -231,7 +231,7 @@ def write_markdown(spec: StudySpec, arms: dict[str, Any], path: Path, study_dir:
 def sample_line(arms: dict[str, Any], samples: Path) -> str:
     """Links to the arms' end-of-run grids in ``samples`` (``copy_samples``), naming the arms that have none."""
     have = [n for n in arms if (samples / f"{n}.png").is_file()]
-    line = "End-of-run sample grids (first seed of each arm): " + (
+    line = "End-of-run sample grids (the first seed of each arm that had a run directory here): " + (
         ", ".join(f"[{n}](samples/{n}.png)" for n in have) if have else "none"
     )
     missing = [n for n in arms if n not in have]
@@ -424,14 +424,17 @@ def write_speedrun(
 
 
 def copy_samples(spec: StudySpec, study_dir: Path) -> Path:
-    """``samples/<arm>.png``: the end-of-run sample grid of each arm's first finished seed."""
+    """``samples/<arm>.png``: the end-of-run sample grid of each arm's first finished seed whose run directory is
+    here. A grid copied before is replaced only by the arm's first seed (a later seed's grid does not replace an
+    earlier seed's, kept after its run directory was removed)."""
     dest = study_dir / "samples"
     dest.mkdir(exist_ok=True)
     for arm in spec.arms:
         for seed in spec.seeds:
             grid = run_dir_of(study_dir, arm.name, seed) / "samples.png"
             if grid.is_file() and read_status(study_dir, arm.name, seed) is not None:
-                shutil.copyfile(grid, dest / f"{arm.name}.png")
+                if seed == spec.seeds[0] or not (dest / f"{arm.name}.png").is_file():
+                    shutil.copyfile(grid, dest / f"{arm.name}.png")
                 break
     return dest
 

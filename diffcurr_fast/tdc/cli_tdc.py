@@ -31,7 +31,6 @@ from diffcurr_fast.runs.config import (
 # TDC paper's stage 1; --curriculum turns it on), then three experts (N = 3, k = 0.5) with 2 x 3 candidate searches
 # and 200 fine-tuning steps each. A faster EMA (0.995) suits runs this short.
 TDC_DEMO: dict[str, dict[str, Any]] = copy.deepcopy(DEMO)
-TDC_DEMO["curriculum"]["pacing"] = "none"
 TDC_DEMO["optim"].update({"warmup_steps": 50, "schedule": "constant", "min_lr": 0.0, "ema_decay": 0.995})
 TDC_DEMO["engine"]["max_steps"] = 800
 TDC_DEMO["logging"].update({"num_samples": 100, "sample_steps": 50, "progress": False})

@@ -1,6 +1,6 @@
 """``diffcurr-fast train [RECIPE] [--set a.b=value ...] [--resume | --overwrite] [--dry-run]``.
 
-Without a recipe it runs the embedded demo (a small DiT with the SNR curriculum on the built-in digits). Under
+Without a recipe it runs the embedded demo (a small DiT with MinSNR-5 on the built-in digits). Under
 ``torchrun --nproc_per_node N -m diffcurr_fast.cli train ...`` it trains with DDP; with ``engine.kind=deepspeed``
 under ``deepspeed --num_gpus N --module diffcurr_fast.cli train ...`` (or torchrun) with ZeRO.
 """
