@@ -32,7 +32,7 @@ $(STAMP): $(SOURCES)
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS) tests
 
-# The embedded default run (small DiT, SNR curriculum, built-in digits, CPU) in a new run directory.
+# The embedded default run (small DiT, MinSNR-5, built-in digits, CPU) in a new run directory.
 demo: setup
 	$(PY) -m diffcurr_fast.cli train --run-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
 
