@@ -300,6 +300,7 @@ def test_cli_train_prints_where_outputs_are(tmp_path, capsys):
     assert cli_train.run(p.parse_args(argv)) == 0
     out = capsys.readouterr()
     assert f"sample grid: {run / 'samples.png'}" in out.out and "done: 2 steps" in out.out
+    assert "curriculum stage" not in out.out  # the demo trains without a curriculum: no stage to report
     # the start line names the dataset, the model (dimensions and parameter count), the engine and world size
     assert (
         "starting at step 0 of 2; data built-in digits (1x8x8, 10 classes); model custom DiT depth 1, width 32, "
@@ -311,6 +312,9 @@ def test_cli_train_prints_where_outputs_are(tmp_path, capsys):
         cli_train.run(p.parse_args(argv))
     assert cli_train.run(p.parse_args(argv + ["--resume", "--set", "engine.max_steps=3"])) == 0
     assert "resuming from" in capsys.readouterr().err
+    paced = ["--set", "curriculum.pacing=fixed", "--set", "curriculum.stage_iters=1", "--run-dir", str(tmp_path / "cl")]
+    assert cli_train.run(p.parse_args(argv + paced)) == 0
+    assert "skipped, curriculum stage 2" in capsys.readouterr().out  # with a curriculum, its stage at the end
 
 
 @pytest.mark.gpu

@@ -146,9 +146,10 @@ def run(args: argparse.Namespace) -> int:
         engine.close()
     if engine.is_main:
         first = f" (the first at step {summary['first_nan_skip']})" if summary["nan_skips"] else ""
+        stage = f", curriculum stage {summary['stage']}" if cfg.curriculum.pacing != "none" else ""
         print(
             f"done: {summary['step']} steps, final loss {summary['loss']:.4f}, {summary['nan_skips']} skipped"
-            f"{first}, curriculum stage {summary['stage']}"
+            f"{first}{stage}"
         )
         for key, label in (
             ("samples", "sample grid"),
