@@ -338,12 +338,23 @@ at::Tensor gelu_tanh_bwd_cpu(const at::Tensor& gy_in, const at::Tensor& x_in) {
 
 std::string cpu_isa() { return K().isa; }
 
+std::string set_cpu_isa(const std::string& isa) {
+  const cpu::KernelTable* previous = cpu::set_kernels(isa.c_str());
+  TORCH_CHECK(previous != nullptr, "diffcurr_fast_C::set_cpu_isa: instruction set '", isa,
+              "' is not supported here; this build and CPU run ", c10::Join(", ", cpu::supported_isas()));
+  return previous->isa;
+}
+
+std::vector<std::string> cpu_isas() { return cpu::supported_isas(); }
+
 }  // namespace
 }  // namespace dcf
 
 TORCH_LIBRARY(diffcurr_fast_C, m) {
   m.def("randn(int seed, int[] shape) -> Tensor", &dcf::randn_cpu);
   m.def("cpu_isa() -> str", &dcf::cpu_isa);
+  m.def("cpu_isas() -> str[]", &dcf::cpu_isas);
+  m.def("set_cpu_isa(str isa) -> str", &dcf::set_cpu_isa);
   m.def("randn_like(Tensor like, int seed) -> Tensor");
   m.def("q_sample(Tensor x0, Tensor a, Tensor c, Tensor? noise, int seed) -> Tensor");
   m.def(

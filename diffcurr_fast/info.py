@@ -81,7 +81,11 @@ def describe_device(device: torch.device) -> str:
         p = torch.cuda.get_device_properties(device)
         mem = p.total_memory / 2**30
         return f"{device}: {p.name}, sm_{p.major}{p.minor}, {mem:.0f} GiB, {p.multi_processor_count} SMs"
-    return f"cpu: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    line = f"cpu: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    isa = _backend.cpu_isa()
+    if isa is not None:  # DIFFCURR_CPU_ISA forces one of the supported sets
+        line += f", C++ kernels {isa} (supported here: {', '.join(_backend.cpu_isas())})"
+    return line
 
 
 def backend_table() -> list[tuple[str, str, str, str]]:

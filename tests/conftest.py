@@ -35,14 +35,77 @@ TINY_SETS = [
 # Under pytest-xdist each worker gets one thread: with as many workers as cores, more threads only fight.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+# Every test starts at this count. A trainer sets its engine.cpu_threads process-wide, also inside a module-scoped
+# fixture, which runs before a test's own fixtures: restoring the count found at a test's start would keep it.
+BASE_THREADS = torch.get_num_threads()
 
 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
-    threads = torch.get_num_threads()
+    torch.set_num_threads(BASE_THREADS)
     yield
-    torch.set_num_threads(threads)  # a trainer sets engine.cpu_threads process-wide; the next test gets it back
+    torch.set_num_threads(BASE_THREADS)
+
+
+def _cpu_isas() -> list:
+    """The instruction sets of the C++ CPU kernels that this build and CPU run ([None] without the extension)."""
+    from diffcurr_fast.ops import _backend
+
+    return _backend.cpu_isas() or [None]
+
+
+CPU_ISAS = _cpu_isas()
+
+
+def op_backends(*names: str) -> list:
+    """``parametrize`` values for an op test's ``backend``: the names as given, except that ``cpu`` becomes one
+    value per instruction set of the C++ kernels that this machine runs (ids ``cpu-generic``, ``cpu-avx2``,
+    ``cpu-avx512``), so that each variant a user's CPU may pick is checked against the reference here, not only
+    the one this machine picks."""
+    out = []
+    for name in names:
+        if name != "cpu" or CPU_ISAS == [None]:
+            out.append(name)
+            continue
+        out += [pytest.param(name, id=f"cpu-{isa}", marks=pytest.mark.cpu_isa(isa)) for isa in CPU_ISAS]
+    return out
+
+
+@pytest.fixture(params=[pytest.param(isa, id=f"isa={isa}", marks=pytest.mark.cpu_isa(isa)) for isa in CPU_ISAS])
+def each_cpu_isa(request):
+    """Run the test once per instruction set of the C++ CPU kernels (``op_backends``), for tests without a
+    ``backend`` parameter whose fused paths run on the CPU kernels (a fused model, the objective, the trainer's
+    step). The value is the set in use (None: no extension; the test's own skip applies)."""
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def _cpu_isa_marker(request):
+    """A test marked ``cpu_isa(name)`` runs the C++ CPU kernels of that instruction set."""
+    marker = request.node.get_closest_marker("cpu_isa")
+    if marker is None or marker.args[0] is None:
+        yield
+        return
+    from diffcurr_fast.ops import _backend
+
+    with _backend.use_cpu_isa(marker.args[0]):
+        yield
+
+
+def assert_near_reference(actual: torch.Tensor, ref: torch.Tensor, rel: float, what: str = "") -> None:
+    """Closeness to a (float64) reference, scaled to the tensor: ||actual - ref|| / ||ref|| <= rel, and no element
+    off by more than 10 rel of the largest reference value. Two float32 paths differ by rounding whose size
+    follows the tensor's scale, so an absolute tolerance that holds for one tensor, CPU or instruction set can
+    fail on another (a gradient of a few hundred against atol 1e-4); a fixed relative one is as strict for all."""
+    a, r = actual.detach().double(), ref.detach().double()
+    assert a.shape == r.shape, f"{what}: shape {tuple(a.shape)} against {tuple(r.shape)}"
+    assert bool(torch.isfinite(a).all()), f"{what}: non-finite values"
+    err = float((a - r).norm() / r.norm().clamp_min(1e-300))
+    worst = float((a - r).abs().max() / r.abs().max().clamp_min(1e-300))
+    assert err <= rel and worst <= 10 * rel, (
+        f"{what}: relative error {err:.2e}, worst element {worst:.2e} of the largest (limit {rel})"
+    )
 
 
 @pytest.fixture

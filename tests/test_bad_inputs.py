@@ -336,7 +336,8 @@ def test_sample_batches_match_and_bound_the_batch(trained, tmp_path, monkeypatch
     assert load_images(tmp_path / "a.npz").shape == (5, 1, 8, 8)  # our eval reads the ADM layout
 
 
-def test_sample_under_torchrun_matches_one_process(trained, tmp_path):
+def test_sample_under_torchrun_matches_one_process(trained, tmp_path, one_thread):
+    # bitwise equality needs the same thread count on both sides: one here, OMP_NUM_THREADS=1 under torchrun
     common = [
         "--ckpt",
         str(trained),

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_near_reference
 
 from diffcurr_fast.models import DiT, DiT_models, create_dit
 from diffcurr_fast.models import dit as dit_module
@@ -311,15 +312,17 @@ def test_forward_with_cfg_equals_manual_guidance(guide_all):
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_attention_backends_agree_in_model(batch):
+    # each float32 backend against a float64 copy, with a tolerance scaled to the output (about 12 here): two float32
+    # attention kernels round differently by CPU and vector width, so they are not held to each other
     a = _rand_params_(_tiny(input_size=10, attn_backend="math"))  # 25 tokens
-    outs = []
     x, t, y = _inputs(batch, a, dtype=torch.float32)
+    ref = _tiny(input_size=10, attn_backend="math").double()
+    ref.load_state_dict(a.state_dict())
+    want = ref.eval()(x.double(), t, y)
     for backend in ("math", "sdpa", "auto"):
         m = _tiny(input_size=10, attn_backend=backend)
         m.load_state_dict(a.state_dict())
-        outs.append(m.eval()(x, t, y))
-    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(outs[2], outs[0], atol=1e-5, rtol=1e-5)
+        assert_near_reference(m.eval()(x, t, y), want, 1e-4, backend)  # measured: up to 1.1e-5 (AMD, seeds 0-3)
 
 
 def test_explicit_flash_attn_unusable_is_loud():

@@ -26,7 +26,7 @@ def _pair():
 
 @pytest.mark.parametrize("prediction", ["epsilon", "v_prediction"])
 @pytest.mark.parametrize("batch", [1, 3, 17])
-def test_same_loss_and_gradients(prediction, batch):
+def test_same_loss_and_gradients(prediction, batch, each_cpu_isa):
     model_a, model_b = _pair()
     x0 = torch.randn(batch, 1, 8, 8)
     noise = torch.randn_like(x0)
@@ -41,7 +41,7 @@ def test_same_loss_and_gradients(prediction, batch):
         torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-4, atol=1e-6, msg=f"gradient of {name}")
 
 
-def test_seeded_fused_step_equals_stored_noise_step():
+def test_seeded_fused_step_equals_stored_noise_step(each_cpu_isa):
     model_a, model_b = _pair()
     x0 = torch.randn(3, 1, 8, 8)
     t = torch.tensor([5, 400, 990])

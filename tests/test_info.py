@@ -23,6 +23,14 @@ def test_report_lists_every_op_backend_and_reason(capsys):
     assert all(cpu[(op, "cuda")].startswith("no: backend 'cuda' needs CUDA tensors") for op in info.OPS)
 
 
+def test_cpu_line_names_the_kernels_instruction_set(each_cpu_isa):
+    line = info.describe_device(torch.device("cpu"))
+    if each_cpu_isa is None:
+        assert "C++ kernels" not in line
+    else:
+        assert line.endswith(f", C++ kernels {each_cpu_isa} (supported here: {', '.join(_backend.cpu_isas())})")
+
+
 def test_check_passes_on_every_cpu_backend():
     rows, ok = info.check("cpu")
     assert ok, [r for r in rows if not r[-1].startswith(("ok", "skipped"))]

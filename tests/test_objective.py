@@ -138,7 +138,7 @@ def test_edm_cell_prior_is_the_log_normal_mass():
 
 
 @pytest.mark.parametrize("formulation", ["ddpm", "flow", "edm"])
-def test_fused_backend_matches_reference(formulation):
+def test_fused_backend_matches_reference(formulation, each_cpu_isa):
     """The cpu backend computes what the reference backend defines (float32, same Philox noise)."""
     from diffcurr_fast.ops import available_backends
 

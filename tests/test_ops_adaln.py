@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import op_backends
 
 from diffcurr_fast.ops import _backend, adaln_modulate, gated_residual
 
@@ -21,7 +22,7 @@ def _ref_modulate(x, shift, scale, eps=1e-6):
     return F.layer_norm(x, x.shape[-1:], eps=eps) * (1 + scale[:, None, :]) + shift[:, None, :]
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("backend", op_backends("reference", "cpu", "triton"))
 @pytest.mark.parametrize("shape", SHAPES)
 def test_adaln_modulate_matches_float64(backend, shape):
     _need(backend, "adaln_modulate_fwd")
@@ -40,7 +41,7 @@ def test_adaln_modulate_matches_float64(backend, shape):
         torch.testing.assert_close(mine.grad.double(), theirs.grad, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("backend", op_backends("reference", "cpu", "triton"))
 @pytest.mark.parametrize("shape", SHAPES)
 def test_gated_residual_matches_float64(backend, shape):
     _need(backend, "gated_residual_fwd")
@@ -59,7 +60,7 @@ def test_gated_residual_matches_float64(backend, shape):
         torch.testing.assert_close(mine.grad.double(), theirs.grad, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("backend", op_backends("reference", "cpu", "triton"))
 @pytest.mark.parametrize("wanted", ["x", "y", "gate", "gate+y"])
 @pytest.mark.parametrize("shape", [(1, 3, 7), (3, 66, 33), (17, 2, 5)])
 def test_gated_residual_partial_grads(backend, wanted, shape):
@@ -81,7 +82,7 @@ def test_gated_residual_partial_grads(backend, wanted, shape):
             assert leaf.grad is None
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("backend", op_backends("reference", "cpu", "triton"))
 @pytest.mark.parametrize("wanted", ["x", "shift", "scale+x", "shift+scale"])
 @pytest.mark.parametrize("shape", [(1, 3, 7), (3, 66, 33), (17, 2, 5)])
 def test_adaln_modulate_partial_grads(backend, wanted, shape):
@@ -102,7 +103,7 @@ def test_adaln_modulate_partial_grads(backend, wanted, shape):
             assert leaf.grad is None
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("backend", op_backends("reference", "cpu"))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_backward(backend, dtype):
     _need(backend, "gated_residual_fwd")
@@ -121,7 +122,7 @@ def test_half_precision_backward(backend, dtype):
         torch.testing.assert_close(mine.grad.double(), theirs.grad, rtol=5e-2, atol=2e-1)
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("backend", op_backends("reference", "cpu", "triton"))
 def test_dit_block_path_composes(backend):
     _need(backend, "adaln_modulate_fwd")
     B, N, D = 3, 5, 40
@@ -203,7 +204,7 @@ def test_triton_backward_loops_over_rows_with_bounded_partials(monkeypatch, targ
         torch.testing.assert_close(g.double(), t6.grad, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("backend", op_backends("reference", "cpu", "triton"))
 def test_gated_residual_mixed_dtypes(backend):
     # autocast: fp32 residual stream, bf16 gate and attention output; result and grad_x fp32, grad_y bf16
     _need(backend, "gated_residual_fwd")
@@ -244,7 +245,7 @@ def test_auto_runs_mixed_dtype_gated_residual_on_triton_instead_of_a_cuda_cast(m
     assert seen == ["triton", "cuda", "cuda", "cuda"]
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("backend", op_backends("reference", "cpu", "triton"))
 @pytest.mark.parametrize("wanted", [(True, True, True), (True, False, True), (False, True, False)])
 @pytest.mark.parametrize("shape", [(1, 1, 5), (3, 7, 24), (2, 19, 72)])
 def test_eager_functions_equal_the_custom_ops_bitwise(backend, wanted, shape):

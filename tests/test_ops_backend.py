@@ -4,6 +4,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import op_backends
 
 import diffcurr_fast.ops as ops
 from diffcurr_fast.diffusion import DDPMSchedule
@@ -114,7 +115,7 @@ def _forward_cases(backend, x0, noise, pred, a, c):
     ]
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("backend", op_backends("reference", "cpu", "triton"))
 def test_opcheck(backend):
     if _backend.unavailable_reason(backend, "q_sample", CPU) is not None:
         pytest.skip(_backend.unavailable_reason(backend, "q_sample", CPU))
@@ -127,7 +128,7 @@ def test_opcheck(backend):
 
 
 # ---- torch.compile ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("backend", op_backends("reference", "cpu"))
 def test_compile_fullgraph_training_step(backend):
     if backend not in _cpu_backends("diffusion_loss_fwd"):
         pytest.skip(_backend.unavailable_reason(backend, "diffusion_loss_fwd", CPU))

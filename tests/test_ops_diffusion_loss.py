@@ -4,6 +4,7 @@ import sys
 
 import pytest
 import torch
+from conftest import op_backends
 
 from diffcurr_fast.diffusion import DDPMSchedule, loss_weights
 from diffcurr_fast.ops import _backend, diffusion_loss, diffusion_loss_coef, philox_randn_ref, q_sample
@@ -28,7 +29,7 @@ def _ref_loss(pred64, x0, noise, t, prediction, weighting, gamma, weights=None):
     return w * (pred64 - tgt).square().flatten(1).mean(1)
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("backend", op_backends("reference", "cpu", "triton"))
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize(
     "prediction,weighting", [("eps", "none"), ("eps", "min_snr"), ("x0", "min_snr"), ("v", "min_snr"), ("v", "p2")]
@@ -64,7 +65,7 @@ def test_loss_and_grad_match_float64(backend, shape, prediction, weighting):
     torch.testing.assert_close(pred.grad.double(), p64.grad, rtol=2e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("backend", op_backends("reference", "cpu", "triton"))
 @pytest.mark.parametrize("shape", [(1, 37), (3, 3, 5, 7)])
 def test_seeded_loss_regenerates_q_sample_noise(backend, shape):
     _need(backend)
@@ -84,7 +85,7 @@ def test_seeded_loss_regenerates_q_sample_noise(backend, shape):
     torch.testing.assert_close(pred.grad.double(), p64.grad, rtol=2e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("backend", op_backends("reference", "cpu", "triton"))
 def test_coef_form_flow_and_edm(backend):
     _need(backend)
     B, shape = 3, (3, 4, 6)
@@ -105,7 +106,7 @@ def test_coef_form_flow_and_edm(backend):
     torch.testing.assert_close(got, w * (pred.detach() - x0).square().flatten(1).mean(1), rtol=2e-5, atol=1e-6)
 
 
-def test_half_precision_pred():
+def test_half_precision_pred(each_cpu_isa):
     x0 = torch.randn(3, 33, dtype=torch.bfloat16)
     noise = torch.randn(3, 33, dtype=torch.bfloat16)
     pred = torch.randn(3, 33, dtype=torch.bfloat16, requires_grad=True)
@@ -129,7 +130,7 @@ def test_float64_gradcheck_on_reference():
     torch.autograd.gradcheck(f, (pred,))
 
 
-def test_non_contiguous_inputs():
+def test_non_contiguous_inputs(each_cpu_isa):
     x0 = torch.randn(6, 5).t()
     noise = torch.randn(6, 5).t()
     pred = torch.randn(6, 5).t().requires_grad_()
@@ -172,7 +173,7 @@ def test_bad_inputs():
         diffusion_loss(pred, x0, None, t, SCHED, seed=1, weighting="min_snr", gamma=-1.0)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "triton"])
+@pytest.mark.parametrize("backend", op_backends("cpu", "triton"))
 def test_float16_kernels_match_reference(backend):
     _need(backend)
     x0 = torch.randn(3, 37, dtype=torch.float16)
@@ -194,7 +195,7 @@ def _min_snr_weight(snr, prediction, gamma):
     return {"x0": w, "eps": w / snr, "v": w / (snr + 1)}[prediction]
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("backend", op_backends("reference", "cpu", "triton"))
 @pytest.mark.parametrize("prediction", ["eps", "x0", "v"])
 def test_min_snr_gamma_reaches_every_backend(backend, prediction):
     """gamma in {1, 5, 20}, one after another on the same schedule (a weight table cached per gamma must not be
@@ -237,7 +238,7 @@ def test_min_snr_gamma_reaches_every_backend(backend, prediction):
 
 
 # ---- the gradient written by the forward: returned as is, rescaled, retained graphs, second derivatives ------
-@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("backend", op_backends("reference", "cpu", "triton"))
 @pytest.mark.parametrize("upstream", ["backward()", "scaled", "retain_graph twice"])
 def test_mean_gradient_paths_match_float64(backend, upstream):
     _need(backend)
@@ -288,7 +289,7 @@ def test_no_second_derivative():
         torch.autograd.grad(loss, pred, create_graph=True)
 
 
-def test_eps_target_never_reads_x0():
+def test_eps_target_never_reads_x0(each_cpu_isa):
     # p = 0 for eps prediction: the kernels leave x0 unread, so even a non-finite x0 cannot reach the loss
     _need("cpu")
     x0, noise, t = torch.randn(3, 40), torch.randn(3, 40), torch.tensor([0, 400, 999])
@@ -306,7 +307,7 @@ def _sliced(B, C, H, W, offset, dtype=torch.float32):
     return out, out[:, offset : offset + C]  # each sample contiguous, (2C + offset) H W elements apart
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("backend", op_backends("reference", "cpu", "triton"))
 @pytest.mark.parametrize("shape", [(1, 3, 5, 7), (5, 3, 5, 7), (4, 4, 4, 4)])
 @pytest.mark.parametrize("offset", [0, 1])  # 1: a storage offset, rows not 16-byte aligned
 @pytest.mark.parametrize("seeded,reduction", [(False, "none"), (True, "none"), (True, "mean")])
@@ -335,7 +336,7 @@ def test_channel_slice_matches_float64(backend, shape, offset, seeded, reduction
     torch.testing.assert_close(out.grad.double(), o64.grad, rtol=2e-5, atol=1e-7)  # zero outside the slice
 
 
-@pytest.mark.parametrize("backend", ["cpu", "triton"])
+@pytest.mark.parametrize("backend", op_backends("cpu", "triton"))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_channel_slice_16bit_matches_contiguous(backend, dtype):
     # the same bits whether pred is the slice or a contiguous copy of it
@@ -371,7 +372,7 @@ def test_channel_slice_is_not_copied():
     )
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("backend", op_backends("reference", "cpu", "triton"))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_skipped_rescale_keeps_bits(backend, dtype, monkeypatch):
     """An upstream gradient of exactly one: the CPU hands over the forward's buffer, a GPU (emulated: the check

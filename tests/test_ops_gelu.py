@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_near_reference
 
 from diffcurr_fast import ops
 from diffcurr_fast.models.dit import DiT
@@ -24,7 +25,7 @@ def _f64(x):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_cpu_kernel_matches_float64(shape):
+def test_cpu_kernel_matches_float64(shape, each_cpu_isa):
     _need_cpu()
     x = (torch.randn(shape) * 4).requires_grad_()
     y = ops.gelu_tanh(x, backend="cpu")
@@ -38,7 +39,7 @@ def test_cpu_kernel_matches_float64(shape):
     torch.testing.assert_close(y, F.gelu(x.detach(), approximate="tanh"), rtol=1e-5, atol=2e-6)
 
 
-def test_cpu_kernel_extremes():
+def test_cpu_kernel_extremes(each_cpu_isa):
     # saturation on both sides (exp's input is clamped), zero, tiny values, and where 1 + tanh(u) cancels
     _need_cpu()
     x = torch.tensor([-1e4, -100.0, -20.0, -9.0, -5.0, -3.0, -1e-30, 0.0, 1e-30, 3.0, 9.0, 100.0, 1e4])
@@ -54,7 +55,7 @@ def test_cpu_kernel_extremes():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cpu_kernel_low_precision(dtype):
+def test_cpu_kernel_low_precision(dtype, each_cpu_isa):
     # float32 arithmetic, rounded once on store
     _need_cpu()
     x = (torch.randn(5, 301) * 3).to(dtype)
@@ -68,7 +69,7 @@ def test_cpu_kernel_low_precision(dtype):
     torch.testing.assert_close(gx.double(), xd.grad, rtol=1e-2, atol=1e-2)
 
 
-def test_non_contiguous_input_and_no_second_derivative():
+def test_non_contiguous_input_and_no_second_derivative(each_cpu_isa):
     _need_cpu()
     x = torch.randn(6, 10).t().requires_grad_()  # (10, 6), transposed
     y = ops.gelu_tanh(x, backend="cpu")
@@ -78,7 +79,7 @@ def test_non_contiguous_input_and_no_second_derivative():
         torch.autograd.grad(gx.sum(), x)
 
 
-def test_dispatch_rules():
+def test_dispatch_rules(each_cpu_isa):
     x = torch.randn(8)
     assert torch.equal(ops.gelu_tanh(x, backend="reference"), F.gelu(x, approximate="tanh"))
     assert torch.equal(ops.gelu_tanh(x.double()), F.gelu(x.double(), approximate="tanh"))  # float64: torch
@@ -89,6 +90,7 @@ def test_dispatch_rules():
     with pytest.raises(ValueError, match="unknown ops backend 'bogus'"):
         ops.gelu_tanh(x, backend="bogus")
     fast = gelu._cpu_kernel_is_faster()
+    assert fast == (each_cpu_isa in ("avx2", "avx512"))  # the baseline build is slower than torch's: not used
     y = ops.gelu_tanh(x.requires_grad_())
     assert (type(y.grad_fn).__name__ == "GeluTanhFunctionBackward") == fast
 
@@ -100,7 +102,7 @@ def test_compiled_uses_torch_gelu():
     torch.testing.assert_close(fn(x), 2 * F.gelu(x, approximate="tanh"))
 
 
-def test_opcheck_raw_kernels():
+def test_opcheck_raw_kernels(each_cpu_isa):
     _need_cpu()
     raw = torch.ops.diffcurr_fast_C
     x = torch.randn(3, 37)
@@ -108,20 +110,31 @@ def test_opcheck_raw_kernels():
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
-def test_dit_fused_blocks_match_the_plain_model():
-    # float32 on the CPU kernels: fused_adaln swaps in the block fast paths (adaLN, gated residual, tanh-GELU)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_dit_fused_blocks_match_the_plain_model(each_cpu_isa, seed):
+    # float32 on the CPU kernels of each instruction set: fused_adaln swaps in the block fast paths (adaLN, gated
+    # residual, tanh-GELU). Fused and plain are two float32 paths whose rounding differs by CPU and instruction
+    # set, so each is held to a float64 copy of the model with a tolerance scaled to each tensor, not to the other.
     kw = dict(input_size=8, patch_size=2, in_channels=1, hidden_size=32, depth=2, num_heads=2, num_classes=10)
-    plain, fused = DiT(**kw), DiT(**kw, fused_adaln=True)
+    torch.manual_seed(seed)
+    plain, fused, ref = DiT(**kw), DiT(**kw, fused_adaln=True), DiT(**kw).double()
     with torch.no_grad():
         for p in plain.parameters():  # the zero-initialised adaLN and final layers would hide the blocks
-            p.normal_(std=0.2)
+            p.normal_(std=0.1)
     fused.load_state_dict(plain.state_dict())
+    ref.load_state_dict(plain.state_dict())
     x, t, y = torch.randn(3, 1, 8, 8), torch.tensor([1, 500, 999]), torch.tensor([0, 3, 9])
-    outs = []
-    for m in (plain, fused):
-        out = m(x, t, y)
+    results = {}
+    for name, m in (("plain", plain), ("fused", fused), ("float64", ref)):
+        m.eval()  # no class dropout: the three see the same labels
+        out = m(x.to(m.x_embedder.proj.weight.dtype), t, y)
         out.square().sum().backward()
-        outs.append((out, [p.grad for p in m.parameters()]))
-    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-4, atol=1e-5)
-    for a, b in zip(outs[1][1], outs[0][1]):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        results[name] = (out, [(n, p.grad) for n, p in m.named_parameters() if p.requires_grad])
+    want_out, want_grads = results["float64"]
+    for name in ("plain", "fused"):
+        out, grads = results[name]
+        # measured on AMD EPYC (AVX-512), every set, seeds 0-2: outputs 1.4e-6 to 3.0e-6, gradients up to 1.1e-5
+        # (relative to each tensor, fused and plain alike): the limits leave about 7x
+        assert_near_reference(out, want_out, 2e-5, f"{name} output")
+        for (n, g), (_, g64) in zip(grads, want_grads):
+            assert_near_reference(g, g64, 1e-4, f"{name} grad of {n}")

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import assert_near_reference
 
 import diffcurr_fast.ops as ops
 from diffcurr_fast.diffusion import DDPMSchedule
@@ -13,19 +14,6 @@ SCHED = DDPMSchedule(1000)
 
 def _dev() -> torch.device:
     return torch.device("cuda")
-
-
-def _assert_near(actual: torch.Tensor, ref: torch.Tensor, rel: float, what: str) -> None:
-    """Reference-based closeness: ||actual - ref|| / ||ref|| <= rel, and no element off by more than 10 rel of the
-    largest reference value. The GPU backends differ from the reference by a few ulp (libdevice sin/cos/log,
-    sqrt.approx.ftz), which an absolute tolerance on small values (a gradient of 1e-6) would call a failure."""
-    a, r = actual.double(), ref.double()
-    assert bool(torch.isfinite(a).all()), f"{what}: non-finite values"
-    err = float((a - r).norm() / r.norm().clamp_min(1e-300))
-    worst = float((a - r).abs().max() / r.abs().max().clamp_min(1e-300))
-    assert err <= rel and worst <= 10 * rel, (
-        f"{what}: relative error {err:.2e}, worst element {worst:.2e} (limit {rel})"
-    )
 
 
 def _need(backend: str, op: str) -> None:
@@ -43,9 +31,9 @@ def test_noise_q_sample_and_loss(backend, shape):
     t = torch.randint(0, 1000, (shape[0],), device=d)
     seed = 2**62 + 12345
     ref_noise = ops.philox_randn_ref(seed, shape, d)
-    _assert_near(ops.philox_randn(seed, shape, d, backend=backend), ref_noise, 1e-5, "noise")
+    assert_near_reference(ops.philox_randn(seed, shape, d, backend=backend), ref_noise, 1e-5, "noise")
     xt = ops.q_sample(x0, t, SCHED, seed=seed, backend=backend)
-    _assert_near(xt, ops.q_sample(x0, t, SCHED, seed=seed, backend="reference"), 1e-5, "x_t")
+    assert_near_reference(xt, ops.q_sample(x0, t, SCHED, seed=seed, backend="reference"), 1e-5, "x_t")
     pred = torch.randn(shape, device=d, requires_grad=True)
     loss = ops.diffusion_loss(pred, x0, None, t, SCHED, prediction="v", weighting="min_snr", seed=seed, backend=backend)
     loss.backward()
@@ -55,8 +43,8 @@ def test_noise_q_sample_and_loss(backend, shape):
     w = ops._common.schedule_table(SCHED, "loss", d, torch.float64, "v", "min_snr", 5.0)[2, t]
     ref = (w * (p64 - tgt).square().flatten(1).mean(1)).mean()
     ref.backward()
-    _assert_near(loss, ref.detach(), 1e-4, "loss")  # a float32 reduction of 4M terms against float64
-    _assert_near(pred.grad, p64.grad, 1e-5, "loss gradient")
+    assert_near_reference(loss, ref.detach(), 1e-4, "loss")  # a float32 reduction of 4M terms against float64
+    assert_near_reference(pred.grad, p64.grad, 1e-5, "loss gradient")
 
 
 @pytest.mark.parametrize("backend", ["cuda", "triton"])

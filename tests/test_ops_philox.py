@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import op_backends
 from scipy import stats
 
 from diffcurr_fast.ops import _backend, philox_randn, philox_randn_ref
@@ -63,7 +64,7 @@ def test_uniform_mapping_range():
     assert float(u[0]) == 0.0 and float(u[4]) == 0.0  # 0xffffffff is int32 -1 -> folded to 0
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("backend", op_backends("reference", "cpu", "triton"))
 @pytest.mark.parametrize("shape", [(1,), (3, 5), (17, 3, 5, 7), (2, 4099)])
 def test_backends_agree_with_reference(backend, shape):
     _need(backend)
@@ -74,7 +75,7 @@ def test_backends_agree_with_reference(backend, shape):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=2e-6)
 
 
-def test_prefix_property_and_reproducibility():
+def test_prefix_property_and_reproducibility(each_cpu_isa):
     a = philox_randn_ref(5, (1001,))
     b = philox_randn_ref(5, (3, 7, 11))  # 231 elements: the same flat stream
     assert torch.equal(a[:231], b.reshape(-1))

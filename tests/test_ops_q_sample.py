@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import op_backends
 
 from diffcurr_fast.diffusion import DDPMSchedule
 from diffcurr_fast.ops import _backend, philox_randn_ref, q_sample, q_sample_coef
@@ -21,7 +22,7 @@ def _t(b: int) -> torch.Tensor:
     return torch.randint(0, 1000, (b,))
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("backend", op_backends("reference", "cpu", "triton"))
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("given_noise", [True, False])
 def test_matches_float64(backend, shape, given_noise):
@@ -37,7 +38,7 @@ def test_matches_float64(backend, shape, given_noise):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("backend", op_backends("reference", "cpu", "triton"))
 def test_gradients_match_float64_autograd(backend):
     _need(backend)
     B, shape = 3, (3, 4, 5)
@@ -56,7 +57,7 @@ def test_gradients_match_float64_autograd(backend):
         torch.testing.assert_close(mine.grad.double(), theirs.grad, rtol=1e-5, atol=1e-5)
 
 
-def test_seeded_noise_gradient_wrt_c_uses_regenerated_noise():
+def test_seeded_noise_gradient_wrt_c_uses_regenerated_noise(each_cpu_isa):
     x0 = torch.randn(3, 11)
     c = torch.rand(3, requires_grad=True)
     q_sample_coef(x0, 1.0, c, seed=77).sum().backward()
@@ -89,7 +90,7 @@ def test_schedule_as_alphas_cumprod_tensor_and_coef_forms():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_inputs(dtype):
+def test_half_precision_inputs(dtype, each_cpu_isa):
     x0 = torch.randn(3, 2, 5, dtype=dtype)
     noise = torch.randn(3, 2, 5, dtype=dtype)
     t = _t(3)
@@ -104,7 +105,7 @@ def test_float64_runs_on_reference_and_passes_gradcheck():
     torch.autograd.gradcheck(lambda x, a: q_sample_coef(x, a, 0.3, seed=5), (x0, a))
 
 
-def test_non_contiguous_input():
+def test_non_contiguous_input(each_cpu_isa):
     x0 = torch.randn(7, 6).t()  # (6, 7) non-contiguous
     noise = torch.randn(7, 6).t()
     t = _t(6)
@@ -144,7 +145,7 @@ def test_bad_inputs():
         q_sample(x0, _t(3), torch.full((1000,), 1.5, dtype=torch.float64), seed=3)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "triton"])
+@pytest.mark.parametrize("backend", op_backends("cpu", "triton"))
 def test_float16_kernels_match_reference(backend):
     _need(backend)
     x0 = torch.randn(3, 37, dtype=torch.float16)

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import op_backends
 from scipy import stats
 
 from diffcurr_fast.ops import _backend, sample_timesteps, sample_timesteps_ref
@@ -23,7 +24,7 @@ def _weights(T: int = 37) -> torch.Tensor:
     return w
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("backend", op_backends("reference", "cpu", "triton"))
 def test_chi_square_and_support(backend):
     _need(backend)
     w = _weights()
@@ -37,7 +38,7 @@ def test_chi_square_and_support(backend):
     assert stats.chisquare(counts[support].numpy(), expected[support].numpy()).pvalue > 1e-3
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("backend", op_backends("reference", "cpu", "triton"))
 @pytest.mark.parametrize("batch", [1, 3, 17, 1000])
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.float64])
 def test_backends_agree_with_reference(backend, batch, wdtype):
@@ -61,7 +62,7 @@ def test_matches_inverse_cdf_definition_in_float64():
     torch.testing.assert_close(imp, ((cdf[-1] / w.numel()) / w[t]).float())
 
 
-def test_importance_weights_are_unbiased():
+def test_importance_weights_are_unbiased(each_cpu_isa):
     # E_w[imp f(t)] = (1/T) sum_{w>0} f(t): the uniform-t mean over the support
     T = 64
     w = torch.linspace(0.1, 3.0, T, dtype=torch.float64)
@@ -102,7 +103,7 @@ def test_largest_uniform_is_below_one():
         assert uniform_from_uint32(philox_words(seed, torch.tensor([b]))[0]).item() == U_MAX
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("backend", op_backends("reference", "cpu", "triton"))
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.float64])
 def test_largest_uniform_with_trailing_zero_weights_draws_the_last_positive_weight(backend, wdtype):
     """No clamp is needed: thr = u * cdf[T-1] < cdf[T-1] for every draw, so t < T and w[t] > 0."""

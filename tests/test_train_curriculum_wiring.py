@@ -141,7 +141,7 @@ def _constant_dataset(x0, n=34):
 
 @pytest.mark.parametrize("gamma", [1.0, 20.0])
 @pytest.mark.parametrize("backend", ["auto", "reference"])
-def test_min_snr_gamma_reaches_the_training_loss(tmp_path, gamma, backend):
+def test_min_snr_gamma_reaches_the_training_loss(tmp_path, gamma, backend, each_cpu_isa):
     """The logged loss of one step equals mean_b min(SNR_b, gamma) / SNR_b |out_b - eps_b|^2 / D (eps target),
     with eps recovered from the recorded network input x_t = sqrt(abar) x0 + sqrt(1 - abar) eps."""
     torch.manual_seed(0)

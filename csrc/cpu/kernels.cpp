@@ -1,8 +1,11 @@
 // Run-time choice of the instruction set for the raw CPU kernels (csrc/cpu/kernels.h).
 #include "cpu/kernels.h"
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <string>
+#include <vector>
 
 namespace dcf::cpu {
 
@@ -54,12 +57,32 @@ const KernelTable* kernels_for(const char* isa) {
   return nullptr;
 }
 
-const KernelTable& kernels() {
-  static const KernelTable* const chosen = [] {
+namespace {
+
+std::atomic<const KernelTable*>& chosen() {
+  static std::atomic<const KernelTable*> table{[] {
     const KernelTable* forced = kernels_for(std::getenv("DIFFCURR_CPU_ISA"));
     return forced != nullptr ? forced : best();
-  }();
-  return *chosen;
+  }()};
+  return table;
+}
+
+}  // namespace
+
+const KernelTable& kernels() { return *chosen().load(std::memory_order_relaxed); }
+
+const KernelTable* set_kernels(const char* isa) {
+  const KernelTable* table = kernels_for(isa);
+  if (table == nullptr) return nullptr;
+  return chosen().exchange(table, std::memory_order_relaxed);
+}
+
+std::vector<std::string> supported_isas() {
+  std::vector<std::string> out;
+  for (const char* isa : {"generic", "avx2", "avx512"}) {
+    if (kernels_for(isa) != nullptr) out.emplace_back(isa);
+  }
+  return out;
 }
 
 }  // namespace dcf::cpu

@@ -5,6 +5,8 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 namespace dcf::cpu {
 
@@ -56,9 +58,17 @@ struct KernelTable {
   void (*gelu_tanh_bwd)(int dt, const void* grad_y, const void* x, void* gx, int64_t i0, int64_t n);
 };
 
-// The table for the best instruction set of this CPU (chosen once). DIFFCURR_CPU_ISA=generic|avx2|avx512
+// The table in use: at first the best instruction set of this CPU; DIFFCURR_CPU_ISA=generic|avx2|avx512
 // forces one (an unsupported choice falls back to the best available).
 const KernelTable& kernels();
+
+// Switch the table in use to a named instruction set; returns the previous table, or nullptr (and switches
+// nothing) when that set is not compiled in or not supported by the CPU. For tests and benchmarks that run
+// every variant in one process: switch between ops, not while an op runs on other threads.
+const KernelTable* set_kernels(const char* isa);
+
+// The instruction sets this build and this CPU can run, from the baseline up.
+std::vector<std::string> supported_isas();
 
 // The table for a named instruction set, or nullptr if it is not compiled in or not supported by the CPU.
 const KernelTable* kernels_for(const char* isa);

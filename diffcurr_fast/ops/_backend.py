@@ -18,6 +18,7 @@ while tracing), so a compiled graph never breaks on an availability check (an im
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
@@ -177,6 +178,32 @@ def contiguous_args(fn: Callable) -> Callable:
 def ext_ops():
     """The namespace of the raw C++/CUDA kernels, ``torch.ops.diffcurr_fast_C``."""
     return torch.ops.diffcurr_fast_C
+
+
+@functools.cache
+def cpu_isa() -> str | None:
+    """The instruction set of the C++ CPU kernels in use (``generic``, ``avx2`` or ``avx512``), None without the
+    extension. Chosen once at start (``DIFFCURR_CPU_ISA`` forces one); ``use_cpu_isa`` switches it."""
+    return None if _ext_error() is not None else ext_ops().cpu_isa()
+
+
+def cpu_isas() -> list[str]:
+    """The instruction sets that this build of the extension and this CPU can run; [] without the extension."""
+    return [] if _ext_error() is not None else list(ext_ops().cpu_isas())
+
+
+@contextlib.contextmanager
+def use_cpu_isa(isa: str):
+    """Run the C++ CPU kernels of instruction set ``isa`` inside the block (tests and benchmarks run every set
+    of a machine in one process); a RuntimeError naming the supported sets when ``isa`` is not one of them.
+    Switch between ops only, not while another thread runs one."""
+    previous = ext_ops().set_cpu_isa(isa)
+    cpu_isa.cache_clear()
+    try:
+        yield
+    finally:
+        ext_ops().set_cpu_isa(previous)
+        cpu_isa.cache_clear()
 
 
 def kernels(module: str):
