@@ -54,7 +54,7 @@ import common  # noqa: E402
 import step_breakdown as sb  # noqa: E402
 
 from diffcurr_fast.data.loader import ArrayDataset  # noqa: E402
-from diffcurr_fast.runs.config import load_config  # noqa: E402
+from diffcurr_fast.runs.recipes import load_config  # noqa: E402
 from diffcurr_fast.tdc.flops import dit_flops  # noqa: E402
 
 COLUMNS = [
@@ -113,7 +113,7 @@ def _ours(provider: str, args: argparse.Namespace, tmp: str, profile: bool):
     tr = Trainer(cfg, dataset=ArrayDataset(x, y))
     if profile:
         tr.ema.update = sb.labelled("ema", tr.ema.update)
-        tr.objective.terms = sb.labelled("timesteps", tr.objective.terms)
+        tr.objective.draw = sb.labelled("timesteps", tr.objective.draw)
         tr.engine.clip_grad_norm = sb.labelled("clip", tr.engine.clip_grad_norm)
     batches = [next(tr.loader) for _ in range(4)]
     batches = [(a.to(tr.device), b.to(tr.device)) for a, b in batches]

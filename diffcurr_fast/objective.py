@@ -7,6 +7,7 @@ For a batch x0 (B, C, H, W), cells k (B,) on the formulation's difficulty axis a
     out   = model(x_in, t_in, y)                       # (B, C or 2C, H, W)
     loss  = w * mean_j (out - (p x0 + q eps(seed)))^2  # ops.diffusion_loss_coef, the same noise regenerated
           (+ the formulation's variance term when the variance is learned: IDDPM's L_vlb)
+          (+ sum_i lambda_i term_i(...): training terms that read the same pass's features, ``terms.base``)
 
 in the spirit of NVlabs/edm ``training/loss.py``: the formulation owns its equations (DDPM, EDM, flow) and this
 module never asks which one it has. The trainer (``train.loop``), TDC (importance, proxy recovery and scoring,
@@ -27,6 +28,7 @@ from torch import nn
 
 from diffcurr_fast.diffusion import Formulation, TrainingTerms, build_formulation
 from diffcurr_fast.ops import diffusion_loss_coef, q_sample_coef, sample_timesteps
+from diffcurr_fast.terms.base import TermInputs, TrainingTerm
 
 PRECISIONS = ("fp32", "bf16", "auto")
 
@@ -51,6 +53,8 @@ class Objective:
         learn_sigma: add the formulation's variance term (the network outputs 2C channels).
         backend: backend of the fused ops (``auto``, ``cuda``, ``triton``, ``cpu``, ``reference``).
         precision: ``fp32``, or ``bf16`` autocast around the network call.
+        terms: (weight, term) pairs added to the per-sample loss (``terms.base``); the network is asked for the
+            features they read.
     """
 
     def __init__(
@@ -64,11 +68,14 @@ class Objective:
         learn_sigma: bool = False,
         backend: str = "auto",
         precision: str = "fp32",
+        terms: Sequence[tuple[float, TrainingTerm]] = (),
     ):
         formulation.check_prediction(prediction)
         self.formulation, self.num_cells = formulation, int(num_cells)
         self.prediction, self.weighting, self.gamma = prediction, weighting, float(gamma)
         self.learn_sigma, self.backend, self.precision = bool(learn_sigma), backend, precision
+        self.terms = [(float(w), term) for w, term in terms]
+        self.features = tuple(sorted({j for _, term in self.terms for j in term.features}))
 
     @classmethod
     def from_config(cls, cfg: Any, formulation: Formulation | None = None) -> Objective:
@@ -85,7 +92,7 @@ class Objective:
             precision=cfg.engine.precision,
         )
 
-    def terms(self, k: torch.Tensor, generator: torch.Generator | None = None) -> TrainingTerms:
+    def draw(self, k: torch.Tensor, generator: torch.Generator | None = None) -> TrainingTerms:
         """The per-sample terms at cells ``k`` (B,) (a point inside each continuous cell drawn from ``generator``)."""
         return self.formulation.training_terms(
             k, self.num_cells, self.prediction, self.weighting, self.gamma, generator
@@ -108,12 +115,20 @@ class Objective:
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
         """(B,) per-sample loss of ``model(x_in, t_in, y)`` on x0 (B, C, H, W) at cells ``k`` with noise ``seed``."""
-        terms = self.terms(k, generator)
-        x_in = q_sample_coef(x0, terms.a, terms.c, seed=seed, backend=self.backend)  # (B, C, H, W)
-        t_in = terms.t_in.to(x0.dtype) if terms.t_in.is_floating_point() else terms.t_in
+        draw = self.draw(k, generator)
+        x_in = q_sample_coef(x0, draw.a, draw.c, seed=seed, backend=self.backend)  # (B, C, H, W)
+        t_in = draw.t_in.to(x0.dtype) if draw.t_in.is_floating_point() else draw.t_in
         with self.autocast(x0.device):
-            out = model(x_in, t_in, y)  # (B, C or 2C, H, W)
-        return self.loss(out, x0, x_in, terms, seed)
+            if not self.terms:
+                out = model(x_in, t_in, y)  # (B, C or 2C, H, W)
+            else:  # the features the terms read come from the same pass
+                out, feats = model(x_in, t_in, y, features=self.features)  # feats: {j: (B, T, D)}
+        per = self.loss(out, x0, x_in, draw, seed)  # (B,)
+        if self.terms:
+            inputs = TermInputs(x0, y, draw, x_in, seed, out[:, : x0.shape[1]].to(x0.dtype), feats)
+            for weight, term in self.terms:
+                per = per + weight * term(inputs).to(per.dtype)  # (B,)
+        return per
 
     @staticmethod
     def mean(per_sample: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:

@@ -19,7 +19,7 @@ from diffcurr_fast.data.errors import BadDataError
 from diffcurr_fast.data.latents import FastDiTLatents, FastDiTLatentWriter, ShardedLatents, ShardedLatentWriter
 from diffcurr_fast.data.loader import ArrayDataset, load_npz
 from diffcurr_fast.runs import checkpoint as ck
-from diffcurr_fast.runs.config import list_recipes, load_config, recipes_dir
+from diffcurr_fast.runs.recipes import list_recipes, load_config, recipes_dir
 from diffcurr_fast.train import cli_train
 from diffcurr_fast.train.loop import Trainer
 from diffcurr_fast.train.preflight import check_run

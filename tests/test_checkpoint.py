@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from diffcurr_fast.runs import checkpoint as ck
-from diffcurr_fast.runs.config import load_config
+from diffcurr_fast.runs.recipes import load_config
 from diffcurr_fast.train.loop import Trainer, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -11,28 +11,89 @@ from diffcurr_fast.runs.config import (
     SECTIONS,
     TrainConfig,
     config_from_dict,
-    config_to_yaml,
-    demo_config,
-    load_config,
-    parse_override,
     resume_mismatches,
+    upgrade_saved,
 )
+from diffcurr_fast.runs.recipes import config_to_yaml, load_config, parse_override
 from diffcurr_fast.train import cli_train
 
 ROOT = Path(__file__).resolve().parents[1]
-# the papers' recipes (DiT, EDM); the fast_* recipes are arms of a committed study and are checked against it below
-RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if not p.stem.startswith("fast_"))
+# the papers' recipes (DiT, EDM); the fast_* recipes are arms of a committed study and are checked against it below,
+# the demo has its own tests
+RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if not p.stem.startswith("fast_") and p.stem != "demo")
 
 
 def test_defaults_and_demo_validate():
     cfg = TrainConfig().validate()
     assert cfg.optim.lr == 1e-4 and cfg.optim.ema_decay == 0.9999 and cfg.curriculum.num_clusters == 20
-    demo = demo_config()
+    demo = load_config(None)
     assert demo.data.dataset == "digits" and demo.model.input_size == 8 and demo.curriculum.method == "snr"
     # the time-to-quality study's pick (recipes/fast_mnist5k.yaml): uniform t with MinSNR-5, no curriculum
     assert demo.curriculum.pacing == "none" and demo.diffusion.weighting == "min_snr"
     assert demo.timesteps.sampler == "uniform"
-    assert load_config(None).to_dict() == demo.to_dict()
+    assert load_config("demo").to_dict() == demo.to_dict()  # the shipped recipe, by name
+
+
+# What the demo resolved to when it was a dict in runs/config.py: every setting it made, and what auto chose.
+DEMO_WAS = {
+    "model": {
+        "preset": "custom",
+        "input_size": 8,
+        "in_channels": 1,
+        "num_classes": 10,
+        "patch_size": 2,
+        "hidden_size": 64,
+        "depth": 4,
+        "num_heads": 4,
+        "fused_adaln": True,
+    },
+    "diffusion": {
+        "num_timesteps": 1000,
+        "beta_schedule": "cosine",
+        "weighting": "min_snr",
+        "min_snr_gamma": 5.0,
+        "prediction": "eps",
+        "learn_sigma": True,
+    },
+    "curriculum": {
+        "pacing": "none",
+        "method": "snr",
+        "num_clusters": 10,
+        "patience": 4,
+        "eval_every": 10,
+        "ema": 0.5,
+        "min_delta": 0.02,
+    },
+    "data": {"dataset": "digits", "batch_size": 64},
+    "optim": {
+        "lr": 1e-3,
+        "warmup_steps": 100,
+        "schedule": "cosine",
+        "min_lr": 1e-5,
+        "grad_clip": 1.0,
+        "ema_decay": 0.999,
+    },
+    "engine": {"max_steps": 3000, "cpu_threads": 2},
+    "logging": {"log_every": 25, "num_samples": 100, "sample_steps": 100, "cfg_scale": 2.0, "sampler": "ddim"},
+    "checkpoint": {"run_dir": "runs/demo", "every": 1000, "keep_last": 2},
+}
+
+
+def test_the_demo_recipe_is_the_former_embedded_demo():
+    """recipes/demo.yaml resolves to what the embedded dict did: its settings over the defaults, exactly (floats
+    typed as floats), with the label ``demo`` in config.yaml; its header is what ``recipes`` prints."""
+    from diffcurr_fast.train import cli_recipes
+
+    got = load_config(None).to_dict()
+    want = TrainConfig().to_dict()
+    for section, values in DEMO_WAS.items():
+        want[section].update(values)
+    want["eval"]["sampler"] = "ddim"
+    assert got == want
+    assert all(type(got["optim"][k]) is float for k in ("lr", "min_lr"))
+    assert "  lr: 0.001  # demo\n" in config_to_yaml(load_config(None))
+    summary = cli_recipes._summary(ROOT / "recipes" / "demo.yaml")
+    assert summary.startswith("The default run (`diffcurr-fast train` without a recipe") and len(summary) < 250
 
 
 def test_every_field_is_documented():
@@ -145,8 +206,8 @@ def test_cross_field_rules():
         load_config(None, ["diffusion.num_timesteps=5"])
     with pytest.raises(ValueError, match="data.path is required"):
         load_config(None, ["data.dataset=npz"])
-    with pytest.raises(ValueError, match="not divisible by model.patch_size"):
-        load_config(None, ["model.patch_size=3"])
+    with pytest.raises(ValueError, match="^model: input_size 8 is not divisible by patch_size 3$"):
+        load_config(None, ["model.patch_size=3"])  # the DiT's own check (models.dit.check_dims)
 
 
 def test_recipe_file_errors(tmp_path):
@@ -170,8 +231,8 @@ def test_yaml_round_trip(tmp_path):
 
 
 def test_resume_mismatches_lists_locked_keys():
-    a = demo_config()
-    b = config_from_dict({"model": {"hidden_size": 32}, "optim": {"lr": 0.5}}, base=demo_config())
+    a = load_config(None)
+    b = config_from_dict({"model": {"hidden_size": 32}, "optim": {"lr": 0.5}}, base=load_config(None))
     diffs = resume_mismatches(a.to_dict(), b)
     assert len(diffs) == 1 and diffs[0].startswith("model.hidden_size")
 
@@ -260,18 +321,23 @@ def test_preset_fills_dimensions_and_a_contradiction_is_an_error(tmp_path):
 
 def test_tdc_section_is_part_of_the_config(tmp_path, capsys):
     """The TDC options are the ``tdc`` section: --set, YAML, --help-config, strict keys, validation."""
-    cfg = load_config(None, ["tdc.num_groups=4", "tdc.k=1", "tdc.proposer=uniform"])
-    assert (cfg.tdc.num_groups, cfg.tdc.k, cfg.tdc.proposer) == (4, 1.0, "uniform") and isinstance(cfg.tdc.k, float)
+    cfg = load_config(None, ["tdc.num_groups=4", "tdc.budget_floor=1", "tdc.proposer=uniform"])
+    tdc = cfg.tdc
+    assert (tdc.num_groups, tdc.budget_floor, tdc.proposer) == (4, 1.0, "uniform") and isinstance(
+        tdc.budget_floor, float
+    )
     recipe = tmp_path / "r.yaml"
     recipe.write_text("tdc:\n  num_groups: 5\n  recover_lr: 3e-4\n")
     assert (load_config(recipe).tdc.num_groups, load_config(recipe).tdc.recover_lr) == (5, 3e-4)
     assert yaml.safe_load(config_to_yaml(cfg))["tdc"]["num_groups"] == 4
     for override, match in [
-        ("tdc.groups=2", r"unknown config key 'tdc.groups'; valid keys of tdc: num_groups, k, "),
+        ("tdc.groups=2", r"unknown config key 'tdc.groups'; valid keys of tdc: num_groups, budget_floor, "),
+        ("tdc.k=0.5", r"unknown config key 'tdc.k' \(renamed tdc.budget_floor\); valid keys of tdc: num_groups, "),
+        ("diffusion.fused_ops=false", r"unknown config key 'diffusion.fused_ops'; valid keys of diffusion: "),
         ("tdc.proposer=genetic", r"invalid value 'genetic' for tdc.proposer; valid choices: local, uniform, llm"),
         ("tdc.num_groups=0", r"tdc.num_groups must be >= 1"),
         ("tdc.num_groups=1001", r"tdc.num_groups \(1001\) must be <= diffusion.num_timesteps \(1000\)"),
-        ("tdc.k=1.5", r"tdc.k must lie in \(0.0, 1.0\]"),
+        ("tdc.budget_floor=1.5", r"tdc.budget_floor must lie in \(0.0, 1.0\]"),
         ("tdc.finetune_lr=-1", r"tdc.finetune_lr must be >= 0, got -1"),
         ("tdc.proposer=llm", r"tdc.proposer 'llm' needs tdc.llm_url and tdc.llm_model"),
     ]:
@@ -280,3 +346,48 @@ def test_tdc_section_is_part_of_the_config(tmp_path, capsys):
     assert cli_train.run(_parse(["--help-config"])) == 0
     out = capsys.readouterr().out
     assert "tdc:" in out and "num_groups: 3" in out and "one of local, uniform, llm" in out
+
+
+def test_a_saved_config_of_an_earlier_version_loads(tmp_path):
+    """Checkpoints, tdc.json and bundles written before diffusion.fused_ops was removed and tdc.k renamed read back:
+    the removed key is dropped, the renamed one read under its new name; recipes and --set get the error."""
+    import torch
+
+    from diffcurr_fast.runs.checkpoint import load_checkpoint, save_checkpoint
+
+    cfg = load_config(None, ["tdc.budget_floor=0.25"])
+    old = cfg.to_dict()
+    old["diffusion"]["fused_ops"] = None  # what every config saved before held
+    old["tdc"]["k"] = old["tdc"].pop("budget_floor")
+    with pytest.raises(ValueError, match="unknown config key"):
+        config_from_dict(old)
+    assert config_from_dict(upgrade_saved(old)).to_dict() == cfg.to_dict()
+    assert "fused_ops" in old["diffusion"] and "k" in old["tdc"]  # the saved dict itself is left as it was
+    assert resume_mismatches(old, cfg) == []
+    path = save_checkpoint(tmp_path, 1, {"model": {}, "config": old})
+    assert torch.load(path, weights_only=True)["config"] == old
+    state = load_checkpoint(path)  # what sample, export, eval --ckpt and --resume read
+    assert state["config"] == cfg.to_dict() and config_from_dict(state["config"]).tdc.budget_floor == 0.25
+
+
+@pytest.mark.parametrize(
+    "sets, line",
+    [
+        (["model.patch_size=3"], "model: input_size 8 is not divisible by patch_size 3"),
+        (["model.num_heads=3"], "model: hidden_size 64 is not divisible by num_heads 3"),
+        (
+            ["model.hidden_size=66", "model.num_heads=2"],
+            "model: hidden_size must be a multiple of 4 for the 2-D sin-cos",
+        ),
+    ],
+)
+def test_dimensions_the_dit_cannot_take_are_one_line_at_dry_run(sets, line, capsys, tmp_path):
+    """The DiT's own dimension check (``models.dit.check_dims``) runs when the config resolves, so a dry run (and a
+    real start, which resolves it first) stops with its one line, nothing written."""
+    from diffcurr_fast.cli import main
+
+    argv = ["train", "--dry-run", "--run-dir", str(tmp_path / "run")]
+    assert main([*argv, *(a for s in sets for a in ("--set", s))]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"diffcurr-fast train: error: {line}") and "\n" not in err, err
+    assert not (tmp_path / "run").exists()

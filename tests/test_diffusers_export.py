@@ -22,7 +22,7 @@ from diffcurr_fast.diffusion import Readout, ddim_sample, flow_sample, make_gene
 from diffcurr_fast.models import DiT  # noqa: E402
 from diffcurr_fast.models import dit as dit_module  # noqa: E402
 from diffcurr_fast.runs.checkpoint import atomic_save  # noqa: E402
-from diffcurr_fast.runs.config import load_config  # noqa: E402
+from diffcurr_fast.runs.recipes import load_config  # noqa: E402
 from diffcurr_fast.runs.sampling import (  # noqa: E402
     build_model,
     build_schedule,

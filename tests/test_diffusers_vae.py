@@ -16,7 +16,7 @@ from conftest import save_tiny_vae  # noqa: E402
 from diffcurr_fast import cli_sample as sample_cli  # noqa: E402
 from diffcurr_fast.data import cli_extract, extract  # noqa: E402
 from diffcurr_fast.data.images import ImageDataset, ImageFolder  # noqa: E402
-from diffcurr_fast.runs.config import load_config  # noqa: E402
+from diffcurr_fast.runs.recipes import load_config  # noqa: E402
 from diffcurr_fast.train.loop import train  # noqa: E402
 
 

@@ -154,7 +154,7 @@ def test_fid_inception_structure_and_loading(tmp_path):
 
 def test_eval_cli_from_checkpoint(digits_cache, tmp_path, capsys):
     train_loop = pytest.importorskip("diffcurr_fast.train.loop", reason="the trainer is not available")
-    from diffcurr_fast.runs.config import load_config
+    from diffcurr_fast.runs.recipes import load_config
 
     path, _, _ = digits_cache
     run = tmp_path / "run"

@@ -18,7 +18,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("", "_C", "_files", "_lazy", "kernels", "recipes"),  # the face, the C++ extension, JSON files, lazy exports,
     # Triton kernels, YAML recipes
     ("diffusion", "data", "curriculum"),  # schedules and formulations; datasets and loaders; clustering and pacing
-    ("ops",),  # fused ops and their backend dispatch
+    ("ops", "terms"),  # fused ops and their backend dispatch; the training-term interface
     ("models", "objective", "timesteps"),  # the DiT; the training objective; timestep strategies
     ("runs",),  # the run config, model building and sampling, checkpoints
     ("eval",),  # metrics and feature extractors, samples from a checkpoint

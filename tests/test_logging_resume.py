@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from diffcurr_fast.runs.config import load_config
+from diffcurr_fast.runs.recipes import load_config
 from diffcurr_fast.train.loop import train
 from diffcurr_fast.train.report import WANDB_ID, read_metrics
 

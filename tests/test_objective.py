@@ -39,7 +39,7 @@ def _run(obj, x0, k, seed, channels_out):
     """(objective's loss, d loss / d out) and the network inputs it used, in float64 (reference backend)."""
     net = _Net(channels_out)
     gen = torch.Generator().manual_seed(7)
-    terms = obj.terms(k, torch.Generator().manual_seed(7))
+    terms = obj.draw(k, torch.Generator().manual_seed(7))
     loss = obj(net, x0, torch.zeros(len(x0), dtype=torch.long), k, seed=seed, generator=gen)
     x_in, t_in = net.seen[0]
     out = net.conv(x_in) + 0.01 * t_in.double().view(-1, 1, 1, 1)
@@ -173,7 +173,7 @@ def test_objective_rejects_what_a_formulation_cannot_train():
     with pytest.raises(ValueError, match="unknown prediction"):
         Objective(DDPMSchedule(100), num_cells=100, prediction="velocity")
     with pytest.raises(ValueError, match="flow training has no 'min_snr' weighting"):
-        Objective(FlowFormulation(), num_cells=10, prediction="velocity", weighting="min_snr").terms(
+        Objective(FlowFormulation(), num_cells=10, prediction="velocity", weighting="min_snr").draw(
             torch.zeros(2, dtype=torch.long)
         )
     with pytest.raises(ValueError, match="has no learned variance"):

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from diffcurr_fast.runs import config as config_mod
-from diffcurr_fast.runs.config import INF, TrainConfig, load_config
+from diffcurr_fast.runs.config import INF, TrainConfig
+from diffcurr_fast.runs.recipes import load_config
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from diffcurr_fast.runs.config import load_config
+from diffcurr_fast.runs.recipes import load_config
 from diffcurr_fast.train import cli_train
 from diffcurr_fast.train.loop import Trainer
 from diffcurr_fast.train.report import read_metrics

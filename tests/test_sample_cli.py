@@ -8,7 +8,7 @@ import torch
 
 from diffcurr_fast import cli_sample
 from diffcurr_fast.diffusion import DDPMSchedule, Readout
-from diffcurr_fast.runs.config import load_config
+from diffcurr_fast.runs.recipes import load_config
 from diffcurr_fast.runs.sampling import VEDenoiser, grid_image
 from diffcurr_fast.train.loop import train
 

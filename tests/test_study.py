@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from diffcurr_fast.runs.config import load_config
+from diffcurr_fast.runs.recipes import load_config
 from diffcurr_fast.study.presets import preset_spec
 from diffcurr_fast.study.report import collect, mean_std, paired_t, sample_line, summarize, write_report
 from diffcurr_fast.study.runner import read_status, run_dir_of, run_study

@@ -15,7 +15,7 @@ SCRIPT = textwrap.dedent(
     import json, sys, torch
     torch.set_num_threads(1)
     from diffcurr_fast.tdc import pipeline
-    from diffcurr_fast.runs.config import load_config
+    from diffcurr_fast.runs.recipes import load_config
     from diffcurr_fast.train.engine import create_engine
 
     run_dir, out = sys.argv[1], sys.argv[2]
@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent(
         "data.batch_size=18", "engine.max_steps=4", "engine.cpu_threads=1", "engine.kind=ddp", "engine.device=cpu",
         "logging.progress=false", "logging.num_samples=2", "logging.sample_steps=3", "logging.log_every=2",
         f"checkpoint.run_dir={run_dir}"])
-    tdc = {"num_groups": 2, "k": 0.5, "rounds": 2, "candidates": 3, "recover_steps": 2, "search_batches": 1,
+    tdc = {"num_groups": 2, "budget_floor": 0.5, "rounds": 2, "candidates": 3, "recover_steps": 2, "search_batches": 1,
            "heldout_batches": 1, "importance_batches": 2, "finetune_steps": 2, "search_batch_size": 9}
     engine = create_engine("ddp", "cpu")
     res = {"rank": engine.rank, "imp_equal": [], "banks": [], "ref_banks": [], "best_equal": []}

@@ -12,7 +12,8 @@ from diffcurr_fast import cli_sample
 from diffcurr_fast.diffusion import Readout
 from diffcurr_fast.models import DiT
 from diffcurr_fast.runs.checkpoint import latest_checkpoint, load_checkpoint
-from diffcurr_fast.runs.config import TDCConfig, config_from_dict, load_config
+from diffcurr_fast.runs.config import TDCConfig, config_from_dict
+from diffcurr_fast.runs.recipes import load_config
 from diffcurr_fast.runs.sampling import build_schedule, sample
 from diffcurr_fast.tdc import cli_tdc as tdc_cli
 from diffcurr_fast.tdc.accounting import training_flops
@@ -42,7 +43,7 @@ TINY = [
 ]
 TINY_TDC = {
     "num_groups": 2,
-    "k": 0.5,
+    "budget_floor": 0.5,
     "rounds": 2,
     "candidates": 2,
     "recover_steps": 1,
@@ -285,7 +286,7 @@ def test_trainer_rejects_mismatched_model(tmp_path):
 @pytest.mark.parametrize(
     "data, match",
     [
-        ({"k": 0.0}, r"tdc.k must lie in \(0.0, 1.0\], got 0.0"),
+        ({"budget_floor": 0.0}, r"tdc.budget_floor must lie in \(0.0, 1.0\], got 0.0"),
         ({"proposer": "random"}, "invalid value 'random' for tdc.proposer; valid choices: local, uniform, llm"),
         ({"proposer": "llm"}, "needs tdc.llm_url and tdc.llm_model"),
         ({"rounds": 0}, "tdc.rounds must be >= 1"),
@@ -302,8 +303,8 @@ def test_options_errors(data, match):
 
 
 def test_options_and_stage2_config(tmp_path):
-    opts = config_from_dict({"tdc": {"k": 1, "finetune_steps": 7, "finetune_lr": 3e-4}}).tdc
-    assert opts.k == 1.0 and isinstance(opts.k, float) and isinstance(opts, TDCConfig)
+    opts = config_from_dict({"tdc": {"budget_floor": 1, "finetune_steps": 7, "finetune_lr": 3e-4}}).tdc
+    assert opts.budget_floor == 1.0 and isinstance(opts.budget_floor, float) and isinstance(opts, TDCConfig)
     base = tiny_cfg(tmp_path, "curriculum.pacing=patience", "optim.warmup_steps=50")
     base.tdc = opts
     cfg = stage2_config(base, tmp_path / "f")
@@ -350,18 +351,30 @@ def _tdc_args(*argv):
 def test_cli_resolve_defaults_recipe_and_overrides(tmp_path, capsys):
     cfg, run_dir = tdc_cli.resolve(_tdc_args())
     opts = cfg.tdc
-    assert (opts.num_groups, opts.k, opts.rounds, opts.candidates) == (3, 0.5, 2, 3)
+    assert (opts.num_groups, opts.budget_floor, opts.rounds, opts.candidates) == (3, 0.5, 2, 3)
     assert 100 <= cfg.engine.max_steps <= 1000 and cfg.curriculum.pacing == "none" and str(run_dir) == "runs/tdc"
+    # the training demo with TDC_DEMO's changes, as it was resolved when it was a copy of the embedded dict
+    want = load_config(None).to_dict()
+    for section, values in {
+        "optim": {"warmup_steps": 50, "schedule": "constant", "min_lr": 0.0, "ema_decay": 0.995},
+        "engine": {"max_steps": 800},
+        "logging": {"num_samples": 100, "sample_steps": 50, "progress": False},
+        "checkpoint": {"run_dir": "runs/tdc", "every": 1000, "keep_last": 1},
+        "tdc": {"recover_steps": 10, "finetune_steps": 200, "finetune_lr": 5e-4},
+    }.items():
+        want[section].update(values)
+    want["tdc"].update(num_groups=3, budget_floor=0.5, rounds=2, candidates=3)
+    assert cfg.to_dict() == want
     cfg, _ = tdc_cli.resolve(_tdc_args("--curriculum", "--set", "tdc.rounds=5", "--set", "optim.lr=2e-4"))
     assert cfg.curriculum.pacing == "patience" and cfg.tdc.rounds == 5 and cfg.optim.lr == 2e-4
     recipe = tmp_path / "r.yaml"
     recipe.write_text(
-        "model: {hidden_size: 32, num_heads: 2}\ntdc: {num_groups: 4, k: 0.25, proposer: uniform}\n"
+        "model: {hidden_size: 32, num_heads: 2}\ntdc: {num_groups: 4, budget_floor: 0.25, proposer: uniform}\n"
         "checkpoint: {run_dir: out/x}\n"
     )
-    cfg, run_dir = tdc_cli.resolve(_tdc_args(str(recipe), "--set", "tdc.k=0.75", "--run-dir", "y"))
+    cfg, run_dir = tdc_cli.resolve(_tdc_args(str(recipe), "--set", "tdc.budget_floor=0.75", "--run-dir", "y"))
     opts = cfg.tdc
-    assert cfg.model.hidden_size == 32 and (opts.num_groups, opts.k, opts.proposer) == (4, 0.75, "uniform")
+    assert cfg.model.hidden_size == 32 and (opts.num_groups, opts.budget_floor, opts.proposer) == (4, 0.75, "uniform")
     assert str(run_dir) == "y"
     assert tdc_cli.run(_tdc_args(str(recipe), "--dry-run")) == 0
     assert "num_groups: 4" in capsys.readouterr().out
@@ -570,7 +583,7 @@ def test_tdc_end_to_end_per_formulation(tmp_path, name):
     objective = Objective.from_config(cfg, build_schedule(cfg))
     for g in groups:
         k = torch.arange(g["lo"], g["hi"]).repeat(4)  # every cell of the group, drawn 4 times
-        t_in = objective.terms(k, torch.Generator().manual_seed(0)).t_in
+        t_in = objective.draw(k, torch.Generator().manual_seed(0)).t_in
         assert multi.group_index(t_in).tolist() == [g["index"]] * k.numel()
     acc = out["accounting_data"]["sampling"]
     key = f"{cfg.logging.sampler}{cfg.logging.sample_steps}"

@@ -14,7 +14,7 @@ import torch
 
 from diffcurr_fast.diffusion import DDPMSchedule, Readout
 from diffcurr_fast.models import DiT
-from diffcurr_fast.runs.config import load_config
+from diffcurr_fast.runs.recipes import load_config
 from diffcurr_fast.tdc import (
     MultiExpertDenoiser,
     dit_flops,
@@ -210,7 +210,7 @@ def test_run_tdc_search_and_finetune_stay_in_their_groups(tmp_path, monkeypatch)
     )
     opts = {
         "num_groups": 2,
-        "k": 0.5,
+        "budget_floor": 0.5,
         "rounds": 1,
         "candidates": 2,
         "recover_steps": 1,

@@ -11,7 +11,8 @@ import torch
 
 from diffcurr_fast.diffusion import DDPMSchedule, EDMFormulation, FlowFormulation
 from diffcurr_fast.ops import sample_timesteps
-from diffcurr_fast.runs.config import CurriculumConfig, TimestepsConfig, load_config
+from diffcurr_fast.runs.config import CurriculumConfig, TimestepsConfig
+from diffcurr_fast.runs.recipes import load_config
 from diffcurr_fast.timesteps.anuts import ANUTS
 from diffcurr_fast.timesteps.base import Product, TimestepSampler, range_mask
 from diffcurr_fast.timesteps.build import build_curriculum, build_timesteps

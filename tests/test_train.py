@@ -6,9 +6,11 @@ import math
 import pytest
 import torch
 
-from diffcurr_fast.runs.config import load_config
+from diffcurr_fast.runs.recipes import load_config
 from diffcurr_fast.train.ema import EMA
-from diffcurr_fast.train.loop import NonFiniteLossError, Trainer, compile_mode, lr_at, train
+from diffcurr_fast.train.engine import compile_mode
+from diffcurr_fast.train.loop import Trainer, lr_at, train
+from diffcurr_fast.train.skips import NonFiniteLossError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -98,7 +100,7 @@ def test_nan_policy_skip_counts_and_keeps_weights(tmp_path):
     x, y = next(tr.loader)
     before, ema_before = _params(tr.model), _params(tr.ema.module)
     stats = tr.train_step(x, y)
-    assert stats.get("skipped") and tr.nan_skips == 1 and tr.step == 1
+    assert stats.get("skipped") and tr.skips.total == 1 and tr.step == 1
     assert all(torch.equal(a, b) for a, b in zip(before, _params(tr.model)))
     assert all(torch.equal(a, b) for a, b in zip(ema_before, _params(tr.ema.module)))
     assert tr.curriculum.state_dict()["win_count"] == 0  # the curriculum never saw the bad loss
@@ -433,7 +435,7 @@ def test_non_finite_gradient_with_finite_loss_is_skipped(tmp_path):
     x, y = next(tr.loader)
     before = _params(tr.model)
     stats = tr.train_step(x, y)
-    assert stats.get("skipped") and tr.nan_skips == 1 and not math.isfinite(float(stats["grad_norm"]))
+    assert stats.get("skipped") and tr.skips.total == 1 and not math.isfinite(float(stats["grad_norm"]))
     assert all(torch.equal(a, b) for a, b in zip(before, _params(tr.model)))
     handle.remove()
     assert "loss" in tr.train_step(x, y)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from diffcurr_fast.data.loader import ArrayDataset
-from diffcurr_fast.runs.config import load_config
+from diffcurr_fast.runs.recipes import load_config
 from diffcurr_fast.train.loop import Trainer
 
 G = 60  # timesteps / cells

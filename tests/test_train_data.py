@@ -8,7 +8,7 @@ import torch
 
 from diffcurr_fast.data.builtin import load_builtin, load_digits_tensors
 from diffcurr_fast.data.loader import ArrayDataset, EpochBatchSampler, ResumableLoader, load_npz
-from diffcurr_fast.runs.config import load_config
+from diffcurr_fast.runs.recipes import load_config
 from diffcurr_fast.train.loop import train
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"

@@ -14,7 +14,7 @@ from torch import nn
 
 from diffcurr_fast import cli_sample
 from diffcurr_fast.data import FastDiTLatentWriter, ShardedLatentWriter
-from diffcurr_fast.runs.config import load_config
+from diffcurr_fast.runs.recipes import load_config
 from diffcurr_fast.runs.sampling import build_model
 from diffcurr_fast.train.data import build_train_batches, load_init_weights, read_init_state
 from diffcurr_fast.train.loop import Trainer, train
@@ -479,7 +479,7 @@ def test_sit_b2_ffhq256_recipe(tmp_path, latents):
 DDP_SCRIPT = """
 import json, sys, torch
 torch.set_num_threads(1)
-from diffcurr_fast.runs.config import load_config
+from diffcurr_fast.runs.recipes import load_config
 from diffcurr_fast.train.engine import create_engine
 from diffcurr_fast.train.loop import Trainer
 

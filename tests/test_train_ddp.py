@@ -13,7 +13,7 @@ SCRIPT = textwrap.dedent(
     """
     import json, sys, torch
     torch.set_num_threads(1)
-    from diffcurr_fast.runs.config import load_config
+    from diffcurr_fast.runs.recipes import load_config
     from diffcurr_fast.train.engine import create_engine
     from diffcurr_fast.train.loop import Trainer
 

@@ -21,7 +21,7 @@ deepspeed = pytest.importorskip("deepspeed", reason="deepspeed is not installed 
 
 from conftest import TORCHRUN2  # noqa: E402
 
-from diffcurr_fast.runs.config import load_config  # noqa: E402
+from diffcurr_fast.runs.recipes import load_config  # noqa: E402
 from diffcurr_fast.train.engine import resolve_deepspeed_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +30,7 @@ SCRIPT = textwrap.dedent(
     """
     import json, sys, torch
     torch.set_num_threads(1)
-    from diffcurr_fast.runs.config import load_config
+    from diffcurr_fast.runs.recipes import load_config
     from diffcurr_fast.train.engine import create_engine
     from diffcurr_fast.train.loop import Trainer
 

@@ -19,8 +19,9 @@ import pytest
 import torch
 from conftest import run_torchrun2
 
-from diffcurr_fast.runs.config import load_config
-from diffcurr_fast.train.loop import NonFiniteLossError, Trainer
+from diffcurr_fast.runs.recipes import load_config
+from diffcurr_fast.train.loop import Trainer
+from diffcurr_fast.train.skips import NonFiniteLossError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -19,7 +19,7 @@ from conftest import assert_near_reference
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
-from diffcurr_fast.runs.config import load_config
+from diffcurr_fast.runs.recipes import load_config
 from diffcurr_fast.train.engine import build_optimizer
 from diffcurr_fast.train.loop import Trainer
 

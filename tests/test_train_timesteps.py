@@ -10,7 +10,7 @@ import torch
 
 from diffcurr_fast.objective import Objective
 from diffcurr_fast.runs import checkpoint as ck
-from diffcurr_fast.runs.config import load_config
+from diffcurr_fast.runs.recipes import load_config
 from diffcurr_fast.timesteps.registry import SAMPLERS
 from diffcurr_fast.train import loop
 from diffcurr_fast.train.loop import Trainer, train
@@ -158,7 +158,7 @@ DDP_SCRIPT = textwrap.dedent(
     """
     import json, sys, torch
     torch.set_num_threads(1)
-    from diffcurr_fast.runs.config import load_config
+    from diffcurr_fast.runs.recipes import load_config
     from diffcurr_fast.train.engine import create_engine
     from diffcurr_fast.train.loop import Trainer
 
@@ -220,7 +220,7 @@ def test_resume_from_a_checkpoint_of_before_the_timesteps_section(tmp_path):
 
 
 def test_help_config_lists_the_timesteps_section():
-    from diffcurr_fast.runs.config import describe_config
+    from diffcurr_fast.runs.recipes import describe_config
 
     text = describe_config()
     assert "timesteps:" in text and "sampler: 'uniform'" in text

@@ -37,7 +37,7 @@ TRAIN_SCRIPT = textwrap.dedent(
     torch.set_num_threads(1)
     from diffcurr_fast.cli import main
     from diffcurr_fast.train import loop
-    from diffcurr_fast.runs.config import load_config
+    from diffcurr_fast.runs.recipes import load_config
     from diffcurr_fast.train.engine import create_engine
 
     base, run_dir, out = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -68,7 +68,7 @@ TRAIN_SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_train_two_ranks_split_the_global_batch_and_stop_together(tmp_path, monkeypatch, one_thread):
-    from diffcurr_fast.runs.config import load_config
+    from diffcurr_fast.runs.recipes import load_config
     from diffcurr_fast.train import loop
 
     r0, r1 = run_torchrun2(tmp_path, TRAIN_SCRIPT, json.dumps(BASE), tmp_path / "ddp")
@@ -90,7 +90,7 @@ def test_train_two_ranks_split_the_global_batch_and_stop_together(tmp_path, monk
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from diffcurr_fast.runs.config import load_config
+    from diffcurr_fast.runs.recipes import load_config
     from diffcurr_fast.train.loop import train
 
     run = tmp_path_factory.mktemp("two_ranks") / "run"

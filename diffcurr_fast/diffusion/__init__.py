@@ -45,9 +45,30 @@ from diffcurr_fast.diffusion.samplers import (
 )
 from diffcurr_fast.diffusion.weights import WEIGHTINGS, loss_weights
 
-# The formulations by name (``diffusion.formulation``) and the predictions each trains.
+# The formulations by name (``diffusion.formulation``).
 FORMULATIONS = ("ddpm", "flow", "edm")
-TRAIN_PREDICTIONS = {"ddpm": PREDICTIONS, "flow": ("velocity",), "edm": ("x0",)}
+# The values each formulation allows for the config's formulation-dependent fields (the keys of
+# ``FORMULATION_DEFAULTS``), where it does not take all of them: the predictions it trains; flow and EDM train without
+# learned variance, an extra loss weighting or Denoising Task Routing (whose masks are defined on DDPM's timestep
+# index), and only the ODE steps (euler, heun of ``runs.sampling.SAMPLERS``) sample them. DDPM takes every sampler.
+FORMULATION_LIMITS = {
+    "ddpm": {"prediction": PREDICTIONS},
+    "flow": {
+        "prediction": ("velocity",),
+        "learn_sigma": (False,),
+        "weighting": ("none",),
+        "dtr": (False,),
+        "sampler": ("euler", "heun"),
+    },
+    "edm": {
+        "prediction": ("x0",),
+        "learn_sigma": (False,),
+        "weighting": ("none",),
+        "dtr": (False,),
+        "sampler": ("euler", "heun"),
+    },
+}
+TRAIN_PREDICTIONS = {name: limits["prediction"] for name, limits in FORMULATION_LIMITS.items()}
 ALL_PREDICTIONS = tuple(dict.fromkeys(p for preds in TRAIN_PREDICTIONS.values() for p in preds))
 # Each formulation's own choices, which ``auto`` in the config stands for: DDPM trains eps with the IDDPM learned
 # variance and samples with DDIM; flow trains the velocity (SiT) and EDM its preconditioned denoiser (x0), both
@@ -77,6 +98,7 @@ __all__ = [
     "ALL_PREDICTIONS",
     "FORMULATIONS",
     "FORMULATION_DEFAULTS",
+    "FORMULATION_LIMITS",
     "TRAIN_PREDICTIONS",
     "TrainingTerms",
     "build_formulation",

@@ -42,6 +42,7 @@ __all__ = [
     "Mlp",
     "DIT_PRESETS",
     "DiT_models",
+    "check_dims",
     "create_dit",
     "get_2d_sincos_pos_embed",
     "modulate",
@@ -289,6 +290,17 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
     return value
 
 
+def check_dims(input_size: int, patch_size: int, hidden_size: int, num_heads: int) -> None:
+    """The DiT's rules between its dimensions (ValueError naming them): patches tile the input, the heads split the
+    width, and the 2-D sin-cos position embedding needs a width divisible by 4. The run config checks them too."""
+    if input_size % patch_size:
+        raise ValueError(f"input_size {input_size} is not divisible by patch_size {patch_size}")
+    if hidden_size % num_heads:
+        raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
+    if hidden_size % 4:
+        raise ValueError(f"hidden_size must be a multiple of 4 for the 2-D sin-cos embedding, got {hidden_size}")
+
+
 def _block_list(name: str, values: Sequence[int] | None, depth: int) -> list[int] | None:
     if values is None:
         return None
@@ -345,12 +357,7 @@ class DiT(nn.Module):
         _check_int("num_heads", num_heads, 1)
         _check_int("num_classes", num_classes, 1)
         _check_int("num_timesteps", num_timesteps, 1)
-        if input_size % patch_size:
-            raise ValueError(f"input_size {input_size} is not divisible by patch_size {patch_size}")
-        if hidden_size % num_heads:
-            raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
-        if hidden_size % 4:
-            raise ValueError(f"hidden_size must be a multiple of 4 for the 2-D sin-cos embedding, got {hidden_size}")
+        check_dims(input_size, patch_size, hidden_size, num_heads)
         if not 0.0 <= class_dropout_prob < 1.0:
             raise ValueError(f"class_dropout_prob must be in [0, 1), got {class_dropout_prob!r}")
         if not mlp_ratio >= 0:
@@ -538,8 +545,14 @@ class DiT(nn.Module):
             raise ValueError(f"y must lie in [0, {num_labels}){null}, got values in [{int(y.min())}, {int(y.max())}]")
 
     def forward(
-        self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, *, force_drop_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
+        self,
+        x: torch.Tensor,
+        t: torch.Tensor,
+        y: torch.Tensor,
+        *,
+        force_drop_ids: torch.Tensor | None = None,
+        features: Sequence[int] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Forward pass of DiT.
 
         Args:
@@ -547,10 +560,14 @@ class DiT(nn.Module):
             t: (N,) diffusion timesteps (integer in [0, num_timesteps), or float), or a scalar.
             y: (N,) class labels (``num_classes`` is the null label when class dropout is on).
             force_drop_ids: optional (N,) tensor; entries equal to 1 use the null label.
+            features: block indices j (0-based) whose output tokens to return as well, from the same pass (what a
+                training term reads, ``diffcurr_fast.terms``); empty: the output alone.
 
         Returns:
-            (N, out_channels, H, W).
+            (N, out_channels, H, W); with ``features``, also {j: (N, T, D) tokens after block j}.
         """
+        if any(not 0 <= j < len(self.blocks) for j in features):
+            raise ValueError(f"features {list(features)}: this DiT has blocks 0 to {len(self.blocks) - 1}")
         if t.dim() == 0 and x.dim() > 0:
             t = t.expand(x.shape[0])  # (N,)
         self._check_inputs(x, t, y)
@@ -561,13 +578,17 @@ class DiT(nn.Module):
         t = self.t_embedder(t)  # (N, D)
         y = self.y_embedder(y, self.training, force_drop_ids)  # (N, D)
         c = t + y  # (N, D)
-        for block in self.blocks:
+        kept: dict[int, torch.Tensor] = {}
+        for j, block in enumerate(self.blocks):
             if self.grad_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(block, x, c, mask, use_reentrant=False)  # (N, T, D)
             else:
                 x = block(x, c, mask)  # (N, T, D)
+            if j in features:
+                kept[j] = x  # (N, T, D)
         x = self.final_layer(x, c)  # (N, T, patch_size ** 2 * out_channels)
-        return self.unpatchify(x)  # (N, out_channels, H, W)
+        out = self.unpatchify(x)  # (N, out_channels, H, W)
+        return (out, kept) if features else out
 
     def forward_with_cfg(
         self,

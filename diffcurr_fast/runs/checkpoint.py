@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from diffcurr_fast.runs.config import upgrade_saved
+
 CKPT_DIR = "checkpoints"
 _NAME = re.compile(r"^ckpt_(\d{8,})\.pt$")
 
@@ -123,7 +125,8 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], keep_
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """``torch.load(path, weights_only=True)``; FileNotFoundError / ValueError with the path on failure."""
+    """``torch.load(path, weights_only=True)``, its config in today's keys (``upgrade_saved``); FileNotFoundError /
+    ValueError with the path on failure."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
@@ -135,6 +138,7 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         ) from None
     if not isinstance(state, dict) or "model" not in state or "config" not in state:
         raise ValueError(f"{str(path)!r} is not a diffcurr_fast training checkpoint (no model/config entries)")
+    state["config"] = upgrade_saved(state["config"])
     return state
 
 

@@ -1,10 +1,10 @@
-"""Typed, strict training configuration: dataclass sections, YAML recipes and ``--set a.b=value`` overrides.
+"""Typed, strict training configuration: the dataclass sections and their rules.
 
 A configuration is a ``TrainConfig`` of eleven sections (model, diffusion, curriculum, timesteps, data, optim,
 engine, logging, checkpoint, eval, tdc). Every field carries a one-line doc (``metadata["doc"]``) and, where it is a
 choice, its valid values (``metadata["choices"]``). Unknown keys, wrong types and invalid values raise ``ValueError``
-naming the key and what is valid. ``load_config(path, overrides)`` builds one from a recipe; ``config_to_yaml`` writes
-the resolved configuration (the run directory keeps it as ``config.yaml``).
+naming the key and what is valid. ``config_from_dict`` builds one from a nested dict; recipes, ``--set`` overrides
+and the YAML written to a run directory are ``runs.recipes``.
 """
 
 from __future__ import annotations
@@ -12,17 +12,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import importlib.util
 import math
 import types
 import typing
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-
-import yaml
 
 
 def _owned(module: str, name: str, *, before: tuple = ()) -> Callable[[], tuple]:
@@ -81,7 +76,7 @@ def resolve_sampler(sampler: str, formulation: str) -> str:
     return FORMULATION_DEFAULTS[formulation]["sampler"]
 
 
-def _f(
+def _field(
     default: Any,
     doc: str,
     choices: tuple | Callable[[], tuple] | None = None,
@@ -105,37 +100,39 @@ def _f(
 
 def _pos(default: int, doc: str) -> Any:
     """An int field >= 1."""
-    return _f(default, doc, lo=1)
+    return _field(default, doc, lo=1)
 
 
 def _nonneg(default: float, doc: str, **kw: Any) -> Any:
-    """A field >= 0 (``hi`` etc. as in ``_f``)."""
-    return _f(default, doc, lo=0, **kw)
+    """A field >= 0 (``hi`` etc. as in ``_field``)."""
+    return _field(default, doc, lo=0, **kw)
 
 
 def _unit(default: float, doc: str, **kw: Any) -> Any:
     """A float field in [0, 1] (ends open as flagged)."""
-    return _f(default, doc, lo=0.0, hi=1.0, **kw)
+    return _field(default, doc, lo=0.0, hi=1.0, **kw)
 
 
 @dataclass
 class ModelConfig:
     """The network (a DiT)."""
 
-    preset: str = _f("custom", "DiT preset name, or 'custom' to use the dimensions below", MODEL_PRESETS)
+    preset: str = _field("custom", "DiT preset name, or 'custom' to use the dimensions below", MODEL_PRESETS)
     input_size: int = _pos(8, "spatial size of the (latent) images the model sees")
     in_channels: int = _pos(1, "channels of the (latent) images")
     num_classes: int = _pos(10, "number of class labels (the null label for guidance is num_classes)")
-    patch_size: int | None = _f(None, "patch size (a preset fills it; custom default 2)", lo=1)
-    hidden_size: int | None = _f(None, "transformer width (a preset fills it; custom default 128)", lo=1)
-    depth: int | None = _f(None, "number of DiT blocks (a preset fills it; custom default 6)", lo=1)
-    num_heads: int | None = _f(None, "attention heads (a preset fills it; custom default 4)", lo=1)
-    mlp_ratio: float = _f(4.0, "MLP width / hidden_size", lo=0.0, lo_open=True)
+    patch_size: int | None = _field(None, "patch size (a preset fills it; custom default 2)", lo=1)
+    hidden_size: int | None = _field(None, "transformer width (a preset fills it; custom default 128)", lo=1)
+    depth: int | None = _field(None, "number of DiT blocks (a preset fills it; custom default 6)", lo=1)
+    num_heads: int | None = _field(None, "attention heads (a preset fills it; custom default 4)", lo=1)
+    mlp_ratio: float = _field(4.0, "MLP width / hidden_size", lo=0.0, lo_open=True)
     class_dropout_prob: float = _unit(0.1, "label dropout probability (enables classifier-free guidance)", hi_open=True)
-    attn_backend: str = _f("auto", "attention backend", ATTN_BACKENDS)
-    fused_adaln: bool = _f(False, "run the blocks' elementwise ops fused (adaLN modulate, gated residual, tanh-GELU)")
-    dtr: bool = _f(False, "Denoising Task Routing (timestep-dependent channel masks)")
-    init_from: str = _f(
+    attn_backend: str = _field("auto", "attention backend", ATTN_BACKENDS)
+    fused_adaln: bool = _field(
+        False, "run the blocks' elementwise ops fused (adaLN modulate, gated residual, tanh-GELU)"
+    )
+    dtr: bool = _field(False, "Denoising Task Routing (timestep-dependent channel masks)")
+    init_from: str = _field(
         "",
         "fine-tune: initial weights (.pt state dict such as DiT-XL-2-256x256.pt, one of our "
         "checkpoints, a .safetensors export, or a diffusers DiTTransformer2DModel / DiTPipeline directory); "
@@ -145,9 +142,9 @@ class ModelConfig:
     def validate(self) -> None:
         """A preset fills the dimensions left unset, and replaces those set by an earlier source (the recipe when
         the preset is an override); a dimension set in the preset's own source or a later one that contradicts it
-        is an error."""
+        is an error, and so are dimensions the DiT cannot take (``models.dit.check_dims``)."""
         # imported here, not at the top: keeps --help free of torch
-        from diffcurr_fast.models.dit import DIT_PRESETS
+        from diffcurr_fast.models.dit import DIT_PRESETS, check_dims
 
         dims = DIT_PRESETS.get(self.preset, CUSTOM_DIMS)
         filled = _filled(self)
@@ -166,14 +163,10 @@ class ModelConfig:
                     f"or a later source ({_source_of(self, name)[1]}); unset it (model.{name}=null) to take the "
                     "preset's value, or use model.preset=custom"
                 )
-        if self.input_size % self.patch_size:
-            raise ValueError(
-                f"model.input_size {self.input_size} is not divisible by model.patch_size {self.patch_size}"
-            )
-        if self.hidden_size % self.num_heads or self.hidden_size % 4:
-            raise ValueError(
-                f"model.hidden_size {self.hidden_size} must be a multiple of 4 and of model.num_heads {self.num_heads}"
-            )
+        try:
+            check_dims(self.input_size, self.patch_size, self.hidden_size, self.num_heads)
+        except ValueError as exc:
+            raise ValueError(f"model: {exc}") from None
 
 
 CUSTOM_DIMS = {"patch_size": 2, "hidden_size": 128, "depth": 6, "num_heads": 4}
@@ -183,45 +176,33 @@ CUSTOM_DIMS = {"patch_size": 2, "hidden_size": 128, "depth": 6, "num_heads": 4}
 class DiffusionConfig:
     """The diffusion formulation and its training objective."""
 
-    formulation: str = _f(
+    formulation: str = _field(
         "ddpm", "ddpm (discrete t), flow (linear interpolant, SiT) or edm (Karras et al.)", FORMULATIONS
     )
     num_timesteps: int = _pos(1000, "T: DDPM timesteps, or the number of flow-t / EDM-sigma cells for the curriculum")
-    beta_schedule: str = _f("linear", "beta schedule", BETA_SCHEDULES)
-    prediction: str = _f(
+    beta_schedule: str = _field("linear", "beta schedule", BETA_SCHEDULES)
+    prediction: str = _field(
         "auto",
         "network target: eps, x0 or v (ddpm); velocity (flow); x0 (edm denoiser); auto: eps "
         "(ddpm), velocity (flow), x0 (edm)",
         PREDICTIONS,
     )
-    learn_sigma: bool | str = _f(
+    learn_sigma: bool | str = _field(
         "auto",
         "learn the variance with the IDDPM hybrid loss (network outputs 2C channels); "
         "auto: true for ddpm, false for flow and edm",
         LEARN_SIGMA,
     )
-    weighting: str = _f("auto", "per-timestep loss weighting of the MSE term (ddpm; auto: none)", WEIGHTINGS)
-    min_snr_gamma: float = _f(5.0, "gamma of the MinSNR weighting", lo=0.0, lo_open=True)
-    fused_ops: bool | None = _f(
-        None, "deprecated alias, kept for one release: false means ops_backend 'reference' (unset: ops_backend)"
-    )
-    ops_backend: str = _f("auto", "backend of the fused ops (reference: the pure-torch definition)", OPS_BACKENDS)
-    sigma_data: float = _f(0.5, "EDM: standard deviation of the data", lo=0.0, lo_open=True)
-    P_mean: float = _f(-1.2, "EDM: mean of ln(sigma) during training", lo=-INF)
-    P_std: float = _f(1.2, "EDM: standard deviation of ln(sigma) during training", lo=0.0, lo_open=True)
-    sigma_min: float = _f(0.002, "EDM: smallest sigma (training range and sampling grid)", lo=0.0, lo_open=True)
-    sigma_max: float = _f(80.0, "EDM: largest sigma (training range and sampling grid)", lo=0.0, lo_open=True)
+    weighting: str = _field("auto", "per-timestep loss weighting of the MSE term (ddpm; auto: none)", WEIGHTINGS)
+    min_snr_gamma: float = _field(5.0, "gamma of the MinSNR weighting", lo=0.0, lo_open=True)
+    ops_backend: str = _field("auto", "backend of the fused ops (reference: the pure-torch definition)", OPS_BACKENDS)
+    sigma_data: float = _field(0.5, "EDM: standard deviation of the data", lo=0.0, lo_open=True)
+    P_mean: float = _field(-1.2, "EDM: mean of ln(sigma) during training", lo=-INF)
+    P_std: float = _field(1.2, "EDM: standard deviation of ln(sigma) during training", lo=0.0, lo_open=True)
+    sigma_min: float = _field(0.002, "EDM: smallest sigma (training range and sampling grid)", lo=0.0, lo_open=True)
+    sigma_max: float = _field(80.0, "EDM: largest sigma (training range and sampling grid)", lo=0.0, lo_open=True)
 
     def validate(self) -> None:
-        if self.fused_ops is not None:  # the deprecated alias folds into the one knob
-            warnings.warn(
-                "diffusion.fused_ops is deprecated; use diffusion.ops_backend (reference = pure torch)",
-                DeprecationWarning,
-                stacklevel=3,
-            )
-            if not self.fused_ops:
-                self.ops_backend = "reference"
-            self.fused_ops = None
         if not self.sigma_min < self.sigma_max:
             raise ValueError(f"diffusion.sigma_min {self.sigma_min} must be < diffusion.sigma_max {self.sigma_max}")
         # imported here, not at the top: keeps --help free of torch
@@ -239,10 +220,10 @@ class DiffusionConfig:
 class CurriculumConfig:
     """Difficulty curriculum over timestep clusters (Kim et al., ICLR 2025)."""
 
-    pacing: str = _f("patience", "patience (the paper), fixed (NaiveCL), none (vanilla) or adaptive", PACINGS)
+    pacing: str = _field("patience", "patience (the paper), fixed (NaiveCL), none (vanilla) or adaptive", PACINGS)
     num_clusters: int = _pos(20, "N, the number of timestep clusters")
-    method: str = _f("snr", "clustering rule", CLUSTER_METHODS)
-    order: str = _f("easy_to_hard", "unlock order (hard_to_easy = anti-curriculum)", ORDERS)
+    method: str = _field("snr", "clustering rule", CLUSTER_METHODS)
+    order: str = _field("easy_to_hard", "unlock order (hard_to_easy = anti-curriculum)", ORDERS)
     patience: int = _nonneg(20, "evaluations without improvement before the next unlock")
     ema: float = _unit(0.9, "decay of the monitored-loss EMA per evaluation, in [0, 1)", hi_open=True)
     min_delta: float = _nonneg(1e-3, "relative decrease of the monitored loss that counts as an improvement")
@@ -259,17 +240,17 @@ class CurriculumConfig:
 class TimestepsConfig:
     """Timestep sampling: the strategy multiplied with the curriculum's unlock mask (docs/training.md)."""
 
-    sampler: str = _f(
+    sampler: str = _field(
         "uniform", "timestep strategy (times the curriculum's mask and the formulation's prior)", TIMESTEP_SAMPLERS
     )
-    lognormal_mean: float = _f(0.0, "lognormal: mean of log SNR (flow: -2 x the logit-normal mean)", lo=-INF)
-    lognormal_std: float = _f(
+    lognormal_mean: float = _field(0.0, "lognormal: mean of log SNR (flow: -2 x the logit-normal mean)", lo=-INF)
+    lognormal_std: float = _field(
         2.0, "lognormal: std of log SNR (2 = SD3's logit-normal(0, 1) t for flow)", lo=0.0, lo_open=True
     )
     importance_history: int = _pos(10, "importance: losses kept per cell (IDDPM: 10); uniform until all are full")
     importance_floor: float = _unit(1e-3, "importance: uniform share mixed into the distribution (IDDPM: 1e-3)")
-    speed_k: float = _f(5.0, "speed: how many times as likely a cell before the convergence area is", lo=1.0)
-    speed_threshold: float = _f(
+    speed_k: float = _field(5.0, "speed: how many times as likely a cell before the convergence area is", lo=1.0)
+    speed_threshold: float = _field(
         1e-4,
         "speed: increment of sqrt(1 - abar) per 1/1000 of the axis where the convergence area begins",
         lo=0.0,
@@ -279,8 +260,8 @@ class TimestepsConfig:
     anuts_candidates: int = _pos(16, "anuts: cells, evenly spaced, whose loss decrease is measured")
     anuts_probes: int = _pos(3, "anuts: size of the subset S whose decrease is the reward")
     anuts_probe_batch: int = _pos(4, "anuts: samples of the batch the probes are measured on")
-    anuts_buffer: int = _f(10, "anuts: updates kept to choose S by correlation with the total decrease", lo=2)
-    anuts_lr: float = _f(0.02, "anuts: Adam learning rate of the policy's log a, log b", lo=0.0, lo_open=True)
+    anuts_buffer: int = _field(10, "anuts: updates kept to choose S by correlation with the total decrease", lo=2)
+    anuts_lr: float = _field(0.02, "anuts: Adam learning rate of the policy's log a, log b", lo=0.0, lo_open=True)
     anuts_entropy: float = _nonneg(0.0, "anuts: weight of the policy's entropy bonus")
 
     def validate(self) -> None:
@@ -295,14 +276,14 @@ class TimestepsConfig:
 class DataConfig:
     """Training data."""
 
-    dataset: str = _f(
+    dataset: str = _field(
         "digits",
         "digits (built in, 8x8), mnist5k (built in, 28x28, the mnist extra), npz (arrays x (N, C, H, W) and y "
         "(N,)), latents (a fast-DiT or sharded latent directory) or images (an ImageNet-layout folder)",
         DATASETS,
     )
-    path: str = _f("", "npz: a .npz file or a directory of x.npy and y.npy; latents / images: the directory")
-    scale: float = _f(
+    path: str = _field("", "npz: a .npz file or a directory of x.npy and y.npy; latents / images: the directory")
+    scale: float = _field(
         1.0,
         "the model trains on scale * data (0.18215 for Stable Diffusion VAE latents; see docs)",
         lo=0.0,
@@ -311,14 +292,14 @@ class DataConfig:
     batch_size: int = _pos(128, "global batch size (split evenly across ranks)")
     num_workers: int = _nonneg(0, "DataLoader worker processes (0 = load in the training process); DALI CPU threads")
     image_size: int = _nonneg(0, "images: ADM centre-crop size (0 = model.input_size)")
-    hflip: bool = _f(True, "images: random horizontal flips (decided per sample and epoch)")
-    backend: str = _f(
+    hflip: bool = _field(True, "images: random horizontal flips (decided per sample and epoch)")
+    backend: str = _field(
         "auto", "latents / images loader: auto (DALI on a GPU when importable), dali or torch", DATA_BACKENDS
     )
     dali_py_workers: int = _nonneg(
         0, "images with DALI: forked Python workers reading the files (0: read in the pipeline's thread)"
     )
-    on_bad: str = _f("stop", "latents / images: a corrupt or unreadable file stops the run or is skipped", ON_BAD)
+    on_bad: str = _field("stop", "latents / images: a corrupt or unreadable file stops the run or is skipped", ON_BAD)
 
     def validate(self) -> None:
         if self.dataset in ("npz", "latents", "images") and not self.path:
@@ -335,23 +316,23 @@ class DataConfig:
 class OptimConfig:
     """AdamW, learning-rate schedule, clipping and EMA."""
 
-    lr: float = _f(1e-4, "peak learning rate", lo=0.0, lo_open=True)
+    lr: float = _field(1e-4, "peak learning rate", lo=0.0, lo_open=True)
     weight_decay: float = _nonneg(0.0, "AdamW weight decay")
     beta1: float = _unit(0.9, "AdamW beta1", hi_open=True)
     beta2: float = _unit(0.999, "AdamW beta2", hi_open=True)
-    eps: float = _f(1e-8, "AdamW epsilon", lo=0.0, lo_open=True)
-    impl: str = _f(
+    eps: float = _field(1e-8, "AdamW epsilon", lo=0.0, lo_open=True)
+    impl: str = _field(
         "auto",
         "AdamW kernels: auto / torch (torch's fused kernel, CUDA and CPU) or apex (NVIDIA apex FusedAdam)",
         OPTIM_IMPLS,
     )
     warmup_steps: int = _nonneg(0, "linear warmup steps from 0 to lr")
-    schedule: str = _f("constant", "learning-rate schedule after warmup", LR_SCHEDULES)
+    schedule: str = _field("constant", "learning-rate schedule after warmup", LR_SCHEDULES)
     min_lr: float = _nonneg(0.0, "final learning rate of the cosine schedule (<= lr)")
     grad_clip: float = _nonneg(0.0, "clip the global gradient norm to this (0 = off)")
     grad_accum_steps: int = _pos(1, "micro-batches per optimizer step (data.batch_size is split into them)")
     ema_decay: float = _unit(0.9999, "EMA decay of the weights (DiT: 0.9999)")
-    ema_warmup: bool = _f(True, "use decay min(ema_decay, (1 + n) / (10 + n)) at update n")
+    ema_warmup: bool = _field(True, "use decay min(ema_decay, (1 + n) / (10 + n)) at update n")
 
     def validate(self) -> None:
         if self.min_lr > self.lr:
@@ -362,29 +343,29 @@ class OptimConfig:
 class EngineConfig:
     """Where and how the step runs."""
 
-    kind: str = _f("auto", "auto (ddp under torchrun, else single), single, ddp or deepspeed (ZeRO)", ENGINE_KINDS)
-    deepspeed_config: str = _f("", "deepspeed: DeepSpeed JSON (ZeRO stage, offload); batch, clip, bf16 filled in")
-    device: str = _f("auto", "auto (cuda when available), cpu or cuda", DEVICES)
+    kind: str = _field("auto", "auto (ddp under torchrun, else single), single, ddp or deepspeed (ZeRO)", ENGINE_KINDS)
+    deepspeed_config: str = _field("", "deepspeed: DeepSpeed JSON (ZeRO stage, offload); batch, clip, bf16 filled in")
+    device: str = _field("auto", "auto (cuda when available), cpu or cuda", DEVICES)
     max_steps: int = _pos(1000, "total optimizer steps (attempted steps, skipped ones included)")
-    seed: int = _f(0, "global seed (each rank adds its rank)", lo=0, hi=2**63 - 1)
-    precision: str = _f("fp32", "fp32, bf16 autocast, or auto (bf16 on a GPU that has it, fp32 on CPU)", PRECISIONS)
-    tf32: bool = _f(True, "allow TF32 matmuls on GPU")
-    compile: bool = _f(False, "torch.compile the model")
-    grad_checkpointing: bool = _f(False, "recompute each DiT block in the backward pass")
-    nan_policy: str = _f("skip", "on a non-finite loss: skip the step and count it, or stop", NAN_POLICIES)
+    seed: int = _field(0, "global seed (each rank adds its rank)", lo=0, hi=2**63 - 1)
+    precision: str = _field("fp32", "fp32, bf16 autocast, or auto (bf16 on a GPU that has it, fp32 on CPU)", PRECISIONS)
+    tf32: bool = _field(True, "allow TF32 matmuls on GPU")
+    compile: bool = _field(False, "torch.compile the model")
+    grad_checkpointing: bool = _field(False, "recompute each DiT block in the backward pass")
+    nan_policy: str = _field("skip", "on a non-finite loss: skip the step and count it, or stop", NAN_POLICIES)
     max_nan_skips: int = _pos(100, "stop after more than this many skipped steps in a row (skip policy)")
     max_skip_share: float = _unit(
         0.05,
         "stop once more than this share of engine.max_steps was skipped (skip "
         "policy; the error names the first skipped step)",
     )
-    cpu_threads: int = _f(0, "torch intra-op threads on CPU (0 = torch's default)", lo=0, hi=4096)
-    retain_host_memory: bool = _f(
+    cpu_threads: int = _field(0, "torch intra-op threads on CPU (0 = torch's default)", lo=0, hi=4096)
+    retain_host_memory: bool = _field(
         True,
         "CPU: keep freed host memory in the process (glibc mallopt) so each step's "
         "large tensors reuse mapped pages instead of page-faulting new ones",
     )
-    cuda_graphs: bool = _f(
+    cuda_graphs: bool = _field(
         False,
         "a training step that reads nothing back to the host, as CUDA graph capture needs: a non-finite step is "
         "skipped on the device (optimizer, EMA and sampler statistics masked), the skip counts and stop rules are "
@@ -407,22 +388,24 @@ class LoggingConfig:
     """Progress, metrics and the end-of-run report."""
 
     log_every: int = _pos(10, "steps between metrics.jsonl records")
-    progress: bool = _f(True, "show a tqdm progress bar")
-    tensorboard: bool = _f(False, "also write TensorBoard scalars to tb/ (needs the tensorboard package)")
-    wandb: bool = _f(
+    progress: bool = _field(True, "show a tqdm progress bar")
+    tensorboard: bool = _field(False, "also write TensorBoard scalars to tb/ (needs the tensorboard package)")
+    wandb: bool = _field(
         False,
         "also log the scalars to Weights & Biases (extra 'wandb'; the run id is kept in "
         "wandb_id.txt, so a resume continues the same run)",
     )
-    wandb_project: str = _f("diffcurr-fast", "wandb project")
-    wandb_mode: str = _f(
+    wandb_project: str = _field("diffcurr-fast", "wandb project")
+    wandb_mode: str = _field(
         "offline", "wandb offline (files under wandb/, upload later with `wandb sync`) or online", ("offline", "online")
     )
     num_samples: int = _nonneg(64, "images in the end-of-run sample grid (0 = no grid)")
-    sampler: str = _f("auto", "sampler of the end-of-run grid (auto: ddim for ddpm, heun for flow and edm)", SAMPLERS)
+    sampler: str = _field(
+        "auto", "sampler of the end-of-run grid (auto: ddim for ddpm, heun for flow and edm)", SAMPLERS
+    )
     sample_steps: int = _pos(50, "sampling steps of the end-of-run grid")
     cfg_scale: float = _nonneg(1.0, "classifier-free guidance scale of the end-of-run grid")
-    plots: bool = _f(True, "write the per-cluster loss and curriculum timeline plots at the end")
+    plots: bool = _field(True, "write the per-cluster loss and curriculum timeline plots at the end")
     eval_every: int = _nonneg(0, "steps between evaluations of the EMA weights (FD etc., the eval section; 0 = off)")
 
 
@@ -430,10 +413,10 @@ class LoggingConfig:
 class CheckpointConfig:
     """Run directory and checkpoints."""
 
-    run_dir: str = _f("runs/demo", "output directory of the run")
+    run_dir: str = _field("runs/demo", "output directory of the run")
     every: int = _pos(1000, "steps between checkpoints (a final one is always written)")
     keep_last: int = _pos(3, "checkpoints kept (older ones are deleted)")
-    export_ema: bool = _f(True, "write the EMA weights as ema.safetensors at the end")
+    export_ema: bool = _field(True, "write the EMA weights as ema.safetensors at the end")
 
     def validate(self) -> None:
         if not self.run_dir:
@@ -447,23 +430,23 @@ EVAL_FEATURES = ("digits", "mnist5k", "inception")  # ``diffcurr_fast.eval.featu
 class EvalConfig:
     """Evaluation during training (every ``logging.eval_every`` steps, rank 0, EMA weights, its own RNG)."""
 
-    num_samples: int = _f(500, "images sampled per evaluation (labels cycle through the classes)", lo=2)
+    num_samples: int = _field(500, "images sampled per evaluation (labels cycle through the classes)", lo=2)
     steps: int = _pos(50, "sampling steps")
-    sampler: str = _f("auto", "sampler (auto: ddim for ddpm, heun for flow and edm)", SAMPLERS)
+    sampler: str = _field("auto", "sampler (auto: ddim for ddpm, heun for flow and edm)", SAMPLERS)
     cfg_scale: float = _nonneg(1.0, "classifier-free guidance scale")
-    features: str = _f(
+    features: str = _field(
         "digits",
         "feature extractor: digits / mnist5k (classifiers of those built-in data) or inception (FID)",
         EVAL_FEATURES,
     )
-    inception_weights: str = _f("", "inception: local pytorch-fid weights file (never downloaded)")
-    reference: str = _f(
+    inception_weights: str = _field("", "inception: local pytorch-fid weights file (never downloaded)")
+    reference: str = _field(
         "",
         "reference statistics or images .npz ('' = the training data; digits / mnist5k "
         "data: all digits / mnist5k's held-out split)",
     )
-    num_reference: int = _f(10000, "'' reference: training images used (at most)", lo=2)
-    seed: int = _f(0, "seed of the evaluation samples (the same noise at every evaluation)", lo=0, hi=2**63 - 1)
+    num_reference: int = _field(10000, "'' reference: training images used (at most)", lo=2)
+    seed: int = _field(0, "seed of the evaluation samples (the same noise at every evaluation)", lo=0, hi=2**63 - 1)
 
     def validate(self) -> None:
         if self.features == "inception" and not self.inception_weights:
@@ -488,34 +471,38 @@ class TDCConfig:
     """TDC training (diffcurr-fast tdc): stage 2 after stage 1, which is the rest of this config."""
 
     num_groups: int = _pos(3, "N, the number of timestep groups (one expert each)")
-    k: float = _f(
-        0.5, "budget anchor of TDC Eq. 2, in (0, 1]: FLOPs(i) = (i/N + (N-i)/N k) F", lo=0.0, hi=1.0, lo_open=True
+    budget_floor: float = _field(
+        0.5,
+        "k of TDC Eq. 2, in (0, 1]: group i of N gets FLOPs(i) = (i/N + (N-i)/N k) F, so no expert falls below k F",
+        lo=0.0,
+        hi=1.0,
+        lo_open=True,
     )
-    group_method: str = _f("db", "grouping rule on the SNR axis", GROUP_METHODS)
-    full_budget: str = _f("hardest", "which end of t gets the full budget F", FULL_BUDGET_ENDS)
-    base_weights: str = _f("ema", "stage-1 weights that stage 2 prunes", BASE_WEIGHTS)
-    importance: str = _f("taylor", "unit importance for pruning", IMPORTANCE_METHODS)
+    group_method: str = _field("db", "grouping rule on the SNR axis", GROUP_METHODS)
+    full_budget: str = _field("hardest", "which end of t gets the full budget F", FULL_BUDGET_ENDS)
+    base_weights: str = _field("ema", "stage-1 weights that stage 2 prunes", BASE_WEIGHTS)
+    importance: str = _field("taylor", "unit importance for pruning", IMPORTANCE_METHODS)
     importance_batches: int = _pos(2, "batches of the Taylor importance (diffusion-loss gradients)")
-    proposer: str = _f("local", "candidate proposer of the proxy search", PROPOSERS)
+    proposer: str = _field("local", "candidate proposer of the proxy search", PROPOSERS)
     rounds: int = _pos(2, "proxy-search rounds")
     candidates: int = _pos(3, "candidates per round")
     recover_steps: int = _nonneg(10, "AdamW steps that recover each candidate before it is scored")
-    recover_lr: float = _f(1e-4, "learning rate of the recovery steps", lo=0.0, lo_open=True)
+    recover_lr: float = _field(1e-4, "learning rate of the recovery steps", lo=0.0, lo_open=True)
     search_batches: int = _pos(4, "training batches cycled by the recovery steps")
     heldout_batches: int = _pos(2, "held-out batches of the proxy score (disjoint from the search batches)")
     search_batch_size: int = _nonneg(0, "batch size of importance, recovery and proxy (0 = data.batch_size)")
-    drop_empty_blocks: bool = _f(False, "remove blocks left with no head and no channel")
+    drop_empty_blocks: bool = _field(False, "remove blocks left with no head and no channel")
     finetune_steps: int = _pos(200, "stage-2 fine-tuning steps of every expert")
     finetune_lr: float = _nonneg(0.0, "stage-2 peak learning rate (0 = optim.lr)")
-    expert_parallel: bool = _f(
+    expert_parallel: bool = _field(
         False,
         "stage 2 with the ranks split into min(N, world) parts, each searching and "
         "fine-tuning its own groups (DDP; false: every expert over all ranks)",
     )
-    llm_url: str = _f("", "llm proposer: OpenAI-compatible endpoint (https://host/v1)")
-    llm_model: str = _f("", "llm proposer: model name")
-    llm_api_key_env: str = _f("", "llm proposer: NAME of the environment variable holding the API key")
-    llm_fallback: str = _f(
+    llm_url: str = _field("", "llm proposer: OpenAI-compatible endpoint (https://host/v1)")
+    llm_model: str = _field("", "llm proposer: model name")
+    llm_api_key_env: str = _field("", "llm proposer: NAME of the environment variable holding the API key")
+    llm_fallback: str = _field(
         "none",
         "llm proposer whose endpoint gives no reply: none (stop with an error) or "
         "local (the local proposer fills the round, said on the console)",
@@ -554,24 +541,7 @@ class TrainConfig:
                 _check_field(f"{sec.name}.{f.name}", f, getattr(section, f.name), _hints(type(section))[f.name])
             if hasattr(section, "validate"):  # the section's own cross-field rules, where it has any
                 section.validate()
-        d = self.diffusion
-        if d.formulation in ("flow", "edm"):
-            bad = {
-                "diffusion.learn_sigma": (d.learn_sigma, False),
-                "diffusion.weighting": (d.weighting, "none"),
-                "model.dtr": (self.model.dtr, False),
-            }
-            for key, (value, need) in bad.items():
-                if value != need:
-                    raise ValueError(
-                        f"{key}={value!r} is not supported with diffusion.formulation {d.formulation!r}; use {need!r}"
-                    )
-            for key, sampler in (("logging.sampler", self.logging.sampler), ("eval.sampler", self.eval.sampler)):
-                if sampler not in ("euler", "heun") and (key == "logging.sampler" or self.logging.eval_every):
-                    raise ValueError(
-                        f"{key} {sampler!r} cannot sample {with_article(d.formulation)} model; valid choices: "
-                        "euler, heun"
-                    )
+        self._check_formulation_fields()
         if self.curriculum.num_clusters > self.diffusion.num_timesteps:
             raise ValueError(
                 f"curriculum.num_clusters ({self.curriculum.num_clusters}) must be <= diffusion.num_timesteps "
@@ -609,26 +579,41 @@ class TrainConfig:
                 )
         return self
 
+    def _check_formulation_fields(self) -> None:
+        """The fields of ``FORMULATION_FIELDS`` hold values the formulation allows (``diffusion.FORMULATION_LIMITS``;
+        the prediction is ``DiffusionConfig.validate``'s, the evaluation sampler counts only when evaluations run)."""
+        # imported here, not at the top: keeps --help free of torch
+        from diffcurr_fast.diffusion import FORMULATION_LIMITS
+
+        form = self.diffusion.formulation
+        for (sec, key), name in FORMULATION_FIELDS.items():
+            valid, value = FORMULATION_LIMITS[form].get(name), getattr(getattr(self, sec), key)
+            if valid is None or value in valid or name == "prediction":
+                continue
+            if name != "sampler":
+                raise ValueError(
+                    f"{sec}.{key}={value!r} is not supported with diffusion.formulation {form!r}; use {valid[0]!r}"
+                )
+            if sec == "logging" or self.logging.eval_every:
+                raise ValueError(
+                    f"{sec}.{key} {value!r} cannot sample {with_article(form)} model; valid choices: {', '.join(valid)}"
+                )
+
     def resolve_auto(self) -> None:
         """The fields of ``FORMULATION_FIELDS`` that are ``auto`` take the formulation's own choice
         (``diffusion.FORMULATION_DEFAULTS``). One set by an earlier source than ``diffusion.formulation`` (the recipe
         when the formulation is an override) that does not apply to that formulation yields to it as well; set in
         the same source or a later one, it stays, and ``validate`` says why it cannot be used."""
         # imported here, not at the top: keeps --help free of torch
-        from diffcurr_fast.diffusion import FORMULATION_DEFAULTS, TRAIN_PREDICTIONS
+        from diffcurr_fast.diffusion import FORMULATION_DEFAULTS, FORMULATION_LIMITS
 
         form = self.diffusion.formulation
         rank, where = _source_of(self.diffusion, "formulation")
-        own = FORMULATION_DEFAULTS[form]
+        own, limits = FORMULATION_DEFAULTS[form], FORMULATION_LIMITS[form]
         for (sec, key), default_key in FORMULATION_FIELDS.items():
             section = getattr(self, sec)
             value, filled = getattr(section, key), _filled(section)
-            if key == "prediction":
-                fits = value in TRAIN_PREDICTIONS[form]
-            elif key == "sampler":
-                fits = form == "ddpm" or value in ("euler", "heun")
-            else:  # learn_sigma, weighting, dtr: DDPM only
-                fits = form == "ddpm" or value == own[default_key]
+            fits = default_key not in limits or value in limits[default_key]
             yields = not fits and _source_of(section, key)[0] < rank and value != "auto" and key not in filled
             if value == "auto" or key in filled or yields:
                 note = f"; {value!r} ({_source_of(section, key)[1]}) does not apply to {form}" if yields else ""
@@ -651,14 +636,15 @@ class TrainConfig:
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(TrainConfig)}  # type: ignore
-# The fields whose ``auto`` follows diffusion.formulation -> their key in ``diffusion.FORMULATION_DEFAULTS``.
+# The fields whose ``auto`` follows diffusion.formulation -> their key in ``diffusion.FORMULATION_DEFAULTS`` (and in
+# ``FORMULATION_LIMITS``, where the formulation limits their values).
 FORMULATION_FIELDS = {
     ("diffusion", "prediction"): "prediction",
     ("diffusion", "learn_sigma"): "learn_sigma",
     ("diffusion", "weighting"): "weighting",
+    ("model", "dtr"): "dtr",
     ("logging", "sampler"): "sampler",
     ("eval", "sampler"): "sampler",
-    ("model", "dtr"): "dtr",
 }
 
 
@@ -778,6 +764,24 @@ def config_from_dict(
     return cfg.validate()
 
 
+# Keys that configs saved by earlier versions hold (a checkpoint's, a TDC run's tdc.json, a bundle's
+# train_config.json): removed (None) or renamed. ``upgrade_saved`` reads them; a recipe or --set that names one is an
+# error (saying what a renamed key became).
+LEGACY_KEYS = {("diffusion", "fused_ops"): None, ("tdc", "k"): "budget_floor"}
+
+
+def upgrade_saved(data: dict[str, Any]) -> dict[str, Any]:
+    """A saved config (``TrainConfig.to_dict`` of this or an earlier version) in today's keys: its ``LEGACY_KEYS``
+    dropped or renamed. A new dict; ``data`` is not changed."""
+    out = {sec: dict(values) if isinstance(values, dict) else values for sec, values in data.items()}
+    for (sec, old), new in LEGACY_KEYS.items():
+        if isinstance(out.get(sec), dict) and old in out[sec]:
+            value = out[sec].pop(old)
+            if new is not None:
+                out[sec].setdefault(new, value)
+    return out
+
+
 def _set_field(cfg: TrainConfig, dotted: str, value: Any, source: tuple[int, str] = DEFAULT_SOURCE) -> None:
     parts = dotted.split(".")
     if len(parts) != 2 or not all(parts):
@@ -788,7 +792,8 @@ def _set_field(cfg: TrainConfig, dotted: str, value: Any, source: tuple[int, str
     section = getattr(cfg, sec_name)
     names = [f.name for f in dataclasses.fields(section)]
     if key not in names:
-        raise ValueError(f"unknown config key {dotted!r}; valid keys of {sec_name}: {', '.join(names)}")
+        renamed = f" (renamed {sec_name}.{LEGACY_KEYS[sec_name, key]})" if LEGACY_KEYS.get((sec_name, key)) else ""
+        raise ValueError(f"unknown config key {dotted!r}{renamed}; valid keys of {sec_name}: {', '.join(names)}")
     f = next(f for f in dataclasses.fields(section) if f.name == key)
     value = _coerce(dotted, value, _hints(type(section))[key])
     _check_field(dotted, f, value, _hints(type(section))[key])
@@ -800,228 +805,13 @@ def _set_field(cfg: TrainConfig, dotted: str, value: Any, source: tuple[int, str
         _sources(section)[key] = source
 
 
-def parse_override(text: str) -> tuple[str, Any]:
-    """Split ``a.b=value`` and parse the value as YAML (so ``1e-4``, ``true``, ``null``, ``[1, 2]`` are typed)."""
-    if "=" not in text:
-        raise ValueError(f"an override looks like section.field=value, got {text!r}")
-    key, raw = text.split("=", 1)
-    key = key.strip()
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as exc:
-        raise ValueError(f"cannot parse the value of override {text!r}: {exc}") from None
-    if isinstance(value, str) and _looks_float(value):  # YAML 1.1 reads 1e-4 as a string
-        value = float(value)
-    return key, value
-
-
-def _looks_float(s: str) -> bool:
-    try:
-        float(s)
-    except ValueError:
-        return False
-    return any(c in s.lower() for c in "e.")
-
-
-def _fix_floats(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {k: _fix_floats(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_fix_floats(v) for v in obj]
-    if isinstance(obj, str) and _looks_float(obj):
-        return float(obj)
-    return obj
-
-
-# The embedded default run (``diffcurr-fast train`` without a recipe, ``make demo``): a small DiT on the built-in
-# 8x8 digits with uniform t and MinSNR-5, sized to finish in minutes on two CPU cores. That is the arm of the
-# time-to-quality study (docs/results/README.md) with the surest speed-up over the official DiT recipe on both
-# built-in datasets; the SNR curriculum needed more steps than uniform t there, so its settings below stay only for
-# ``--set curriculum.pacing=patience`` (the earlier demo). Two intra-op threads: its GEMMs are small, but two
-# threads still take its step from about 31 to 21 ms on two cores (cpu_threads=2, fixed so a large machine does not
-# spread these small matrices over all its cores); the blocks use the fused adaLN ops. Cosine betas and MinSNR-5
-# make the most of 3,000 steps at 8x8; the grid is drawn with guidance scale 2. The dataclass defaults above are
-# the paper settings (DiT: AdamW 1e-4, EMA 0.9999; curriculum: N = 20, tau = 200) that recipes start from.
-DEMO: dict[str, dict[str, Any]] = {
-    "model": {
-        "preset": "custom",
-        "input_size": 8,
-        "in_channels": 1,
-        "num_classes": 10,
-        "patch_size": 2,
-        "hidden_size": 64,
-        "depth": 4,
-        "num_heads": 4,
-        "fused_adaln": True,
-    },
-    "diffusion": {"num_timesteps": 1000, "beta_schedule": "cosine", "weighting": "min_snr", "min_snr_gamma": 5.0},
-    "curriculum": {
-        "pacing": "none",
-        "method": "snr",
-        "num_clusters": 10,
-        "patience": 4,
-        "eval_every": 10,
-        "ema": 0.5,
-        "min_delta": 0.02,
-    },
-    "data": {"dataset": "digits", "batch_size": 64},
-    "optim": {
-        "lr": 1e-3,
-        "warmup_steps": 100,
-        "schedule": "cosine",
-        "min_lr": 1e-5,
-        "grad_clip": 1.0,
-        "ema_decay": 0.999,
-    },
-    "engine": {"max_steps": 3000, "cpu_threads": 2},
-    "logging": {"log_every": 25, "num_samples": 100, "sample_steps": 100, "cfg_scale": 2.0},
-    "checkpoint": {"run_dir": "runs/demo", "every": 1000, "keep_last": 2},
-}
-
-
-def demo_config() -> TrainConfig:
-    """The embedded default run (see ``DEMO``)."""
-    return config_from_dict(DEMO)
-
-
-# Config fields that name input files: inside a recipe, a relative value is relative to the recipe's folder (so a
-# recipe and its DeepSpeed JSON travel together); on the command line (--set), relative to the current directory.
-RECIPE_PATH_KEYS = (("data", "path"), ("engine", "deepspeed_config"), ("model", "init_from"))
-
-
-def recipes_dir() -> Path:
-    """The folder of the shipped recipes (package data ``diffcurr_fast.recipes``; a source checkout's recipes/)."""
-    spec = importlib.util.find_spec("diffcurr_fast.recipes")
-    if spec is not None and spec.submodule_search_locations:
-        return Path(list(spec.submodule_search_locations)[0])
-    return Path(__file__).resolve().parents[2] / "recipes"
-
-
-def list_recipes() -> list[Path]:
-    """The shipped recipes, sorted by name."""
-    d = recipes_dir()
-    return sorted(d.glob("*.yaml")) if d.is_dir() else []
-
-
-def find_recipe(name: str | Path) -> Path:
-    """A recipe file: ``name`` as a path, else a shipped recipe of that name (``dit_b2_curriculum`` or with .yaml)."""
-    p = Path(name)
-    if p.is_file():
-        return p
-    shipped = recipes_dir() / (p.name if p.suffix in (".yaml", ".yml") else f"{p.name}.yaml")
-    if p.parent == Path(".") and shipped.is_file():
-        return shipped
-    names = ", ".join(r.stem for r in list_recipes())
-    raise FileNotFoundError(
-        f"recipe {str(name)!r} does not exist (no such file, and no shipped recipe of that name: {names})"
-    )
-
-
-def duplicate_keys(node: yaml.Node | None, prefix: str = "") -> list[tuple[str, list[int]]]:
-    """(dotted key, 1-based lines) of every key set more than once in a mapping of the composed YAML ``node``, at
-    any depth (PyYAML keeps the last one silently)."""
-    out: list[tuple[str, list[int]]] = []
-    if isinstance(node, yaml.MappingNode):
-        lines: dict[str, list[int]] = {}
-        for key, value in node.value:
-            name = f"{prefix}{key.value}" if isinstance(key, yaml.ScalarNode) else f"{prefix}{key.start_mark}"
-            lines.setdefault(name, []).append(key.start_mark.line + 1)
-            out += duplicate_keys(value, name + ".")
-        out = [(k, v) for k, v in lines.items() if len(v) > 1] + out
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            out += duplicate_keys(item, f"{prefix}{i}.")
-    return out
-
-
-def read_recipe(path: str | Path) -> dict[str, Any]:
-    """The mapping in a YAML recipe, with the input paths of ``RECIPE_PATH_KEYS`` made relative to its folder;
-    ValueError in one line (file, line, column) for malformed YAML."""
-    p = find_recipe(path)
-    text = p.read_text()
-    try:
-        dups = duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader))
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or type(exc).__name__
-        raise ValueError(f"recipe {str(p)!r} is not valid YAML{where}: {problem}") from None
-    if dups:
-        listed = "; ".join(f"{key!r} at lines {', '.join(map(str, lines))}" for key, lines in dups)
-        raise ValueError(f"recipe {str(p)!r} sets a key more than once (only one would count): {listed}; keep one")
-    if not data:
-        raise ValueError(
-            f"recipe {str(p)!r} is empty; give its sections (see `diffcurr-fast train --help-config`), "
-            "or run without a recipe for the embedded demo"
-        )
-    if not isinstance(data, dict):
-        raise ValueError(f"recipe {str(p)!r} must be a mapping of sections, got {type(data).__name__}")
-    data = _fix_floats(data)
-    for sec, key in RECIPE_PATH_KEYS:
-        section = data.get(sec)
-        if isinstance(section, dict) and isinstance(section.get(key), str) and section[key]:
-            v = Path(section[key]).expanduser()
-            if not v.is_absolute():
-                section[key] = str(p.parent / v)
-    return data
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
-    """The YAML recipe at ``path`` (a file, or the name of a shipped recipe) over the paper defaults (or the
-    embedded demo when ``path`` is None), then ``overrides`` (``a.b=value``); validated. Relative input paths in
-    the recipe are relative to its folder (``read_recipe``)."""
-    data: dict[str, Any] = DEMO if path is None else read_recipe(path)
-    label = "demo" if path is None else f"recipe {Path(path).name}"
-    return apply_overrides(config_from_dict(data, source=label), overrides)
-
-
-def apply_overrides(cfg: TrainConfig, overrides: list[str] | None) -> TrainConfig:
-    """``cfg`` with the ``a.b=value`` overrides applied in order (one source, later than the recipe); validated."""
-    src = _new_source(cfg, "--set")
-    for text in overrides or []:
-        key, value = parse_override(text)
-        _set_field(cfg, key, value, src)
-    return cfg.validate()
-
-
-def config_to_yaml(cfg: TrainConfig) -> str:
-    """The resolved config as YAML (sections in their declared order); a field not left at its default carries a
-    comment naming the source that set it (``TrainConfig.sources``)."""
-    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False, width=math.inf)
-    sources, lines, sec = cfg.sources(), [], ""
-    for line in text.splitlines():
-        if line and not line.startswith(" "):
-            sec = line.rstrip(":")
-        elif line.startswith("  ") and not line.startswith(("   ", "  - ")) and ":" in line:
-            label = sources.get(f"{sec}.{line.strip().split(':', 1)[0]}")
-            if label:
-                line = f"{line}  # {label}"
-        lines.append(line)
-    return "\n".join(lines) + "\n"
-
-
-def describe_config() -> str:
-    """Every key with its type, default, choices and doc (for ``--help-config``)."""
-    lines = []
-    for sec_name, cls in SECTIONS.items():
-        lines.append(f"{sec_name}:  # {cls.__doc__}")
-        inst = cls()
-        for f in dataclasses.fields(inst):
-            choices = _choices(f)
-            extra = f" (one of {', '.join(map(str, choices))})" if choices else ""
-            tp = _type_name(_hints(cls)[f.name])
-            lines.append(f"  {f.name}: {getattr(inst, f.name)!r}  # {tp}; {f.metadata.get('doc', '')}{extra}")
-    return "\n".join(lines)
-
-
 # Sections whose values must match between a checkpoint and the run resuming from it (they define the model,
 # the objective and the curriculum's state); the others (steps, LR, logging, ...) may change on resume.
 RESUME_LOCKED = ("model", "diffusion", "curriculum", "timesteps")
 # A checkpoint written before a section existed has that section's defaults.
 _DEFAULTS = {"timesteps": dataclasses.asdict(TimestepsConfig())}
 # Keys of the locked sections that may differ: the initial weights only matter for a fresh start.
-RESUME_FREE = {("model", "init_from"), ("diffusion", "fused_ops")}
+RESUME_FREE = {("model", "init_from")}
 
 
 def resume_mismatches(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:

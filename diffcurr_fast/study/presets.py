@@ -2,82 +2,8 @@
 the time-to-quality benchmark ``speedrun`` (digits, every arm) with its second stage ``speedrun_mnist5k`` and its
 companions ``speedrun_plateau`` and ``speedrun_tdc``.
 
-The settings below were fixed before any of their results were seen; they are what the committed digits study
-ran (docs/results/). Sizes are chosen so both presets finish in about an hour on two CPU cores (two
-workers): 1,500 steps is where the digits samples start to be recognisable (the FD of a vanilla run falls steeply
-between 1,000 and 1,500 steps); evaluations every 500 steps with 400 samples of 10 DDIM steps at guidance 2.
-
-``curriculum`` (Kim et al., ICLR 2025, Tables 1-4 at digits scale). Shared: the demo DiT (width 64, depth 4) on
-the 8x8 digits, cosine betas, eps prediction, no loss weighting (MinSNR is an arm), batch 64, AdamW 1e-3 after a
-100-step warmup, EMA 0.995, 1,500 steps, N = 10 SNR clusters. Two regimes:
-
-* the paper's (most arms): constant learning rate and a short curriculum phase (patience pacing with windows of 5
-  steps and a maximum patience of 2 windows: tau = 10 steps without improvement per cluster, as tau = 200 of 400k
-  iterations is short against the run; measured, the last cluster unlocked at step 250-300, as the loss kept
-  improving: see docs/results);
-* the demo's (``demo_*``): cosine decay to 1e-5 and the demo's slower pacing (patience 4, min_delta 0.02; its
-  windows halved to 5 steps for a run half the demo's length), under which the last cluster unlocks around a
-  third of the run, while the learning rate is high.
-
-Arms: vanilla; easy-to-hard with uniform and with SNR clusters; NaiveCL (fixed 15 steps per stage: a
-135-step phase); anti-curriculum (hard to easy, SNR clusters); MinSNR-5 with and without the curriculum; DTR with
-and without; and the step-budget sweep: vanilla and the SNR curriculum at a quarter of the budget (375 steps; the
-main arms are the 4x budget). Each arm is compared with the vanilla arm of its own regime and budget.
-
-``tdc`` (arXiv 2312.13307 at digits scale): the base model trained 1,500 steps against TDC at about equal training
-compute: stage 1 of 1,000 steps, then N = 3 groups (k = 0.5) with 2 x 3 candidate proxy searches and 250
-fine-tuning steps per expert (expert FLOPs 2/3, 5/6 and 1 of the base's: 1,000 + 250 x 2.5 = 1,625 base-step
-equivalents, reported exactly in the report with the proxy search counted separately, and the sampling FLOPs).
-
-``speedrun`` and ``speedrun_mnist5k`` (time to quality against the official DiT recipe; the definitions of the
-threshold, smoothing, interval and plateau rule are in ``diffcurr_fast.study.speedrun``). A screening design:
-``speedrun`` runs every arm on the digits with 5 seeds; ``speedrun_mnist5k --screen DIR`` runs the official arm, the
-4 arms with the largest wall-time speed-up in the finished screening at ``DIR`` (``speedrun.best_arms``) and the
-plain-step twin of the best of them on the 28x28 mnist5k with 3 seeds. Settings:
-
-* the official arm (facebookresearch/DiT ``train.py`` as its users run it): uniform t over 1,000 linear-beta
-  steps, eps prediction with learned sigma (the hybrid loss), no weighting, AdamW at a constant 1e-4 with weight
-  decay 0, no clipping, no warmup, EMA updated every step. Its time axis is the official code's step time
-  (``study --peer-dit PATH``);
-* our arms start from the embedded demo (cosine betas, AdamW 1e-3 after a 100-step warmup with cosine decay to
-  1e-5, clip 1, the fused blocks): vanilla (uniform t, no weighting); MinSNR-5; the SNR curriculum (the demo's
-  patience pacing, N = 10) alone and with MinSNR (the demo's default when the study was set, since replaced by
-  MinSNR alone); the anti-curriculum; the adaptive pacing; the timestep samplers lognormal, importance, SpeeD
-  (with its weighting) and the CVPR 2025 adaptive sampler (anuts),
-  when the config has their ``timesteps`` section (left out, and said in the notes, otherwise); and vanilla on our
-  plain step (``model.fused_adaln=false``, ``diffusion.ops_backend=reference``; the same math) so that the report
-  splits the speed-up into step speed and sample efficiency;
-* one scaling rule for every arm: the model and batch are the dataset's (below), and the EMA decay keeps the
-  official recipe's half-life as a share of the run: 0.9999 has a half-life of ln 0.5 / ln 0.9999 = 6,931 steps,
-  1.73% of the 400k steps of the DiT paper's comparisons, so a run of S steps uses 0.5^(1 / (0.0173 S))
-  (``ema_decay_for``), without the EMA warmup (the official EMA starts as a copy and updates every step);
-* digits: the demo DiT (patch 2, width 64, depth 4, 16 tokens), batch 64, 12,000 steps, FD (digits classifier)
-  every 400 steps on 400 samples of 10 DDIM steps at guidance 2;
-* mnist5k: a DiT of patch 4 (49 tokens), width 64, depth 4, 4 heads, batch 64, 10,000 steps, FD (its own
-  classifier, against the held-out split) every 500 steps with the same sampling. Width 96 and depth 6 measured
-  about 4.3x the step time of this size (2 threads, busy machine), too slow for 18 runs on two cores. Measured with
-  nice on a busy machine (load about 17 on 2 cores, 1 thread): 1.53 s per step (ours), 1.56 s (official); digits
-  vanilla 235 ms (ours), 285 ms (official): load-bound figures, the study measures its own;
-* speedrun: threshold = the official arm's worst final smoothed FD over its seeds, a trailing 3-evaluation moving
-  average, plateau = the last 20% of the official arm's evaluations improve by < 3%.
-
-``speedrun_plateau`` and ``speedrun_tdc`` were added after the screening's first seed had finished, and say so: its
-official arm was still falling steeply at 12,000 steps (smoothed FD 44, falling about 4 per 400 steps), so the plateau
-rule could not hold at that budget, and the TDC arm needs a base trained to its plateau:
-
-* ``speedrun_plateau``: the official arm alone, 48,000 steps (4x; EMA by the same rule, 0.999167), FD every 1,600
-  steps, seeds 0-2. ``study report SPEEDRUN_DIR --official-from PLATEAU_DIR`` adds the comparison with those
-  longer official runs (their worst final smoothed FD as the threshold; the time axes of the screening);
-* ``speedrun_tdc``: TDC against vanilla at equal training FLOPs, seeds 0-2. Vanilla is the screening's arm (the same
-  runs, seed for seed); TDC's stage 1 is vanilla for 9,600 steps (where vanilla's smoothed FD had stopped falling
-  in the first seed), then N = 3 groups (k = 0.5, 2 rounds x 3 candidates, 10 recovery steps) fine-tuned 960
-  steps each at 1e-4 (the official DiT rate), so that 9,600 + 960 x (2/3 + 5/6 + 1) = 12,000 base-model steps
-  (``tdc_finetune_steps``; the search is counted apart). The bundle is evaluated at the evaluation's 10 steps (less
-  sampling compute than the base model) and at the most steps within the base model's sampling FLOPs at 10.
-
-``--recipe R`` keeps a preset's arms and regimes but trains from ``R`` instead of the digits sizes: the digits
-model, data, step and evaluation sizes are dropped (the recipe's own apply), so e.g. ``recipes/dit_b2_curriculum.yaml``
-gives the paper's setting; set the evaluation features to inception with ``eval.inception_weights`` in the recipe.
+Each preset's settings, why they were chosen and when they were fixed (before any of their results were seen), and
+what ``--recipe R`` drops, are in docs/study.md ("The presets").
 """
 
 from __future__ import annotations
@@ -167,7 +93,7 @@ def tdc_preset() -> dict[str, Any]:
     tdc = [
         "engine.max_steps=1000",
         "tdc.num_groups=3",
-        "tdc.k=0.5",
+        "tdc.budget_floor=0.5",
         "tdc.rounds=2",
         "tdc.candidates=3",
         "tdc.recover_steps=10",
@@ -374,10 +300,10 @@ def speedrun_plateau_preset() -> dict[str, Any]:
     }
 
 
-SR_TDC_BASE_STEPS = 9_600  # vanilla's smoothed FD stopped falling by then in the speedrun (module doc)
+SR_TDC_BASE_STEPS = 9_600  # vanilla's smoothed FD stopped falling by then in the speedrun (docs/study.md)
 SR_TDC = [
     "tdc.num_groups=3",
-    "tdc.k=0.5",
+    "tdc.budget_floor=0.5",
     "tdc.rounds=2",
     "tdc.candidates=3",
     "tdc.recover_steps=10",
@@ -436,7 +362,7 @@ DIGITS_ONLY = (
 
 
 def preset_spec(name: str, recipe: str | None = None, screen: str | None = None) -> StudySpec:
-    """The preset ``name`` as a checked spec; with ``recipe``, trained from that recipe (module doc); ``screen``:
+    """The preset ``name`` as a checked spec; with ``recipe``, trained from that recipe (docs/study.md); ``screen``:
     the finished screening a second-stage preset picks its arms from."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")

@@ -4,7 +4,8 @@
   cumulative training wall time (``train_s``, evaluations excluded; our step's) and training FLOPs (3 x forward
   FLOPs x batch x step; known once the run finished).
 * a spec with ``speedrun``: the time-to-quality section of ``report.md``, ``speedrun.json``, ``fd_vs_wall.png`` and
-  ``fd_vs_step.png`` (``diffcurr_fast.study.speedrun``).
+  ``fd_vs_step.png`` (the analysis: ``diffcurr_fast.study.speedrun``; its section and plots:
+  ``diffcurr_fast.study.speedrun_report``).
 * ``report.md``: per arm the final metrics as mean +- std over seeds (sample std, n - 1) and the per-seed values;
   for the spec's metric, the paired difference arm - reference over the seeds both finished, with a 95%
   confidence interval from the paired t distribution (mean +- t_{0.975, n-1} s_d / sqrt(n)) and how many seeds
@@ -27,9 +28,10 @@ from typing import Any
 import numpy as np
 
 from diffcurr_fast._lazy import pyplot
-from diffcurr_fast.study import speedrun
-from diffcurr_fast.study.runner import eval_records, load_study, read_status, run_dir_of
-from diffcurr_fast.study.spec import METRICS, StudySpec
+from diffcurr_fast.study import speedrun, speedrun_report
+from diffcurr_fast.study.runner import eval_records, read_status, run_dir_of
+from diffcurr_fast.study.spec import METRICS, StudySpec, load_study
+from diffcurr_fast.study.step_time import STEP_TIME_FILE
 from diffcurr_fast.train.report import read_metrics
 
 METRIC_COLUMNS = ("fd", "is", "is_std", "precision", "recall")
@@ -396,11 +398,11 @@ def write_speedrun(
 ) -> dict[str, Path]:
     """The time-to-quality section (appended to report.md), speedrun.json and the two FD plots; with
     ``official_from`` a section against that study's official runs too (``speedrun_official.json``)."""
-    st_path = study_dir / speedrun.STEP_TIME_FILE
+    st_path = study_dir / STEP_TIME_FILE
     st = json.loads(st_path.read_text()) if st_path.is_file() else None
     res = speedrun.analyse(spec, rows, st)
     eff = speedrun.efficiency(spec, rows, st, res["threshold"])
-    text = speedrun.markdown(spec, res, eff)
+    text = speedrun_report.markdown(spec, res, eff)
     extra = {}
     if official_from is not None:
         other, other_rows, _ = collect(official_from)
@@ -410,11 +412,11 @@ def write_speedrun(
             )
         ext = speedrun.with_official_runs(spec, rows, st, other_rows)
         ext_eff = speedrun.efficiency(spec, speedrun.merged_rows(spec, rows, other_rows), st, ext["threshold"])
-        text += speedrun.official_runs_section(spec, ext, str(official_from), ext_eff[:1])
+        text += speedrun_report.official_runs_section(spec, ext, str(official_from), ext_eff[:1])
         extra["speedrun_official"] = speedrun.write_analysis(ext, study_dir / "speedrun_official.json")
     report = study_dir / "report.md"
     report.write_text(report.read_text() + "\n" + "\n".join(text) + "\n")
-    plots = speedrun.plot(spec, rows, res, study_dir)
+    plots = speedrun_report.plot(spec, rows, res, study_dir)
     return {
         **extra,
         "speedrun": speedrun.write_analysis(res, study_dir / "speedrun.json"),

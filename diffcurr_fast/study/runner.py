@@ -38,18 +38,16 @@ import yaml
 from diffcurr_fast._files import write_json
 from diffcurr_fast.eval.features import digits_classifier, mnist5k_classifier
 from diffcurr_fast.runs.checkpoint import latest_checkpoint
-from diffcurr_fast.runs.config import apply_overrides
+from diffcurr_fast.runs.recipes import apply_overrides
 from diffcurr_fast.runs.sampling import build_model, build_schedule
 from diffcurr_fast.study.peer_dit import check_checkout
-from diffcurr_fast.study.spec import StudySpec, arm_config, check_spec, spec_from_dict
-from diffcurr_fast.study.speedrun import STEP_TIME_FILE
+from diffcurr_fast.study.spec import SPEC_FILE, StudySpec, arm_config, check_spec, load_study, spec_from_dict
+from diffcurr_fast.study.step_time import STEP_TIME_FILE
 from diffcurr_fast.tdc.flops import dit_flops
 from diffcurr_fast.tdc.pipeline import equal_sampling_steps, load_bundle_with_config, run_tdc
 from diffcurr_fast.train.evaluation import Evaluator
 from diffcurr_fast.train.loop import train
 from diffcurr_fast.train.report import read_metrics
-
-SPEC_FILE = "study.yaml"
 
 
 def run_dir_of(study_dir: Path, arm: str, seed: int) -> Path:
@@ -81,13 +79,6 @@ def prepare_study(spec: StudySpec, study_dir: str | Path) -> Path:
     study_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return study_dir
-
-
-def load_study(study_dir: str | Path) -> StudySpec:
-    path = Path(study_dir) / SPEC_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{str(study_dir)!r} is not a study folder (no {SPEC_FILE})")
-    return spec_from_dict(yaml.safe_load(path.read_text()), str(path))
 
 
 def jobs(spec: StudySpec) -> list[tuple[str, int]]:
@@ -150,7 +141,7 @@ def run_study(
                 cmd = [sys.executable, "-m", "diffcurr_fast.study.runner", str(study_dir), arm, str(seed), str(threads)]
                 if (arm, seed) == STEPTIME:
                     peer = "-" if peer_dit is None else str(peer_dit)
-                    cmd = [sys.executable, "-m", "diffcurr_fast.study.speedrun", str(study_dir), peer, str(threads)]
+                    cmd = [sys.executable, "-m", "diffcurr_fast.study.step_time", str(study_dir), peer, str(threads)]
                 env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
                 slot = min(set(range(workers)) - {r[3] for r in running})
                 if gpus:  # one run per GPU: worker slot i sees GPU i mod #GPUs only

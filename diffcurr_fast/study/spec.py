@@ -32,8 +32,9 @@ from typing import Any
 
 import yaml
 
-from diffcurr_fast.runs.config import duplicate_keys, load_config
+from diffcurr_fast.runs.recipes import duplicate_keys, load_config
 
+SPEC_FILE = "study.yaml"  # a study folder's spec (``load_study``)
 KINDS = ("train", "tdc")
 METRICS = {"fd": "lower", "is": "higher", "precision": "higher", "recall": "higher"}
 SPEC_KEYS = ("name", "recipe", "set", "seeds", "metric", "reference", "eval_every", "eval", "arms", "notes", "speedrun")
@@ -193,6 +194,14 @@ def load_spec(path: str | Path) -> StudySpec:
         listed = "; ".join(f"{key!r} at lines {', '.join(map(str, lines))}" for key, lines in dups)
         raise ValueError(f"study spec {str(p)!r} sets a key more than once (only one would count): {listed}; keep one")
     return check_spec(spec_from_dict(yaml.safe_load(text) or {}, str(p)))
+
+
+def load_study(study_dir: str | Path) -> StudySpec:
+    """The spec of the study folder ``study_dir`` (its ``SPEC_FILE``, written when the study started)."""
+    path = Path(study_dir) / SPEC_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{str(study_dir)!r} is not a study folder (no {SPEC_FILE})")
+    return spec_from_dict(yaml.safe_load(path.read_text()), str(path))
 
 
 def arm_config(spec: StudySpec, arm: Arm, seed: int, run_dir: str | Path, cpu_threads: int = 0):

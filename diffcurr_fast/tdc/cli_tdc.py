@@ -2,8 +2,9 @@
 [--help-config]``; under ``torchrun --nproc_per_node N -m diffcurr_fast.cli tdc ...`` or ``deepspeed`` every rank runs
 it (stage 1 and the fine-tunes data-parallel, the proxy search spread over the ranks).
 
-Without a recipe it runs a small TDC run on the built-in digits (``TDC_DEMO``): stage 1 trains the demo DiT for a
-few hundred steps, then N = 3 groups with k = 0.5 are pruned by a 2-round x 3-candidate proxy search and fine-tuned.
+Without a recipe it runs a small TDC run on the built-in digits (the demo recipe with ``TDC_DEMO``'s changes): stage 1
+trains the demo DiT for a few hundred steps, then N = 3 groups with budget floor k = 0.5 are pruned by a 2-round x
+3-candidate proxy search and fine-tuned.
 A recipe is a training recipe (the sections of ``diffcurr_fast.runs.config``, its ``tdc:`` section included);
 ``--set tdc.rounds=4`` overrides a TDC option like any training key.
 """
@@ -11,39 +12,48 @@ A recipe is a training recipe (the sections of ``diffcurr_fast.runs.config``, it
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from diffcurr_fast.runs.config import (
-    DEMO,
-    TrainConfig,
+from diffcurr_fast.runs.config import TrainConfig, config_from_dict
+from diffcurr_fast.runs.recipes import (
+    DEMO_RECIPE,
     apply_overrides,
-    config_from_dict,
     describe_config,
     load_config,
+    read_recipe,
+    recipes_dir,
 )
 
-# The embedded default run: the training demo's model and data, 800 steps of stage 1 without the curriculum (the
-# TDC paper's stage 1; --curriculum turns it on), then three experts (N = 3, k = 0.5) with 2 x 3 candidate searches
-# and 200 fine-tuning steps each. A faster EMA (0.995) suits runs this short.
-TDC_DEMO: dict[str, dict[str, Any]] = copy.deepcopy(DEMO)
-TDC_DEMO["optim"].update({"warmup_steps": 50, "schedule": "constant", "min_lr": 0.0, "ema_decay": 0.995})
-TDC_DEMO["engine"]["max_steps"] = 800
-TDC_DEMO["logging"].update({"num_samples": 100, "sample_steps": 50, "progress": False})
-TDC_DEMO["checkpoint"] = {"run_dir": "runs/tdc", "every": 1000, "keep_last": 1}
-TDC_DEMO["tdc"] = {
-    "num_groups": 3,
-    "k": 0.5,
-    "rounds": 2,
-    "candidates": 3,
-    "recover_steps": 10,
-    "finetune_steps": 200,
-    "finetune_lr": 5e-4,
+# The default run, as changes to the training demo (recipes/demo.yaml), whose model and data it keeps: 800 steps of
+# stage 1 without the curriculum (the TDC paper's stage 1; --curriculum turns it on), then three experts (N = 3,
+# k = 0.5) with 2 x 3 candidate searches and 200 fine-tuning steps each. A faster EMA (0.995) suits runs this short.
+TDC_DEMO: dict[str, dict[str, Any]] = {
+    "optim": {"warmup_steps": 50, "schedule": "constant", "min_lr": 0.0, "ema_decay": 0.995},
+    "engine": {"max_steps": 800},
+    "logging": {"sample_steps": 50, "progress": False},
+    "checkpoint": {"run_dir": "runs/tdc", "keep_last": 1},
+    "tdc": {
+        "num_groups": 3,
+        "budget_floor": 0.5,
+        "rounds": 2,
+        "candidates": 3,
+        "recover_steps": 10,
+        "finetune_steps": 200,
+        "finetune_lr": 5e-4,
+    },
 }
+
+
+def demo_recipe() -> dict[str, dict[str, Any]]:
+    """The sections of the TDC demo: the training demo's, each updated with ``TDC_DEMO``'s."""
+    data = read_recipe(recipes_dir() / DEMO_RECIPE)
+    for section, values in TDC_DEMO.items():
+        data[section] = {**data.get(section, {}), **values}
+    return data
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,7 +94,7 @@ def resolve(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
     """The config (its tdc section included) and run directory of ``args``: recipe, then ``--set`` overrides."""
     overrides = [*args.overrides, *(["curriculum.pacing=patience"] if args.curriculum else [])]
     if args.recipe is None:
-        cfg = apply_overrides(config_from_dict(copy.deepcopy(TDC_DEMO)), overrides)
+        cfg = apply_overrides(config_from_dict(demo_recipe()), overrides)
     else:
         cfg = load_config(args.recipe, overrides)
     return cfg, Path(args.run_dir or cfg.checkpoint.run_dir)

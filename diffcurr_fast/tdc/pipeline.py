@@ -50,7 +50,8 @@ from diffcurr_fast._files import write_json
 from diffcurr_fast.models import DiT
 from diffcurr_fast.objective import Objective
 from diffcurr_fast.runs.checkpoint import export_safetensors, latest_checkpoint
-from diffcurr_fast.runs.config import TDCConfig, TrainConfig, config_from_dict, load_config, resume_mismatches
+from diffcurr_fast.runs.config import TDCConfig, TrainConfig, config_from_dict, resume_mismatches, upgrade_saved
+from diffcurr_fast.runs.recipes import load_config
 from diffcurr_fast.runs.sampling import build_model, grid_sampler, sample, sample_grid, sampling_readout
 from diffcurr_fast.tdc.accounting import sampling_flops, training_flops, visited_input_times
 from diffcurr_fast.tdc.experts import MultiExpertDenoiser, load_bundle, save_bundle
@@ -60,9 +61,9 @@ from diffcurr_fast.tdc.preflight import check_tdc_run
 from diffcurr_fast.tdc.proposers import make_proposer
 from diffcurr_fast.tdc.prune import importance_scores
 from diffcurr_fast.tdc.search import SearchResult, plot_history, proxy_search
-from diffcurr_fast.train.data import SHARDED_DATASETS
+from diffcurr_fast.train.data import SHARDED_DATASETS, build_dataset
 from diffcurr_fast.train.engine import create_engine
-from diffcurr_fast.train.loop import Trainer, build_dataset
+from diffcurr_fast.train.loop import Trainer
 from diffcurr_fast.train.rundir import RunStart, open_run_dir
 
 __all__ = [
@@ -209,7 +210,7 @@ def run_tdc(
         groups = make_groups(
             base.schedule,
             cfg.tdc.num_groups,
-            cfg.tdc.k,
+            cfg.tdc.budget_floor,
             base.flops,
             method=cfg.tdc.group_method,
             full_budget=cfg.tdc.full_budget,
@@ -258,7 +259,7 @@ def _prepare(cfg: TrainConfig, start: RunStart, engine: Any) -> None:
     config."""
     saved = start.run_dir / "tdc.json"
     if start.mode == "resume":
-        old = json.loads(saved.read_text())["config"]
+        old = upgrade_saved(json.loads(saved.read_text())["config"])
         diffs = resume_mismatches(old, cfg) + [
             f"tdc.{k}: run {old.get('tdc', {}).get(k)!r} vs now {v!r}"
             for k, v in cfg.to_dict()["tdc"].items()
@@ -590,5 +591,5 @@ def load_bundle_with_config(
     cfg_path = path / "train_config.json"
     if not cfg_path.is_file():
         raise ValueError(f"{str(path)!r} has no train_config.json; it is not a bundle written by `diffcurr-fast tdc`")
-    cfg = config_from_dict(json.loads(cfg_path.read_text()))
+    cfg = config_from_dict(upgrade_saved(json.loads(cfg_path.read_text())))
     return load_bundle(path, device=device).eval(), cfg

@@ -13,7 +13,7 @@ _EXPORTS: dict[str, str] = {
     "Engine": "diffcurr_fast.train.engine",
     "create_engine": "diffcurr_fast.train.engine",
     "resolve_deepspeed_config": "diffcurr_fast.train.engine",
-    "NonFiniteLossError": "diffcurr_fast.train.loop",
+    "NonFiniteLossError": "diffcurr_fast.train.skips",
     "Trainer": "diffcurr_fast.train.loop",
     "lr_at": "diffcurr_fast.train.loop",
     "train": "diffcurr_fast.train.loop",

@@ -7,7 +7,7 @@ import re
 import shutil
 import textwrap
 
-from diffcurr_fast.runs.config import list_recipes, recipes_dir
+from diffcurr_fast.runs.recipes import list_recipes, recipes_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -11,7 +11,7 @@ import argparse
 import shlex
 import sys
 
-from diffcurr_fast.runs.config import config_to_yaml, describe_config, load_config
+from diffcurr_fast.runs.recipes import config_to_yaml, describe_config, load_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -110,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.train.engine import create_engine
-    from diffcurr_fast.train.loop import GridInterrupted, NonFiniteLossError, Trainer, TrainingInterrupted
+    from diffcurr_fast.train.loop import GridInterrupted, Trainer, TrainingInterrupted
+    from diffcurr_fast.train.skips import NonFiniteLossError
 
     engine = create_engine(cfg.engine.kind, cfg.engine.device)
     try:

@@ -1,5 +1,6 @@
-"""Trainer-side data and weights: latent directories and image folders through ``diffcurr_fast.data``, and the
-initial weights of a fine-tuning run (``model.init_from``).
+"""Trainer-side data and weights: the training batches of a run (``build_loader``: the built-in datasets and .npz
+arrays in memory, latent directories and image folders through ``diffcurr_fast.data``), and the initial weights of a
+fine-tuning run (``model.init_from``).
 
 ``data.dataset`` ``latents`` (fast-DiT or sharded layout, ``open_latents``) and ``images`` (ImageNet-layout
 folder, ADM centre crop, optional random flip) are read by a ``ShardedLoader`` (DALI or torch DataLoader backend):
@@ -20,12 +21,54 @@ import torch
 from safetensors.torch import load_file
 
 from diffcurr_fast.data import ImageFolder, ShardedLatents, ShardedLoader, open_latents, pipeline
+from diffcurr_fast.data.builtin import BUILTIN_DATASETS, load_builtin
 from diffcurr_fast.data.errors import BadDataError
+from diffcurr_fast.data.loader import ArrayDataset, ResumableLoader, load_npz
 from diffcurr_fast.models.diffusers_dit import from_diffusers_state, is_diffusers_dir, read_diffusers_dir
 from diffcurr_fast.runs.config import SHARDED_DATASETS
 
 if TYPE_CHECKING:
     from diffcurr_fast.runs.config import TrainConfig
+
+
+def build_dataset(cfg: TrainConfig):
+    """The in-memory training dataset of ``cfg.data`` (built-in or .npz), checked against the model's input shape
+    and classes."""
+    d, m = cfg.data, cfg.model
+    if d.dataset in BUILTIN_DATASETS:  # mnist5k: its training split (the held-out one is the evaluator's)
+        x, y = load_builtin(d.dataset)
+        ds = ArrayDataset(x, y, d.scale, source=f"built-in {d.dataset}")
+    else:
+        ds = load_npz(d.path, d.scale)
+    c, h, w = (int(s) for s in ds.x.shape[1:])
+    if (c, h, w) != (m.in_channels, m.input_size, m.input_size):
+        raise ValueError(
+            f"data.dataset {d.dataset!r} has images {c}x{h}x{w} but model.in_channels x model.input_size^2 is "
+            f"{m.in_channels}x{m.input_size}x{m.input_size}; set the model fields to match"
+        )
+    ymax = int(ds.y[:].max()) if len(ds) else 0
+    if ymax >= m.num_classes:
+        raise ValueError(f"data has label {ymax} but model.num_classes is {m.num_classes}")
+    return ds
+
+
+def build_loader(cfg: TrainConfig, rank: int, world: int, device: torch.device, dataset: Any = None):
+    """(the resumable stream of this rank's batches, the dataset it reads): ``dataset`` when given, else the
+    dataset of ``cfg.data`` (``ShardedLoader`` for latents and images, an in-memory ``ResumableLoader`` otherwise)."""
+    if dataset is None and cfg.data.dataset in SHARDED_DATASETS:
+        loader = build_train_batches(cfg, rank, world, device)
+        return loader, loader.source
+    dataset = dataset if dataset is not None else build_dataset(cfg)
+    loader = ResumableLoader(
+        dataset,
+        cfg.data.batch_size,
+        rank=rank,
+        world=world,
+        seed=cfg.engine.seed,
+        num_workers=cfg.data.num_workers,
+        pin_memory=device.type == "cuda",
+    )
+    return loader, dataset
 
 
 class TrainBatches:

@@ -15,9 +15,9 @@ NCCL on CUDA, gloo on CPU.
 The device-side step (``engine.cuda_graphs``; ``setup`` reads it): ``step`` reads nothing back. It returns the
 finiteness vote of every rank as a 0-d bool tensor on the device instead of a bool, and torch's fused AdamW leaves
 parameters and moments untouched where it is false (its ``found_inf`` argument, CPU and CUDA kernels); the caller
-masks what follows with it (``EMA.update``, the timestep sampler's ``observe``) and counts skips with ``SkipCounts``,
-whose stop rules are read at the next log step. DeepSpeed decides its overflow skips on the host: the config refuses
-the combination.
+masks what follows with it (``EMA.update``, the timestep sampler's ``observe``) and counts skips on the device
+(``train.skips``), whose stop rules are read at the next log step. DeepSpeed decides its overflow skips on the
+host: the config refuses the combination.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import math
 import os
 import re
 import shutil
@@ -39,7 +38,7 @@ from torch import nn
 
 from diffcurr_fast.objective import resolve_precision
 from diffcurr_fast.runs.checkpoint import list_checkpoints
-from diffcurr_fast.runs.config import DEVICES, ENGINE_KINDS
+from diffcurr_fast.runs.config import DEVICES, ENGINE_KINDS, TrainConfig
 
 
 def apex_fused_adam():
@@ -68,6 +67,31 @@ def build_optimizer(params, optim, device: torch.device) -> torch.optim.Optimize
     # torch's fused AdamW (one kernel over all parameters) runs on CUDA and on CPU; it matches the per-parameter
     # loop to float32 rounding (tests/test_train_sync.py), and a resumed run repeats the uninterrupted one exactly.
     return torch.optim.AdamW(params, fused=device.type in ("cuda", "cpu"), **kw)
+
+
+def compile_mode(cfg: TrainConfig, device: torch.device, world_size: int) -> str | None:
+    """The model's ``torch.compile`` mode: None (eager), ``"default"`` (``engine.compile``) or ``"reduce-overhead"``
+    (``engine.cuda_graphs`` on a CUDA device, with or without ``engine.compile``): inductor captures the model's
+    forward and backward passes as CUDA graphs and replays them, and the step around them (the fused forward
+    process and loss, the clip, fused AdamW, the EMA, the sampler statistics) reads nothing back to the host. On
+    CPU there are no CUDA graphs: ``engine.cuda_graphs`` is the device-side step alone. ValueError for what the
+    capture does not cover: gradient accumulation (a micro-batch's replay would overwrite the gradients of the one
+    before it, which ``.grad`` still holds) and more than one rank (DDP's gradient hooks run between the graphs)."""
+    e = cfg.engine
+    if not (e.cuda_graphs and device.type == "cuda"):
+        return "default" if e.compile else None
+    if cfg.optim.grad_accum_steps > 1:
+        raise ValueError(
+            f"engine.cuda_graphs on CUDA captures the model's backward, which gradient accumulation cannot replay "
+            f"(optim.grad_accum_steps={cfg.optim.grad_accum_steps}); set optim.grad_accum_steps=1 or "
+            "engine.cuda_graphs=false"
+        )
+    if world_size > 1:
+        raise ValueError(
+            f"engine.cuda_graphs on CUDA captures the model on one process only ({world_size} ranks here: DDP's "
+            "gradient hooks run between the captured graphs); set engine.cuda_graphs=false"
+        )
+    return "reduce-overhead"
 
 
 def _resolve_device(device: str, local_rank: int) -> torch.device:
@@ -539,50 +563,3 @@ def unwrap(model: nn.Module) -> nn.Module:
             model = model._orig_mod
         else:
             return model
-
-
-class SkipCounts:
-    """Skipped steps counted on the device, for the device-side step (``engine.cuda_graphs``): ``record`` after each
-    step reads nothing back; ``read`` (at a log step or a checkpoint) returns the counts and, when a stop rule broke
-    since the last read, the step where it did, which the trainer reports as the host path would have at that step.
-
-    The rules are the trainer's (``nan_policy``): a skipped step n breaks them when ``stop_at_once`` (policy stop),
-    when it makes more than ``max_in_a_row`` skips in a row, or more than ``max_total`` in all.
-    """
-
-    # one int64 tensor: steps seen, skipped in all, in a row, the first skipped step (1-based; 0 = none), the step that
-    # broke a rule (0 = none) and the counts in all and in a row at that step
-    STEP, TOTAL, RUN, FIRST, BROKE, BROKE_TOTAL, BROKE_RUN = range(7)
-
-    def __init__(self, device: torch.device, max_in_a_row: int, max_total: float, stop_at_once: bool):
-        # an int n of skips exceeds max_total iff it exceeds its floor: compared on integers, as the host's doubles
-        self.max_in_a_row, self.max_total = int(max_in_a_row), math.floor(max_total)
-        self.stop_at_once = bool(stop_at_once)
-        self.counts = torch.zeros(7, dtype=torch.int64, device=device)
-
-    def reset(self, step: int, total: int, run: int, first: int) -> None:
-        """Continue from the host's counts (a resumed checkpoint): ``step`` steps seen, ``total`` skipped, ``run`` of
-        them in a row at the end, the first at ``first``."""
-        self.counts.copy_(torch.tensor([step, total, run, first, 0, 0, 0], dtype=torch.int64))
-
-    def record(self, applied: torch.Tensor) -> None:
-        """Count one step whose update was applied where ``applied`` (a 0-d bool device tensor) holds."""
-        c = self.counts
-        skip = (~applied).to(torch.int64)
-        step = c[self.STEP] + 1
-        total = c[self.TOTAL] + skip
-        run = (c[self.RUN] + 1) * skip
-        first = torch.where((c[self.FIRST] == 0) & (skip > 0), step, c[self.FIRST])
-        rule = (run > self.max_in_a_row) | (total > self.max_total)
-        if self.stop_at_once:
-            rule = torch.ones_like(rule)
-        broke = (skip > 0) & (c[self.BROKE] == 0) & rule
-        keep = c[self.BROKE :]
-        now = torch.where(broke, torch.stack([step, total, run]), keep)
-        c.copy_(torch.cat([torch.stack([step, total, run, first]), now]))
-
-    def read(self) -> tuple[tuple[int, int, int], tuple[int, int, int] | None]:
-        """((skipped in all, in a row, the first skipped step), (step, in all, in a row) where a stop rule broke, or
-        None); one host read."""
-        step, total, run, first, broke, broke_total, broke_run = self.counts.tolist()
-        return (total, run, first), ((broke, broke_total, broke_run) if broke else None)

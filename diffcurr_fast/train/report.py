@@ -1,14 +1,20 @@
-"""Run telemetry and the end-of-run plots: metrics.jsonl, optional TensorBoard, GPU stats, matplotlib figures."""
+"""Run telemetry and the end-of-run plots: the log window and progress bar, metrics.jsonl, optional TensorBoard and
+wandb, GPU stats, matplotlib figures."""
 
 from __future__ import annotations
 
 import json
 import math
 import secrets
+import time
 from pathlib import Path
 from typing import Any
 
+import torch
+from tqdm.auto import tqdm
+
 from diffcurr_fast._lazy import pyplot
+from diffcurr_fast.runs.config import TrainConfig
 
 WANDB_ID = "wandb_id.txt"  # the run's wandb id, kept in the run directory so that a resume continues the same run
 
@@ -86,6 +92,81 @@ class MetricsWriter:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+class LogWindow:
+    """The training log between two log steps (``logging.log_every``, and the last step): the mean loss over the
+    window's applied steps and the images per second, written as one record to metrics.jsonl (``MetricsWriter``,
+    rank 0) and shown on the progress bar. Losses are summed on the device: the window is read once, at its end.
+    A context manager: the bar and the writer close on exit."""
+
+    def __init__(self, cfg: TrainConfig, run_dir: Path, device: torch.device, main: bool, step: int, resumed: bool):
+        lg = cfg.logging
+        wandb = dict(project=lg.wandb_project, mode=lg.wandb_mode, config=cfg.to_dict()) if lg.wandb else None
+        resume_step = step if resumed else None
+        self.writer = MetricsWriter(run_dir, lg.tensorboard, resume_step=resume_step, wandb=wandb) if main else None
+        self.bar = tqdm(
+            total=cfg.engine.max_steps, initial=step, disable=not (main and lg.progress), dynamic_ncols=True
+        )
+        self.log_every, self.max_steps = lg.log_every, cfg.engine.max_steps
+        self.curriculum_shown = cfg.curriculum.pacing != "none"
+        self.device = device
+        self.loss, self.applied, self.images = torch.zeros((), device=device), 0, 0
+        self.t0, self.last_loss = time.perf_counter(), math.nan
+
+    def __enter__(self) -> LogWindow:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
+
+    def add(self, stats: dict[str, Any], images: int) -> None:
+        """One step's statistics (``train_step``) and the images it trained on, over all ranks."""
+        self.images += images
+        if "loss" in stats:  # engine.cuda_graphs: 0 and a false flag for a skipped step, read at the log
+            self.loss += stats["loss"]
+            self.applied += stats.get("applied", 1)
+        self.bar.update(1)
+
+    def due(self, step: int) -> bool:
+        return step % self.log_every == 0 or step == self.max_steps
+
+    def close_window(self, step: int, lr: float, nan_skips: int, grad_norm: Any, curriculum: Any) -> None:
+        """Write the window's record (step, its mean loss, the learning rate, images per second, the curriculum's
+        stage and per-cluster losses, the skips so far, the last step's gradient norm, the GPU's telemetry) and
+        show it on the bar; a new window starts."""
+        dt, n = time.perf_counter() - self.t0, int(self.applied)
+        self.last_loss = float(self.loss) / n if n else math.nan
+        cl = curriculum.cluster_losses().tolist()
+        rec = {
+            "step": step,
+            "loss": self.last_loss,
+            "lr": lr,
+            "img_per_s": self.images / max(dt, 1e-9),
+            "stage": curriculum.stage,
+            "unlocked": len(curriculum.unlocked_clusters),
+            "nan_skips": nan_skips,
+            "cluster_loss": [None if math.isnan(v) else v for v in cl],
+        }
+        if grad_norm is not None:
+            rec["grad_norm"] = float(grad_norm)
+        if self.device.type == "cuda":
+            rec.update(gpu_stats(self.device.index or 0))
+            rec["max_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        postfix = dict(loss=f"{self.last_loss:.4f}", img_s=f"{rec['img_per_s']:.0f}")
+        if self.curriculum_shown:
+            postfix["clusters"] = f"{rec['unlocked']}/{curriculum.num_clusters}"
+        self.bar.set_postfix(**postfix)
+        self.write(rec)
+        self.loss.zero_()
+        self.applied, self.images, self.t0 = 0, 0, time.perf_counter()
+
+    def write(self, record: dict[str, Any]) -> None:
+        """A record of rank 0 (an evaluation's too); other ranks write nothing."""
+        if self.writer is not None:
+            self.writer.write(record)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

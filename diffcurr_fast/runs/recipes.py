@@ -1,0 +1,195 @@
+"""Recipes and overrides: reading a YAML recipe (a file, or the name of a shipped one), ``--set a.b=value``, and
+writing the resolved configuration back as YAML.
+
+``load_config(path, overrides)`` builds a ``TrainConfig`` (``runs.config``) from a recipe, or from the demo recipe
+(``recipes/demo.yaml``) when ``path`` is None; ``config_to_yaml`` writes the resolved configuration (the run
+directory keeps it as ``config.yaml``); ``describe_config`` lists every key for ``--help-config``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from diffcurr_fast.runs.config import (
+    SECTIONS,
+    TrainConfig,
+    _choices,
+    _hints,
+    _new_source,
+    _set_field,
+    _type_name,
+    config_from_dict,
+)
+
+# The run of ``diffcurr-fast train`` without a recipe (``make demo``); ``tdc`` without a recipe starts from it too.
+DEMO_RECIPE = "demo.yaml"
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Split ``a.b=value`` and parse the value as YAML (so ``1e-4``, ``true``, ``null``, ``[1, 2]`` are typed)."""
+    if "=" not in text:
+        raise ValueError(f"an override looks like section.field=value, got {text!r}")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ValueError(f"cannot parse the value of override {text!r}: {exc}") from None
+    if isinstance(value, str) and _looks_float(value):  # YAML 1.1 reads 1e-4 as a string
+        value = float(value)
+    return key, value
+
+
+def _looks_float(s: str) -> bool:
+    try:
+        float(s)
+    except ValueError:
+        return False
+    return any(c in s.lower() for c in "e.")
+
+
+def _fix_floats(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _fix_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_fix_floats(v) for v in obj]
+    if isinstance(obj, str) and _looks_float(obj):
+        return float(obj)
+    return obj
+
+
+# Config fields that name input files: inside a recipe, a relative value is relative to the recipe's folder (so a
+# recipe and its DeepSpeed JSON travel together); on the command line (--set), relative to the current directory.
+RECIPE_PATH_KEYS = (("data", "path"), ("engine", "deepspeed_config"), ("model", "init_from"))
+
+
+def recipes_dir() -> Path:
+    """The folder of the shipped recipes (package data ``diffcurr_fast.recipes``; a source checkout's recipes/)."""
+    spec = importlib.util.find_spec("diffcurr_fast.recipes")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(list(spec.submodule_search_locations)[0])
+    return Path(__file__).resolve().parents[2] / "recipes"
+
+
+def list_recipes() -> list[Path]:
+    """The shipped recipes, sorted by name."""
+    d = recipes_dir()
+    return sorted(d.glob("*.yaml")) if d.is_dir() else []
+
+
+def find_recipe(name: str | Path) -> Path:
+    """A recipe file: ``name`` as a path, else a shipped recipe of that name (``dit_b2_curriculum`` or with .yaml)."""
+    p = Path(name)
+    if p.is_file():
+        return p
+    shipped = recipes_dir() / (p.name if p.suffix in (".yaml", ".yml") else f"{p.name}.yaml")
+    if p.parent == Path(".") and shipped.is_file():
+        return shipped
+    names = ", ".join(r.stem for r in list_recipes())
+    raise FileNotFoundError(
+        f"recipe {str(name)!r} does not exist (no such file, and no shipped recipe of that name: {names})"
+    )
+
+
+def duplicate_keys(node: yaml.Node | None, prefix: str = "") -> list[tuple[str, list[int]]]:
+    """(dotted key, 1-based lines) of every key set more than once in a mapping of the composed YAML ``node``, at
+    any depth (PyYAML keeps the last one silently)."""
+    out: list[tuple[str, list[int]]] = []
+    if isinstance(node, yaml.MappingNode):
+        lines: dict[str, list[int]] = {}
+        for key, value in node.value:
+            name = f"{prefix}{key.value}" if isinstance(key, yaml.ScalarNode) else f"{prefix}{key.start_mark}"
+            lines.setdefault(name, []).append(key.start_mark.line + 1)
+            out += duplicate_keys(value, name + ".")
+        out = [(k, v) for k, v in lines.items() if len(v) > 1] + out
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            out += duplicate_keys(item, f"{prefix}{i}.")
+    return out
+
+
+def read_recipe(path: str | Path) -> dict[str, Any]:
+    """The mapping in a YAML recipe, with the input paths of ``RECIPE_PATH_KEYS`` made relative to its folder;
+    ValueError in one line (file, line, column) for malformed YAML."""
+    p = find_recipe(path)
+    text = p.read_text()
+    try:
+        dups = duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader))
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise ValueError(f"recipe {str(p)!r} is not valid YAML{where}: {problem}") from None
+    if dups:
+        listed = "; ".join(f"{key!r} at lines {', '.join(map(str, lines))}" for key, lines in dups)
+        raise ValueError(f"recipe {str(p)!r} sets a key more than once (only one would count): {listed}; keep one")
+    if not data:
+        raise ValueError(
+            f"recipe {str(p)!r} is empty; give its sections (see `diffcurr-fast train --help-config`), "
+            "or run without a recipe for the embedded demo"
+        )
+    if not isinstance(data, dict):
+        raise ValueError(f"recipe {str(p)!r} must be a mapping of sections, got {type(data).__name__}")
+    data = _fix_floats(data)
+    for sec, key in RECIPE_PATH_KEYS:
+        section = data.get(sec)
+        if isinstance(section, dict) and isinstance(section.get(key), str) and section[key]:
+            v = Path(section[key]).expanduser()
+            if not v.is_absolute():
+                section[key] = str(p.parent / v)
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """The YAML recipe at ``path`` (a file, or the name of a shipped recipe) over the paper defaults (the demo
+    recipe, ``DEMO_RECIPE``, when ``path`` is None), then ``overrides`` (``a.b=value``); validated. Relative input
+    paths in the recipe are relative to its folder (``read_recipe``)."""
+    data = read_recipe(recipes_dir() / DEMO_RECIPE if path is None else path)
+    label = "demo" if path is None else f"recipe {Path(path).name}"
+    return apply_overrides(config_from_dict(data, source=label), overrides)
+
+
+def apply_overrides(cfg: TrainConfig, overrides: list[str] | None) -> TrainConfig:
+    """``cfg`` with the ``a.b=value`` overrides applied in order (one source, later than the recipe); validated."""
+    src = _new_source(cfg, "--set")
+    for text in overrides or []:
+        key, value = parse_override(text)
+        _set_field(cfg, key, value, src)
+    return cfg.validate()
+
+
+def config_to_yaml(cfg: TrainConfig) -> str:
+    """The resolved config as YAML (sections in their declared order); a field not left at its default carries a
+    comment naming the source that set it (``TrainConfig.sources``)."""
+    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False, width=math.inf)
+    sources, lines, sec = cfg.sources(), [], ""
+    for line in text.splitlines():
+        if line and not line.startswith(" "):
+            sec = line.rstrip(":")
+        elif line.startswith("  ") and not line.startswith(("   ", "  - ")) and ":" in line:
+            label = sources.get(f"{sec}.{line.strip().split(':', 1)[0]}")
+            if label:
+                line = f"{line}  # {label}"
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def describe_config() -> str:
+    """Every key with its type, default, choices and doc (for ``--help-config``)."""
+    lines = []
+    for sec_name, cls in SECTIONS.items():
+        lines.append(f"{sec_name}:  # {cls.__doc__}")
+        inst = cls()
+        for f in dataclasses.fields(inst):
+            choices = _choices(f)
+            extra = f" (one of {', '.join(map(str, choices))})" if choices else ""
+            tp = _type_name(_hints(cls)[f.name])
+            lines.append(f"  {f.name}: {getattr(inst, f.name)!r}  # {tp}; {f.metadata.get('doc', '')}{extra}")
+    return "\n".join(lines)

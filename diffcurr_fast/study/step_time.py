@@ -1,0 +1,148 @@
+"""The step times of a speedrun (``step_time.json``): every arm's median training step and, with a
+facebookresearch/DiT checkout, the official code's, measured side by side in one process; they give each arm its
+time axis (``diffcurr_fast.study.speedrun``).
+
+``python -m diffcurr_fast.study.step_time STUDY_DIR PEER_DIT_PATH|- [THREADS]`` measures them (a study worker runs it
+first, ``diffcurr_fast.study.runner``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from diffcurr_fast._files import write_json
+from diffcurr_fast.study.peer_dit import official_step
+from diffcurr_fast.study.spec import arm_config, load_study
+from diffcurr_fast.train.loop import Trainer
+
+STEP_TIME_FILE = "step_time.json"
+OFFICIAL_CODE = "official code"  # step_time.json's name for the facebookresearch/DiT step
+
+
+def _time_steps(step: Any, reps: int) -> list[float]:
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        step()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def measure_step_times(
+    cfgs: dict[str, Any],
+    peer_dit: str | Path | None,
+    official_arm: str,
+    *,
+    rounds: int = 3,
+    reps: int = 20,
+    warmup: int = 5,
+) -> dict[str, Any]:
+    """Median step time of our trainer at every arm's config ``cfgs`` (arm name -> config) and, with ``peer_dit``,
+    of the official DiT step (that checkout) at ``cfgs[official_arm]``'s model, batch and threads, on the training
+    data, measured side by side in one process in alternating blocks of ``reps`` steps (after ``warmup`` steps per
+    block). Measured together, the arms' times compare whatever the load and the machine were when each run
+    trained."""
+    ref = cfgs[official_arm]
+    if ref.engine.cpu_threads:
+        torch.set_num_threads(ref.engine.cpu_threads)
+    steps: dict[str, Any] = {}
+    info: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        batches = None
+        for name, cfg in cfgs.items():
+            cfg.checkpoint.run_dir = str(Path(tmp) / name)
+            tr = Trainer(cfg)
+            batches = batches or [next(tr.loader) for _ in range(4)]
+            steps[name] = tr.train_step
+        if peer_dit is not None:
+            m = ref.model
+            dims = {
+                "patch_size": m.patch_size,
+                "hidden_size": m.hidden_size,
+                "depth": m.depth,
+                "num_heads": m.num_heads,
+                "mlp_ratio": m.mlp_ratio,
+                "class_dropout_prob": m.class_dropout_prob,
+            }
+            steps[OFFICIAL_CODE], info = official_step(
+                peer_dit,
+                preset=m.preset,
+                input_size=m.input_size,
+                in_channels=m.in_channels,
+                num_classes=m.num_classes,
+                seed=ref.engine.seed,
+                dims=dims if m.preset == "custom" else None,
+                ema_decay=ref.optim.ema_decay,
+            )
+        state = {"i": 0}
+
+        def block(fn: Any, n: int) -> list[float]:
+            def one() -> None:
+                x, y = batches[state["i"] % 4]
+                state["i"] += 1
+                fn(x, y)
+
+            return _time_steps(one, n)
+
+        times: dict[str, list[float]] = {name: [] for name in steps}
+        for _ in range(rounds):
+            for name, fn in steps.items():
+                block(fn, warmup)
+                times[name] += block(fn, reps)
+    med = {n: float(np.median(t)) for n, t in times.items()}
+    res: dict[str, Any] = {
+        "arms": {n: v for n, v in med.items() if n != OFFICIAL_CODE},
+        "arms_p20_p80": {n: [float(np.percentile(t, q)) for q in (20, 80)] for n, t in times.items()},
+        "ours_s": med[official_arm],
+        "steps_each": rounds * reps,
+        "batch": ref.data.batch_size,
+        "threads": torch.get_num_threads(),
+    }
+    if peer_dit is not None:
+        res |= {
+            "official_s": med[OFFICIAL_CODE],
+            "checkout": Path(peer_dit).resolve().name,
+            "commit": _git_commit(peer_dit),
+            "timm_stubbed": bool(info["timm_stubbed"]),
+        }
+    return res
+
+
+def _git_commit(path: str | Path) -> str:
+    """The checked-out commit of a git checkout ('' when it is not one); the report names the peer by it."""
+    try:
+        out = subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The worker: ``python -m diffcurr_fast.study.step_time STUDY_DIR PEER_DIT_PATH|- [THREADS]``."""
+    argv = sys.argv[1:] if argv is None else argv
+    study_dir, peer = Path(argv[0]), (None if argv[1] == "-" else argv[1])
+    threads = int(argv[2]) if len(argv) > 2 else 0
+    spec = load_study(study_dir)
+    seed = spec.seeds[0]
+    cfgs = {
+        a.name: arm_config(spec, a, seed, study_dir / "steptime-run" / a.name, threads)
+        for a in spec.arms
+        if a.kind == "train"
+    }
+    res = measure_step_times(cfgs, peer, spec.speedrun["official_arm"])
+    write_json(res, study_dir / STEP_TIME_FILE, indent=1)
+    print(json.dumps(res), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

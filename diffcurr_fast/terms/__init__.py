@@ -1,0 +1,1 @@
+"""Training terms beyond the regression loss: the interface (``base``) that the objective runs them through."""

@@ -1,0 +1,51 @@
+"""A training term: a per-sample loss that the objective adds to the regression loss, read from the same step.
+
+Methods such as contrastive flow matching, dispersive loss, representation alignment (SRA, REPA) or immiscible noise
+optimise something besides the denoising regression. Each is a ``TrainingTerm``: it declares which of the model's
+features it reads (``features``: block indices j whose output tokens the DiT returns from the same forward pass,
+``DiT.forward(..., features=)``), and maps the step's ``TermInputs`` to a (B,) loss. The ``Objective`` sums
+``weight * term(inputs)`` into its per-sample loss, so importance correction, logging and the skip rules see one loss;
+with no terms it calls the model exactly as before.
+
+A term is an ``nn.Module``: trainable parts (a projector MLP) are its submodules, and state it keeps (a teacher's
+reference, a running statistic) goes through ``state_dict``. docs/architecture.md ("Adding a training term") says
+where a term lives and how it reaches the optimizer, the EMA, the checkpoint and the config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from diffcurr_fast.diffusion import TrainingTerms
+
+
+@dataclass
+class TermInputs:
+    """What a term may read of one (micro-)batch: the data, the draw and the network's answer.
+
+    ``x0`` (B, C, H, W) and ``y`` (B,) the batch; ``terms`` the formulation's per-sample draw (t, t_in, a, c, p,
+    q, w: ``x_in = a x0 + c eps``, target ``p x0 + q eps``); ``x_in`` the network input; ``seed`` the Philox seed of
+    eps (``ops.philox_randn`` regenerates it: the fused ops never store it); ``pred`` (B, C, H, W) the network's
+    prediction; ``features`` {j: (B, T, D) tokens after block j} for the blocks the terms asked for.
+    """
+
+    x0: torch.Tensor
+    y: torch.Tensor
+    terms: TrainingTerms
+    x_in: torch.Tensor
+    seed: int
+    pred: torch.Tensor
+    features: dict[int, torch.Tensor]
+
+
+class TrainingTerm(nn.Module):
+    """Base class of a training term (module doc). Subclasses set ``features`` and implement ``forward``."""
+
+    features: tuple[int, ...] = ()  # the blocks whose output tokens this term reads
+
+    def forward(self, inputs: TermInputs) -> torch.Tensor:
+        """(B,) per-sample loss of this term, unweighted."""
+        raise NotImplementedError
