@@ -47,15 +47,15 @@ format: setup
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
 
-# The C++ library against libtorch and its ctest (also run by the test suite: tests/test_cmake.py).
+# The C++ library against libtorch and its ctest (also run by the test suite: tests/csrc/test_cmake.py).
 cpp-test: setup
 	cmake -S . -B csrc/build -DCMAKE_PREFIX_PATH=$$($(PY) -c 'import torch; print(torch.utils.cmake_prefix_path)')
 	cmake --build csrc/build -j 2
 	ctest --test-dir csrc/build --output-on-failure
 
-# Compile-only check of the CUDA sources with nvcc (also run by the test suite: tests/test_cuda_compile.py).
+# Compile-only check of the CUDA sources with nvcc (also run by the test suite: tests/csrc/test_cuda_compile.py).
 cuda-compile: setup
-	$(PY) -m pytest -q tests/test_cuda_compile.py
+	$(PY) -m pytest -q tests/csrc/test_cuda_compile.py
 
 # Mutation testing of the integration modules with mutmut (docs/mutation.md); not part of `make test`. Config in
 # pyproject.toml [tool.mutmut]; MUTANTS narrows the run to fnmatch patterns of mutant names, e.g.
@@ -68,7 +68,7 @@ mutation: setup
 	# PYTHONPATH: a test's subprocesses (the CLI, torchrun) import this checkout's unmutated code, not whatever
 	# checkout the package was installed from (the mutated copy would need mutmut's state, which they do not have)
 	PYTHONPATH=$(CURDIR) nice -n 10 $(PY) -m mutmut run --max-children $(MUTATION_JOBS) $(MUTANTS)
-	$(PY) tests/mutation_report.py
+	$(PY) tools/mutation_report.py
 
 clean:
 	rm -rf build *.egg-info diffcurr_fast/_C*.so csrc/build .installed $(VENV)/.installed mutants

@@ -32,16 +32,11 @@ import common  # noqa: E402
 from diffcurr_fast.diffusion import DDPMSchedule, EDMFormulation, FlowFormulation, Readout  # noqa: E402
 from diffcurr_fast.models import DiT, create_dit  # noqa: E402
 from diffcurr_fast.runs.sampling import sample  # noqa: E402
-from diffcurr_fast.tdc import (  # noqa: E402
-    COMPILE_MODES,
-    MultiExpertDenoiser,
-    dit_flops,
-    importance_scores,
-    make_groups,
-    prune_to_budget,
-    sampling_flops,
-    visited_input_times,
-)
+from diffcurr_fast.tdc.accounting import sampling_flops, visited_input_times
+from diffcurr_fast.tdc.experts import COMPILE_MODES, MultiExpertDenoiser
+from diffcurr_fast.tdc.flops import dit_flops
+from diffcurr_fast.tdc.grouping import make_groups
+from diffcurr_fast.tdc.prune import importance_scores, prune_to_budget
 
 CSV = common.RESULTS_DIR / "tdc_sampling.csv"
 COLUMNS = ["machine", "date", "torch", "git_rev", "model", "formulation", "sampler", "groups", "k", "steps", "batch"]

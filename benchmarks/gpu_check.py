@@ -150,8 +150,13 @@ VALUES: dict[str, tuple[str | list[str], str | list[str]]] = {
     "groups": ("5", "2"),
     "test_marker": ("gpu", "not gpu"),
     "test_files": (
-        ["tests/test_ops_gpu.py", "tests/test_dit.py", "tests/test_attention.py", "tests/test_train.py"],
-        ["tests/test_ops_adaln.py", "-k", "dit_block_path"],
+        [
+            "tests/ops/test_ops_gpu.py",
+            "tests/models/test_dit.py",
+            "tests/models/test_attention.py",
+            "tests/train/test_train.py",
+        ],
+        ["tests/ops/test_ops_adaln.py", "-k", "dit_block_path"],
     ),
 }
 LIMIT_SCALE = {"gpu": 1, "dry": 6}  # the dry run's limits: 2 shared CPU cores and the Triton interpreter

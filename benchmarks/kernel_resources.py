@@ -142,7 +142,7 @@ def table(fast: bool) -> tuple[str, list[str]]:
             "the launches with every int argument equal to 1, which the runtime compiles for size-1 dimensions,",
             "count for registers and spills only).",
             "",
-            "Triton (every dtype, autotune config and tile of the launch tables in `kernels/*.py`):",
+            "Triton (every dtype, autotune config and tile of the launch tables in `diffcurr_fast/kernels/*.py`):",
             "",
             "| kernel | arch | launches | registers | shared B | spill B | stack B | vector loads | scalar loads "
             "| vector share |",

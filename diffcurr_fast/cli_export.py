@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from diffcurr_fast._files import write_json
-from diffcurr_fast.runs.config import config_from_dict
+from diffcurr_fast.runs.config import config_from_dict, with_article
 
 PREDICTION_TYPES = {"eps": "epsilon", "x0": "sample", "v": "v_prediction"}  # ours -> diffusers' prediction_type
 
@@ -137,8 +137,6 @@ def export_diffusers(
     diffusers = _diffusers()
     model, cfg, path = load_model(source, weights)
     if vae is not None and cfg.diffusion.formulation != "ddpm":
-        from diffcurr_fast.runs.config import with_article
-
         raise ValueError(
             f"DiTPipeline runs DDPM models only; {with_article(cfg.diffusion.formulation)} model is written as "
             "transformer + scheduler: leave out --vae"

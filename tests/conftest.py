@@ -164,3 +164,53 @@ def run_torchrun2(tmp_path, script_text: str, *args, timeout: int = 300) -> list
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads((tmp_path / f"torchrun_out.{r}.json").read_text()) for r in (0, 1)]
+
+
+# ---- the bad-input tests (tests/<unit>/test_<unit>_errors.py): a tiny run's config, the command line, trained runs
+
+
+def tiny(run_dir, *extra):
+    """The config of a tiny digits run (TINY_SETS) in ``run_dir``, with the ``extra`` overrides."""
+    from diffcurr_fast.runs.recipes import load_config
+
+    return load_config(None, [f"checkpoint.run_dir={run_dir}", *TINY_SETS, *extra])
+
+
+def _main(capsys, *argv):
+    """(exit status, stderr) of ``diffcurr-fast ARGV``."""
+    from diffcurr_fast import cli
+
+    capsys.readouterr()
+    rc = cli.main(list(argv))
+    return rc, capsys.readouterr().err
+
+
+def _sample_args(*argv):
+    """The parsed arguments of ``diffcurr-fast sample ARGV``."""
+    import argparse
+
+    from diffcurr_fast import cli_sample
+
+    p = argparse.ArgumentParser()
+    cli_sample.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory):
+    """A tiny run trained for 2 steps, a checkpoint at each (read only: tests copy it before changing it)."""
+    from diffcurr_fast.train.loop import Trainer
+
+    run = tmp_path_factory.mktemp("bad") / "run"
+    Trainer(tiny(run, "engine.max_steps=2", "checkpoint.every=1")).fit()
+    return run
+
+
+@pytest.fixture(scope="session")
+def no_dropout_run(tmp_path_factory):
+    """A tiny run of 1 step trained without label dropout (model.class_dropout_prob=0): no null label to guide."""
+    from diffcurr_fast.train.loop import Trainer
+
+    run = tmp_path_factory.mktemp("nodrop") / "run"
+    Trainer(tiny(run, "engine.max_steps=1", "model.class_dropout_prob=0")).fit()
+    return run

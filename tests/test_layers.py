@@ -39,15 +39,11 @@ def unit_of(module: str) -> str:
 
 
 def source_files(root: Path) -> dict[str, Path]:
-    """module path -> file, for the package under ``root`` (``kernels/`` is installed as ``diffcurr_fast.kernels``)."""
+    """module path -> file, for the package under ``root``: the import path is the file path."""
     files: dict[str, Path] = {}
-    for base, package in ((root / "diffcurr_fast", "diffcurr_fast"), (root / "kernels", "diffcurr_fast.kernels")):
-        for path in sorted(base.rglob("*.py")):
-            rel = path.relative_to(base).with_suffix("")
-            parts = [p for p in rel.parts if p != "__init__"]
-            if parts and parts[0] in ("kernels", "recipes") and package == "diffcurr_fast":
-                continue  # links to the top-level folders, scanned as themselves
-            files[".".join([package, *parts])] = path
+    for path in sorted((root / "diffcurr_fast").rglob("*.py")):
+        parts = [p for p in path.relative_to(root).with_suffix("").parts if p != "__init__"]
+        files[".".join(parts)] = path
     return files
 
 
@@ -120,7 +116,7 @@ def test_every_unit_is_placed():
     ],
 )
 def test_checker_sees_an_upward_import(tmp_path, file, text):
-    for d in ("diffcurr_fast/diffusion", "diffcurr_fast/train", "kernels"):
+    for d in ("diffcurr_fast/diffusion", "diffcurr_fast/train", "diffcurr_fast/kernels"):
         (tmp_path / d).mkdir(parents=True)
         (tmp_path / d / "__init__.py").write_text("")
     (tmp_path / "diffcurr_fast/__init__.py").write_text("")
@@ -129,3 +125,119 @@ def test_checker_sees_an_upward_import(tmp_path, file, text):
     (tmp_path / file).parent.mkdir(parents=True, exist_ok=True)
     (tmp_path / file).write_text(text)
     assert len(violations(tmp_path)) == 1, violations(tmp_path)
+
+
+def test_kernels_index_names_every_kernel_source():
+    """The top-level kernels/README.md names every module of diffcurr_fast/kernels, and every path it names exists."""
+    text = (ROOT / "kernels" / "README.md").read_text()
+    modules = {p.name for p in (ROOT / "diffcurr_fast" / "kernels").glob("*.py")} - {"__init__.py"}
+    assert {m for m in modules if f"diffcurr_fast/kernels/{m}" not in text} == set()
+    named = set(re.findall(r"`((?:diffcurr_fast|csrc|benchmarks)/[\w/.]+\.(?:py|h|cpp|cu))`", text))
+    assert named and {p for p in named if not (ROOT / p).is_file()} == set()
+
+
+def function_imports_without_reason(root: Path) -> list[str]:
+    """Imports inside functions whose block has no comment saying why (docs/architecture.md: every import is at
+    the top of its module, except those that keep ``--help`` free of torch and optional dependencies, each with a
+    one-line comment). A block is a run of consecutive import statements; its comment may be on any of its lines,
+    on the line above it, or on the ``try:`` that guards it."""
+    out: list[str] = []
+    for path in sorted((root / "diffcurr_fast").rglob("*.py")):
+        lines = path.read_text().splitlines()
+        tree = ast.parse("\n".join(lines))
+        for func in ast.walk(tree):
+            if not isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for parent in ast.walk(func):
+                for field in ("body", "orelse", "finalbody"):
+                    body = getattr(parent, field, None)
+                    if not isinstance(body, list):
+                        continue
+                    i = 0
+                    while i < len(body):
+                        if not isinstance(body[i], ast.Import | ast.ImportFrom):
+                            i += 1
+                            continue
+                        j = i
+                        while j + 1 < len(body) and isinstance(body[j + 1], ast.Import | ast.ImportFrom):
+                            j += 1
+                        first, last = body[i].lineno, body[j].end_lineno
+                        span = lines[first - 2 : last]  # the line above the block, and the block
+                        if i == 0 and isinstance(parent, ast.Try) and field == "body":
+                            span.append(lines[parent.lineno - 1])
+                        if not any("#" in line for line in span):
+                            out.append(f"{path.relative_to(root)}:{first}: {lines[first - 1].strip()}")
+                        i = j + 1
+    return out
+
+
+def test_imports_inside_functions_say_why():
+    found = function_imports_without_reason(ROOT)
+    assert not found, "imports inside a function without a comment saying why:\n" + "\n".join(found)
+
+
+def test_the_import_checks_can_fail(tmp_path):
+    pkg = tmp_path / "diffcurr_fast"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("def f():\n    import os\n\n    return os\n")
+    (pkg / "b.py").write_text("def f():\n    import os  # here: a reason\n\n    return os\n")
+    (pkg / "c.py").write_text(
+        "def f():\n    try:  # optional\n        import x\n    except ImportError:\n        x = None\n"
+    )
+    assert [line.split(":")[0] for line in function_imports_without_reason(tmp_path)] == ["diffcurr_fast/a.py"]
+
+
+def test_matplotlib_and_json_files_have_one_writer():
+    """docs/architecture.md: matplotlib is imported only by ``_lazy.pyplot()``; JSON files are written by
+    ``_files.write_json`` (``kernels/aot.py``, in the same layer, writes its own the same way)."""
+    plots, dumps = [], []
+    for path in sorted((ROOT / "diffcurr_fast").rglob("*.py")):
+        rel, text = str(path.relative_to(ROOT)), path.read_text()
+        if re.search(r"^\s*(import|from) matplotlib", text, re.M) and rel != "diffcurr_fast/_lazy.py":
+            plots.append(rel)
+        if "json.dump(" in text and rel not in ("diffcurr_fast/_files.py", "diffcurr_fast/kernels/aot.py"):
+            dumps.append(rel)
+    assert plots == [] and dumps == []
+
+
+def test_package_faces_have_no_export_tables():
+    """docs/architecture.md: an ``__init__.py`` imports its public names directly (no ``__getattr__`` table), and
+    a package that holds a command (``cli_*.py``) has only its docstring (the face: and ``__version__``), so that the
+    command's --help stays light."""
+    found = []
+    for init in sorted((ROOT / "diffcurr_fast").rglob("__init__.py")):
+        tree = ast.parse(init.read_text())
+        names = {getattr(t, "id", None) for n in tree.body if isinstance(n, ast.Assign) for t in n.targets}
+        funcs = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+        if "__getattr__" in names | funcs:
+            found.append(f"{init.relative_to(ROOT)}: an export table")
+        light = [n for n in tree.body[1:] if not (isinstance(n, ast.Assign) and names == {"__version__"})]
+        if list(init.parent.glob("cli_*.py")) and light:
+            found.append(f"{init.relative_to(ROOT)}: holds a command, so only its docstring")
+    assert not found, found
+
+
+def test_tests_mirror_the_package():
+    """tests/<unit>/ for the units of the package (and csrc/ for the C++ sources); basenames unique (no __init__)."""
+    dirs = {p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and not p.name.startswith((".", "__"))}
+    assert dirs <= set(RANK) | {"csrc"}, sorted(dirs - set(RANK) - {"csrc"})
+    names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
+
+def test_architecture_names_only_files_that_exist():
+    """Every file docs/architecture.md names exists (a path from the root or the package, or a unique file name),
+    and so does every test it names (``file.py::test``); ``<name>`` templates and the registry the first training
+    term creates are not files yet."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    names = {n for n in re.findall(r"`([\w./-]+\.(?:py|md|yaml))(?:::(\w+))?`", text)}
+    files = [p for p in ROOT.rglob("*") if p.suffix in (".py", ".md", ".yaml") and ".venv" not in p.parts]
+    missing = []
+    for path, test in sorted(names):
+        if path == "terms/registry.py":
+            continue
+        found = [p for p in (ROOT / path, ROOT / "diffcurr_fast" / path) if p.is_file()]
+        found = found or [p for p in files if p.name == path]
+        if len(found) != 1 or (test and f"def {test}(" not in found[0].read_text()):
+            missing.append(f"{path}::{test}" if test else path)
+    assert len(names) > 20 and not missing, missing

@@ -148,8 +148,12 @@ def test_grid_sampler_is_the_logging_sampler_with_at_most_T_steps():
 def test_tdc_recovery_seeds_are_the_documented_function_of_seed_round_candidate(monkeypatch, seed):
     from diffcurr_fast.diffusion import DDPMSchedule
     from diffcurr_fast.models import DiT
-    from diffcurr_fast.tdc import LocalProposer, dit_flops, importance_scores, make_groups, proxy_search
     from diffcurr_fast.tdc import search as search_mod
+    from diffcurr_fast.tdc.flops import dit_flops
+    from diffcurr_fast.tdc.grouping import make_groups
+    from diffcurr_fast.tdc.proposers import LocalProposer
+    from diffcurr_fast.tdc.prune import importance_scores
+    from diffcurr_fast.tdc.search import proxy_search
 
     model = DiT(
         input_size=4,

@@ -1,27 +1,21 @@
 """Difficulty curriculum over timesteps (Kim et al., ICLR 2025): clustering, pacing, sampling weights."""
 
-from diffcurr_fast._lazy import lazy_exports
-
-# name -> module, imported on first use: importing one submodule does not import the whole package (torch)
-_EXPORTS: dict[str, str] = {
-    "CLUSTER_METHODS": "diffcurr_fast.curriculum.clustering",
-    "DEFAULT_METHOD": "diffcurr_fast.curriculum.clustering",
-    "check_clusters": "diffcurr_fast.curriculum.clustering",
-    "cluster_snr": "diffcurr_fast.curriculum.clustering",
-    "cluster_timesteps": "diffcurr_fast.curriculum.clustering",
-    "uniform_clusters": "diffcurr_fast.curriculum.clustering",
-    "ORDERS": "diffcurr_fast.curriculum.pacing",
-    "PACINGS": "diffcurr_fast.curriculum.pacing",
-    "Curriculum": "diffcurr_fast.curriculum.pacing",
-}
-__getattr__ = lazy_exports(__name__, _EXPORTS)
+from diffcurr_fast.curriculum.clustering import (
+    CLUSTER_METHODS,
+    DEFAULT_METHOD,
+    check_clusters,
+    cluster_snr,
+    cluster_timesteps,
+    uniform_clusters,
+)
+from diffcurr_fast.curriculum.pacing import ORDERS, PACINGS, Curriculum
 
 __all__ = [
     "CLUSTER_METHODS",
+    "Curriculum",
     "DEFAULT_METHOD",
     "ORDERS",
     "PACINGS",
-    "Curriculum",
     "check_clusters",
     "cluster_snr",
     "cluster_timesteps",

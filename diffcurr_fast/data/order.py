@@ -100,12 +100,3 @@ class ShardedOrder:
     def flips(self, epoch: int, start: int = 0) -> np.ndarray:
         """Horizontal-flip decisions aligned with ``indices(epoch, start)``."""
         return flip_decisions(self.indices(epoch, start), self.num_samples, self.seed, epoch)
-
-
-def split_position(position: int, samples_per_epoch: int) -> tuple[int, int]:
-    """(epoch, start within epoch) of a global sample position counted from the start of training."""
-    if position < 0:
-        raise ValueError(f"position must be >= 0, got {position}")
-    if samples_per_epoch <= 0:
-        raise ValueError(f"samples_per_epoch must be > 0, got {samples_per_epoch}")
-    return position // samples_per_epoch, position % samples_per_epoch

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -116,13 +115,6 @@ def check_draw(num: int, batch_size: int) -> None:
     if num < 2:
         raise ValueError(f"--num-samples must be >= 2 to evaluate, got {num}")
     batch_slices(num, batch_size)
-
-
-def samples_from_checkpoint(ckpt: str | os.PathLike, num: int, *, weights: str = "ema", **kw: Any) -> torch.Tensor:
-    """``samples_from_model`` of the model of ``ckpt`` (``checkpoint_model``); ``kw`` are its keywords."""
-    check_draw(num, kw.get("batch_size", 64))
-    model, cfg = checkpoint_model(ckpt, weights=weights, device=kw.get("device", "cpu"))
-    return samples_from_model(model, cfg, num, **kw)
 
 
 def samples_from_model(

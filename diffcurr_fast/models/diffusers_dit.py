@@ -9,7 +9,7 @@ a parameter here. Only torch is needed: reading or writing a diffusers *director
 One difference is not in the weights: diffusers embeds the timestep with frequencies 10000^(-i / (half - 1))
 (``Timesteps(downscale_freq_shift=1)``), the release with 10000^(-i / half) (``TimestepEmbedder``). The same
 weights therefore give slightly different outputs (``test_timestep_frequency_gap`` in
-``tests/test_diffusers_export.py`` pins it; docs/training.md gives its size on the demo model); everything else is
+``tests/cli/test_diffusers_export.py`` pins it; docs/training.md gives its size on the demo model); everything else is
 identical. Only plain DiTs map: a DTR model (timestep channel masks), a pruned model (per-block widths) or an
 MLP ratio other than 4 (diffusers' feed-forward is fixed at 4x) has no diffusers counterpart.
 """

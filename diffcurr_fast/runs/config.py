@@ -71,7 +71,7 @@ def resolve_sampler(sampler: str, formulation: str) -> str:
     (``sample``, ``eval --ckpt``) resolve their ``--sampler`` with it."""
     if sampler != "auto":
         return sampler
-    from diffcurr_fast.diffusion import FORMULATION_DEFAULTS
+    from diffcurr_fast.diffusion import FORMULATION_DEFAULTS  # here: importing the config stays free of torch
 
     return FORMULATION_DEFAULTS[formulation]["sampler"]
 

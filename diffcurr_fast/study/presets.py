@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from diffcurr_fast.runs.config import SECTIONS
 from diffcurr_fast.study.spec import StudySpec, check_spec, spec_from_dict
 from diffcurr_fast.study.speedrun import best_arms
 
@@ -189,14 +188,8 @@ SPEEDRUN = {
 }
 
 
-def has_timesteps_section() -> bool:
-    """Whether this build's config has the ``timesteps`` section the timestep-sampler arms set."""
-    return "timesteps" in SECTIONS
-
-
-def speedrun_arms(timesteps: bool | None = None) -> list[dict[str, Any]]:
-    """Every arm of the screening (the timestep-sampler arms only with a ``timesteps`` config section)."""
-    timesteps = has_timesteps_section() if timesteps is None else timesteps
+def speedrun_arms() -> list[dict[str, Any]]:
+    """Every arm of the screening."""
     arms = [
         _arm("official", OFFICIAL),
         _arm("vanilla", VANILLA),
@@ -206,29 +199,19 @@ def speedrun_arms(timesteps: bool | None = None) -> list[dict[str, Any]]:
         _arm("cl_minsnr", VANILLA, CL, MINSNR),
         _arm("anti_cl", VANILLA, CL, ["curriculum.order=hard_to_easy"]),
         _arm("adaptive_pacing", VANILLA, ["curriculum.pacing=adaptive", "curriculum.method=snr"]),
+        *(_arm(name, VANILLA, sets) for name, sets in TIMESTEP_ARMS.items()),
     ]
-    if timesteps:
-        arms += [_arm(name, VANILLA, sets) for name, sets in TIMESTEP_ARMS.items()]
     return [{**a, "reference": "official"} for a in arms]
 
 
-def _speedrun_notes(dataset: str, timesteps: bool) -> str:
-    left = (
-        ""
-        if timesteps
-        else (
-            " The timestep-sampler arms (lognormal, importance, speed, anuts) are left out: this "
-            "build's config has no timesteps section."
-        )
-    )
+def _speedrun_notes(dataset: str) -> str:
     return (
         f"Time to quality on {dataset} against the official DiT recipe (settings: diffcurr_fast.study.presets; "
-        f"definitions: diffcurr_fast.study.speedrun).{left}"
+        "definitions: diffcurr_fast.study.speedrun)."
     )
 
 
-def speedrun_preset(timesteps: bool | None = None) -> dict[str, Any]:
-    timesteps = has_timesteps_section() if timesteps is None else timesteps
+def speedrun_preset() -> dict[str, Any]:
     return {
         "name": "speedrun",
         "recipe": None,
@@ -238,13 +221,13 @@ def speedrun_preset(timesteps: bool | None = None) -> dict[str, Any]:
         "reference": "official",
         "eval_every": SR_DIGITS_EVERY,
         "eval": {**SR_EVAL, "features": "digits"},
-        "arms": speedrun_arms(timesteps),
-        "notes": _speedrun_notes("the built-in digits", timesteps),
+        "arms": speedrun_arms(),
+        "notes": _speedrun_notes("the built-in digits"),
         "speedrun": dict(SPEEDRUN),
     }
 
 
-def speedrun_mnist5k_preset(screen: str | None = None, timesteps: bool | None = None) -> dict[str, Any]:
+def speedrun_mnist5k_preset(screen: str | None = None) -> dict[str, Any]:
     """The second stage: the official arm, the best 4 arms of the screening at ``screen`` and the plain-step twin
     of the best (its fused/plain pair splits the speed-up), on mnist5k with 3 seeds."""
     if screen is None:
@@ -252,7 +235,7 @@ def speedrun_mnist5k_preset(screen: str | None = None, timesteps: bool | None = 
             "preset speedrun_mnist5k runs the best arms of the digits screening: pass --screen DIR (a "
             "finished 'study --preset speedrun' folder with its report)"
         )
-    every = {a["name"]: a for a in speedrun_arms(timesteps)}
+    every = {a["name"]: a for a in speedrun_arms()}
     best = best_arms(screen, 4)
     unknown = [n for n in best if n not in every]
     if unknown:
@@ -270,7 +253,7 @@ def speedrun_mnist5k_preset(screen: str | None = None, timesteps: bool | None = 
         "eval_every": SR_MNIST_EVERY,
         "eval": {**SR_EVAL, "features": "mnist5k"},
         "arms": arms,
-        "notes": _speedrun_notes("the built-in mnist5k", True) + f" Arms screened from {screen}.",
+        "notes": _speedrun_notes("the built-in mnist5k") + f" Arms screened from {screen}.",
         "speedrun": dict(SPEEDRUN),
     }
 

@@ -1,7 +1,8 @@
 """Time to quality (``study --preset speedrun``): the steps, training wall time and training FLOPs each arm needs
 until its smoothed FD first falls to a threshold, over seeds, and the speed-up over the official DiT recipe.
 
-The definitions (fixed before any result; ``tests/test_study_speedrun.py`` checks them against a hand computation):
+The definitions (fixed before any result; ``tests/study/test_study_speedrun.py`` checks them against a hand
+computation):
 
 * **smoothing**: the trailing moving average of the last ``smooth`` evaluations of a run (fewer at its start);
 * **threshold**: ``reference`` = the largest final smoothed FD over the official arm's seeds (so every one of its

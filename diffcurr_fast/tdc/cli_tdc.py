@@ -12,6 +12,7 @@ A recipe is a training recipe (the sections of ``diffcurr_fast.runs.config``, it
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -131,6 +132,4 @@ def run(args: argparse.Namespace) -> int:
 
 def _is_main() -> bool:
     """Whether this process prints the summary (rank 0 of a launcher, or a single process)."""
-    import os
-
     return int(os.environ.get("RANK", "0")) == 0

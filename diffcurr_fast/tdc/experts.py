@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from safetensors.torch import load_file
 
 from diffcurr_fast._files import write_json
 from diffcurr_fast.curriculum.clustering import check_clusters
@@ -190,8 +191,6 @@ def save_bundle(model: MultiExpertDenoiser, path: str | Path) -> Path:
 def load_bundle(path: str | Path, device: str | torch.device = "cpu", **overrides: Any) -> MultiExpertDenoiser:
     """Rebuild a ``MultiExpertDenoiser`` saved by ``save_bundle``; ``overrides`` go to every ``DiT.from_config``
     (e.g. ``attn_backend="sdpa"``)."""
-    from safetensors.torch import load_file
-
     path = Path(path)
     meta_path, weights_path = path / "bundle.json", path / "weights.safetensors"
     if not meta_path.is_file() or not weights_path.is_file():

@@ -45,6 +45,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 from diffcurr_fast._files import write_json
 from diffcurr_fast.models import DiT
@@ -469,9 +471,6 @@ def _load_expert(gdir: Path, device: torch.device) -> tuple[torch.nn.Module, dic
     path = gdir / "expert.safetensors"
     if not path.is_file():
         return None
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
     with safe_open(str(path), "pt") as fh:
         meta = {k: json.loads(v) for k, v in fh.metadata().items()}
     # the paths of the record are where the group is now (the run directory may have been moved since)

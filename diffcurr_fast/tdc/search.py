@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import torch
 
 from diffcurr_fast._files import write_json
+from diffcurr_fast._lazy import pyplot
 from diffcurr_fast.runs.checkpoint import atomic_save
 from diffcurr_fast.tdc.flops import default_widths, dit_flops, widths_flops
 from diffcurr_fast.tdc.proxy import proxy_loss, recover
@@ -435,16 +436,12 @@ def _round_stats(r: int, scores: list[float], bank: MemoryBank) -> dict[str, Any
 
 def plot_history(history: Sequence[dict[str, Any]], path: str | Path, title: str = "proxy-based pruning") -> Path:
     """Mean +- std of the proxy loss per round and the best so far (TDC Fig. 5), saved with matplotlib."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     if not history:
         raise ValueError("history is empty; run proxy_search first")
     rounds = [h["round"] for h in history]
     mean = [h["mean"] for h in history]
     std = [h["std"] for h in history]
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.plot(rounds, mean, marker="o", label="round mean")
     ax.fill_between(rounds, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.25)

@@ -7,19 +7,19 @@ trainer holds one composed sampler, the ``Product`` of the formulation's cell pr
 ``build_timesteps``. See docs/training.md for the table of strategies.
 """
 
-from diffcurr_fast._lazy import lazy_exports
+from diffcurr_fast.timesteps.base import Fixed, Product, TimestepSampler, range_mask
+from diffcurr_fast.timesteps.build import build_timesteps
+from diffcurr_fast.timesteps.curriculum import CurriculumMask
+from diffcurr_fast.timesteps.registry import SAMPLERS, STRATEGIES, strategy_class
 
-_EXPORTS: dict[str, str] = {
-    "SAMPLERS": "diffcurr_fast.timesteps.registry",
-    "STRATEGIES": "diffcurr_fast.timesteps.registry",
-    "strategy_class": "diffcurr_fast.timesteps.registry",
-    "TimestepSampler": "diffcurr_fast.timesteps.base",
-    "Fixed": "diffcurr_fast.timesteps.base",
-    "Product": "diffcurr_fast.timesteps.base",
-    "range_mask": "diffcurr_fast.timesteps.base",
-    "CurriculumMask": "diffcurr_fast.timesteps.curriculum",
-    "build_timesteps": "diffcurr_fast.timesteps.build",
-}
-__getattr__ = lazy_exports(__name__, _EXPORTS)
-
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "CurriculumMask",
+    "Fixed",
+    "Product",
+    "SAMPLERS",
+    "STRATEGIES",
+    "TimestepSampler",
+    "build_timesteps",
+    "range_mask",
+    "strategy_class",
+]

@@ -68,7 +68,7 @@ def describe_model(cfg, num_params: int | None = None) -> str:
 def describe_precision(cfg, device) -> str:
     """``precision fp32 (auto)``: what ``engine.precision`` resolves to on ``device`` (``objective.resolve_precision``),
     with ``(auto)`` when it was not given."""
-    from diffcurr_fast.objective import resolve_precision
+    from diffcurr_fast.objective import resolve_precision  # here: keeps --help free of torch
 
     p = cfg.engine.precision
     return f"precision {resolve_precision(p, device)}" + (" (auto)" if p == "auto" else "")

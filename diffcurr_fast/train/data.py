@@ -20,10 +20,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file
 
-from diffcurr_fast.data import ImageFolder, ShardedLatents, ShardedLoader, open_latents, pipeline
+from diffcurr_fast.data import pipeline
 from diffcurr_fast.data.builtin import BUILTIN_DATASETS, load_builtin
 from diffcurr_fast.data.errors import BadDataError
+from diffcurr_fast.data.images import ImageFolder
+from diffcurr_fast.data.latents import ShardedLatents, open_latents
 from diffcurr_fast.data.loader import ArrayDataset, ResumableLoader, load_npz
+from diffcurr_fast.data.pipeline import ShardedLoader
 from diffcurr_fast.models.diffusers_dit import from_diffusers_state, is_diffusers_dir, read_diffusers_dir
 from diffcurr_fast.runs.config import SHARDED_DATASETS
 

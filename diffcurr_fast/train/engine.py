@@ -65,7 +65,8 @@ def build_optimizer(params, optim, device: torch.device) -> torch.optim.Optimize
             raise ValueError(f"optim.impl=apex runs on CUDA only, the trainer's device is {device}")
         return fused_adam(params, adam_w_mode=True, **kw)
     # torch's fused AdamW (one kernel over all parameters) runs on CUDA and on CPU; it matches the per-parameter
-    # loop to float32 rounding (tests/test_train_sync.py), and a resumed run repeats the uninterrupted one exactly.
+    # loop to float32 rounding (tests/train/test_train_sync.py), and a resumed run repeats the uninterrupted one
+    # exactly.
     return torch.optim.AdamW(params, fused=device.type in ("cuda", "cpu"), **kw)
 
 

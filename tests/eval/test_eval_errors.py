@@ -1,0 +1,136 @@
+"""Bad inputs of the eval command (diffcurr_fast/eval/): samples of another shape, files named by the user not
+replaced without --overwrite, a missing reference named first, NaN samples, latents without --vae, the option's name
+in its errors. docs/errors.md lists what each input gets."""
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import _main
+
+from diffcurr_fast import cli
+
+
+def test_eval_refuses_mismatched_shapes(tmp_path, capsys):
+    from diffcurr_fast.eval import cli_eval
+    from diffcurr_fast.eval.features import EXTRACTORS
+
+    assert cli_eval.EXTRACTORS == EXTRACTORS
+    np.savez(tmp_path / "rgb.npz", arr_0=np.zeros((6, 16, 16, 3), np.uint8))
+    p = argparse.ArgumentParser()
+    cli_eval.add_arguments(p)
+    base = ["--samples", str(tmp_path / "rgb.npz"), "--ref", "digits", "--digits-cache", str(tmp_path / "d.pt")]
+    with pytest.raises(ValueError, match="takes 1x8x8 images, got 3x16x16; pass --convert"):
+        cli_eval.run(p.parse_args(base))
+    assert cli_eval.run(p.parse_args([*base, "--convert", "--json", str(tmp_path / "out" / "r.json")])) == 0
+    assert "FD: " in capsys.readouterr().out
+    assert "fd" in json.loads((tmp_path / "out" / "r.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def digits_cache(tmp_path_factory):
+    from diffcurr_fast.eval.features import digits_classifier
+
+    path = tmp_path_factory.mktemp("digits") / "digits_classifier.pt"
+    digits_classifier(path)
+    return str(path)
+
+
+@pytest.fixture
+def samples(tmp_path):
+    from diffcurr_fast.eval.features import load_digits_data
+
+    _, _, xte, _ = load_digits_data()
+    np.savez(tmp_path / "samples.npz", images=xte[:60].numpy())
+    return str(tmp_path / "samples.npz")
+
+
+@pytest.mark.parametrize("flag", ["--save-ref", "--json"])
+def test_eval_does_not_replace_a_user_file(tmp_path, capsys, digits_cache, samples, flag):
+    mine = tmp_path / "mine.npz"
+    mine.write_text("my data")
+    base = ["eval", "--samples", samples, "--ref", "digits", "--digits-cache", digits_cache]
+    rc, err = _main(capsys, *base, flag, str(mine))
+    assert rc == 2 and f"{flag} '{mine}' exists; pass --overwrite to replace it" in err, err
+    assert mine.read_text() == "my data"
+    assert _main(capsys, *base, flag, str(mine), "--overwrite")[0] == 0
+    assert mine.read_bytes() != b"my data"
+    if flag == "--json":
+        assert json.loads(mine.read_text())["extractor"] == "digits"
+    else:  # written under the exact name, atomically (np.savez of a name would add .npz)
+        assert "mu" in np.load(mine).files and not (tmp_path / "mine.npz.tmp").exists()
+
+
+def test_eval_does_not_replace_a_file_named_as_digits_cache(tmp_path, capsys, samples):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes")
+    rc, err = _main(capsys, "eval", "--samples", samples, "--ref", "digits", "--digits-cache", str(notes))
+    assert rc == 2 and "is not a digits classifier cache" in err and "--overwrite" in err, err
+    assert notes.read_text() == "my notes"
+
+
+def test_eval_missing_reference_is_named_first(tmp_path, capsys, samples):
+    rc, err = _main(capsys, "eval", "--samples", samples, "--ref", str(tmp_path / "nope.npz"))  # inception default
+    assert rc == 2 and "--ref" in err and "nope.npz' not found" in err and "inception-weights" not in err, err
+
+
+def test_eval_nan_samples_name_the_file_and_sample(tmp_path, capsys, digits_cache):
+    x = np.zeros((5, 1, 8, 8), np.float32)
+    x[3, 0, 2, 2] = np.nan
+    np.savez(tmp_path / "nan.npz", images=x)
+    rc, err = _main(
+        capsys, "eval", "--samples", str(tmp_path / "nan.npz"), "--ref", "digits", "--digits-cache", digits_cache
+    )
+    assert rc == 2 and "nan.npz: sample 3 of 'images' holds NaN or inf values" in err, err
+
+
+class _FakeVAE(torch.nn.Module):
+    """decode(z) = tanh(mean of the channels), 8x8 images from 8x8 latents (the shape the digits extractor takes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(()))
+
+    def decode(self, z):
+        return torch.tanh(self.w * z.mean(1, keepdim=True))  # (N, 1, h, w)
+
+
+def test_eval_vae_decodes_latents_and_their_absence_is_named(tmp_path, capsys, digits_cache, monkeypatch):
+    from diffcurr_fast.data import extract
+
+    z = torch.randn(40, 4, 8, 8, generator=torch.Generator().manual_seed(0)) * 300  # a latent model's 'x'
+    np.savez(tmp_path / "lat.npz", x=z.numpy(), y=np.arange(40) % 10)
+    base = ["eval", "--samples", str(tmp_path / "lat.npz"), "--ref", "digits", "--digits-cache", digits_cache]
+    rc, err = _main(capsys, *base)
+    assert rc == 2 and "4-channel latents" in err and "--vae DIR" in err, err
+    np.savez(tmp_path / "lat1.npz", x=z[:, :1].numpy())  # one channel, far outside [-1, 1]
+    rc, err = _main(
+        capsys, "eval", "--samples", str(tmp_path / "lat1.npz"), "--ref", "digits", "--digits-cache", digits_cache
+    )
+    assert rc == 2 and "must be in [-1, 1]" in err and "--vae" in err, err
+    seen = {}
+    monkeypatch.setattr(extract, "load_decoder", lambda path, device: seen.setdefault(path, _FakeVAE()))
+    capsys.readouterr()
+    assert cli.main([*base, "--vae", "my_vae", "--json", str(tmp_path / "r.json")]) == 0
+    assert "my_vae" in seen and "decoded 40 latents" in capsys.readouterr().out
+    got = json.loads((tmp_path / "r.json").read_text())
+    from diffcurr_fast.eval.evaluate import evaluate, load_reference
+    from diffcurr_fast.eval.features import get_extractor
+
+    ext = get_extractor("digits", digits_cache=digits_cache)
+    want = evaluate(torch.tanh(z.mean(1, keepdim=True)), load_reference("digits", ext), ext)
+    assert got["fd"] == pytest.approx(want.fd, rel=1e-6)  # the decoded images are what was evaluated
+
+
+def test_eval_names_the_num_samples_option(no_dropout_run, capsys):
+    from diffcurr_fast.eval.evaluate import check_draw
+
+    for flag in ("--num-samples", "--num"):
+        rc, err = _main(capsys, "eval", "--ckpt", str(no_dropout_run), flag, "1", "--ref", "digits")
+        assert rc == 2 and "--num-samples must be >= 2 to evaluate, got 1" in err, err
+    with pytest.raises(ValueError, match="^--num-samples must be >= 2 to evaluate, got 0$"):
+        check_draw(0, 64)
+    rc, err = _main(capsys, "eval", "--ckpt", str(no_dropout_run), "--batch-size", "0", "--ref", "digits")
+    assert rc == 2 and "--batch-size must be a positive int, got 0" in err, err

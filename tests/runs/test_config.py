@@ -1,0 +1,393 @@
+"""Training config: defaults, recipes, typed overrides, strict errors, YAML round trip, --dry-run."""
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from diffcurr_fast.runs.config import (
+    SECTIONS,
+    TrainConfig,
+    config_from_dict,
+    resume_mismatches,
+    upgrade_saved,
+)
+from diffcurr_fast.runs.recipes import config_to_yaml, load_config, parse_override
+from diffcurr_fast.train import cli_train
+
+ROOT = Path(__file__).resolve().parents[2]
+# the papers' recipes (DiT, EDM); the fast_* recipes are arms of a committed study and are checked against it below,
+# the demo has its own tests
+RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if not p.stem.startswith("fast_") and p.stem != "demo")
+
+
+def test_defaults_and_demo_validate():
+    cfg = TrainConfig().validate()
+    assert cfg.optim.lr == 1e-4 and cfg.optim.ema_decay == 0.9999 and cfg.curriculum.num_clusters == 20
+    demo = load_config(None)
+    assert demo.data.dataset == "digits" and demo.model.input_size == 8 and demo.curriculum.method == "snr"
+    # the time-to-quality study's pick (recipes/fast_mnist5k.yaml): uniform t with MinSNR-5, no curriculum
+    assert demo.curriculum.pacing == "none" and demo.diffusion.weighting == "min_snr"
+    assert demo.timesteps.sampler == "uniform"
+    assert load_config("demo").to_dict() == demo.to_dict()  # the shipped recipe, by name
+
+
+# What the demo resolved to when it was a dict in runs/config.py: every setting it made, and what auto chose.
+DEMO_WAS = {
+    "model": {
+        "preset": "custom",
+        "input_size": 8,
+        "in_channels": 1,
+        "num_classes": 10,
+        "patch_size": 2,
+        "hidden_size": 64,
+        "depth": 4,
+        "num_heads": 4,
+        "fused_adaln": True,
+    },
+    "diffusion": {
+        "num_timesteps": 1000,
+        "beta_schedule": "cosine",
+        "weighting": "min_snr",
+        "min_snr_gamma": 5.0,
+        "prediction": "eps",
+        "learn_sigma": True,
+    },
+    "curriculum": {
+        "pacing": "none",
+        "method": "snr",
+        "num_clusters": 10,
+        "patience": 4,
+        "eval_every": 10,
+        "ema": 0.5,
+        "min_delta": 0.02,
+    },
+    "data": {"dataset": "digits", "batch_size": 64},
+    "optim": {
+        "lr": 1e-3,
+        "warmup_steps": 100,
+        "schedule": "cosine",
+        "min_lr": 1e-5,
+        "grad_clip": 1.0,
+        "ema_decay": 0.999,
+    },
+    "engine": {"max_steps": 3000, "cpu_threads": 2},
+    "logging": {"log_every": 25, "num_samples": 100, "sample_steps": 100, "cfg_scale": 2.0, "sampler": "ddim"},
+    "checkpoint": {"run_dir": "runs/demo", "every": 1000, "keep_last": 2},
+}
+
+
+def test_the_demo_recipe_is_the_former_embedded_demo():
+    """recipes/demo.yaml resolves to what the embedded dict did: its settings over the defaults, exactly (floats
+    typed as floats), with the label ``demo`` in config.yaml; its header is what ``recipes`` prints."""
+    from diffcurr_fast.train import cli_recipes
+
+    got = load_config(None).to_dict()
+    want = TrainConfig().to_dict()
+    for section, values in DEMO_WAS.items():
+        want[section].update(values)
+    want["eval"]["sampler"] = "ddim"
+    assert got == want
+    assert all(type(got["optim"][k]) is float for k in ("lr", "min_lr"))
+    assert "  lr: 0.001  # demo\n" in config_to_yaml(load_config(None))
+    summary = cli_recipes._summary(ROOT / "recipes" / "demo.yaml")
+    assert summary.startswith("The default run (`diffcurr-fast train` without a recipe") and len(summary) < 250
+
+
+def test_every_field_is_documented():
+    for name, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            assert f.metadata.get("doc"), f"{name}.{f.name} has no doc"
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
+def test_recipes_load(recipe):
+    cfg = load_config(recipe)
+    # DiT recipes: batch 256, AdamW 1e-4 (Peebles & Xie); EDM's CIFAR-10 setting: batch 512, lr 1e-3 (Karras et al.)
+    batch, lr = {"edm_cifar10": (512, 1e-3)}.get(recipe.stem, (256, 1e-4))
+    assert cfg.data.batch_size == batch and cfg.optim.lr == pytest.approx(lr) and cfg.optim.weight_decay == 0.0
+    assert cfg.model.preset.startswith("DiT-")
+    assert load_config(recipe, ["engine.max_steps=7"]).engine.max_steps == 7
+
+
+def test_fast_mnist5k_is_the_minsnr_arm_of_the_mnist5k_study(capsys, tmp_path):
+    """recipes/fast_mnist5k.yaml is the arm the committed speedrun_mnist5k study measured, setting for setting,
+    except what does not change what is trained (threads, progress bar, run dir, the inert curriculum pacing
+    settings), and it starts like any recipe."""
+    from diffcurr_fast.objective import resolve_precision
+    from diffcurr_fast.study.spec import arm_config, load_spec
+
+    recipe = ROOT / "recipes" / "fast_mnist5k.yaml"
+    spec = load_spec(ROOT / "docs" / "results" / "speedrun_mnist5k" / "study.yaml")
+    arm = next(a for a in spec.arms if a.name == "minsnr")
+    got, want = load_config(recipe).to_dict(), arm_config(spec, arm, 0, "runs/fast_mnist5k").to_dict()
+    skip = {
+        ("engine", "cpu_threads"),
+        ("logging", "progress"),
+        *(("curriculum", k) for k in ("patience", "eval_every", "ema", "min_delta")),
+    }
+    assert got["curriculum"]["pacing"] == "none"
+    # the recipes' precision rule, auto, is the study's fp32 on the CPU it ran on
+    assert resolve_precision(got["engine"].pop("precision"), "cpu") == want["engine"].pop("precision") == "fp32"
+    for section, values in want.items():
+        for key, value in values.items():
+            if (section, key) not in skip:
+                assert got[section][key] == value, (section, key, got[section][key], value)
+    assert cli_train.run(_parse([str(recipe), "--dry-run", "--run-dir", str(tmp_path / "run")])) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["data"]["dataset"] == "mnist5k"
+    assert not (tmp_path / "run").exists()
+
+
+def test_there_are_recipes():
+    names = {p.stem for p in RECIPES}
+    assert {
+        "dit_b2_vanilla",
+        "dit_b2_curriculum",
+        "dit_b2_curriculum_minsnr",
+        "dit_b2_curriculum_dtr",
+        "dit_l2",
+        "dit_xl2",
+    } <= names
+
+
+@pytest.mark.parametrize(
+    "text, key, value",
+    [
+        ("optim.lr=1e-4", "optim.lr", 1e-4),
+        ("optim.lr=3", "optim.lr", 3),
+        ("engine.compile=true", "engine.compile", True),
+        ("data.path=/x/y.npz", "data.path", "/x/y.npz"),
+        ("model.preset=DiT-B/2", "model.preset", "DiT-B/2"),
+    ],
+)
+def test_parse_override_types(text, key, value):
+    k, v = parse_override(text)
+    assert k == key and v == value and type(v) is type(value)
+
+
+def test_overrides_apply_with_int_to_float_widening():
+    cfg = load_config(None, ["optim.lr=3", "engine.max_steps=12", "diffusion.weighting=min_snr"])
+    assert cfg.optim.lr == 3.0 and isinstance(cfg.optim.lr, float)
+    assert cfg.engine.max_steps == 12 and cfg.diffusion.weighting == "min_snr"
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("optim.lrr=1", r"unknown config key 'optim.lrr'; valid keys of optim: lr, "),
+        ("optimizer.lr=1", r"unknown config section 'optimizer'.*valid sections: model, diffusion"),
+        (
+            "diffusion.prediction=score",
+            r"invalid value 'score' for diffusion.prediction; valid choices: auto, eps, x0, v",
+        ),
+        ("engine.max_steps=1.5", r"engine.max_steps must be of type int"),
+        ("engine.compile=1", r"engine.compile must be of type bool"),
+        ("optim.lr=-1", r"optim.lr must be > 0.0, got -1.0"),
+        ("optim.lr=.inf", r"optim.lr must be a finite number, got inf"),
+        ("diffusion.min_snr_gamma=nan", r"diffusion.min_snr_gamma must be a finite number"),
+        ("diffusion.P_mean=-inf", r"diffusion.P_mean must be a finite number"),
+        ("curriculum.ema=1.0", r"curriculum.ema must lie in \[0.0, 1.0\)"),
+        ("data.batch_size=0", r"data.batch_size must be >= 1"),
+        ("lr=1", r"section.field"),
+        ("optim.lr", r"section.field=value"),
+    ],
+)
+def test_bad_overrides_name_the_key(override, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(None, [override])
+
+
+def test_cross_field_rules():
+    with pytest.raises(ValueError, match="stage_iters must be >= 1 when curriculum.pacing is 'fixed'"):
+        load_config(None, ["curriculum.pacing=fixed"])
+    with pytest.raises(ValueError, match="num_clusters .* must be <= diffusion.num_timesteps"):
+        load_config(None, ["diffusion.num_timesteps=5"])
+    with pytest.raises(ValueError, match="data.path is required"):
+        load_config(None, ["data.dataset=npz"])
+    with pytest.raises(ValueError, match="^model: input_size 8 is not divisible by patch_size 3$"):
+        load_config(None, ["model.patch_size=3"])  # the DiT's own check (models.dit.check_dims)
+
+
+def test_recipe_file_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("optim:\n  learning_rate: 0.1\n")
+    with pytest.raises(ValueError, match="unknown config key 'optim.learning_rate'"):
+        load_config(bad)
+    bad.write_text("optim: 3\n")
+    with pytest.raises(ValueError, match="section 'optim' must be a mapping"):
+        load_config(bad)
+
+
+def test_yaml_round_trip(tmp_path):
+    cfg = load_config(None, ["optim.lr=2e-4", "curriculum.pacing=adaptive"])
+    path = tmp_path / "c.yaml"
+    path.write_text(config_to_yaml(cfg))
+    assert load_config(path).to_dict() == cfg.to_dict()
+    assert list(yaml.safe_load(config_to_yaml(cfg))) == list(SECTIONS)
+
+
+def test_resume_mismatches_lists_locked_keys():
+    a = load_config(None)
+    b = config_from_dict({"model": {"hidden_size": 32}, "optim": {"lr": 0.5}}, base=load_config(None))
+    diffs = resume_mismatches(a.to_dict(), b)
+    assert len(diffs) == 1 and diffs[0].startswith("model.hidden_size")
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser()
+    cli_train.add_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_dry_run_prints_resolved_yaml(capsys, tmp_path):
+    rc = cli_train.run(_parse(["--dry-run", "--set", "engine.max_steps=5", "--run-dir", str(tmp_path / "r")]))
+    assert rc == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["engine"]["max_steps"] == 5 and printed["checkpoint"]["run_dir"] == str(tmp_path / "r")
+    assert not (tmp_path / "r").exists()
+
+
+def _stub_data(recipe: Path, root: Path) -> str:
+    """A path that passes the dry run's file checks for the recipe's data.dataset (npz / latents / images)."""
+    kind = yaml.safe_load(recipe.read_text())["data"]["dataset"]
+    d = root / kind
+    if kind == "images":
+        (d / "cls").mkdir(parents=True)
+        (d / "cls" / "a.png").write_bytes(b"")
+    elif kind == "npz":
+        d.mkdir()
+        (d / "x.npy").write_bytes(b"")
+        (d / "y.npy").write_bytes(b"")
+    else:
+        d.mkdir()
+    return str(d)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
+def test_recipes_dry_run(recipe, capsys, tmp_path):
+    data = _stub_data(recipe, tmp_path)
+    assert (
+        cli_train.run(
+            _parse([str(recipe), "--dry-run", "--set", f"data.path={data}", "--run-dir", str(tmp_path / "run")])
+        )
+        == 0
+    )
+    assert yaml.safe_load(capsys.readouterr().out)["model"]["preset"].startswith("DiT-")
+    assert not (tmp_path / "run").exists()
+
+
+def test_help_config_lists_keys(capsys):
+    assert cli_train.run(_parse(["--help-config"])) == 0
+    out = capsys.readouterr().out
+    assert "curriculum:" in out and "nan_policy" in out and "one of skip, stop" in out
+
+
+def test_preset_fills_dimensions_and_a_contradiction_is_an_error(tmp_path):
+    """The resolved config is the model that is built: a preset fills the dimensions left unset."""
+    from diffcurr_fast.runs.sampling import build_model
+
+    cfg = config_from_dict({"model": {"preset": "DiT-S/8", "input_size": 16}})
+    m = cfg.model
+    assert (m.patch_size, m.hidden_size, m.depth, m.num_heads) == (8, 384, 12, 6)
+    net = build_model(cfg)
+    assert len(net.blocks) == 12 and net.x_embedder.proj.out_channels == 384
+    again = config_from_dict(cfg.to_dict())  # config.yaml reloads to the same model
+    assert again.to_dict() == cfg.to_dict()
+    with pytest.raises(ValueError, match=r"model.depth=1 contradicts model.preset 'DiT-S/8' \(depth 12\)"):
+        config_from_dict({"model": {"preset": "DiT-S/8", "depth": 1, "input_size": 16}})
+    swapped = config_from_dict({"model": {"preset": "DiT-L/2"}})  # another preset over a resolved one
+    from diffcurr_fast.runs.config import _set_field
+
+    _set_field(swapped, "model.preset", "DiT-B/4")
+    assert swapped.validate().model.hidden_size == 768 and swapped.model.patch_size == 4
+    dims = load_config(
+        None,
+        [
+            "model.preset=DiT-S/2",
+            "model.patch_size=null",
+            "model.hidden_size=null",
+            "model.depth=null",
+            "model.num_heads=null",
+        ],
+    ).model
+    assert (dims.patch_size, dims.hidden_size, dims.depth) == (2, 384, 12)
+    zero2 = load_config("recipes/dit_l2_zero2.yaml").model
+    assert (zero2.hidden_size, zero2.depth, zero2.num_heads) == (1024, 24, 16)  # DiT-L/2 (was 128, 6)
+
+
+def test_tdc_section_is_part_of_the_config(tmp_path, capsys):
+    """The TDC options are the ``tdc`` section: --set, YAML, --help-config, strict keys, validation."""
+    cfg = load_config(None, ["tdc.num_groups=4", "tdc.budget_floor=1", "tdc.proposer=uniform"])
+    tdc = cfg.tdc
+    assert (tdc.num_groups, tdc.budget_floor, tdc.proposer) == (4, 1.0, "uniform") and isinstance(
+        tdc.budget_floor, float
+    )
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("tdc:\n  num_groups: 5\n  recover_lr: 3e-4\n")
+    assert (load_config(recipe).tdc.num_groups, load_config(recipe).tdc.recover_lr) == (5, 3e-4)
+    assert yaml.safe_load(config_to_yaml(cfg))["tdc"]["num_groups"] == 4
+    for override, match in [
+        ("tdc.groups=2", r"unknown config key 'tdc.groups'; valid keys of tdc: num_groups, budget_floor, "),
+        ("tdc.k=0.5", r"unknown config key 'tdc.k' \(renamed tdc.budget_floor\); valid keys of tdc: num_groups, "),
+        ("diffusion.fused_ops=false", r"unknown config key 'diffusion.fused_ops'; valid keys of diffusion: "),
+        ("tdc.proposer=genetic", r"invalid value 'genetic' for tdc.proposer; valid choices: local, uniform, llm"),
+        ("tdc.num_groups=0", r"tdc.num_groups must be >= 1"),
+        ("tdc.num_groups=1001", r"tdc.num_groups \(1001\) must be <= diffusion.num_timesteps \(1000\)"),
+        ("tdc.budget_floor=1.5", r"tdc.budget_floor must lie in \(0.0, 1.0\]"),
+        ("tdc.finetune_lr=-1", r"tdc.finetune_lr must be >= 0, got -1"),
+        ("tdc.proposer=llm", r"tdc.proposer 'llm' needs tdc.llm_url and tdc.llm_model"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            load_config(None, [override])
+    assert cli_train.run(_parse(["--help-config"])) == 0
+    out = capsys.readouterr().out
+    assert "tdc:" in out and "num_groups: 3" in out and "one of local, uniform, llm" in out
+
+
+def test_a_saved_config_of_an_earlier_version_loads(tmp_path):
+    """Checkpoints, tdc.json and bundles written before diffusion.fused_ops was removed and tdc.k renamed read back:
+    the removed key is dropped, the renamed one read under its new name; recipes and --set get the error."""
+    import torch
+
+    from diffcurr_fast.runs.checkpoint import load_checkpoint, save_checkpoint
+
+    cfg = load_config(None, ["tdc.budget_floor=0.25"])
+    old = cfg.to_dict()
+    old["diffusion"]["fused_ops"] = None  # what every config saved before held
+    old["tdc"]["k"] = old["tdc"].pop("budget_floor")
+    with pytest.raises(ValueError, match="unknown config key"):
+        config_from_dict(old)
+    assert config_from_dict(upgrade_saved(old)).to_dict() == cfg.to_dict()
+    assert "fused_ops" in old["diffusion"] and "k" in old["tdc"]  # the saved dict itself is left as it was
+    assert resume_mismatches(old, cfg) == []
+    path = save_checkpoint(tmp_path, 1, {"model": {}, "config": old})
+    assert torch.load(path, weights_only=True)["config"] == old
+    state = load_checkpoint(path)  # what sample, export, eval --ckpt and --resume read
+    assert state["config"] == cfg.to_dict() and config_from_dict(state["config"]).tdc.budget_floor == 0.25
+
+
+@pytest.mark.parametrize(
+    "sets, line",
+    [
+        (["model.patch_size=3"], "model: input_size 8 is not divisible by patch_size 3"),
+        (["model.num_heads=3"], "model: hidden_size 64 is not divisible by num_heads 3"),
+        (
+            ["model.hidden_size=66", "model.num_heads=2"],
+            "model: hidden_size must be a multiple of 4 for the 2-D sin-cos",
+        ),
+    ],
+)
+def test_dimensions_the_dit_cannot_take_are_one_line_at_dry_run(sets, line, capsys, tmp_path):
+    """The DiT's own dimension check (``models.dit.check_dims``) runs when the config resolves, so a dry run (and a
+    real start, which resolves it first) stops with its one line, nothing written."""
+    from diffcurr_fast.cli import main
+
+    argv = ["train", "--dry-run", "--run-dir", str(tmp_path / "run")]
+    assert main([*argv, *(a for s in sets for a in ("--set", s))]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"diffcurr-fast train: error: {line}") and "\n" not in err, err
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,202 @@
+"""Bad inputs whose errors come from diffcurr_fast/runs/: non-finite weights are never saved, exported or sampled
+(checkpoint.py), a corrupt newest checkpoint names the previous intact one, recipes (recipes.py: malformed YAML,
+duplicate keys, an empty recipe, paths relative to the recipe, shipped recipes by name), config checks (config.py:
+data.path with the built-in dataset, the article in sampler errors), and guidance without a null label
+(sampling.py). docs/errors.md lists what each input gets."""
+
+import argparse
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import _main, _sample_args, tiny
+
+from diffcurr_fast import cli_sample as sample_cli
+from diffcurr_fast.runs import checkpoint as ck
+from diffcurr_fast.runs.recipes import list_recipes, load_config, read_recipe, recipes_dir
+from diffcurr_fast.train import cli_train
+from diffcurr_fast.train.loop import Trainer
+
+
+def test_nonfinite_weights_are_not_saved(tmp_path):
+    run = tmp_path / "run"
+    tr = Trainer(tiny(run, "engine.max_steps=2", "checkpoint.every=1", "checkpoint.export_ema=true"))
+    tr.fit()
+    with torch.no_grad():
+        next(tr.model.parameters()).fill_(float("nan"))  # what optim.lr=inf does at step 1
+    with pytest.raises(ck.NonFiniteWeightsError, match=r"refusing to save the checkpoint of step 2 \(model\): weight"):
+        tr.save()
+    assert ck.latest_checkpoint(run).name == "ckpt_00000002.pt"  # the intact one stays the newest
+    assert torch.isfinite(
+        ck.load_checkpoint(ck.latest_checkpoint(run))["model"][next(iter(tr.model.state_dict()))]
+    ).all()
+    with pytest.raises(ck.NonFiniteWeightsError, match="refusing to export"):
+        ck.export_safetensors(tr.model.state_dict(), tmp_path / "e.safetensors", {})
+    assert not (tmp_path / "e.safetensors").exists()
+
+
+def test_nonfinite_checkpoint_is_not_sampled(trained, tmp_path):
+    state = ck.load_checkpoint(ck.latest_checkpoint(trained))
+    key = next(iter(state["ema"]["module"]))
+    state["ema"]["module"][key] = torch.full_like(state["ema"]["module"][key], float("inf"))
+    torch.save(state, tmp_path / "nan.pt")  # written around save_checkpoint, as an old version could have
+    with pytest.raises(ck.NonFiniteWeightsError, match=f"weight '{key}' has .* non-finite"):
+        sample_cli.run(_sample_args("--ckpt", str(tmp_path / "nan.pt"), "--out", str(tmp_path / "s.npz")))
+    assert not (tmp_path / "s.npz").exists()
+    from diffcurr_fast.eval.evaluate import checkpoint_model
+
+    with pytest.raises(ck.NonFiniteWeightsError):
+        checkpoint_model(tmp_path / "nan.pt")
+
+
+def test_corrupt_checkpoint_names_the_previous_intact_one(trained, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    newest = ck.latest_checkpoint(run)
+    newest.write_bytes(newest.read_bytes()[:1000])  # truncated by a full disk
+    with pytest.raises(ValueError) as e:
+        Trainer(tiny(run, "engine.max_steps=4", "checkpoint.every=1"), resume=True)
+    msg = str(e.value)
+    assert f"checkpoint '{newest}' is corrupt" in msg and "weights_only=False" not in msg
+    assert "the previous checkpoint ckpt_00000001.pt is intact" in msg and "--resume" in msg
+    newest.rename(tmp_path / "aside.pt")  # the advice works
+    assert Trainer(tiny(run, "engine.max_steps=4", "checkpoint.every=1"), resume=True).step == 1
+
+
+def test_data_path_with_digits_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="data.path '/does/not/exist' is set but data.dataset is 'digits'"):
+        load_config(None, ["data.path=/does/not/exist"])
+
+
+def test_sampler_errors_use_the_right_article():
+    from diffcurr_fast.runs.config import with_article
+
+    assert (with_article("edm"), with_article("flow"), with_article("ddpm")) == ("an edm", "a flow", "a ddpm")
+
+    with pytest.raises(ValueError, match="is not an edm target"):
+        load_config(
+            None,
+            [
+                "diffusion.formulation=edm",
+                "diffusion.learn_sigma=false",
+                "diffusion.prediction=eps",
+                "logging.sampler=heun",
+            ],
+        )
+    with pytest.raises(ValueError, match="'ddim' cannot sample an edm model"):
+        load_config(
+            None,
+            [
+                "diffusion.formulation=edm",
+                "diffusion.learn_sigma=false",
+                "diffusion.prediction=x0",
+                "diffusion.weighting=none",
+                "logging.sampler=ddim",
+            ],
+        )
+    assert load_config(None).logging.sampler == "ddim"
+
+
+def test_malformed_recipe_is_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  depth: 3\n   hidden_size: [\n")
+    with pytest.raises(ValueError, match=r"bad\.yaml' is not valid YAML at line \d+, column \d+") as e:
+        load_config(bad)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("engine:\n  max_steps: 5\n  seed: 1\n  max_steps: 7\n", r"'engine.max_steps' at lines 2, 4"),
+        ("engine:\n  max_steps: 5\noptim:\n  lr: 0.1\nengine:\n  seed: 3\n", r"'engine' at lines 1, 5"),
+        ("data:\n  batch_size: 8\n  dataset: digits\n  batch_size: 8\n", r"'data.batch_size' at lines 2, 4"),
+    ],
+    ids=["key", "section", "same-value"],
+)
+def test_duplicate_recipe_keys_are_refused_with_their_lines(tmp_path, text, match):
+    (tmp_path / "r.yaml").write_text(text)
+    with pytest.raises(ValueError, match=r"sets a key more than once .*" + match):
+        read_recipe(tmp_path / "r.yaml")
+
+
+def test_empty_recipe_is_refused(tmp_path, capsys):
+    for i, text in enumerate(("", "# only a comment\n", "{}\n")):
+        (tmp_path / f"e{i}.yaml").write_text(text)
+        rc, err = _main(capsys, "train", str(tmp_path / f"e{i}.yaml"), "--dry-run")
+        assert rc == 2 and "is empty" in err, err
+    (tmp_path / "ok.yaml").write_text("engine:\n  max_steps: 5\n")  # a recipe of one key still reads
+    assert read_recipe(tmp_path / "ok.yaml") == {"engine": {"max_steps": 5}}
+
+
+def test_recipe_paths_are_relative_to_the_recipe(tmp_path, monkeypatch):
+    folder = tmp_path / "exp"
+    (folder / "ds").mkdir(parents=True)
+    (folder / "ds" / "z.json").write_text("{}")
+    (folder / "w.pt").write_bytes(b"")
+    (folder / "r.yaml").write_text(
+        "engine:\n  kind: deepspeed\n  deepspeed_config: ds/z.json\n"
+        "model:\n  init_from: w.pt\ncheckpoint:\n  run_dir: runs/x\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config("exp/r.yaml")
+    assert cfg.engine.deepspeed_config == str(Path("exp") / "ds" / "z.json")
+    assert cfg.model.init_from == str(Path("exp") / "w.pt")
+    assert cfg.checkpoint.run_dir == "runs/x"  # outputs stay relative to the current directory
+    cfg = load_config("exp/r.yaml", ["engine.deepspeed_config=other.json"])  # --set: relative to the cwd
+    assert cfg.engine.deepspeed_config == "other.json"
+
+
+def test_shipped_recipes_by_name(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    spec = importlib.util.find_spec("diffcurr_fast.recipes")  # package data of the installed package
+    assert spec is not None and Path(list(spec.submodule_search_locations)[0]) == recipes_dir()
+    assert (recipes_dir() / "ds" / "zero2.json").is_file()
+    names = {p.stem for p in list_recipes()}
+    assert {"dit_b2_curriculum", "dit_l2_zero2", "edm_cifar10"} <= names
+    monkeypatch.chdir(tmp_path)  # away from the source tree
+    cfg = load_config("dit_b2_curriculum")
+    assert cfg.model.preset == "DiT-B/2" and cfg.curriculum.pacing == "patience"
+    zero2 = load_config("dit_l2_zero2")
+    assert Path(zero2.engine.deepspeed_config) == recipes_dir() / "ds" / "zero2.json"
+    from diffcurr_fast.cli import main
+
+    assert main(["recipes"]) == 0
+    assert "dit_b2_curriculum" in capsys.readouterr().out
+    with pytest.raises(FileNotFoundError, match="no shipped recipe of that name"):
+        load_config("dit_b2_curriculm")
+    (tmp_path / "lat").mkdir()
+    p = argparse.ArgumentParser()
+    cli_train.add_arguments(p)
+    args = p.parse_args(
+        ["dit_b2_curriculum", "--dry-run", "--set", "data.dataset=latents", "--set", f"data.path={tmp_path / 'lat'}"]
+    )
+    assert cli_train.run(args) == 0
+
+
+def test_guidance_without_a_null_label_says_so(no_dropout_run, tmp_path, capsys):
+    rc, err = _main(
+        capsys, "sample", "--ckpt", str(no_dropout_run), "--out", str(tmp_path / "s.npz"), "--cfg", "4", "--steps", "2"
+    )
+    assert rc == 2 and "trained without label dropout (model.class_dropout_prob=0); sample with --cfg 1" in err, err
+    assert "y must lie in" not in err and not (tmp_path / "s.npz").exists()
+    rc, _ = _main(capsys, "sample", "--ckpt", str(no_dropout_run), "--out", str(tmp_path / "s.npz"), "--steps", "2")
+    assert rc == 0  # without guidance it samples
+
+
+def test_nonfinite_samples_name_the_batch():
+    """A model with finite weights that still produces NaN (e.g. diverged activations) gets one line naming the
+    batch, never a grid of NaN."""
+    from diffcurr_fast.diffusion import DDPMSchedule, Readout
+    from diffcurr_fast.runs.sampling import sample_batch
+
+    class Diverged(torch.nn.Module):
+        def forward(self, x, t, y):
+            return torch.full_like(x, float("nan"))
+
+    kw = dict(sampler="ddim", steps=3, channels=1, size=2, num_classes=2, readout=Readout("eps"))
+    with pytest.raises(ValueError, match=r"^sampling produced NaN or inf values \(batch 3\); the model is not usable$"):
+        sample_batch(Diverged(), DDPMSchedule(50), labels=torch.zeros(2, dtype=torch.long), batch=3, seed=0, **kw)

@@ -1,0 +1,341 @@
+"""Bad inputs refused by the start's checks of a run (diffcurr_fast/train/: preflight.py, rundir.py, skips.py,
+interrupt.py, report.py, cli_train.py, cli_recipes.py) before anything is written: backends asked for that cannot
+run, an empty images folder, tensorboard missing, run directories that cannot be created or written, guidance
+without a null label; a diverging run stops naming its first bad step; Ctrl-C during the grid; precision auto.
+docs/errors.md lists what each input gets."""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import TINY_SETS, _main, tiny
+
+from diffcurr_fast import cli
+from diffcurr_fast.runs.recipes import load_config
+from diffcurr_fast.train.loop import Trainer
+from diffcurr_fast.train.preflight import check_run
+
+
+@pytest.mark.parametrize(
+    "sets, match",
+    [
+        (["model.attn_backend=flash_attn"], "model.attn_backend 'flash_attn' cannot run here"),
+        (["diffusion.ops_backend=cuda"], "diffusion.ops_backend 'cuda' cannot run on cpu"),
+        (["diffusion.ops_backend=triton"], "diffusion.ops_backend 'triton' cannot run on cpu"),
+        (["engine.device=cuda"], "engine.device is 'cuda' but no CUDA device is available"),
+    ],
+)
+def test_backends_asked_for_are_checked_before_the_run(tmp_path, monkeypatch, sets, match):
+    if torch.cuda.is_available():
+        pytest.skip("the backends exist on this machine")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cfg = tiny(tmp_path / "run", *sets)
+    with pytest.raises(ValueError, match=match):
+        check_run(cfg)
+    with pytest.raises(ValueError, match=match):
+        Trainer(cfg)
+    assert not (tmp_path / "run").exists()
+
+
+def test_available_backends_pass_the_check(tmp_path):
+    from diffcurr_fast.ops import _backend
+
+    assert check_run(tiny(tmp_path / "a", "diffusion.ops_backend=reference")).mode == "fresh"
+    if _backend.unavailable_reason("cpu", "q_sample", torch.device("cpu")) is None:  # the C++ extension is built
+        assert check_run(tiny(tmp_path / "b", "diffusion.ops_backend=cpu", "engine.device=cpu")).mode == "fresh"
+
+
+def test_forced_ops_backend_is_checked_before_the_run(tmp_path, monkeypatch, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("triton can run here")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("DIFFCURR_OPS_BACKEND", "triton")
+    with pytest.raises(ValueError, match=r"DIFFCURR_OPS_BACKEND='triton' cannot run adaln_modulate_fwd on cpu"):
+        check_run(tiny(tmp_path / "run"))
+    rc, err = _main(capsys, "train", "--run-dir", str(tmp_path / "run"), "--set", "engine.max_steps=1")
+    assert rc == 2 and "DIFFCURR_OPS_BACKEND='triton'" in err and not (tmp_path / "run").exists()
+    monkeypatch.setenv("DIFFCURR_OPS_BACKEND", "tritn")
+    with pytest.raises(ValueError, match=r"DIFFCURR_OPS_BACKEND='tritn' is not an ops backend"):
+        check_run(tiny(tmp_path / "run"))
+
+
+def test_empty_images_folder_is_named(tmp_path):
+    (tmp_path / "imgs").mkdir()
+    sets = ["data.dataset=images", f"data.path={tmp_path / 'imgs'}", "model.in_channels=3"]
+    with pytest.raises(ValueError, match="has no class subdirectories"):
+        check_run(tiny(tmp_path / "run", *sets))
+    (tmp_path / "imgs" / "cat").mkdir()
+    with pytest.raises(ValueError, match="holds no image files"):
+        check_run(tiny(tmp_path / "run", *sets))
+
+
+def test_tensorboard_missing_is_an_error(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec  # tensorboard hidden, whether it is installed or not
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(ImportError, match="logging.tensorboard is true but tensorboard is not installed"):
+        check_run(tiny(tmp_path / "run", "logging.tensorboard=true"))
+    from diffcurr_fast.train.report import MetricsWriter
+
+    with pytest.raises(ImportError, match="tensorboard is not installed"):
+        MetricsWriter(tmp_path, tensorboard=True)
+
+
+def test_run_dir_under_a_file_is_refused_by_dry_run_and_start(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    run = tmp_path / "notes.txt" / "run"
+    for extra in (["--dry-run"], ["--set", "engine.max_steps=1"]):
+        rc, err = _main(capsys, "train", "--run-dir", str(run), *extra)
+        assert rc == 2 and "notes.txt' is a file, not a directory; choose another checkpoint.run_dir" in err, err
+        assert "Traceback" not in err
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_run_dir_that_refuses_new_files_is_refused(tmp_path, capsys, monkeypatch):
+    import tempfile
+
+    def refuse(*a, **k):  # what /sys or a read-only mount answers (as root, os.access says yes there)
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refuse)
+    rc, err = _main(capsys, "train", "--run-dir", str(tmp_path / "a" / "run"), "--dry-run")
+    assert rc == 2 and "cannot be written" in err and "Operation not permitted" in err, err
+    assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.isdir("/sys/kernel"), reason="needs /sys as root")
+def test_run_dir_under_sys_is_refused(capsys):
+    rc, err = _main(capsys, "train", "--run-dir", "/sys/kernel/diffcurr_run", "--dry-run")
+    assert rc == 2 and "cannot be written" in err, err
+
+
+def test_writable_check_leaves_nothing(tmp_path):
+    from diffcurr_fast.train.rundir import check_writable
+
+    check_writable(tmp_path / "new" / "run")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_mostly_skipped_run_stops_with_the_first_bad_step(tmp_path, capsys):
+    run = tmp_path / "run"
+    rc, err = _main(
+        capsys,
+        "train",
+        "--run-dir",
+        str(run),
+        *(a for s in TINY_SETS for a in ("--set", s)),
+        "--set",
+        "engine.max_steps=15",
+        "--set",
+        "optim.lr=1e3",
+        "--set",
+        "optim.warmup_steps=0",
+    )
+    assert rc == 2, err
+    line = next(v for v in err.splitlines() if "error:" in v)
+    assert "more than engine.max_skip_share=0.05 of the 15 steps" in line and "lower optim.lr (now 1000)" in line
+    assert "the first at step" in line and "Traceback" not in err
+    assert "done:" not in capsys.readouterr().out
+
+
+def test_skip_share_and_first_bad_step_are_counted(tmp_path):
+    from diffcurr_fast.train.skips import NonFiniteLossError
+
+    tr = Trainer(tiny(tmp_path / "r", "engine.max_steps=40", "engine.max_skip_share=0.1", "engine.max_nan_skips=3"))
+    real = tr.objective
+    x, y = next(tr.loader)
+    tr.train_step(x, y)  # step 1 trains
+    bad = lambda *a, **k: real(*a, **k) * float("nan")
+    for _ in range(2):  # steps 2-3 skipped, step 4 trains: the count in a row starts again, the total does not
+        tr.objective = bad
+        tr.train_step(x, y)
+    tr.objective = real
+    tr.train_step(x, y)
+    assert (tr.skips.total, tr.skips.in_a_row, tr.skips.first) == (2, 0, 2)
+    tr.objective = bad
+    tr.train_step(x, y)
+    tr.train_step(x, y)  # 4 skipped of 40 allowed (share 0.1)
+    assert tr.skips.total == 4
+    state = tr.state_dict()
+    with pytest.raises(
+        NonFiniteLossError,
+        match=r"at step 7: 5 step\(s\) skipped, the first at step 2 \(more than "
+        r"engine.max_skip_share=0.1 of the 40 steps",
+    ):
+        tr.train_step(x, y)
+    tr.load_state_dict(state)  # a resume keeps the counts
+    assert (tr.skips.total, tr.skips.in_a_row, tr.skips.first) == (4, 2, 2)
+
+
+def _sets(*extra):
+    return [a for s in (*TINY_SETS, *extra) for a in ("--set", s)]
+
+
+@pytest.mark.parametrize(
+    "sets, fix",
+    [
+        (["logging.num_samples=4", "logging.cfg_scale=2"], "set logging.cfg_scale=1, or"),
+        (["logging.eval_every=1", "eval.cfg_scale=1.5"], "set eval.cfg_scale=1, or"),
+        (
+            ["logging.num_samples=4", "logging.eval_every=1", "eval.cfg_scale=3"],
+            "set logging.cfg_scale=1 and eval.cfg_scale=1, or",
+        ),
+    ],
+)
+def test_training_guidance_without_a_null_label_is_refused_before_the_run(tmp_path, capsys, sets, fix):
+    """The end-of-run grid (logging.cfg_scale, the demo's 2) and the evaluations (eval.cfg_scale) of a model trained
+    without label dropout could not guide: refused by the start's checks (also --dry-run), not after training."""
+    run = tmp_path / "run"
+    for extra in (["--dry-run"], []):
+        rc, err = _main(capsys, "train", "--run-dir", str(run), *extra, *_sets("model.class_dropout_prob=0", *sets))
+        assert rc == 2 and len(err.strip().splitlines()) == 1, err
+        assert "classifier-free guidance needs the null label, which model.class_dropout_prob=0 does not train" in err
+        assert f"{fix} model.class_dropout_prob > 0" in err, err
+        assert not run.exists()  # nothing written
+    fixed = [*sets, "logging.cfg_scale=1", "eval.cfg_scale=1"]
+    assert (
+        _main(capsys, "train", "--run-dir", str(run), "--dry-run", *_sets("model.class_dropout_prob=0", *fixed))[0] == 0
+    )
+    assert _main(capsys, "train", "--run-dir", str(run), "--dry-run", *_sets(*sets))[0] == 0  # the default dropout 0.1
+    from diffcurr_fast.runs.config import config_from_dict
+    from diffcurr_fast.train.preflight import check_guidance
+
+    # no grid (logging.num_samples 0 in SETS; a latent model gets none) and no evaluations: nothing to refuse
+    check_guidance(tiny(run, "model.class_dropout_prob=0", "logging.cfg_scale=2"))
+    check_guidance(tiny(run, "model.class_dropout_prob=0", "logging.num_samples=4", "model.in_channels=4"))
+    # a rule of the run, not of the config: a checkpoint's config that breaks it still loads (to sample with cfg 1)
+    bad = tiny(run, "model.class_dropout_prob=0", "logging.num_samples=4", "logging.cfg_scale=2")
+    assert config_from_dict(bad.to_dict()).logging.cfg_scale == 2
+
+
+def test_grid_shows_progress_and_a_latent_model_says_why_no_grid(tmp_path, capsys):
+    rc, err = _main(
+        capsys,
+        "train",
+        "--run-dir",
+        str(tmp_path / "a"),
+        *_sets("engine.max_steps=1", "logging.num_samples=4", "logging.sample_steps=3", "logging.progress=true"),
+    )
+    assert rc == 0 and (tmp_path / "a" / "samples.png").is_file()
+    assert any("ddim" in line and "3/3" in line for line in err.replace("\r", "\n").splitlines()), err
+    x = np.random.default_rng(0).standard_normal((32, 4, 8, 8)).astype(np.float32)
+    np.savez(tmp_path / "lat.npz", x=x, y=np.arange(32) % 10)
+    capsys.readouterr()
+    rc = cli.main(
+        [
+            "train",
+            "--run-dir",
+            str(tmp_path / "b"),
+            *_sets(
+                "engine.max_steps=1",
+                "logging.num_samples=4",
+                "data.dataset=npz",
+                f"data.path={tmp_path / 'lat.npz'}",
+                "model.in_channels=4",
+            ),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0 and "sample grid: none (the model makes 4-channel latents, not images" in out, out
+    assert not (tmp_path / "b" / "samples.png").exists()
+
+
+@pytest.mark.parametrize("name, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_ctrl_c_during_the_grid_stops_it(tmp_path, name, code):
+    import signal
+
+    from diffcurr_fast.train.interrupt import GridInterrupted
+
+    signum = getattr(signal, name)
+    before = signal.getsignal(signum)
+    tr = Trainer(tiny(tmp_path / "r", "engine.max_steps=2", "logging.num_samples=4", "logging.sample_steps=20"))
+    calls = []
+
+    def interrupt(module, args):  # the user presses Ctrl-C (or a scheduler sends SIGTERM) while the grid is drawn
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signum)
+
+    tr.ema.module.register_forward_pre_hook(interrupt)
+    with pytest.raises(
+        GridInterrupted, match=f"{name} received during the end-of-run sample grid: training finished at step 2"
+    ) as info:
+        tr.fit()
+    assert info.value.exit_code == code and len(calls) == 2  # stopped at the next network call
+    assert (
+        not (tmp_path / "r" / "samples.png").exists() and (tmp_path / "r" / "checkpoints" / "ckpt_00000002.pt").exists()
+    )
+    assert signal.getsignal(signum) is before  # the handlers are restored
+
+
+def test_precision_auto_is_fp32_on_cpu_and_recipes_use_it():
+    from diffcurr_fast.objective import Objective, resolve_precision
+    from diffcurr_fast.runs.recipes import list_recipes
+    from diffcurr_fast.train.engine import resolve_deepspeed_config
+
+    assert resolve_precision("auto", "cpu") == "fp32" and resolve_precision("bf16", "cpu") == "bf16"
+    assert resolve_precision("fp32", "cuda") == "fp32"
+    want = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
+    assert resolve_precision("auto", "cuda") == want
+    x = torch.ones(2, 2)
+    for precision, dtype in (("auto", torch.float32), ("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        cfg = load_config(None, [f"engine.precision={precision}"])
+        with Objective.from_config(cfg).autocast(torch.device("cpu")):
+            assert (x @ x).dtype == dtype, precision  # auto: no bf16 autocast on CPU
+    ds = resolve_deepspeed_config({}, load_config(None, ["engine.precision=auto"]), world_size=1, device_type="cpu")
+    assert ds["bf16"]["enabled"] is False
+    for r in list_recipes():
+        if r.stem != "demo":  # the CPU demo keeps fp32 everywhere
+            assert load_config(r).engine.precision == "auto", r.name
+
+
+def test_start_line_states_the_precision_and_bf16_on_cpu_warns_once(tmp_path, capsys):
+    import warnings
+
+    from diffcurr_fast.train.preflight import BF16_ON_CPU
+
+    rc, err = _main(
+        capsys, "train", "--run-dir", str(tmp_path / "a"), *_sets("engine.max_steps=1", "engine.precision=auto")
+    )
+    assert rc == 0 and "device cpu, precision fp32 (auto); run dir" in err, err  # the recipes' auto, resolved
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")  # as a plain `diffcurr-fast train` shows warnings
+        rc, err = _main(
+            capsys, "train", "--run-dir", str(tmp_path / "b"), *_sets("engine.max_steps=1", "engine.precision=bf16")
+        )
+    assert rc == 0 and "device cpu, precision bf16; run dir" in err, err
+    bf16 = [str(w.message) for w in seen if "engine.precision 'bf16' on a CPU" in str(w.message)]
+    assert bf16 == [BF16_ON_CPU], bf16  # once, though the start's checks run twice (command and trainer)
+    assert "about 12x slower than fp32" in BF16_ON_CPU and "set engine.precision=auto" in BF16_ON_CPU
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for precision in ("auto", "fp32"):
+            rc, _ = _main(
+                capsys, "train", "--run-dir", str(tmp_path / "c"), "--dry-run", *_sets(f"engine.precision={precision}")
+            )
+            assert rc == 0
+    assert not [w for w in seen if "bf16" in str(w.message)]  # auto on a CPU is fp32: no warning
+
+
+def test_recipes_lists_whole_first_sentences(capsys, tmp_path):
+    from diffcurr_fast.runs.recipes import list_recipes
+    from diffcurr_fast.train import cli_recipes
+
+    rc, _ = _main(capsys, "recipes")
+    capsys.readouterr()
+    cli.main(["recipes"])
+    out = " ".join(capsys.readouterr().out.split())  # the wrapping undone
+    assert rc == 0
+    for r in list_recipes():
+        summary = cli_recipes._summary(r)
+        assert summary.endswith(".") and summary.count("(") == summary.count(")"), (r.name, summary)
+        assert f"{r.stem} {summary}" in out, r.name
+    (tmp_path / "r.yaml").write_text(
+        "# EDM (Karras et al. 2022, e.g. Table 1) on CIFAR-10.\n# More. Text.\nengine:\n  max_steps: 1\n"
+    )
+    assert cli_recipes._summary(tmp_path / "r.yaml") == "EDM (Karras et al. 2022, e.g. Table 1) on CIFAR-10."
