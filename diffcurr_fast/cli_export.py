@@ -20,6 +20,7 @@ An existing OUT is refused unless ``--overwrite`` (and then only a previous expo
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import tempfile
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from diffcurr_fast._files import write_json
-from diffcurr_fast.runs.config import config_from_dict, with_article
+from diffcurr_fast.runs.config import PIXEL_DATASETS, config_from_dict, with_article
 
 PREDICTION_TYPES = {"eps": "epsilon", "x0": "sample", "v": "v_prediction"}  # ours -> diffusers' prediction_type
 
@@ -115,6 +116,23 @@ def to_diffusers_transformer(model):
     return net.eval()
 
 
+def _check_vae_fits(vae: str, cfg) -> None:
+    """ValueError unless ``cfg`` is a latent model that the AutoencoderKL at ``vae`` decodes: the pixel-space datasets
+    are refused by name, and any other model (``npz`` arrays) by its channels against the VAE's latent channels."""
+    if cfg.data.dataset in PIXEL_DATASETS:
+        raise ValueError(f"--vae is for latent models; this one was trained on pixels ({cfg.data.dataset!r})")
+    path = Path(vae) / "config.json"
+    try:
+        latent = int(json.loads(path.read_text())["latent_channels"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"--vae {vae!r} is not a diffusers AutoencoderKL directory (reading {path}: {exc})") from None
+    if latent != cfg.model.in_channels:
+        raise ValueError(
+            f"--vae {vae!r} makes {latent}-channel latents, but this model takes {cfg.model.in_channels} channels "
+            "(a pixel-space model, or latents of another VAE)"
+        )
+
+
 def _check_out(out: Path, overwrite: bool) -> None:
     if not out.exists():
         return
@@ -143,8 +161,8 @@ def export_diffusers(
         )
     if cfg.data.dataset == "latents" and vae is None and cfg.diffusion.formulation == "ddpm":
         raise ValueError("this is a latent model: pass --vae DIR (its diffusers AutoencoderKL) to write a DiTPipeline")
-    if vae is not None and cfg.data.dataset in ("digits", "images"):
-        raise ValueError(f"--vae is for latent models; this one was trained on data.dataset {cfg.data.dataset!r}")
+    if vae is not None:
+        _check_vae_fits(vae, cfg)
     net = to_diffusers_transformer(model)
     sched_name, sched_cfg = scheduler_config(cfg)
     scheduler = getattr(diffusers, sched_name)(**sched_cfg)

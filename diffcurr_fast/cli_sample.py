@@ -9,7 +9,9 @@ of the ADM evaluation suite (``arr_0`` uint8 (N, H, W, C), ``arr_1`` the labels)
 without ``--vae``, ``x`` (N, C, H, W) float32 in data units and ``y``. ``--vae DIR`` first decodes a latent
 model's samples (divided by ``data.scale``) with a diffusers ``AutoencoderKL``. ``--bundle DIR`` samples a TDC
 multi-expert bundle instead (each timestep routed to its group's expert; the bundle directory carries the
-training config). A model with NaN or inf weights is refused.
+training config). ``--ema-length SIGMA_REL`` samples the post-hoc EMA of that length instead of the EMA weights,
+reconstructed from the run's snapshots (``runs.posthoc_ema``; a run trained with ``optim.phema_every``). A model
+with NaN or inf weights is refused.
 """
 
 from __future__ import annotations
@@ -54,6 +56,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--labels", default=None, help="comma-separated class labels, cycled (default: 0, 1, ...)")
     parser.add_argument("--out", required=True, help="output file: .png (grid) or .npz")
     parser.add_argument("--weights", default="ema", choices=("ema", "model"), help="EMA (default) or raw weights")
+    parser.add_argument(
+        "--ema-length",
+        type=float,
+        default=None,
+        metavar="SIGMA_REL",
+        help="post-hoc EMA: the weights averaged with this EMA length (EDM2 sigma_rel, e.g. 0.07), reconstructed from "
+        "the run's snapshots at the newest one up to the checkpoint (a run trained with optim.phema_every)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="device")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output file")
@@ -96,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
 
     from diffcurr_fast.data.extract import decode_latents, load_decoder
     from diffcurr_fast.runs.checkpoint import check_finite_weights, load_checkpoint, resolve_checkpoint
+    from diffcurr_fast.runs.posthoc_ema import reconstruct
     from diffcurr_fast.runs.sampling import (
         batch_slices,
         build_model,
@@ -121,6 +132,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--num-samples must be >= 1, got {args.num}")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    ema_length = getattr(args, "ema_length", None)
+    if ema_length is not None and (args.weights != "ema" or getattr(args, "bundle", None)):
+        raise ValueError("--ema-length reconstructs the EMA weights of a --ckpt run: drop --weights model / --bundle")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda requested but no CUDA device is available; use cpu or auto")
     rank, world, dist_device = _distributed()
@@ -160,8 +174,12 @@ def run(args: argparse.Namespace) -> int:
             model = DiT.from_config(state["model_config"])
         else:
             model = build_model(cfg)
-        weights = state["ema"]["module"] if args.weights == "ema" else state["model"]
-        check_finite_weights(weights, f"checkpoint {path} ({args.weights} weights)")
+        if ema_length is not None:  # the run directory holds checkpoints/ and phema/
+            weights, how = reconstruct(path.parent.parent, ema_length, step=int(state["step"]))
+            note = f", post-hoc EMA sigma_rel {ema_length} at step {how.step} from {len(how.snapshots)} snapshots"
+        else:
+            weights, note = state["ema"]["module"] if args.weights == "ema" else state["model"], ""
+        check_finite_weights(weights, f"checkpoint {path} ({args.weights} weights{note})")
         model.load_state_dict(weights)
     model = model.to(device).eval()
     if args.labels:
@@ -224,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         nrow = m.num_classes if m.num_classes <= 16 and not args.labels else None
         save_grid(torch.from_numpy(arr), out, nrow=nrow, upscale=max(1, 32 // arr.shape[-1]))
-    origin = f"step {state['step']}" if "model" in state else f"bundle {args.bundle}"
+    origin = f"step {state['step']}{note}" if "model" in state else f"bundle {args.bundle}"
     ranks = f", {world} ranks" if world > 1 else ""
     print(
         f"wrote {args.num} samples ({args.sampler}, {args.steps} steps, cfg {args.cfg}{ranks}) from {origin} to {out}"

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import signal
 import time
+import typing
 
 import numpy as np
 import pytest
@@ -77,9 +78,15 @@ BOUNDS = _bounds()
 
 
 def _typed(key: str, bound: float):
-    """``bound`` as a value of the field's type (an int field gets an int)."""
+    """``bound`` as a value of the field's type (an int field gets an int; a list field, a list of the one item)."""
     sec, name = key.split(".")
     tp = config_mod._hints(type(getattr(TrainConfig(), sec)))[name]
+    if typing.get_origin(tp) is list:
+        return [_typed_as(typing.get_args(tp)[0], bound)]
+    return _typed_as(tp, bound)
+
+
+def _typed_as(tp, bound: float):
     return int(bound) if int in getattr(tp, "__args__", (tp,)) and float(bound).is_integer() else float(bound)
 
 

@@ -84,7 +84,10 @@ def load_builtin(name: str, dtype: torch.dtype = torch.float32, split: str = "tr
     ``split='heldout'`` the evaluation split (mnist5k only)."""
     if name == "digits":
         if split != "train":
-            raise ValueError("the digits dataset has no held-out split (the trainer and the evaluator use all of it)")
+            raise ValueError(
+                f"unknown digits split {split!r}; choose one of ('train',) (the trainer and the evaluator's "
+                "reference use all 1,797 digits: only mnist5k has a 'heldout' split)"
+            )
         return load_digits_tensors(dtype)
     if name == "mnist5k":
         return load_mnist5k_tensors(split, dtype)

@@ -4,7 +4,9 @@ Latents are ``scale * z`` with ``z ~ q(z | x)`` (or its mode), ``scale = 0.18215
 (as DiT and fast-DiT use). Images are read in folder order (classes sorted, files sorted) with the ADM centre
 crop, so the n-th latent always comes from the n-th usable image; a rerun resumes after the latents already
 written. Noise for ``sample=True`` comes from a generator seeded per batch from ``(seed, first index)``, so a
-resumed run writes the same latents as an uninterrupted one.
+resumed run writes the same latents as an uninterrupted one. ``extract.json`` in the output records the options
+(data, image size, layout, mode or sample, flip, seed, scale, dtype); a rerun with other options is refused rather
+than appended to latents of another kind.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from diffcurr_fast._files import write_json
 from diffcurr_fast.data.errors import check_on_bad
 from diffcurr_fast.data.images import ImageDataset, ImageFolder
 from diffcurr_fast.data.latents import FastDiTLatentWriter, ShardedLatentWriter
@@ -28,6 +31,7 @@ from diffcurr_fast.data.pipeline import ListSampler, _SkipCollate
 
 SD_VAE_SCALE = 0.18215
 LAYOUTS = ("sharded", "fastdit")
+OPTIONS_FILE = "extract.json"  # the options the latents of a folder were extracted with
 
 
 class LatentEncoder(Protocol):
@@ -86,6 +90,29 @@ def encode_latents(
     return z * scale
 
 
+def check_same_options(out: str | os.PathLike, options: dict) -> None:
+    """ValueError in one line when ``out`` holds latents extracted with other options than ``options`` (a rerun
+    appends to them and resumes, so it must be the same extraction), or latents of the other layout."""
+    out = Path(out)
+    record = out / OPTIONS_FILE
+    other = {"sharded": "fastdit", "fastdit": "sharded"}[options["layout"]]
+    if (out / ("index.json" if other == "sharded" else "features")).exists():
+        raise ValueError(f"{str(out)!r} holds latents of the {other} layout; give another --out for this layout")
+    if not record.is_file():
+        return
+    try:
+        old = json.loads(record.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{record}: unreadable ({exc}); remove it or give another --out") from None
+    diffs = [f"{k} {old.get(k)!r} (now {v!r})" for k, v in options.items() if old.get(k) != v]
+    if diffs:
+        raise ValueError(
+            f"{str(out)!r} holds latents extracted with other options: "
+            + ", ".join(diffs)
+            + "; a rerun only resumes the same extraction: give another --out"
+        )
+
+
 def extract_latents(
     vae: LatentEncoder,
     data: str | os.PathLike | ImageFolder,
@@ -120,6 +147,17 @@ def extract_latents(
         data if isinstance(data, ImageFolder) else ImageFolder(data, on_bad, "full" if on_bad == "skip" else "header")
     )
     n = len(folder)
+    options = {
+        "data": str(Path(folder.root).resolve()),
+        "image_size": image_size,
+        "layout": layout,
+        "sample": sample,
+        "hflip": hflip,
+        "seed": seed,
+        "scale": scale,
+        "dtype": dtype if layout == "sharded" else "float32",
+    }
+    check_same_options(out, options)
     dataset = ImageDataset(folder, image_size)
     flips = flip_decisions(np.arange(n), n, seed, 0) if hflip else np.zeros(n, dtype=bool)
     device = torch.device(device)
@@ -130,6 +168,8 @@ def extract_latents(
         meta = json.loads((Path(out) / "index.json").read_text(encoding="utf-8"))
         writer = ShardedLatentWriter(out, tuple(meta["latent_shape"]), shard_size, meta["dtype"], scale)
     start = writer.num_written if writer is not None else 0
+    Path(out).mkdir(parents=True, exist_ok=True)
+    write_json(options, Path(out) / OPTIONS_FILE)  # what the latents in ``out`` are: a rerun must ask the same
     if start > n:
         raise ValueError(f"{out} already holds {start} latents but {folder.root} has only {n} usable images")
     if start == n:

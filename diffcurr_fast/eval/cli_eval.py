@@ -81,7 +81,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ckpt.add_argument("--cfg", type=float, default=1.0, help="classifier-free guidance scale")
     ckpt.add_argument("--seed", type=int, default=0, help="sampling seed")
     ckpt.add_argument("--weights", default="ema", choices=("ema", "model"), help="EMA or raw weights")
+    ckpt.add_argument(
+        "--ema-length",
+        type=float,
+        default=None,
+        metavar="SIGMA_REL",
+        help="post-hoc EMA: the weights averaged with this EMA length (EDM2 sigma_rel, e.g. 0.07), reconstructed from "
+        "the run's snapshots (a run trained with optim.phema_every)",
+    )
     ckpt.add_argument("--batch-size", type=int, default=64, help="samples drawn per model batch (default: 64)")
+
+
+BUILTIN_REFERENCES = ("digits", "mnist5k")  # the references evaluate.load_reference builds from built-in data
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
@@ -94,8 +105,10 @@ def _check_outputs(args: argparse.Namespace) -> None:
             "--vae decodes the latents of --samples; with --ckpt, write them first with "
             "`diffcurr-fast sample --out s.npz` and pass --samples s.npz"
         )
-    if args.ref not in (None, "digits") and not os.path.isfile(args.ref):
-        raise FileNotFoundError(f"--ref {args.ref!r} not found (a statistics .npz, an images .npz, or 'digits')")
+    if args.ref not in (None, *BUILTIN_REFERENCES) and not os.path.isfile(args.ref):
+        raise FileNotFoundError(
+            f"--ref {args.ref!r} not found (a statistics .npz, an images .npz, 'digits' or 'mnist5k')"
+        )
     if args.samples is not None and not os.path.isfile(args.samples):
         raise FileNotFoundError(f"--samples {args.samples!r} not found")
 
@@ -153,7 +166,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> int:
 
     if args.ckpt is not None:  # every rank loads the model; --sampler auto is its formulation's own, as in `sample`
         check_draw(args.num, args.batch_size)
-        model, cfg = checkpoint_model(args.ckpt, weights=args.weights, device=args.device)
+        model, cfg = checkpoint_model(args.ckpt, weights=args.weights, device=args.device, ema_length=args.ema_length)
         args.sampler = resolve_sampler(args.sampler, cfg.diffusion.formulation)
 
     def draw():  # under torchrun: this rank's share of the batches, then all of them
@@ -202,7 +215,8 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> int:
     elif args.ckpt is not None:
         images = draw()
         ranks = f", {world} ranks" if world > 1 else ""
-        print(f"sampled {len(images)} images from {args.ckpt} ({args.sampler}, {args.steps} steps{ranks})")
+        phema = f", post-hoc EMA sigma_rel {args.ema_length}" if args.ema_length is not None else ""
+        print(f"sampled {len(images)} images from {args.ckpt} ({args.sampler}, {args.steps} steps{ranks}{phema})")
     else:
         return 0
     result = evaluate(images, reference, extractor, splits=args.splits, k=args.k)

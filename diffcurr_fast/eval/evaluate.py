@@ -22,6 +22,7 @@ from diffcurr_fast.eval.features import FeatureExtractor, load_digits_data
 from diffcurr_fast.eval.metrics import feature_statistics, frechet_distance, inception_score, precision_recall
 from diffcurr_fast.runs.checkpoint import check_finite_weights, load_checkpoint, resolve_checkpoint
 from diffcurr_fast.runs.config import TrainConfig, config_from_dict, resolve_sampler
+from diffcurr_fast.runs.posthoc_ema import reconstruct
 from diffcurr_fast.runs.sampling import batch_slices, build_model, build_schedule, sample_batch, sampling_readout
 
 
@@ -86,13 +87,20 @@ def _sample_array(path: str | os.PathLike) -> tuple[str, torch.Tensor]:
 
 
 def checkpoint_model(
-    ckpt: str | os.PathLike, *, weights: str = "ema", device: str | torch.device = "cpu"
+    ckpt: str | os.PathLike,
+    *,
+    weights: str = "ema",
+    device: str | torch.device = "cpu",
+    ema_length: float | None = None,
 ) -> tuple[torch.nn.Module, TrainConfig]:
     """(the model of a training checkpoint (file or run directory) with its ``weights``, on ``device`` in eval mode;
-    its config). Only pixel-space models (1 or 3 channels) qualify: latents would need the VAE decoder. A model with
-    NaN or inf weights is refused."""
+    its config). ``ema_length``: instead, the post-hoc EMA of that sigma_rel reconstructed from the run's snapshots
+    (``runs.posthoc_ema.reconstruct``, at the newest snapshot up to the checkpoint's step). Only pixel-space models (1
+    or 3 channels) qualify: latents would need the VAE decoder. A model with NaN or inf weights is refused."""
     if weights not in ("ema", "model"):
         raise ValueError(f"weights must be 'ema' or 'model', got {weights!r}")
+    if ema_length is not None and weights != "ema":
+        raise ValueError("--ema-length reconstructs EMA weights: drop --weights model")
     path = resolve_checkpoint(ckpt)
     state = load_checkpoint(path)
     cfg = config_from_dict(state["config"])
@@ -103,7 +111,10 @@ def checkpoint_model(
             "`diffcurr-fast sample --out s.npz` and evaluate with --samples s.npz --vae DIR"
         )
     model = build_model(cfg)
-    sd = state["ema"]["module"] if weights == "ema" else state["model"]
+    if ema_length is not None:  # the run directory holds checkpoints/ and phema/
+        sd, _ = reconstruct(path.parent.parent, ema_length, step=int(state["step"]))
+    else:
+        sd = state["ema"]["module"] if weights == "ema" else state["model"]
     check_finite_weights(sd, f"checkpoint {path} ({weights} weights)")
     model.load_state_dict(sd)
     return model.to(device).eval(), cfg
@@ -214,7 +225,9 @@ def load_reference(spec: str, extractor: FeatureExtractor) -> Reference:
         x, _ = load_mnist5k_tensors("heldout")
         return reference_from_images(x, extractor, f"mnist5k held-out split ({len(x)} images)")
     if not os.path.isfile(spec):
-        raise FileNotFoundError(f"reference {spec} not found (a statistics .npz, an images .npz, or 'digits')")
+        raise FileNotFoundError(
+            f"reference {spec} not found (a statistics .npz, an images .npz, 'digits' or 'mnist5k')"
+        )
     with np.load(spec) as f:
         files = set(f.files)
         if {"mu", "sigma"} <= files:

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+
+from diffcurr_fast._files import read_safetensors
 
 __all__ = [
     "DIFFUSERS_CLASS",
@@ -146,8 +147,13 @@ def from_diffusers_state(state: dict[str, torch.Tensor], own: dict[str, torch.Te
                 )
     key, table = "y_embedder.embedding_table.weight", out["y_embedder.embedding_table.weight"]
     rows = own[key].shape[0] if key in own else table.shape[0]
-    if table.shape[0] == rows + 1 and not table[-1].any():  # a padded null row (exported without label dropout)
-        out[key] = table[:-1]
+    if table.shape[0] == rows + 1:  # a null-label row that this model, trained without label dropout, has not
+        if table[-1].any():
+            raise ValueError(
+                "the diffusers DiT has a trained null-label row (it was trained with label dropout) and this model "
+                "has none: set model.class_dropout_prob > 0 to keep it"
+            )
+        out[key] = table[:-1]  # the all-zero row padded on export
     for i in range(depth):
         pre, blk = f"transformer_blocks.{i}.", f"blocks.{i}."
         for ours, theirs in _BLOCK.items():
@@ -187,7 +193,7 @@ def read_diffusers_dir(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[
             f"{str(p)!r} holds no weights ({' or '.join(_WEIGHTS)}); sharded or variant files are not read"
         )
     if weights.suffix == ".safetensors":
-        state = load_file(str(weights), device="cpu")
+        state = read_safetensors(weights)
     else:
         state = torch.load(weights, map_location="cpu", weights_only=True)
     return state, config

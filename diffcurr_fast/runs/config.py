@@ -51,11 +51,16 @@ LEARN_SIGMA = ("auto", True, False)
 # The trainer's choices are defined here, below it (``train`` imports them from this module).
 SHARDED_DATASETS = ("latents", "images")
 DATASETS = ("digits", "mnist5k", "npz", *SHARDED_DATASETS)  # data.dataset: built-in, arrays, or ShardedLoader
+PIXEL_DATASETS = ("digits", "mnist5k", "images")  # images in [-1, 1]; npz and latents may hold latents
 ENGINE_KINDS = ("auto", "single", "ddp", "deepspeed")
 DEVICES = ("auto", "cpu", "cuda")
 OPTIM_IMPLS = ("auto", "torch", "apex")  # AdamW kernels (``train.engine.build_optimizer``)
 NAN_POLICIES = ("skip", "stop")
 LR_SCHEDULES = ("constant", "cosine")  # ``train.loop.lr_at``
+# The largest EMA length of a post-hoc EMA profile (``runs.posthoc_ema``): exponent gamma = 0, the running mean, whose
+# relative standard deviation is (1 / (2^2 * 3))^(1/2) (EDM2 eq. 3). Over gamma > -1 the maximum is phi^(-5/2) ~ 0.3003
+# (gamma ~ -0.382), but between the two every sigma_rel has two exponents < 0, which weigh early weights more.
+PHEMA_SIGMA_REL_MAX = 12**-0.5
 
 INF = math.inf
 
@@ -333,10 +338,28 @@ class OptimConfig:
     grad_accum_steps: int = _pos(1, "micro-batches per optimizer step (data.batch_size is split into them)")
     ema_decay: float = _unit(0.9999, "EMA decay of the weights (DiT: 0.9999)")
     ema_warmup: bool = _field(True, "use decay min(ema_decay, (1 + n) / (10 + n)) at update n")
+    phema_every: int = _nonneg(
+        0,
+        "post-hoc EMA (EDM2): steps between snapshots of the power-function averages under phema/, and one at "
+        "the end; `sample` / `eval --ema-length` reconstruct any EMA length from them (0 = off)",
+    )
+    phema_sigma_rels: list[float] = _field(
+        [0.05, 0.10],
+        "post-hoc EMA: the EMA lengths tracked (EDM2 sigma_rel, the profile's width relative to the training time; "
+        "each in (0, 12^-1/2]; 12^-1/2 is the plain running mean)",
+        lo=0.0,
+        hi=PHEMA_SIGMA_REL_MAX,
+        lo_open=True,
+    )
 
     def validate(self) -> None:
         if self.min_lr > self.lr:
             raise ValueError(f"optim.min_lr {self.min_lr!r} must be <= optim.lr {self.lr!r}")
+        rels = self.phema_sigma_rels
+        if self.phema_every and (not rels or len(set(rels)) != len(rels)):
+            raise ValueError(
+                f"optim.phema_sigma_rels {rels!r} must list one or more distinct values when optim.phema_every is set"
+            )
 
 
 @dataclass
@@ -696,6 +719,11 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         return float(value)
     if tp is float and isinstance(value, str) and value.strip().lower() in ("inf", "+inf", "-inf", "nan"):
         return float(value)
+    if typing.get_origin(tp) is list:  # a list field: each item as the item type
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{key} must be a list of {_type_name(item)} ([a, b, ...]), got {value!r}")
+        return [_coerce(key, v, item) for v in value]
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
         for arg in typing.get_args(tp):
             if arg is type(None) and value is None:
@@ -729,16 +757,17 @@ def _check_field(key: str, f: dataclasses.Field, value: Any, tp: Any) -> None:
     choices = _choices(f)
     if choices is not None and value not in choices:
         raise ValueError(f"invalid value {value!r} for {key}; valid choices: {', '.join(map(str, choices))}")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{key} must be a finite number, got {value!r}")
-    rng = f.metadata.get("range")
-    if rng is not None and value is not None:
-        lo, hi, lo_open, hi_open = rng
-        if not ((value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi)):
-            if hi == INF:
-                raise ValueError(f"{key} must be {'>' if lo_open else '>='} {lo}, got {value!r}")
-            lb, rb = "(" if lo_open else "[", ")" if hi_open else "]"
-            raise ValueError(f"{key} must lie in {lb}{lo}, {hi}{rb}, got {value!r}")
+    for item in value if isinstance(value, list) else [value]:  # a list field: the range holds for each item
+        if isinstance(item, float) and not math.isfinite(item):
+            raise ValueError(f"{key} must be a finite number, got {item!r}")
+        rng = f.metadata.get("range")
+        if rng is not None and item is not None:
+            lo, hi, lo_open, hi_open = rng
+            if not ((item > lo if lo_open else item >= lo) and (item < hi if hi_open else item <= hi)):
+                if hi == INF:
+                    raise ValueError(f"{key} must be {'>' if lo_open else '>='} {lo}, got {item!r}")
+                lb, rb = "(" if lo_open else "[", ")" if hi_open else "]"
+                raise ValueError(f"{key} must lie in {lb}{lo}, {hi}{rb}, got {item!r}")
 
 
 # ---- building ------------------------------------------------------------------------------------------
@@ -810,6 +839,9 @@ def _set_field(cfg: TrainConfig, dotted: str, value: Any, source: tuple[int, str
 RESUME_LOCKED = ("model", "diffusion", "curriculum", "timesteps")
 # A checkpoint written before a section existed has that section's defaults.
 _DEFAULTS = {"timesteps": dataclasses.asdict(TimestepsConfig())}
+# Keys of other sections that must match too: the batches (their size and order) and every RNG stream derive from
+# them, so a resume with another value could not continue the run it names.
+RESUME_LOCKED_KEYS = (("data", "batch_size"), ("engine", "seed"))
 # Keys of the locked sections that may differ: the initial weights only matter for a fresh start.
 RESUME_FREE = {("model", "init_from")}
 
@@ -825,9 +857,8 @@ def resume_mismatches(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
                 continue
             if a.get(key) != b.get(key):
                 diffs.append(f"{sec}.{key}: checkpoint {a.get(key)!r} vs now {b.get(key)!r}")
-    if saved.get("data", {}).get("batch_size") != now["data"]["batch_size"]:
-        diffs.append(
-            f"data.batch_size: checkpoint {saved.get('data', {}).get('batch_size')!r} vs now "
-            f"{now['data']['batch_size']!r}"
-        )
+    for sec, key in RESUME_LOCKED_KEYS:
+        a, b = saved.get(sec, {}).get(key), now[sec][key]
+        if a != b:
+            diffs.append(f"{sec}.{key}: checkpoint {a!r} vs now {b!r}")
     return diffs

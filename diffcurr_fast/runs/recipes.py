@@ -157,12 +157,41 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def apply_overrides(cfg: TrainConfig, overrides: list[str] | None) -> TrainConfig:
-    """``cfg`` with the ``a.b=value`` overrides applied in order (one source, later than the recipe); validated."""
+    """``cfg`` with the ``a.b=value`` overrides applied in order (one source, later than the recipe); validated.
+    A text field (a path, a name) takes the value as written: ``checkpoint.run_dir=2024`` is the folder "2024",
+    ``=on`` the folder "on", not an int or a bool (``null`` still clears an optional one)."""
     src = _new_source(cfg, "--set")
     for text in overrides or []:
         key, value = parse_override(text)
-        _set_field(cfg, key, value, src)
+        _set_field(cfg, key, _as_written(key, text.split("=", 1)[1], value), src)
     return cfg.validate()
+
+
+def _as_written(key: str, raw: str, value: Any) -> Any:
+    """The override's text for a field typed ``str`` or ``str | None`` (YAML's reading for the other fields, a quoted
+    text, and ``null`` / ``~`` of an optional field)."""
+    sec, _, name = key.partition(".")
+    tp = _hints(SECTIONS[sec]).get(name) if sec in SECTIONS else None
+    text = raw.strip()
+    quoted = len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
+    if tp not in (str, str | None) or quoted or (tp is not str and text in ("null", "~")):
+        return value
+    return text
+
+
+def run_dir_overrides(overrides: list[str], run_dir: str | None) -> list[str]:
+    """``overrides`` with ``--run-dir PATH`` as ``checkpoint.run_dir=PATH`` (the commands' shorthand). ValueError
+    for an empty ``--run-dir`` (an unset shell variable would otherwise fall back to the recipe's folder) and for a
+    ``--set checkpoint.run_dir`` that names another folder."""
+    if run_dir is None:
+        return list(overrides)
+    if not run_dir.strip():
+        raise ValueError("--run-dir is empty (an unset shell variable?); give the run's directory")
+    for text in overrides:
+        key, _, raw = text.partition("=")
+        if key.strip() == "checkpoint.run_dir" and raw.strip() != run_dir:
+            raise ValueError(f"--run-dir {run_dir!r} and --set {text!r} name two folders; give one of them")
+    return [*overrides, f"checkpoint.run_dir={run_dir}"]
 
 
 def config_to_yaml(cfg: TrainConfig) -> str:

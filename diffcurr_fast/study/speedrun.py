@@ -15,8 +15,8 @@ computation):
   95% Welch interval of the difference of mean logs, exp(d +- t_{0.975, nu} sqrt(s_o^2 / n_o + s_a^2 / n_a))
   (nu: Welch-Satterthwaite). Only when every seed of both arms reached the threshold; otherwise n/a;
 * **plateau**: on the official arm's mean smoothed FD curve over seeds, the last ``plateau_share`` of its
-  evaluations (at least two) improve it by (f_first - f_last) / f_first; it has stopped falling when that is below
-  ``plateau_tol``;
+  evaluations (the share's count rounded up, at least two) improve it by (f_first - f_last) / f_first; it has
+  stopped falling when that is strictly below ``plateau_tol``; ``best_arms`` keeps the file's order on a tie;
 * **time axes**: the wall time of an evaluation is its step times the arm's median training step time, measured
   by the study side by side for every arm in one process (alternating blocks, the study's model, data, batch and
   threads; ``step_time.json``). A study's runs train over hours, in several sittings, beside other work or on

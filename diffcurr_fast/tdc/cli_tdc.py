@@ -27,6 +27,7 @@ from diffcurr_fast.runs.recipes import (
     load_config,
     read_recipe,
     recipes_dir,
+    run_dir_overrides,
 )
 
 # The default run, as changes to the training demo (recipes/demo.yaml), whose model and data it keeps: 800 steps of
@@ -94,11 +95,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def resolve(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
     """The config (its tdc section included) and run directory of ``args``: recipe, then ``--set`` overrides."""
     overrides = [*args.overrides, *(["curriculum.pacing=patience"] if args.curriculum else [])]
+    overrides = run_dir_overrides(overrides, args.run_dir)
     if args.recipe is None:
         cfg = apply_overrides(config_from_dict(demo_recipe()), overrides)
     else:
         cfg = load_config(args.recipe, overrides)
-    return cfg, Path(args.run_dir or cfg.checkpoint.run_dir)
+    return cfg, Path(cfg.checkpoint.run_dir)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,9 +21,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from safetensors.torch import load_file
 
-from diffcurr_fast._files import write_json
+from diffcurr_fast._files import read_safetensors, write_json
 from diffcurr_fast.curriculum.clustering import check_clusters
 from diffcurr_fast.diffusion.samplers import guided_forward
 from diffcurr_fast.models import DiT
@@ -198,7 +197,7 @@ def load_bundle(path: str | Path, device: str | torch.device = "cpu", **override
     meta = json.loads(meta_path.read_text())
     if meta.get("format") != BUNDLE_FORMAT:
         raise ValueError(f"unsupported bundle format {meta.get('format')!r}; expected {BUNDLE_FORMAT!r}")
-    tensors = load_file(str(weights_path), device=str(device))
+    tensors = read_safetensors(weights_path, device=str(device))
     experts = []
     for i, cfg in enumerate(meta["experts"]):
         expert = DiT.from_config(cfg, **overrides)

@@ -46,9 +46,8 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 
-from diffcurr_fast._files import write_json
+from diffcurr_fast._files import read_safetensors, write_json
 from diffcurr_fast.models import DiT
 from diffcurr_fast.objective import Objective
 from diffcurr_fast.runs.checkpoint import export_safetensors, latest_checkpoint
@@ -475,7 +474,7 @@ def _load_expert(gdir: Path, device: torch.device) -> tuple[torch.nn.Module, dic
         meta = {k: json.loads(v) for k, v in fh.metadata().items()}
     # the paths of the record are where the group is now (the run directory may have been moved since)
     record = {**meta["record"], **_group_paths(gdir)}
-    return _expert_from_payload(meta["config"], load_file(str(path)), record, device)
+    return _expert_from_payload(meta["config"], read_safetensors(path), record, device)
 
 
 def _group_paths(gdir: Path) -> dict[str, str]:

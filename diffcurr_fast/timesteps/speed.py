@@ -10,7 +10,8 @@ tanh(1e6 (grad - 1e-4)) + 1.5, i.e. 2.5 against 0.5: k = 5). The official sample
 the "dual" of the other half (tau - t below tau, t - tau above); a weight vector cannot pair draws, so this
 strategy uses the marginal of that scheme: p = (p_asym + p_dual) / 2, with p_dual the asymmetric mass carried to
 the dual cells. Choices made here: the noise level is computed for every formulation from its SNR at the cells
-(``cell_log_snr``), so flow and EDM reach it too; when no cell falls below the threshold, tau = G (uniform).
+(``cell_log_snr``), so flow and EDM reach it too; when no cell falls below the threshold, tau = G: the
+asymmetric draw is then uniform, and the dual half, clamped to the last cell, still leans towards the high end.
 """
 
 from __future__ import annotations

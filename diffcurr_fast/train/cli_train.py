@@ -11,7 +11,7 @@ import argparse
 import shlex
 import sys
 
-from diffcurr_fast.runs.recipes import config_to_yaml, describe_config, load_config
+from diffcurr_fast.runs.recipes import config_to_yaml, describe_config, load_config, run_dir_overrides
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,10 +85,7 @@ def run(args: argparse.Namespace) -> int:
     if args.help_config:
         print(describe_config())
         return 0
-    overrides = list(args.overrides)
-    if args.run_dir:
-        overrides.append(f"checkpoint.run_dir={args.run_dir}")
-    cfg = load_config(args.recipe, overrides)
+    cfg = load_config(args.recipe, run_dir_overrides(args.overrides, args.run_dir))
     # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.train.preflight import check_run
 

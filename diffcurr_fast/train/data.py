@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import load_file
 
+from diffcurr_fast._files import read_safetensors
 from diffcurr_fast.data import pipeline
 from diffcurr_fast.data.builtin import BUILTIN_DATASETS, load_builtin
 from diffcurr_fast.data.errors import BadDataError
@@ -248,7 +248,7 @@ def read_init_state(path: str | Path, own: dict[str, torch.Tensor] | None = None
     if not p.is_file():
         raise FileNotFoundError(f"model.init_from {str(p)!r} does not exist")
     if p.suffix == ".safetensors":
-        state: Any = load_file(str(p), device="cpu")
+        state: Any = read_safetensors(p)
     else:
         try:
             state = torch.load(p, map_location="cpu", weights_only=True)

@@ -5,9 +5,10 @@ formulation's cell prior x the strategy of ``timesteps.sampler`` x the curriculu
 drawn by ``ops.sample_timesteps``), the per-sample loss of the ``Objective`` at k (the formulation's x_in = a x0 +
 c eps with Philox noise from a per-step seed, the network output, the regression target p x0 + q eps with its
 weight, plus IDDPM's variational term when the variance is learned; ``objective.py``), times the sampler's
-importance correction when it has one, backward, a finiteness vote across ranks, clip, AdamW step, EMA update, and
-the sampler observing the per-sample losses. Everything random comes from one per-rank generator and torch's global
-RNG (label dropout), both checkpointed, so a resumed run repeats the uninterrupted one exactly.
+importance correction when it has one, backward, a finiteness vote across ranks, clip, AdamW step, EMA update (and
+the post-hoc EMA's power-function averages, snapshot every ``optim.phema_every`` steps and at the end under
+``phema/``), and the sampler observing the per-sample losses. Everything random comes from one per-rank generator
+and torch's global RNG (label dropout), both checkpointed, so a resumed run repeats the uninterrupted one exactly.
 
 With ``engine.cuda_graphs`` the vote stays on the device (``Engine.step`` returns it as a tensor): the optimizer, the
 EMA and the sampler's statistics are masked by it instead of being skipped on the host, and the skip counts
@@ -35,11 +36,12 @@ from diffcurr_fast.objective import Objective, draw_seed
 from diffcurr_fast.ops import sample_timesteps
 from diffcurr_fast.runs import checkpoint as ckpt_io
 from diffcurr_fast.runs.config import TrainConfig, config_from_dict
+from diffcurr_fast.runs.posthoc_ema import remove_snapshots_after, write_snapshot
 from diffcurr_fast.runs.recipes import config_to_yaml
 from diffcurr_fast.runs.sampling import SamplingInterrupted, build_model, grid_unavailable, sample_grid
 from diffcurr_fast.timesteps.build import build_curriculum, build_timesteps
 from diffcurr_fast.train.data import build_loader, load_init_weights
-from diffcurr_fast.train.ema import EMA
+from diffcurr_fast.train.ema import EMA, PowerEMA
 from diffcurr_fast.train.engine import Engine, build_optimizer, compile_mode, create_engine, unwrap
 from diffcurr_fast.train.evaluation import Evaluator, eval_due
 from diffcurr_fast.train.host_memory import retain_host_memory
@@ -107,6 +109,7 @@ class Trainer:
         )
         self.model = self._build_model(model, fine_tune=self.start.checkpoint is None)
         self.ema = EMA(self.model, o.ema_decay, o.ema_warmup)  # its copy keeps checking the values it samples with
+        self.phema = PowerEMA(self.model, o.phema_sigma_rels) if o.phema_every else None  # post-hoc EMA (EDM2)
         if hasattr(self.model, "check_values"):  # t from the sampler, labels checked at load: no per-step host sync
             self.model.check_values = False
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -121,7 +124,7 @@ class Trainer:
         self.skips = Skips(cfg, self.device, on_device=e.cuda_graphs)  # non-finite steps and the rules on them
         self.train_s, self._clock = 0.0, None  # training wall time without evaluations (train_time); checkpointed
         parts = dict(model=self.model, ema=self.ema, opt=self.opt, curriculum=self.curriculum)
-        parts.update(timesteps=self.timesteps, loader=self.loader, gen=self.gen, skips=self.skips)
+        parts.update(timesteps=self.timesteps, loader=self.loader, gen=self.gen, skips=self.skips, phema=self.phema)
         self.checkpointer = Checkpointer(cfg, self.engine, **parts)
         self.resumed_from: Path | None = self.start.checkpoint
         if self.resumed_from is not None:
@@ -129,6 +132,8 @@ class Trainer:
         self.engine.barrier()  # every rank has checked the run directory before rank 0 writes into it
         if self.engine.is_main and self.start.mode != "finished":
             open_run_dir(self.start)  # overwrite: clear the old run's files; resume: metrics cut to the checkpoint
+            if self.start.mode == "resume":  # snapshots after the checkpoint: written again by the resumed run
+                remove_snapshots_after(self.run_dir, self.step)
             (self.run_dir / "config.yaml").write_text(config_to_yaml(cfg))
 
     def _build_model(self, given: torch.nn.Module | None, fine_tune: bool) -> torch.nn.Module:
@@ -177,6 +182,8 @@ class Trainer:
         if mask is not None or applied:  # the updates below are masked by it (no host read)
             with self.engine.full_params(self.model):  # ZeRO-3: gathered for the EMA
                 self.ema.update(self.model, mask)
+                if self.phema is not None:
+                    self.phema.update(self.model, mask)
             self.timesteps.observe(k, per, self.step, mask)
             if probe is not None:
                 self.timesteps.observe_probe(before, self._probe_loss(x0, y, *probe))
@@ -230,6 +237,8 @@ class Trainer:
                         evaluator = evaluator or Evaluator(cfg, self.run_dir, self.dataset, self.device)
                         log.write({**evaluator(self.step, self.ema.module, self.formulation), "train_s": self.train_s})
                         self._clock = time.perf_counter()
+                    if main and self.phema is not None and self._snapshot_due():
+                        self.snapshot_phema()
                     if stop.should_stop(self.engine):  # SIGINT / SIGTERM on any rank: checkpoint this step, then stop
                         raise TrainingInterrupted(stop.vote_signal(), self.step, self.save())
                     if self.step % cfg.checkpoint.every == 0 and self.step < cfg.engine.max_steps:
@@ -242,6 +251,18 @@ class Trainer:
             summary.update(self.finish())
         self.engine.barrier()
         return summary
+
+    def _snapshot_due(self) -> bool:
+        return self.step % self.cfg.optim.phema_every == 0 or self.step == self.cfg.engine.max_steps
+
+    def snapshot_phema(self) -> list[Path]:
+        """Write the post-hoc EMA's averages of this step (``runs.posthoc_ema.write_snapshot``, rank 0)."""
+        meta = {"config": self.cfg.to_dict(), **model_config_entry(self.model)}
+        t, buffers = self.phema.num_updates, self.phema.buffer_names()
+        return [
+            write_snapshot(self.run_dir, self.step, s, t, m.state_dict(), buffers, meta)
+            for s, m in zip(self.phema.sigma_rels, self.phema.modules)
+        ]
 
     def _summary(self, loss: float) -> dict[str, Any]:
         return {

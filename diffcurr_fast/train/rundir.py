@@ -29,6 +29,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 __all__ = [
     "TDC_LAYOUT",
     "TRAIN_LAYOUT",
@@ -37,6 +39,7 @@ __all__ = [
     "check_run_dir",
     "check_writable",
     "clear_run",
+    "holds_run",
     "open_run_dir",
     "run_artifacts",
     "truncate_metrics",
@@ -56,6 +59,8 @@ class RunLayout:
     owned_dirs: tuple[str, ...] = ()
     subruns: tuple[tuple[str, RunLayout], ...] = ()
     checkpoints: str = ""  # directory of the ``ckpt_<step>.pt`` files a resume continues ("" = not resumable)
+    markers: tuple[str, ...] = ()  # files of which one, as the run writes it, shows that the folder holds such a run
+    kind: str = "run"  # its name in messages
 
 
 TRAIN_LAYOUT = RunLayout(
@@ -68,12 +73,15 @@ TRAIN_LAYOUT = RunLayout(
         r"ema\.safetensors",
         r"(ema\.safetensors|metrics\.jsonl)\.tmp",
         r"checkpoints/ckpt_\d{8,}\.pt(\.tmp)?",
+        r"phema/phema-\d{8,}-[0-9.e+-]+\.safetensors(\.tmp)?",  # the post-hoc EMA's snapshots (runs.posthoc_ema)
         r"tb/events\.out\.tfevents\..+",
         r"eval_reference\.npz(\.tmp)?",
         r"wandb_id\.txt",
     ),
     owned_dirs=(r"checkpoints/deepspeed/step_\d{8,}", r"wandb"),
     checkpoints="checkpoints",
+    markers=("config.yaml",),
+    kind="training run",
 )
 
 TDC_LAYOUT = RunLayout(
@@ -87,6 +95,8 @@ TDC_LAYOUT = RunLayout(
         r"bundle/(bundle\.json|weights\.safetensors|train_config\.json)",
     ),
     subruns=((r"stage1", TRAIN_LAYOUT), (r"group_\d+/finetune", TRAIN_LAYOUT)),
+    markers=("tdc.json", "stage1/config.yaml"),
+    kind="TDC run",
 )
 
 
@@ -149,8 +159,28 @@ def check_run_dir(
                 f"run directory {str(run_dir)!r} is not empty; pass --resume to continue it or --overwrite to "
                 "replace its run artifacts"
             )
+        if run_artifacts(run_dir, layout) and not holds_run(run_dir, layout):  # it would remove files of no run
+            raise FileExistsError(
+                f"run directory {str(run_dir)!r} holds no {layout.kind} (no {' or '.join(layout.markers)} written "
+                f"by one), so --overwrite would remove files that are not a run's: choose another run directory"
+            )
         return RunStart(run_dir, layout, "overwrite")
     return RunStart(run_dir, layout, "fresh")
+
+
+def holds_run(run_dir: Path, layout: RunLayout) -> bool:
+    """Whether one of ``layout.markers`` in ``run_dir`` is as a run writes it: a ``config.yaml`` whose top level is
+    the config's sections (model, checkpoint, ...), a JSON record holding the run's ``config``. A user's own
+    ``config.yaml`` or a folder of another kind of run is not one."""
+    for name in layout.markers:
+        path = run_dir / name
+        try:
+            data = yaml.safe_load(path.read_text()) if path.suffix == ".yaml" else json.loads(path.read_text())
+        except (OSError, ValueError, yaml.YAMLError):
+            continue
+        if isinstance(data, dict) and ({"model", "checkpoint"} <= set(data) or isinstance(data.get("config"), dict)):
+            return True
+    return False
 
 
 def check_writable(run_dir: Path) -> None:
@@ -287,7 +317,10 @@ def open_run_dir(start: RunStart) -> None:
     if start.mode == "finished":
         return
     if start.mode == "overwrite":
-        clear_run(start.run_dir, start.layout)
+        removed = clear_run(start.run_dir, start.layout)
+        if removed:  # said, so that nothing disappears unannounced
+            names = ", ".join(str(p.relative_to(start.run_dir)) for p in removed)
+            print(f"--overwrite: removed the previous {start.layout.kind}'s files in {start.run_dir}: {names}")
     start.run_dir.mkdir(parents=True, exist_ok=True)
     if start.mode == "resume":
         truncate_metrics(start.run_dir / METRICS, start.step)

@@ -2,10 +2,10 @@
 
 A checkpoint holds everything a resumed run needs to repeat the uninterrupted one exactly: the step, the config
 (``resume_mismatches`` refuses a resume that changes the model, the objective or the timestep draws), the model
-(``model_config`` for a heterogeneous DiT), the EMA, the optimizer (through the engine: DeepSpeed keeps its own
-shards), the curriculum and the timestep sampler, the data position and every rank's RNG streams (gathered: each
-rank continues its own), the skipped-step counts and the training wall time. Rank 0 writes it
-(``runs.checkpoint.save_checkpoint``: atomic, the last ``checkpoint.keep_last`` kept); every rank takes part.
+(``model_config`` for a heterogeneous DiT), the EMA and the post-hoc EMA's averages, the optimizer (through the
+engine: DeepSpeed keeps its own shards), the curriculum and the timestep sampler, the data position and every rank's
+RNG streams (gathered: each rank continues its own), the skipped-step counts and the training wall time. Rank 0
+writes it (``runs.checkpoint.save_checkpoint``: atomic, the last ``checkpoint.keep_last`` kept); every rank takes part.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from diffcurr_fast.runs import checkpoint as ckpt_io
 from diffcurr_fast.runs.config import TrainConfig, resume_mismatches
 from diffcurr_fast.train.data import TrainBatches
-from diffcurr_fast.train.ema import EMA
+from diffcurr_fast.train.ema import EMA, PowerEMA
 from diffcurr_fast.train.engine import Engine
 from diffcurr_fast.train.skips import Skips
 
@@ -40,11 +40,12 @@ class Checkpointer:
         loader: Any,
         gen: torch.Generator,
         skips: Skips,
+        phema: PowerEMA | None = None,
     ):
         self.cfg, self.engine, self.run_dir = cfg, engine, Path(cfg.checkpoint.run_dir)
         self.model, self.ema, self.opt = model, ema, opt
         self.curriculum, self.timesteps, self.loader = curriculum, timesteps, loader
-        self.gen, self.skips = gen, skips
+        self.gen, self.skips, self.phema = gen, skips, phema
 
     def state_dict(self, step: int, train_s: float) -> dict[str, Any]:
         """The state of step ``step`` (every rank calls it: the engine may write its own optimizer shards, and the
@@ -57,6 +58,7 @@ class Checkpointer:
             **model_config_entry(self.model),
             "model": model_state,
             "ema": self.ema.state_dict(),
+            **({"phema": self.phema.state_dict()} if self.phema is not None else {}),
             "optimizer": self.engine.optimizer_state(self.opt, self.run_dir, step),
             "curriculum": self.curriculum.state_dict(),
             "timesteps": self.timesteps.state_dict(),
@@ -81,6 +83,7 @@ class Checkpointer:
         with self.engine.full_params(self.model, modify=True):
             self.model.load_state_dict(state["model"])
         self.ema.load_state_dict(state["ema"])
+        self._load_phema(state.get("phema"))
         self.engine.load_optimizer_state(self.opt, state["optimizer"], self.run_dir)
         self.curriculum.load_state_dict(state["curriculum"])
         self.timesteps.load_state_dict(state.get("timesteps", {}))  # a checkpoint of before the strategies: none
@@ -100,6 +103,21 @@ class Checkpointer:
             path = ckpt_io.save_checkpoint(self.run_dir, step, state, self.cfg.checkpoint.keep_last)
         self.engine.barrier()
         return path
+
+    def _load_phema(self, state: dict[str, Any] | None) -> None:
+        """The post-hoc EMA's averages (a run that keeps none ignores the checkpoint's); ValueError when this run
+        keeps them but the checkpoint has none, or has them for other sigma_rels (they average the whole run)."""
+        if self.phema is None:
+            return
+        if state is None:
+            raise ValueError(
+                "cannot resume: optim.phema_every is set but the checkpoint kept no post-hoc EMA averages (its run had "
+                "optim.phema_every=0; they average the run from its first step); resume with optim.phema_every=0"
+            )
+        try:
+            self.phema.load_state_dict(state)
+        except ValueError as exc:
+            raise ValueError(f"cannot resume: {exc}; set optim.phema_sigma_rels to the checkpoint's") from None
 
     # ---- the parts that differ per rank ------------------------------------------------------------------
     def _rng_state(self) -> dict[str, Any]:

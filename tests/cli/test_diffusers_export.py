@@ -373,3 +373,51 @@ def test_edm_export_has_no_pipeline(tmp_path):
     path, _, _ = _checkpoint(tmp_path, "diffusion.formulation=edm")
     with pytest.raises(ValueError, match="DiTPipeline runs DDPM models only; an edm model is written as"):
         export_diffusers(str(path), tmp_path / "edm2", vae=str(tmp_path))
+
+
+def test_export_refuses_a_pruned_expert_with_its_reason(tmp_path):
+    """A TDC expert (per-block widths in the checkpoint's model_config) gets the reason, not a size mismatch."""
+    from diffcurr_fast.tdc.prune import prune_dit
+
+    path, cfg, model = _checkpoint(tmp_path)
+    pruned = prune_dit(model, [torch.tensor([0, 2]), torch.tensor([1])], [torch.arange(0, 192, 2), torch.arange(5)])
+    sd = pruned.state_dict()
+    state = {"config": cfg.to_dict(), "model_config": pruned.config(), "model": sd, "ema": {"module": sd}, "step": 1}
+    atomic_save(state, path)
+    with pytest.raises(ValueError, match=r"^this DiT cannot be written .*: it is pruned \(per-block heads or MLP"):
+        export_diffusers(str(path), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("dataset", ["digits", "mnist5k", "images"])
+def test_export_refuses_a_vae_for_every_pixel_dataset(tmp_path, vae_dir, dataset):
+    path_set = ["data.path=x"] if dataset == "images" else []  # the built-in datasets read no file
+    path, _, _ = _checkpoint(tmp_path, f"data.dataset={dataset}", "model.in_channels=3", *path_set)
+    with pytest.raises(
+        ValueError, match=rf"^--vae is for latent models; this one was trained on pixels \('{dataset}'\)$"
+    ):
+        export_diffusers(str(path), tmp_path / "out", vae=str(vae_dir))
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_refuses_a_vae_whose_latents_do_not_fit(tmp_path, vae_dir):
+    """npz arrays may hold latents or pixels: the VAE's latent channels decide (the tiny VAE makes 4)."""
+    path, _, _ = _checkpoint(tmp_path, "data.dataset=npz", "data.path=x.npz", "model.in_channels=3")
+    with pytest.raises(ValueError, match=r"makes 4-channel latents, but this model takes 3 channels"):
+        export_diffusers(str(path), tmp_path / "out", vae=str(vae_dir))
+    with pytest.raises(ValueError, match=r"is not a diffusers AutoencoderKL directory"):
+        export_diffusers(str(path), tmp_path / "out", vae=str(tmp_path))
+
+
+def test_init_from_refuses_to_drop_a_trained_null_label_row(tmp_path):
+    """A model trained with label dropout has a trained null-label row; a model without label dropout has no place
+    for it: refused in one line (never dropped silently). The all-zero row of a no-dropout export is dropped."""
+    path, cfg, model = _checkpoint(tmp_path)  # label dropout 0.1: 7 classes + the null row
+    export_diffusers(str(path), tmp_path / "export")
+    plain = build_model(load_config(None, _overrides(tmp_path / "x", "model.class_dropout_prob=0.0")))
+    with pytest.raises(ValueError, match=r"has a trained null-label row .* set model.class_dropout_prob > 0"):
+        load_init_weights(plain, tmp_path / "export")
+    path2, cfg2, model2 = _checkpoint(tmp_path / "nodrop", "model.class_dropout_prob=0.0")
+    export_diffusers(str(path2), tmp_path / "export2")
+    load_init_weights(plain, tmp_path / "export2")
+    assert torch.equal(plain.y_embedder.embedding_table.weight, model2.y_embedder.embedding_table.weight)

@@ -1,5 +1,6 @@
 import argparse
 import importlib.util
+import re
 
 import numpy as np
 import pytest
@@ -119,3 +120,32 @@ def test_cli_without_diffusers(folder, tmp_path, capsys):
     args = parser.parse_args(["--vae", str(tmp_path), "--data", str(folder), "--out", str(tmp_path / "o")])
     assert cli_extract.run(args) == 2
     assert "pip install diffusers" in capsys.readouterr().err
+
+
+def test_a_rerun_with_other_options_is_refused(folder, tmp_path):
+    """A rerun into the same folder resumes the same extraction; one with another image size, mode, dtype, seed, flip
+    or data, or the other layout, is refused in one line and leaves the latents as they were."""
+    kw = dict(image_size=16, batch_size=3, layout="sharded", shard_size=4, dtype="float32", progress=False)
+    out = tmp_path / "out"
+    assert extract_latents(TinyVAE(), folder, out, **kw) == 13
+    before = sorted((p.name, p.read_bytes()) for p in out.iterdir() if p.is_file())
+    for change, word in (
+        ({"image_size": 24}, "image_size 16 (now 24)"),
+        ({"sample": False}, "sample True (now False)"),
+        ({"dtype": "float16"}, "dtype 'float32' (now 'float16')"),
+        ({"seed": 3}, "seed 0 (now 3)"),
+        ({"hflip": True}, "hflip False (now True)"),
+    ):
+        with pytest.raises(
+            ValueError, match=rf"holds latents extracted with other options: {re.escape(word)}; a rerun"
+        ):
+            extract_latents(TinyVAE(), folder, out, **{**kw, **change})
+    with pytest.raises(ValueError, match="holds latents of the sharded layout; give another --out"):
+        extract_latents(TinyVAE(), folder, out, **{**kw, "layout": "fastdit"})
+    assert sorted((p.name, p.read_bytes()) for p in out.iterdir() if p.is_file()) == before
+    vae = TinyVAE()
+    assert extract_latents(vae, folder, out, **kw) == 13 and vae.calls == 0  # the same command: nothing to redo
+    fast = tmp_path / "fast"
+    extract_latents(TinyVAE(), folder, fast, **{**kw, "layout": "fastdit"})
+    with pytest.raises(ValueError, match="holds latents of the fastdit layout"):
+        extract_latents(TinyVAE(), folder, fast, **kw)

@@ -115,3 +115,15 @@ def test_classifier_extractor_and_the_evaluators_reference(tmp_path):
     xtr = builtin.load_builtin("mnist5k")[0][::8]  # 500 training images, 50 per class
     real, mirrored = (evaluate(x, ev.reference, ev.extractor).fd for x in (xtr, xtr.flip(-1)))
     assert real < 0.25 * mirrored  # unseen real digits are close to the held-out ones, mirrored ones are not
+
+
+def test_eval_command_takes_the_mnist5k_reference(tmp_path, capsys):
+    """`eval --ref mnist5k`, as --help and docs/data_eval.md promise: the held-out reference and, by default, the
+    mnist5k extractor."""
+    from diffcurr_fast import cli
+
+    x, y = builtin.load_builtin("mnist5k")
+    np.savez(tmp_path / "s.npz", x=x[::100].numpy(), y=y[::100].numpy())  # 40 training images
+    assert cli.main(["eval", "--samples", str(tmp_path / "s.npz"), "--ref", "mnist5k", "--k", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "extractor: mnist5k" in out and "FD: " in out

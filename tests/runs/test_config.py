@@ -235,6 +235,12 @@ def test_resume_mismatches_lists_locked_keys():
     b = config_from_dict({"model": {"hidden_size": 32}, "optim": {"lr": 0.5}}, base=load_config(None))
     diffs = resume_mismatches(a.to_dict(), b)
     assert len(diffs) == 1 and diffs[0].startswith("model.hidden_size")
+    # the batches and the RNG streams derive from the batch size and the seed: a resume names them, in one line each
+    c = config_from_dict({"engine": {"seed": 7}, "data": {"batch_size": 32}}, base=load_config(None))
+    assert resume_mismatches(a.to_dict(), c) == [
+        "data.batch_size: checkpoint 64 vs now 32",
+        "engine.seed: checkpoint 0 vs now 7",
+    ]
 
 
 def _parse(argv):
@@ -391,3 +397,17 @@ def test_dimensions_the_dit_cannot_take_are_one_line_at_dry_run(sets, line, caps
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"diffcurr-fast train: error: {line}") and "\n" not in err, err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("channels, ok", [(1, True), (3, True), (4, False), (2, False)])
+def test_evaluation_during_training_needs_images(channels, ok, tmp_path):
+    """A latent run with logging.eval_every is refused when the config loads (and so at --dry-run), never at its
+    first evaluation; 0 turns evaluation off and the same run is valid."""
+    sets = ["data.dataset=npz", f"data.path={tmp_path / 'x.npz'}", f"model.in_channels={channels}"]
+    if ok:
+        load_config(None, [*sets, "logging.eval_every=5"])
+        return
+    line = rf"^logging.eval_every needs images \(model.in_channels 1 or 3\), got {channels} "
+    with pytest.raises(ValueError, match=line):
+        load_config(None, [*sets, "logging.eval_every=5"])
+    load_config(None, [*sets, "logging.eval_every=0"])

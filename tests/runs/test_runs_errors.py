@@ -200,3 +200,33 @@ def test_nonfinite_samples_name_the_batch():
     kw = dict(sampler="ddim", steps=3, channels=1, size=2, num_classes=2, readout=Readout("eps"))
     with pytest.raises(ValueError, match=r"^sampling produced NaN or inf values \(batch 3\); the model is not usable$"):
         sample_batch(Diverged(), DDPMSchedule(50), labels=torch.zeros(2, dtype=torch.long), batch=3, seed=0, **kw)
+
+
+@pytest.mark.parametrize("text", ["2024", "on", "1e-3", "null x", "[a]"])
+def test_a_path_given_with_set_is_taken_as_written(tmp_path, text):
+    """A text field takes the override's text, not YAML's reading of it (a year is a folder, not an int; `on` is
+    a folder, not True); numbers and bools keep YAML's reading in the fields of those types."""
+    cfg = load_config(None, [f"checkpoint.run_dir={text}", "optim.lr=1e-3", "logging.progress=off"])
+    assert cfg.checkpoint.run_dir == text and cfg.optim.lr == 1e-3 and cfg.logging.progress is False
+    assert load_config(None, ["model.init_from="]).model.init_from == ""
+    assert load_config(None, ["checkpoint.run_dir='2024'"]).checkpoint.run_dir == "2024"
+
+
+def test_run_dir_flag_is_one_folder(tmp_path, capsys):
+    """--run-dir "" (an unset shell variable) is refused, not replaced by the recipe's folder; --run-dir and --set
+    checkpoint.run_dir naming two folders are refused; the same folder twice is fine."""
+    from diffcurr_fast.runs.recipes import run_dir_overrides
+
+    assert run_dir_overrides(["a.b=1"], None) == ["a.b=1"]
+    assert run_dir_overrides(["checkpoint.run_dir=x"], "x") == ["checkpoint.run_dir=x", "checkpoint.run_dir=x"]
+    for argv, line in (
+        (["train", "--run-dir", "", "--dry-run"], "--run-dir is empty (an unset shell variable?)"),
+        (["tdc", "--run-dir", " ", "--dry-run"], "--run-dir is empty (an unset shell variable?)"),
+        (
+            ["train", "--run-dir", str(tmp_path / "a"), "--set", f"checkpoint.run_dir={tmp_path / 'b'}", "--dry-run"],
+            "name two folders; give one of them",
+        ),
+    ):
+        rc, err = _main(capsys, *argv)
+        assert rc == 2 and line in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

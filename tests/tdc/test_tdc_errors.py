@@ -20,7 +20,7 @@ def test_tdc_groups_checked_before_training(tmp_path):
     assert not (tmp_path / "tdc").exists()
     assert [hi - lo > 0 for lo, hi in check_groups(cfg, 3)] == [True] * 3
     (tmp_path / "tdc").mkdir()
-    (tmp_path / "tdc" / "tdc.json").write_text("{}")
+    (tmp_path / "tdc" / "tdc.json").write_text('{"config": {}}')  # what a TDC run writes first
     with pytest.raises(FileExistsError, match="not empty"):
         check_tdc_run(cfg, TDCConfig(num_groups=3), tmp_path / "tdc")
     assert check_tdc_run(cfg, TDCConfig(num_groups=3), tmp_path / "tdc", overwrite=True).mode == "overwrite"

@@ -402,6 +402,7 @@ def test_curriculum_stage1_llm_proposer_and_overwrite(tmp_path):
     run = tmp_path / "run"
     (run / "group_5").mkdir(parents=True)
     (run / "accounting.json").write_text("{}")
+    (run / "tdc.json").write_text('{"config": {}}')  # the record an old TDC run leaves (what --overwrite looks for)
     (run / "notes.txt").write_text("keep")
     cfg = tiny_cfg(
         run, "curriculum.pacing=patience", "curriculum.patience=1", "curriculum.eval_every=1", "logging.num_samples=0"

@@ -53,9 +53,11 @@ def _cli(*argv):
 
 
 def _touch(root: Path, *names: str) -> None:
+    """Files named ``names`` under ``root``; a run's config.yaml and tdc.json hold what a run writes there."""
     for n in names:
         (root / n).parent.mkdir(parents=True, exist_ok=True)
-        (root / n).write_text(n)
+        text = {"config.yaml": "model: {}\ncheckpoint: {}\n", "tdc.json": '{"config": {}}'}.get(Path(n).name, n)
+        (root / n).write_text(text)
 
 
 # ---- item 7: --overwrite removes only what a run writes ------------------------------------------------------
@@ -303,3 +305,28 @@ def test_signal_checkpoints_and_prints_resume_command(tmp_path, sig, repeat):
     )
     tr = Trainer(tiny(run, "engine.max_steps=100000"), resume=True)
     assert tr.step == step
+
+
+def test_overwrite_removes_only_a_runs_files_and_says_which(tmp_path, capsys):
+    """A folder that was never a run (a user's config.yaml, metrics.jsonl, samples.png) is refused by --overwrite,
+    and so is a folder of another kind of run whose files it would remove (train on a TDC folder); a run's own
+    files are removed and named."""
+    user = tmp_path / "myproj"
+    _touch(user, "metrics.jsonl", "samples.png")
+    (user / "config.yaml").write_text("learning_rate: 0.1\n")  # the user's, not a run's
+    for layout, kind in ((TRAIN_LAYOUT, "training run"), (TDC_LAYOUT, "TDC run")):
+        with pytest.raises(FileExistsError, match=f"holds no {kind} .* choose another run directory"):
+            check_run_dir(user, layout, overwrite=True)
+    assert sorted(p.name for p in user.iterdir()) == ["config.yaml", "metrics.jsonl", "samples.png"]
+    tdc = tmp_path / "tdc"
+    _touch(tdc, "tdc.json", "samples.png", "stage1/config.yaml")
+    with pytest.raises(FileExistsError, match="holds no training run"):
+        check_run_dir(tdc, TRAIN_LAYOUT, overwrite=True)
+    train = tmp_path / "train"
+    _touch(train, "config.yaml", "metrics.jsonl", "checkpoints/ckpt_00000002.pt", "notes.md")
+    assert run_artifacts(train, TDC_LAYOUT) == []  # a TDC start there would remove nothing: allowed
+    open_run_dir(check_run_dir(train, TRAIN_LAYOUT, overwrite=True))
+    out = capsys.readouterr().out
+    assert "--overwrite: removed the previous training run's files in" in out
+    assert "config.yaml, metrics.jsonl, checkpoints/ckpt_00000002.pt, checkpoints" in out
+    assert sorted(p.name for p in train.iterdir()) == ["notes.md"]
