@@ -68,6 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="device")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: the run's engine.cpu_threads; 0: torch's default)",
+    )
+    parser.add_argument(
         "--vae", default=None, help="latent models: decode the samples with this diffusers AutoencoderKL directory"
     )
     parser.add_argument("--vae-batch", type=int, default=16, help="samples per VAE decode call (default: 16)")
@@ -115,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
         sample_batch,
         sampling_readout,
         save_grid,
+        set_cpu_threads,
         to_uint8_nhwc,
     )
 
@@ -156,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
         path = resolve_checkpoint(args.ckpt)
         state = load_checkpoint(path)
         cfg = config_from_dict(state["config"])
+    set_cpu_threads(args.threads, cfg)
     m = cfg.model
     args.sampler = resolve_sampler(args.sampler, cfg.diffusion.formulation)
     if args.vae and cfg.data.dataset in ("digits", "images"):

@@ -41,6 +41,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("analysis"), help="output directory (default ./analysis)")
     p.add_argument("--overwrite", action="store_true", help="replace existing result files in --out")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -90,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
 
     from diffcurr_fast.curriculum.clustering import cluster_timesteps
     from diffcurr_fast.diffusion.ddpm import DDPMSchedule
+    from diffcurr_fast.runs.sampling import set_cpu_threads
 
     if args.analysis not in ANALYSES:
         raise ValueError(f"unknown analysis {args.analysis!r}; choose one of {ANALYSES}")
@@ -99,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--intervals must lie in [1, {args.num_timesteps}], got {args.intervals}")
     if args.analysis == "kl" and args.num_timesteps < 2:
         raise ValueError(f"kl needs --num-timesteps >= 2, got {args.num_timesteps}")
+    set_cpu_threads(args.threads)
     schedule = DDPMSchedule(args.num_timesteps, args.beta_schedule)
     paths = _prepare_out(Path(args.out), OUTPUTS[args.analysis], args.overwrite)
     if args.analysis == "clusters":

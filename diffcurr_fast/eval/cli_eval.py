@@ -56,6 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--splits", type=int, default=10, help="Inception Score splits")
     parser.add_argument("--k", type=int, default=3, help="k of the k-NN manifolds for precision/recall")
     parser.add_argument("--device", default="cpu", help="torch device for feature extraction")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: the --ckpt run's engine.cpu_threads, else torch's; 0: torch's default)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument(
         "--overwrite", action="store_true", help="replace existing files named by --save-ref, --json and --digits-cache"
@@ -163,11 +169,14 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> int:
     )
     from diffcurr_fast.eval.features import get_extractor
     from diffcurr_fast.runs.config import resolve_sampler
+    from diffcurr_fast.runs.sampling import set_cpu_threads
 
+    cfg = None
     if args.ckpt is not None:  # every rank loads the model; --sampler auto is its formulation's own, as in `sample`
         check_draw(args.num, args.batch_size)
         model, cfg = checkpoint_model(args.ckpt, weights=args.weights, device=args.device, ema_length=args.ema_length)
         args.sampler = resolve_sampler(args.sampler, cfg.diffusion.formulation)
+    set_cpu_threads(args.threads, cfg)
 
     def draw():  # under torchrun: this rank's share of the batches, then all of them
         return samples_from_model(

@@ -46,6 +46,18 @@ if TYPE_CHECKING:
 SAMPLERS = ("ddpm", "ddim", "heun", "euler")
 
 
+def set_cpu_threads(threads: int | None, cfg: TrainConfig | None = None) -> int:
+    """torch's intra-op CPU threads for a command: ``threads`` (its ``--threads``) when given, else the run's own
+    ``engine.cpu_threads``; 0 keeps torch's default. Returns the count in use. (A small model on a busy machine is
+    many times slower at torch's default than at one thread.)"""
+    n = cfg.engine.cpu_threads if threads is None and cfg is not None else threads or 0
+    if n < 0:
+        raise ValueError(f"--threads must be >= 0 (0: torch's default), got {n}")
+    if n:
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
 def build_model(cfg: TrainConfig) -> DiT:
     """The DiT described by ``cfg.model`` (+ learn_sigma and T from ``cfg.diffusion``)."""
     m = cfg.model

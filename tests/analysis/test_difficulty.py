@@ -277,3 +277,9 @@ def test_one_step_x0_is_exact_for_the_true_noise():
     est = one_step_x0(oracle, sched, x0, torch.zeros(6, dtype=torch.long), weights, gen)
     assert torch.allclose(est, x0, atol=1e-5)
     assert int(seen[0].min()) >= 10 and int(seen[0].max()) < 20
+
+
+def test_analyze_takes_a_thread_count(tmp_path):
+    torch.set_num_threads(2)
+    args = parse(["clusters", "-T", "40", "-N", "4", "--threads", "1", "--out", str(tmp_path)])
+    assert cli.run(args) == 0 and torch.get_num_threads() == 1

@@ -336,3 +336,35 @@ def test_png_grid_layout(run_dir, tmp_path):
         rows[key] = Image.open(out).size  # (width, height)
     assert rows["classes"] == ((10 * 9 + 1) * 4, (1 * 9 + 1) * 4)  # nrow = num_classes, 1 pixel padding
     assert rows["labels"] == ((3 * 9 + 1) * 4, (3 * 9 + 1) * 4)  # ceil(sqrt(7)) = 3 per row
+
+
+def test_threads_default_to_the_runs_own_setting(run_dir, tmp_path):
+    """`sample` runs at the run's engine.cpu_threads (the demo recipe's 2) unless --threads says otherwise; on a busy
+    2-core machine torch's default made a 100-image draw 70x slower than one thread."""
+    from diffcurr_fast.runs.recipes import load_config as load
+
+    assert load(None).engine.cpu_threads == 2  # the recipe the run was trained from
+    torch.set_num_threads(1)
+    assert (
+        cli_sample.run(
+            _args("--ckpt", str(run_dir), "--num-samples", "2", "--steps", "2", "--out", str(tmp_path / "a.npz"))
+        )
+        == 0
+    )
+    assert torch.get_num_threads() == 2
+    argv = (
+        "--ckpt",
+        str(run_dir),
+        "--num-samples",
+        "2",
+        "--steps",
+        "2",
+        "--threads",
+        "1",
+        "--out",
+        str(tmp_path / "b.npz"),
+    )
+    assert cli_sample.run(_args(*argv)) == 0 and torch.get_num_threads() == 1
+    with pytest.raises(ValueError, match=r"^--threads must be >= 0 \(0: torch's default\), got -1$"):
+        cli_sample.run(_args(*argv[:-4], "--threads=-1", "--out", str(tmp_path / "c.npz")))
+    assert not (tmp_path / "c.npz").exists()
