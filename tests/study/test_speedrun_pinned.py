@@ -174,6 +174,16 @@ def test_speedup_interval_with_unequal_seed_counts_straddles_one():
 
 
 # ---- the plateau share that does not divide the count, and its tolerance ----------------------------------------
+def test_speedup_with_one_seed_on_a_side_is_the_ratio_without_an_interval():
+    """One seed on either side: the ratio of geometric means, no interval (a variance needs two); none on a side:
+    nothing."""
+    ratio, lo, hi = sr.speedup([4.0], [2.0, 1.0])
+    assert ratio == pytest.approx(4.0 / math.sqrt(2.0), rel=1e-12) and math.isnan(lo) and math.isnan(hi)
+    ratio, lo, hi = sr.speedup([8.0, 2.0], [2.0])
+    assert ratio == pytest.approx(2.0, rel=1e-12) and math.isnan(lo) and math.isnan(hi)
+    assert all(math.isnan(v) for v in sr.speedup([], [2.0]) + sr.speedup([2.0], []))
+
+
 def test_plateau_share_of_seven_evaluations_and_the_strict_tolerance():
     """plateau: the last plateau_share of its evaluations (at least two) improve it by (f_first - f_last) /
     f_first; it has stopped falling when that is below plateau_tol. The last share of 7 evaluations is read as

@@ -171,6 +171,23 @@ def test_anuts_entropy_bonus_pushes_towards_the_uniform_policy():
         assert a.baseline == pytest.approx(ref[i][2], rel=1e-12)
 
 
+def test_anuts_ranks_candidates_by_squared_correlation_with_the_total():
+    """S is the candidates with the largest squared Pearson correlation of d_c with sum_c d_c over the buffer. The
+    rows are chosen so that the sign of the correlation (candidate 0 is strongly anti-correlated), the centring of
+    d_c, each column's own variance and a denominator below 1 all change the pick. A probe before any draw of the
+    sampler has no draws to credit: with no entropy bonus the policy does not move."""
+    d = np.array(
+        [[0.56, -0.05, -0.16, -0.30, -0.25], [0.23, 0.38, 0.59, 0.31, -0.25], [0.30, 0.07, 0.08, 0.01, 0.17]]
+    )
+    corr = np.array([np.corrcoef(d[:, c], d.sum(1))[0, 1] for c in range(5)])
+    np.testing.assert_allclose(corr, [-0.970861, 0.946461, 0.959983, 0.997589, 0.078843], atol=1e-6)
+    a = ANUTS(5, every=1, candidates=5, probes=2, buffer=3)
+    for row in d:
+        a.observe_probe(torch.tensor(row)[:, None], torch.zeros(5, 1))
+        assert a.theta.detach().tolist() == [0.0, 0.0]
+    assert a.selected.tolist() == sorted(np.argsort(-(corr**2))[:2].tolist()) == [0, 3]
+
+
 def test_anuts_probe_schedule_and_seed():
     a = ANUTS(12, every=3, candidates=5, probes=2, probe_batch=2)
     assert [a.probe(s) is None for s in range(6)] == [True, True, False, True, True, False]
