@@ -1,12 +1,98 @@
-"""Small files written whole: JSON records of a run (status, accounting, indexes, bundles, results); and the one
-reader of safetensors files a user hands over, which names the file when it cannot be read."""
+"""The files a command reads from a user or writes for one, each checked in one place:
+
+- ``check_writable``: an output path can be created and written, checked before the work (a command that fails
+  only when it writes loses the work);
+- ``read_safetensors``, ``read_json``, ``load_npz``: a user's file read with one line naming it and its problem
+  when it cannot be read (truncated, empty, of another format), instead of the library's error;
+- ``write_json``: small JSON records of a run (status, accounting, indexes, bundles, results), written whole.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any
+
+
+def check_writable(path: str | Path, what: str, fix: str, *, directory: bool = False) -> None:
+    """ValueError in one line unless ``path`` (a file, or a folder with ``directory``) can be created and written:
+    every existing part of its path above it is a directory, the path itself is not a folder when a file is
+    wanted, and the deepest existing folder accepts a new entry (probed with an empty folder removed at once:
+    permissions alone do not tell, e.g. for root, under /sys or on a read-only mount). ``what`` names the path in
+    the message (``--out``, ``run directory``), ``fix`` says what to do (``choose another --out``)."""
+    path = Path(path)
+    name = f"{what} {str(path)!r}"
+    if not directory and path.is_dir():
+        raise ValueError(f"{name} is a folder, not a file; {fix}")
+    base = path.absolute() if directory or not path.exists() else path.absolute().parent
+    while not base.exists() and base != base.parent:
+        if base.is_symlink():  # a dangling link in the path
+            raise ValueError(f"{name} cannot be created: {str(base)!r} is a broken link; {fix}")
+        base = base.parent
+    if not base.is_dir():
+        raise ValueError(f"{name} cannot be created: {str(base)!r} is a file, not a directory; {fix}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write-probe-", dir=base))
+    except OSError as exc:
+        raise ValueError(
+            f"{name} cannot be written: {str(base)!r} refuses new files ({exc.strerror or type(exc).__name__}); {fix}"
+        ) from None
+
+
+def read_json(path: str | Path, what: str = "") -> Any:
+    """The JSON value in ``path``; ValueError naming the file (and ``what`` it is), the line and the column when it
+    is not JSON (``json``'s own error names neither the file nor what it was for)."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"{what + ' ' if what else ''}{str(path)!r} is not a JSON text file") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"{what + ' ' if what else ''}{str(path)!r} is not valid JSON (line {exc.lineno}, column {exc.colno}: "
+            f"{exc.msg})"
+        ) from None
+
+
+def load_npz(path: str | Path, what: str = "", keys: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """The arrays of the ``.npz`` file ``path`` (only ``keys`` when given, each required), read whole, without
+    pickles; ValueError naming the file when it is truncated, of another format, or lacks a key. numpy's own errors
+    name neither the file nor the cause, and one advises ``allow_pickle``, which runs code from the file."""
+    import numpy as np  # here, not at the top: this module stays light
+
+    path = Path(path)
+    name = f"{what + ' ' if what else ''}{str(path)!r}"
+    if not path.is_file():
+        raise FileNotFoundError(f"{name} does not exist" if not path.exists() else f"{name} is not a file")
+    try:
+        z = np.load(path, allow_pickle=False)
+        if not isinstance(z, np.lib.npyio.NpzFile):
+            raise ValueError(f"{name} is a single .npy array, not an .npz archive")
+        with z:
+            missing = [k for k in keys or () if k not in z.files]
+            if missing:
+                raise ValueError(f"{name} has no {' or '.join(map(repr, missing))} array (it holds {z.files})")
+            return {k: z[k] for k in (keys or z.files)}
+    except ValueError as exc:
+        if str(exc).startswith(name):
+            raise
+        raise ValueError(f"{name} is not a readable .npz file of numeric arrays ({_why(exc)})") from None
+    except (OSError, EOFError, zipfile.BadZipFile) as exc:
+        raise ValueError(
+            f"{name} is not a readable .npz file: it may be truncated or of another format ({_why(exc)})"
+        ) from None
+
+
+def _why(exc: BaseException) -> str:
+    """A library error in a few words. numpy's advice for pickled data (``allow_pickle=True``) is left out: it runs
+    code from the file."""
+    text = str(exc)
+    if "pickle" in text:
+        return "not a numpy archive, or one holding pickled objects, which are not read"
+    return f"{type(exc).__name__}: {text.split('. ')[0]}" if text else type(exc).__name__
 
 
 def read_safetensors(path: str | Path, device: str = "cpu") -> dict[str, Any]:

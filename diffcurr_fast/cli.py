@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from diffcurr_fast import __version__
@@ -56,19 +57,38 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _message(exc: BaseException) -> str:
+    """One line for an error: a KeyError's key text, an operating-system error as its cause and file (not
+    ``[Errno 13] Permission denied: 'x'``), else the exception's own message."""
+    if isinstance(exc, KeyError) and exc.args:
+        return str(exc.args[0])
+    if isinstance(exc, OSError) and exc.errno is not None and exc.strerror:
+        files = " -> ".join(repr(str(f)) for f in (exc.filename, exc.filename2) if f is not None)
+        return f"{exc.strerror}: {files}" if files else exc.strerror
+    return str(exc)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand. Its errors are one line on stderr and exit status 2; Ctrl-C is one line and 130 (the
+    trainer handles it itself, checkpointing first). Under a launcher, only rank 0 prints: every rank runs the same
+    checks and would print the same line."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 0
+    rank0 = os.environ.get("RANK", "0") in ("", "0")
     try:
         return int(args._module.run(args) or 0)
-    except (ValueError, FileNotFoundError, FileExistsError, KeyError, ImportError, ConnectionError) as exc:
-        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        print(f"diffcurr-fast {args.command}: error: {msg}", file=sys.stderr)
+    except (ValueError, OSError, KeyError, ImportError) as exc:  # OSError: files, ConnectionError
+        if rank0:
+            print(f"diffcurr-fast {args.command}: error: {_message(exc)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if rank0:
+            print(f"\ndiffcurr-fast {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

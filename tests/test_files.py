@@ -61,3 +61,93 @@ def test_a_truncated_safetensors_file_is_named_wherever_it_is_read(tmp_path):
     (bundle / "weights.safetensors").write_bytes(bad.read_bytes())
     with pytest.raises(ValueError, match="weights.safetensors' is not a readable safetensors file"):
         load_bundle(bundle)
+
+
+def test_check_writable_names_the_part_of_the_path_that_refuses(tmp_path, monkeypatch):
+    from diffcurr_fast._files import check_writable
+
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "adir").mkdir()
+    check_writable(tmp_path / "new" / "deeper" / "out.png", "--out", "choose another --out")  # created later
+    check_writable(tmp_path / "afile", "--out", "fix")  # an existing file: replaced (the caller asks --overwrite)
+    with pytest.raises(ValueError, match=r"^--out '.*afile/x.png' cannot be created: '.*afile' is a file, not a dir"):
+        check_writable(tmp_path / "afile" / "x.png", "--out", "choose another --out")
+    with pytest.raises(ValueError, match=r"^--json '.*adir' is a folder, not a file; choose another --json$"):
+        check_writable(tmp_path / "adir", "--json", "choose another --json")
+    check_writable(tmp_path / "adir", "--to", "fix", directory=True)
+    (tmp_path / "link").symlink_to(tmp_path / "gone")
+    with pytest.raises(ValueError, match="is a broken link; fix"):
+        check_writable(tmp_path / "link" / "x.npz", "--out", "fix")
+
+    def refuse(prefix, dir):  # root passes every permission check: a read-only folder is simulated
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(_files.tempfile, "mkdtemp", refuse)
+    with pytest.raises(ValueError, match=r"cannot be written: '.*adir' refuses new files \(Permission denied\); fix"):
+        check_writable(tmp_path / "adir" / "s.png", "--out", "fix")
+
+
+def test_read_json_names_the_file_line_and_column(tmp_path):
+    from diffcurr_fast._files import read_json
+
+    p = tmp_path / "ds.json"
+    p.write_text('{"a": 1,,}')
+    with pytest.raises(ValueError, match=r"^DeepSpeed config '.*ds.json' is not valid JSON \(line 1, column 9: "):
+        read_json(p, "DeepSpeed config")
+    p.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ValueError, match="is not a JSON text file"):
+        read_json(p)
+    p.write_text('{"a": [1, 2]}')
+    assert read_json(p) == {"a": [1, 2]}
+
+
+def test_load_npz_names_the_file_and_never_advises_pickles(tmp_path):
+    import numpy as np
+
+    from diffcurr_fast._files import load_npz
+
+    ok = tmp_path / "ok.npz"
+    np.savez(ok, x=np.arange(6).reshape(2, 3), y=np.arange(2))
+    assert set(load_npz(ok)) == {"x", "y"} and load_npz(ok, keys=("y",))["y"].tolist() == [0, 1]
+    data = ok.read_bytes()
+    cases = {
+        "trunc.npz": (data[: len(data) // 2], "may be truncated or of another format"),
+        "text.npz": (b"not an archive", "not a numpy archive, or one holding pickled objects"),
+        "empty.npz": (b"", "may be truncated or of another format"),
+    }
+    for name, (content, why) in cases.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(ValueError, match=rf"^--samples '.*{name}' is not a readable .npz file.*{why}") as e:
+            load_npz(tmp_path / name, "--samples")
+        assert "allow_pickle" not in str(e.value)
+    np.savez(tmp_path / "obj.npz", x=np.array([{"a": 1}], dtype=object))
+    with pytest.raises(ValueError, match="pickled objects, which are not read"):
+        load_npz(tmp_path / "obj.npz")
+    np.save(tmp_path / "one.npy", np.zeros(3))
+    with pytest.raises(ValueError, match="is a single .npy array, not an .npz archive"):
+        load_npz(tmp_path / "one.npy")
+    with pytest.raises(ValueError, match=r"has no 'images' array \(it holds \['x', 'y'\]\)"):
+        load_npz(ok, "--samples", keys=("images",))
+    with pytest.raises(FileNotFoundError, match="'.*nope.npz' does not exist"):
+        load_npz(tmp_path / "nope.npz")
+
+
+def test_cli_errors_are_one_line_once_and_ctrl_c_is_130(monkeypatch, capsys):
+    from diffcurr_fast import cli
+
+    def boom(args):
+        raise PermissionError(13, "Permission denied", "/ro/out.png")
+
+    def interrupt(args):
+        raise KeyboardInterrupt
+
+    mod = type("M", (), {"add_arguments": staticmethod(lambda p: None), "run": staticmethod(boom)})
+    monkeypatch.setattr(cli.importlib, "import_module", lambda name: mod)
+    assert cli.main(["info"]) == 2
+    assert capsys.readouterr().err == "diffcurr-fast info: error: Permission denied: '/ro/out.png'\n"
+    monkeypatch.setenv("RANK", "1")  # under a launcher only rank 0 prints
+    assert cli.main(["info"]) == 2 and capsys.readouterr().err == ""
+    monkeypatch.delenv("RANK")
+    mod.run = staticmethod(interrupt)
+    assert cli.main(["info"]) == 130
+    assert capsys.readouterr().err.strip() == "diffcurr-fast info: interrupted (Ctrl-C)"

@@ -25,11 +25,12 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+
+from diffcurr_fast._files import check_writable as _check_writable
 
 __all__ = [
     "TDC_LAYOUT",
@@ -184,30 +185,8 @@ def holds_run(run_dir: Path, layout: RunLayout) -> bool:
 
 
 def check_writable(run_dir: Path) -> None:
-    """ValueError in one line unless ``run_dir`` can be created and written: every existing part of its path is a
-    directory, and the deepest existing one accepts a new entry (probed with an empty directory removed at once:
-    permissions alone do not tell, e.g. under /sys or on a read-only mount)."""
-    base = run_dir.absolute()
-    while not base.exists() and base != base.parent:
-        if base.is_symlink():  # a dangling link in the path
-            raise ValueError(
-                f"run directory {str(run_dir)!r} cannot be created: {str(base)!r} is a broken link; "
-                "choose another checkpoint.run_dir (--run-dir)"
-            )
-        base = base.parent
-    if not base.is_dir():
-        raise ValueError(
-            f"run directory {str(run_dir)!r} cannot be created: {str(base)!r} is a file, not a "
-            "directory; choose another checkpoint.run_dir (--run-dir)"
-        )
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".write-probe-", dir=base))
-    except OSError as exc:
-        raise ValueError(
-            f"run directory {str(run_dir)!r} cannot be written: {str(base)!r} refuses new files "
-            f"({exc.strerror or type(exc).__name__}); choose another checkpoint.run_dir "
-            "(--run-dir)"
-        ) from None
+    """ValueError in one line unless ``run_dir`` can be created and written (``_files.check_writable``)."""
+    _check_writable(run_dir, "run directory", "choose another checkpoint.run_dir (--run-dir)", directory=True)
 
 
 def _failed_start(run_dir: Path, layout: RunLayout) -> bool:
