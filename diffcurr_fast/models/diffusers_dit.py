@@ -16,17 +16,17 @@ MLP ratio other than 4 (diffusers' feed-forward is fixed at 4x) has no diffusers
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from diffcurr_fast._files import read_safetensors
+from diffcurr_fast._files import read_json, read_safetensors
 
 __all__ = [
     "DIFFUSERS_CLASS",
     "diffusers_config",
+    "export_dims",
     "from_diffusers_state",
     "is_diffusers_dir",
     "read_diffusers_dir",
@@ -84,6 +84,26 @@ def diffusers_config(config: dict[str, Any]) -> dict[str, Any]:
         "norm_type": "ada_norm_zero",
         "norm_elementwise_affine": False,
         "norm_eps": 1e-5,
+    }
+
+
+def export_dims(path: str | Path) -> dict[str, int]:
+    """The model dimensions (our ``model.*`` names) of the diffusers DiT saved in ``path`` (or ``path/transformer``),
+    from its ``config.json`` alone: the inverse of ``diffusers_config``."""
+    p = Path(path)
+    cfg_file = p / "config.json" if (p / "config.json").is_file() else p / "transformer" / "config.json"
+    c = read_json(cfg_file, "diffusers config")
+    keys = ("sample_size", "in_channels", "patch_size", "num_layers", "num_attention_heads", "attention_head_dim")
+    if not isinstance(c, dict) or c.get("_class_name") != DIFFUSERS_CLASS or any(k not in c for k in keys):
+        raise ValueError(f"{str(cfg_file)!r} does not describe a {DIFFUSERS_CLASS} (it lacks {', '.join(keys)})")
+    return {
+        "input_size": int(c["sample_size"]),
+        "in_channels": int(c["in_channels"]),
+        "num_classes": int(c.get("num_embeds_ada_norm") or 1000),
+        "patch_size": int(c["patch_size"]),
+        "hidden_size": int(c["num_attention_heads"]) * int(c["attention_head_dim"]),
+        "depth": int(c["num_layers"]),
+        "num_heads": int(c["num_attention_heads"]),
     }
 
 
@@ -184,8 +204,9 @@ def read_diffusers_dir(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[
     cfg_file = p / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{str(path)!r} is not a diffusers model directory (no config.json)")
-    config = json.loads(cfg_file.read_text())
-    if config.get("_class_name") != DIFFUSERS_CLASS:
+    config = read_json(cfg_file, "diffusers config")
+    if not isinstance(config, dict) or config.get("_class_name") != DIFFUSERS_CLASS:
+        config = config if isinstance(config, dict) else {}
         raise ValueError(f"{str(cfg_file)!r} describes a {config.get('_class_name')!r}, not a {DIFFUSERS_CLASS}")
     weights = next((p / w for w in _WEIGHTS if (p / w).is_file()), None)
     if weights is None:

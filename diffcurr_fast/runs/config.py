@@ -447,6 +447,9 @@ class CheckpointConfig:
 
 
 EVAL_FEATURES = ("digits", "mnist5k", "inception")  # ``diffcurr_fast.eval.features.EXTRACTORS``
+# The images the classifier extractors take (``eval.features``; their ``_forward``): evaluation during training
+# does not resize (the eval command's --convert).
+EVAL_SHAPES = {"digits": (1, 8, 8), "mnist5k": (1, 28, 28)}
 
 
 @dataclass
@@ -588,10 +591,14 @@ class TrainConfig:
                 f"logging.eval_every needs images (model.in_channels 1 or 3), got {m.in_channels} "
                 "channels (latents would need the VAE decoder); set logging.eval_every=0"
             )
-        if self.logging.eval_every and self.data.dataset == "mnist5k" and self.eval.features == "digits":
+        shape = (m.in_channels, m.input_size, m.input_size)
+        takes = EVAL_SHAPES.get(self.eval.features, shape)
+        if self.logging.eval_every and takes != shape:
+            fits = next((f for f, s in EVAL_SHAPES.items() if s == shape), None)
+            fix = f"eval.features={fits} (its own classifier)" if fits else "eval.features=inception (FID)"
             raise ValueError(
-                "eval.features 'digits' scores 8x8 digits, but data.dataset is 'mnist5k'; set "
-                "eval.features=mnist5k (its own classifier)"
+                f"eval.features {self.eval.features!r} scores {'x'.join(map(str, takes))} images, but this model "
+                f"makes {'x'.join(map(str, shape))} (data.dataset {self.data.dataset!r}); set {fix}"
             )
         if self.data.dataset == "images":
             size = self.data.image_size or m.input_size

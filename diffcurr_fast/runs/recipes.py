@@ -20,9 +20,12 @@ from diffcurr_fast.runs.config import (
     SECTIONS,
     TrainConfig,
     _choices,
+    _filled,
     _hints,
     _new_source,
     _set_field,
+    _source_of,
+    _sources,
     _type_name,
     config_from_dict,
 )
@@ -153,7 +156,36 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     paths in the recipe are relative to its folder (``read_recipe``)."""
     data = read_recipe(recipes_dir() / DEMO_RECIPE if path is None else path)
     label = "demo" if path is None else f"recipe {Path(path).name}"
-    return apply_overrides(config_from_dict(data, source=label), overrides)
+    return take_export_dims(apply_overrides(config_from_dict(data, source=label), overrides))
+
+
+def take_export_dims(cfg: TrainConfig) -> TrainConfig:
+    """With ``model.init_from`` a diffusers DiT folder, the model's dimensions come from its ``config.json``, as a
+    preset's do: a dimension set by an earlier source than ``init_from`` (the recipe or the demo when ``init_from``
+    is a --set), or filled by a preset or the custom defaults, takes the export's value; one set in the same or a
+    later source that differs is an error. A plain weights file has no config: its shapes are checked at the
+    start."""
+    m = cfg.model
+    # imported here, not at the top: keeps --help free of torch
+    from diffcurr_fast.models.diffusers_dit import export_dims, is_diffusers_dir
+
+    if not m.init_from or not is_diffusers_dir(m.init_from):
+        return cfg
+    rank, _ = _source_of(m, "init_from")
+    by = f"model.init_from {m.init_from!r} (its config.json)"
+    for name, value in export_dims(m.init_from).items():
+        have, (set_rank, where) = getattr(m, name), _source_of(m, name)
+        if have == value:
+            continue
+        if set_rank >= rank and name not in _filled(m):
+            raise ValueError(
+                f"model.{name}={have!r} ({where}) contradicts model.init_from {m.init_from!r}, whose config.json "
+                f"has {name} {value}; unset it (model.{name}=null) to take the export's value"
+            )
+        setattr(m, name, value)
+        _filled(m).discard(name)
+        _sources(m)[name] = (rank, by)
+    return cfg.validate()
 
 
 def apply_overrides(cfg: TrainConfig, overrides: list[str] | None) -> TrainConfig:

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 def build_dataset(cfg: TrainConfig):
     """The in-memory training dataset of ``cfg.data`` (built-in or .npz), checked against the model's input shape
-    and classes."""
+    and classes and against one batch."""
     d, m = cfg.data, cfg.model
     if d.dataset in BUILTIN_DATASETS:  # mnist5k: its training split (the held-out one is the evaluator's)
         x, y = load_builtin(d.dataset)
@@ -52,6 +52,11 @@ def build_dataset(cfg: TrainConfig):
     ymax = int(ds.y[:].max()) if len(ds) else 0
     if ymax >= m.num_classes:
         raise ValueError(f"data has label {ymax} but model.num_classes is {m.num_classes}")
+    if len(ds) < d.batch_size:
+        raise ValueError(
+            f"data.dataset {d.dataset!r} has {len(ds)} samples, fewer than one batch of data.batch_size "
+            f"{d.batch_size}; lower data.batch_size"
+        )
     return ds
 
 
@@ -169,15 +174,9 @@ def dali_placement(backend: str, device: torch.device | None, kind: str) -> tupl
     return (torch.cuda.current_device() if index is None else index), ("mixed" if kind == "images" else "cpu")
 
 
-def build_train_batches(
-    cfg: TrainConfig, rank: int = 0, world: int = 1, device: torch.device | None = None
-) -> TrainBatches:
-    """The ``TrainBatches`` of ``cfg.data`` (``latents`` or ``images``) for ``rank`` of ``world``.
-
-    The model trains on ``data.scale * z``: latents in the sharded layout record the scale they were written
-    with (``index.json``) and are rescaled to ``data.scale``; fast-DiT latents are taken as already scaled by
-    ``data.scale`` (fast-DiT stores 0.18215 z); images in [-1, 1] are multiplied by ``data.scale``.
-    """
+def open_sharded(cfg: TrainConfig, world: int = 1) -> tuple[Any, float, int | None, int]:
+    """(the source, the scale factor, the decode size, the per-rank batch) of ``cfg.data`` (``latents`` or
+    ``images``), checked against the model's input shape and classes and against one per-rank batch."""
     d, m = cfg.data, cfg.model
     if d.dataset not in SHARDED_DATASETS:
         raise ValueError(f"data.dataset {d.dataset!r} is not read by the sharded loader; valid: latents, images")
@@ -207,6 +206,29 @@ def build_train_batches(
             f"data.path {d.path!r} has {len(source)} usable samples, {n_shard} per rank: fewer than one per-rank "
             f"batch of {local} (data.batch_size {d.batch_size} over {world} rank(s))"
         )
+    return source, factor, image_size, local
+
+
+def check_data(cfg: TrainConfig, world: int = 1) -> None:
+    """The checks the loaders make when a run starts, without building them (``train --dry-run``): the data can be
+    read, fit the model's input shape and classes, and hold one global batch."""
+    if cfg.data.dataset in SHARDED_DATASETS:
+        open_sharded(cfg, world)
+        return
+    build_dataset(cfg)
+
+
+def build_train_batches(
+    cfg: TrainConfig, rank: int = 0, world: int = 1, device: torch.device | None = None
+) -> TrainBatches:
+    """The ``TrainBatches`` of ``cfg.data`` (``latents`` or ``images``) for ``rank`` of ``world``.
+
+    The model trains on ``data.scale * z``: latents in the sharded layout record the scale they were written
+    with (``index.json``) and are rescaled to ``data.scale``; fast-DiT latents are taken as already scaled by
+    ``data.scale`` (fast-DiT stores 0.18215 z); images in [-1, 1] are multiplied by ``data.scale``.
+    """
+    d = cfg.data
+    source, factor, image_size, local = open_sharded(cfg, world)
     device_id, decoder = dali_placement(d.backend, device, d.dataset)
     loader = ShardedLoader(
         source,
@@ -225,7 +247,7 @@ def build_train_batches(
         decoder_device=decoder,
         dali_py_workers=d.dali_py_workers,
     )
-    return TrainBatches(loader, factor, m.num_classes)
+    return TrainBatches(loader, factor, cfg.model.num_classes)
 
 
 # ---- fine-tuning: initial weights ------------------------------------------------------------------------
@@ -269,9 +291,9 @@ def read_init_state(path: str | Path, own: dict[str, torch.Tensor] | None = None
     return state
 
 
-def load_init_weights(model: torch.nn.Module, path: str | Path) -> None:
-    """Load ``read_init_state(path)`` into ``model`` strictly; ValueError naming the first mismatches."""
-    own = model.state_dict()
+def fitting_init_state(own: dict[str, torch.Tensor], path: str | Path) -> dict[str, torch.Tensor]:
+    """``read_init_state(path, own)``, checked against the model whose state dict is ``own`` (meta tensors will do:
+    only keys and shapes are compared); ValueError naming the first mismatches. ``--dry-run`` runs it too."""
     state = read_init_state(path, own)
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
@@ -287,7 +309,22 @@ def load_init_weights(model: torch.nn.Module, path: str | Path) -> None:
                 more = f" (+{len(items) - 3} more)" if len(items) > 3 else ""
                 parts.append(f"{len(items)} {what}: {', '.join(items[:3])}{more}")
         raise ValueError(f"model.init_from {str(path)!r} does not fit the model: " + "; ".join(parts))
-    model.load_state_dict(state, strict=True)
+    return state
 
 
-__all__ = ["SHARDED_DATASETS", "TrainBatches", "build_train_batches", "load_init_weights", "read_init_state"]
+def load_init_weights(model: torch.nn.Module, path: str | Path) -> None:
+    """Load ``fitting_init_state`` of ``path`` into ``model`` strictly."""
+    model.load_state_dict(fitting_init_state(model.state_dict(), path), strict=True)
+
+
+__all__ = [
+    "SHARDED_DATASETS",
+    "TrainBatches",
+    "build_dataset",
+    "build_train_batches",
+    "check_data",
+    "fitting_init_state",
+    "load_init_weights",
+    "open_sharded",
+    "read_init_state",
+]

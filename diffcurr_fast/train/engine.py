@@ -50,20 +50,36 @@ def apex_fused_adam():
     return FusedAdam
 
 
+def check_optimizer(optim, device: torch.device) -> None:
+    """ValueError unless the optimizer ``optim.impl`` names can run on ``device`` (the preflight runs it too)."""
+    if optim.impl != "apex":
+        return
+    if apex_fused_adam() is None:
+        raise ValueError(
+            "optim.impl=apex needs NVIDIA apex (apex.optimizers.FusedAdam, built from NVIDIA's "
+            "sources; the PyPI package 'apex' is unrelated); use optim.impl=auto"
+        )
+    if device.type != "cuda":
+        raise ValueError(f"optim.impl=apex runs on CUDA only, the trainer's device is {device}")
+
+
+def check_launcher(kind: str) -> None:
+    """ValueError when ``engine.kind`` ``ddp`` runs outside torchrun (its environment variables are missing)."""
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if kind == "ddp" and missing:
+        raise ValueError(
+            f"engine.kind 'ddp' needs the torchrun environment (missing {', '.join(missing)}); launch with "
+            "torchrun --nproc_per_node N -m diffcurr_fast.cli train ..., or set engine.kind=single"
+        )
+
+
 def build_optimizer(params, optim, device: torch.device) -> torch.optim.Optimizer:
     """AdamW from ``optim.*``: torch's (``fused=True`` on CUDA and CPU) for ``impl`` auto / torch; NVIDIA apex's
     FusedAdam in AdamW mode for ``impl=apex`` (CUDA only; ValueError when apex or CUDA is missing)."""
     kw = dict(lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, weight_decay=optim.weight_decay)
+    check_optimizer(optim, device)
     if optim.impl == "apex":
-        fused_adam = apex_fused_adam()
-        if fused_adam is None:
-            raise ValueError(
-                "optim.impl=apex needs NVIDIA apex (apex.optimizers.FusedAdam, built from NVIDIA's "
-                "sources; the PyPI package 'apex' is unrelated); use optim.impl=auto"
-            )
-        if device.type != "cuda":
-            raise ValueError(f"optim.impl=apex runs on CUDA only, the trainer's device is {device}")
-        return fused_adam(params, adam_w_mode=True, **kw)
+        return apex_fused_adam()(params, adam_w_mode=True, **kw)
     # torch's fused AdamW (one kernel over all parameters) runs on CUDA and on CPU; it matches the per-parameter
     # loop to float32 rounding (tests/train/test_train_sync.py), and a resumed run repeats the uninterrupted one
     # exactly.
@@ -251,9 +267,7 @@ class DDPEngine(Engine):
     kind = "ddp"
 
     def __init__(self, device: str = "auto"):
-        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-        if missing:
-            raise ValueError(f"engine.kind 'ddp' needs the torchrun environment; missing {', '.join(missing)}")
+        check_launcher(self.kind)
         self.rank = int(os.environ["RANK"])
         self.world_size = int(os.environ["WORLD_SIZE"])
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))

@@ -21,14 +21,55 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from diffcurr_fast._files import load_npz
 from diffcurr_fast.eval.evaluate import evaluate, load_reference, reference_from_images
 from diffcurr_fast.eval.features import get_extractor
+from diffcurr_fast.runs.config import EVAL_SHAPES
 from diffcurr_fast.runs.sampling import sample, sampling_readout
 
 if TYPE_CHECKING:
     from diffcurr_fast.runs.config import TrainConfig
 
 REFERENCE_FILE = "eval_reference.npz"
+
+
+def check_reference(cfg: TrainConfig) -> None:
+    """What the evaluations will read exists and fits, checked before the run starts (the preflight): a file
+    ``eval.reference`` holds statistics of ``eval.features``' extractor or images, a built-in reference has the
+    extractor's image shape, and ``eval.inception_weights`` is a file. (The extractor against the model's images is
+    the config's check.)"""
+    e = cfg.eval
+    if not cfg.logging.eval_every:
+        return
+    if e.features == "inception" and not Path(e.inception_weights).is_file():
+        raise FileNotFoundError(f"eval.inception_weights {e.inception_weights!r} does not exist")
+    if e.reference in EVAL_SHAPES:  # a built-in: its images go through the extractor
+        if EVAL_SHAPES.get(e.features, EVAL_SHAPES[e.reference]) != EVAL_SHAPES[e.reference]:
+            raise ValueError(
+                f"eval.reference {e.reference!r} holds {'x'.join(map(str, EVAL_SHAPES[e.reference]))} images, "
+                f"which eval.features {e.features!r} does not score; set eval.reference={e.features} or clear it"
+            )
+        return
+    if not e.reference:
+        return
+    if not Path(e.reference).is_file():
+        raise FileNotFoundError(
+            f"eval.reference {e.reference!r} does not exist (a statistics or images .npz, digits or mnist5k, or '' "
+            "for the training data)"
+        )
+    arrays = load_npz(e.reference, "eval.reference")
+    if {"mu", "sigma"} <= arrays.keys():
+        made_by = str(arrays["extractor"]) if "extractor" in arrays else "inception"
+        if made_by != e.features:
+            raise ValueError(
+                f"eval.reference {e.reference!r} holds {made_by!r} statistics but eval.features is {e.features!r}; "
+                f"set eval.features={made_by} or recompute the reference"
+            )
+    elif not {"images", "x", "arr_0"} & arrays.keys():
+        raise ValueError(
+            f"eval.reference {e.reference!r} holds neither statistics (mu, sigma) nor images (images, x or arr_0): "
+            f"it holds {sorted(arrays)}"
+        )
 
 
 def eval_due(step: int, cfg: TrainConfig) -> bool:
@@ -122,4 +163,4 @@ class Evaluator:
         return rec
 
 
-__all__ = ["REFERENCE_FILE", "Evaluator", "eval_due"]
+__all__ = ["REFERENCE_FILE", "Evaluator", "check_reference", "eval_due"]

@@ -87,7 +87,9 @@ class Trainer:
         self.device = self.engine.device
         self.run_dir = Path(cfg.checkpoint.run_dir)
         # everything is checked before anything is written; the directory is opened at the end of __init__
-        self.start = check_run(cfg, resume=resume, overwrite=overwrite, world_size=self.engine.world_size)
+        self.start = check_run(
+            cfg, resume=resume, overwrite=overwrite, world_size=self.engine.world_size, read_inputs=False
+        )  # the data and model.init_from: read below
         e, d, o = cfg.engine, cfg.diffusion, cfg.optim
         rank, world = self.engine.rank, self.engine.world_size
         _set_process(cfg, self.device, rank)
@@ -219,7 +221,9 @@ class Trainer:
         if self.start.mode == "finished":  # resumed at or past max_steps: nothing to train, nothing rewritten
             return {**self._summary(math.nan), "finished": True}
         resumed = self.start.mode == "resume"
-        evaluator = None
+        # built before the first step: a reference or an extractor that cannot be read stops the run here, not
+        # at its first evaluation with hours of training and no checkpoint behind it
+        evaluator = Evaluator(cfg, self.run_dir, self.dataset, self.device) if main and cfg.logging.eval_every else None
         self.model.train()
         with StopRequest() as stop, LogWindow(cfg, self.run_dir, self.device, main, self.step, resumed) as log:
             self._clock = time.perf_counter()
@@ -234,7 +238,6 @@ class Trainer:
                         log.close_window(self.step, lr, self.skips.total, stats.get("grad_norm"), self.curriculum)
                     if main and eval_due(self.step, cfg):  # own RNG: the training stream is unchanged
                         self.train_s, self._clock = self.train_time(), None  # the clock stops while it evaluates
-                        evaluator = evaluator or Evaluator(cfg, self.run_dir, self.dataset, self.device)
                         log.write({**evaluator(self.step, self.ema.module, self.formulation), "train_s": self.train_s})
                         self._clock = time.perf_counter()
                     if main and self.phema is not None and self._snapshot_due():

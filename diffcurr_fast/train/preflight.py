@@ -1,7 +1,8 @@
 """Everything about a training run that can be checked before its directory is touched (``train --dry-run`` runs
-exactly this): the config, the guidance it will sample with, the device and backends asked for, the input files,
-the DeepSpeed JSON, optional packages that were asked for, the batch split, and the run directory
-(``rundir.check_run_dir``).
+exactly this): the config, the guidance it will sample with, the device, launcher, optimizer and backends asked
+for, the input files, the evaluation's reference, the DeepSpeed JSON, optional packages that were asked for, the
+batch split, the run directory (``rundir.check_run_dir``), and the data and initial weights, opened and read as
+the start reads them (``train.data``).
 
 ``check_run(cfg, resume=..., overwrite=...)`` raises ValueError / FileNotFoundError / FileExistsError /
 ImportError with one line naming the key and what to do, and returns the ``RunStart``.
@@ -20,10 +21,13 @@ from diffcurr_fast.models.attention import flash_attn_reason
 from diffcurr_fast.models.diffusers_dit import is_diffusers_dir
 from diffcurr_fast.ops._backend import CHOICES, unavailable_reason
 from diffcurr_fast.runs.config import TrainConfig
-from diffcurr_fast.train.engine import load_deepspeed_config
+from diffcurr_fast.runs.sampling import build_model
+from diffcurr_fast.train.data import check_data, fitting_init_state
+from diffcurr_fast.train.engine import check_launcher, check_optimizer, load_deepspeed_config
+from diffcurr_fast.train.evaluation import check_reference
 from diffcurr_fast.train.rundir import TRAIN_LAYOUT, RunLayout, RunStart, check_run_dir
 
-__all__ = ["check_backends", "check_guidance", "check_inputs", "check_run"]
+__all__ = ["check_backends", "check_guidance", "check_init_from", "check_inputs", "check_run"]
 
 
 def _device_type(cfg: TrainConfig):
@@ -52,6 +56,8 @@ def check_backends(cfg: TrainConfig) -> None:
     e, m, d = cfg.engine, cfg.model, cfg.diffusion
     if e.kind == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         raise ImportError("engine.kind 'deepspeed' needs the deepspeed package: pip install deepspeed")
+    check_launcher(e.kind)
+    check_optimizer(cfg.optim, dev)
     if m.attn_backend == "flash_attn":
         reason = flash_attn_reason()
         if reason is not None:
@@ -143,6 +149,17 @@ def check_guidance(cfg: TrainConfig) -> None:
         )
 
 
+def check_init_from(cfg: TrainConfig) -> None:
+    """``model.init_from`` is read and fits the model of ``cfg``: built on the meta device (shapes, no memory), so
+    a junk, truncated or foreign weights file, or a diffusers folder with a broken config or no weights, is named
+    before the run starts."""
+    if not cfg.model.init_from:
+        return
+    with torch.device("meta"):
+        model = build_model(cfg)
+    fitting_init_state(model.state_dict(), cfg.model.init_from)
+
+
 def check_run(
     cfg: TrainConfig,
     *,
@@ -150,12 +167,16 @@ def check_run(
     overwrite: bool = False,
     layout: RunLayout = TRAIN_LAYOUT,
     world_size: int | None = None,
+    read_inputs: bool = True,
 ) -> RunStart:
-    """Validate the whole run before anything is written (module doc); returns how it starts."""
+    """Validate the whole run before anything is written (module doc); returns how it starts. ``read_inputs``:
+    also open the data and read ``model.init_from`` as the start will (the trainer, which reads them itself right
+    after, passes False rather than read them twice)."""
     cfg.validate()
     check_guidance(cfg)
     check_backends(cfg)
     check_inputs(cfg)
+    check_reference(cfg)
     world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     acc = cfg.optim.grad_accum_steps
     if cfg.data.batch_size % (world * acc):
@@ -163,6 +184,11 @@ def check_run(
             f"data.batch_size {cfg.data.batch_size} is not divisible by the world size {world} x "
             f"optim.grad_accum_steps {acc}"
         )
-    return check_run_dir(
+    start = check_run_dir(
         cfg.checkpoint.run_dir, layout, resume=resume, overwrite=overwrite, max_steps=cfg.engine.max_steps
     )
+    if read_inputs:
+        check_data(cfg, world)
+        if start.checkpoint is None:  # a resumed run takes its checkpoint's weights
+            check_init_from(cfg)
+    return start

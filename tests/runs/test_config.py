@@ -258,18 +258,28 @@ def test_dry_run_prints_resolved_yaml(capsys, tmp_path):
 
 
 def _stub_data(recipe: Path, root: Path) -> str:
-    """A path that passes the dry run's file checks for the recipe's data.dataset (npz / latents / images)."""
-    kind = yaml.safe_load(recipe.read_text())["data"]["dataset"]
+    """The smallest data the dry run accepts for the recipe's data.dataset (npz / latents / images): one batch of
+    zeros of the model's shape (the dry run opens the data and counts it against one batch)."""
+    import numpy as np
+
+    cfg = yaml.safe_load(recipe.read_text())
+    kind, batch, m = cfg["data"]["dataset"], cfg["data"]["batch_size"], cfg["model"]
+    shape = (batch, m.get("in_channels", 1), m["input_size"], m["input_size"])
     d = root / kind
     if kind == "images":
+        from PIL import Image
+
         (d / "cls").mkdir(parents=True)
-        (d / "cls" / "a.png").write_bytes(b"")
+        for i in range(batch):
+            Image.new("RGB", (4, 4)).save(d / "cls" / f"{i}.png")
     elif kind == "npz":
         d.mkdir()
-        (d / "x.npy").write_bytes(b"")
-        (d / "y.npy").write_bytes(b"")
+        np.save(d / "x.npy", np.zeros(shape, np.float32))
+        np.save(d / "y.npy", np.zeros(batch, np.int64))
     else:
-        d.mkdir()
+        from diffcurr_fast.data.latents import FastDiTLatentWriter
+
+        FastDiTLatentWriter(d).write(np.zeros(shape, np.float32), np.zeros(batch, np.int64))
     return str(d)
 
 
@@ -404,10 +414,31 @@ def test_evaluation_during_training_needs_images(channels, ok, tmp_path):
     """A latent run with logging.eval_every is refused when the config loads (and so at --dry-run), never at its
     first evaluation; 0 turns evaluation off and the same run is valid."""
     sets = ["data.dataset=npz", f"data.path={tmp_path / 'x.npz'}", f"model.in_channels={channels}"]
-    if ok:
-        load_config(None, [*sets, "logging.eval_every=5"])
+    if ok:  # 3x8x8: not digits, so the digits classifier does not score it (below); inception does
+        features = [] if channels == 1 else ["eval.features=inception", "eval.inception_weights=w.pth"]
+        load_config(None, [*sets, "logging.eval_every=5", *features])
         return
     line = rf"^logging.eval_every needs images \(model.in_channels 1 or 3\), got {channels} "
     with pytest.raises(ValueError, match=line):
+        load_config(None, [*sets, "logging.eval_every=5"])
+    load_config(None, [*sets, "logging.eval_every=0"])
+
+
+@pytest.mark.parametrize(
+    "sets, takes, fix",
+    [
+        (["eval.features=mnist5k"], "1x28x28 images, but this model makes 1x8x8 .data.dataset 'digits'.", "digits"),
+        (["model.in_channels=3"], "1x8x8 images, but this model makes 3x8x8 .data.dataset .digits..", "inception"),
+        (
+            ["data.dataset=mnist5k", "model.input_size=28"],
+            "1x8x8 images, but this model makes 1x28x28 .data.dataset .mnist5k..",
+            "mnist5k",
+        ),
+    ],
+)
+def test_evaluation_features_must_score_the_models_images(sets, takes, fix, tmp_path):
+    """The classifier extractors score their own data's shape (evaluation during training does not resize): a
+    mismatch is refused when the config loads, naming the extractor that fits, not at the first evaluation."""
+    with pytest.raises(ValueError, match=rf"^eval.features '\w+' scores {takes}; set eval.features={fix}"):
         load_config(None, [*sets, "logging.eval_every=5"])
     load_config(None, [*sets, "logging.eval_every=0"])

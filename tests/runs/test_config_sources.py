@@ -233,3 +233,30 @@ def test_eval_command_defaults_to_the_formulations_sampler(tmp_path, capsys, dig
     model, cfg = checkpoint_model(ckpt)
     auto = samples_from_model(model, cfg, 4, steps=2, batch_size=3)  # the library's default is auto too
     torch.testing.assert_close(auto, samples_from_model(model, cfg, 4, sampler=sampler, steps=2, batch_size=3))
+
+
+def test_init_from_a_diffusers_export_takes_its_dimensions(tmp_path):
+    """model.init_from a diffusers folder gives the model its export's dimensions, as a preset does: over the demo's
+    (an earlier source), not over a contradicting value of the same source, which is one line naming both."""
+    import json
+
+    from diffcurr_fast.models.diffusers_dit import diffusers_config
+    from diffcurr_fast.runs.recipes import load_config
+
+    exp = tmp_path / "export"
+    exp.mkdir()
+    dims = dict(input_size=8, in_channels=1, num_classes=10, patch_size=2, hidden_size=48, depth=3, num_heads=3)
+    (exp / "config.json").write_text(json.dumps(diffusers_config({**dims, "mlp_ratio": 4.0, "learn_sigma": True})))
+    cfg = load_config(None, [f"model.init_from={exp}"])  # the demo: depth 4, width 64, 4 heads
+    assert {k: getattr(cfg.model, k) for k in dims} == dims
+    assert cfg.sources()["model.depth"] == f"model.init_from {str(exp)!r} (its config.json)"
+    assert load_config(None, [f"model.init_from={exp}", "model.depth=3"]).model.depth == 3  # agrees: fine
+    with pytest.raises(ValueError, match=r"^model.depth=5 \(--set\) contradicts model.init_from .*, whose config.json"):
+        load_config(None, [f"model.init_from={exp}", "model.depth=5"])
+    pipeline = tmp_path / "pipe"
+    (pipeline / "transformer").mkdir(parents=True)
+    (pipeline / "transformer" / "config.json").write_text((exp / "config.json").read_text())
+    assert load_config(None, [f"model.init_from={pipeline}"]).model.hidden_size == 48  # a DiTPipeline folder
+    plain = tmp_path / "w.pt"
+    plain.write_bytes(b"")
+    assert load_config(None, [f"model.init_from={plain}"]).model.hidden_size == 64  # a weights file: the recipe's

@@ -7,6 +7,7 @@ data.path with the built-in dataset, the article in sampler errors), and guidanc
 import argparse
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import _main, _sample_args, tiny
@@ -168,7 +169,10 @@ def test_shipped_recipes_by_name(tmp_path, monkeypatch, capsys):
     assert "dit_b2_curriculum" in capsys.readouterr().out
     with pytest.raises(FileNotFoundError, match="no shipped recipe of that name"):
         load_config("dit_b2_curriculm")
-    (tmp_path / "lat").mkdir()
+    from diffcurr_fast.data.latents import FastDiTLatentWriter
+
+    # the dry run reads the data: one batch of 4x32x32 latents
+    FastDiTLatentWriter(tmp_path / "lat").write(np.zeros((256, 4, 32, 32), np.float32), np.zeros(256, np.int64))
     p = argparse.ArgumentParser()
     cli_train.add_arguments(p)
     args = p.parse_args(

@@ -5,6 +5,7 @@ without a null label; a diverging run stops naming its first bad step; Ctrl-C du
 docs/errors.md lists what each input gets."""
 
 import os
+import re
 import sys
 
 import numpy as np
@@ -339,3 +340,93 @@ def test_recipes_lists_whole_first_sentences(capsys, tmp_path):
         "# EDM (Karras et al. 2022, e.g. Table 1) on CIFAR-10.\n# More. Text.\nengine:\n  max_steps: 1\n"
     )
     assert cli_recipes._summary(tmp_path / "r.yaml") == "EDM (Karras et al. 2022, e.g. Table 1) on CIFAR-10."
+
+
+def _late_inputs(tmp) -> dict[str, tuple[list[str], str]]:
+    """Inputs that a real start refuses only when it reads them (the data, the weights, the launcher, the
+    optimizer) or, before, only at the first evaluation: --set overrides and the line each gets."""
+    import json
+    from pathlib import Path
+
+    from diffcurr_fast.models.diffusers_dit import diffusers_config
+
+    tmp = Path(tmp)
+    (tmp / "junk.pt").write_text("junk")
+    good = tmp / "good.pt"
+    torch.save({"w": torch.zeros(3)}, good)
+    (tmp / "short.pt").write_bytes(good.read_bytes()[:40])
+    np.savez(tmp / "weights.npz", w=np.zeros(3))
+    np.savez(tmp / "inception_stats.npz", mu=np.zeros(2), sigma=np.eye(2))  # no extractor key: inception's
+    (tmp / "garbage.npz").write_text("garbage")
+    broken = tmp / "diffusers_broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{ not json")
+    empty = tmp / "diffusers_empty"
+    empty.mkdir()
+    dims = dict(input_size=8, in_channels=1, num_classes=10, patch_size=2, hidden_size=32, depth=1, num_heads=2)
+    (empty / "config.json").write_text(json.dumps(diffusers_config({**dims, "mlp_ratio": 4.0, "learn_sigma": True})))
+    ev = ["logging.eval_every=5"]
+    return {
+        "reference missing": (
+            [*ev, "eval.reference=nonexistent.npz"],
+            "eval.reference 'nonexistent.npz' does not exist",
+        ),
+        "reference garbage": (
+            [*ev, f"eval.reference={tmp / 'garbage.npz'}"],
+            "eval.reference .* is not a readable .npz",
+        ),
+        "reference of another extractor": (
+            [*ev, f"eval.reference={tmp / 'inception_stats.npz'}"],
+            "holds 'inception' statistics but eval.features is 'digits'; set eval.features=inception",
+        ),
+        "reference of other images": ([*ev, "eval.reference=mnist5k"], "eval.reference 'mnist5k' holds 1x28x28 images"),
+        "init_from junk": ([f"model.init_from={tmp / 'junk.pt'}"], "model.init_from .*junk.pt' is corrupt"),
+        "init_from truncated": ([f"model.init_from={tmp / 'short.pt'}"], "model.init_from .*short.pt' is corrupt"),
+        "init_from npz": ([f"model.init_from={tmp / 'weights.npz'}"], "model.init_from .*weights.npz' is corrupt"),
+        "init_from foreign": (
+            [f"model.init_from={good}"],
+            "model.init_from .*good.pt' does not fit the model: .* missing",
+        ),
+        "init_from broken diffusers": (
+            [f"model.init_from={broken}"],
+            "diffusers_broken/config.json' is not valid JSON",
+        ),
+        "init_from diffusers without weights": ([f"model.init_from={empty}"], "diffusers_empty' holds no weights"),
+        "data smaller than a batch": (["data.batch_size=2048"], "'digits' has 1797 samples, fewer than one batch"),
+        "ddp outside torchrun": (["engine.kind=ddp"], r"engine.kind 'ddp' needs the torchrun environment \(missing"),
+        "apex missing": (["optim.impl=apex"], "optim.impl=apex needs NVIDIA apex"),
+    }
+
+
+LATE_CASES = [
+    "reference missing",
+    "reference garbage",
+    "reference of another extractor",
+    "reference of other images",
+    "init_from junk",
+    "init_from truncated",
+    "init_from npz",
+    "init_from foreign",
+    "init_from broken diffusers",
+    "init_from diffusers without weights",
+    "data smaller than a batch",
+    "ddp outside torchrun",
+    "apex missing",
+]
+
+
+@pytest.mark.parametrize("case", LATE_CASES)
+def test_dry_run_refuses_what_the_start_refuses(tmp_path, capsys, monkeypatch, case):
+    """--dry-run runs every check of a real start: the evaluation's reference before the first evaluation, the
+    initial weights, the data against one batch, the launcher and the optimizer, each one line, nothing written."""
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.chdir(tmp_path)
+    sets, line = _late_inputs(tmp_path)[case]
+    run = tmp_path / "run"
+    argv = [a for s in [*TINY_SETS, *sets] for a in ("--set", s)]
+    for extra in (["--dry-run"], []):
+        rc, err = _main(capsys, "train", "--run-dir", str(run), *extra, *argv)
+        assert rc == 2 and err.count("\n") == 1, err
+        assert re.search(line, err), err
+        assert not run.exists()
