@@ -28,6 +28,7 @@ from diffcurr_fast.runs.config import (
     _sources,
     _type_name,
     config_from_dict,
+    upgrade_saved,
 )
 
 # The run of ``diffcurr-fast train`` without a recipe (``make demo``); ``tdc`` without a recipe starts from it too.
@@ -157,6 +158,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     data = read_recipe(recipes_dir() / DEMO_RECIPE if path is None else path)
     label = "demo" if path is None else f"recipe {Path(path).name}"
     return take_export_dims(apply_overrides(config_from_dict(data, source=label), overrides))
+
+
+def load_run_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
+    """The config a run directory's ``config.yaml`` (at ``path``) records, with ``overrides`` on top: what
+    ``train --resume`` starts from when no recipe is given. Its paths are taken as the run resolved them (not
+    relative to the run's folder, as a recipe's are); keys of an earlier version are upgraded."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{str(path)!r} is not valid YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{str(path)!r} holds no config (a mapping of sections)")
+    cfg = config_from_dict(_fix_floats(upgrade_saved(data)), source=f"{path.parent.name}/config.yaml")
+    return take_export_dims(apply_overrides(cfg, overrides))
 
 
 def take_export_dims(cfg: TrainConfig) -> TrainConfig:

@@ -10,8 +10,15 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from pathlib import Path
 
-from diffcurr_fast.runs.recipes import config_to_yaml, describe_config, load_config, run_dir_overrides
+from diffcurr_fast.runs.recipes import (
+    config_to_yaml,
+    describe_config,
+    load_config,
+    load_run_config,
+    run_dir_overrides,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,7 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--run-dir", default=None, help="shorthand for --set checkpoint.run_dir=PATH")
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--resume", action="store_true", help="continue the newest checkpoint in the run directory")
+    group.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the newest checkpoint in the run directory; without RECIPE, from the run's own config.yaml "
+        "(--set changes on top of it)",
+    )
     group.add_argument(
         "--overwrite", action="store_true", help="remove the files a previous run wrote (only those) and start afresh"
     )
@@ -85,7 +97,11 @@ def run(args: argparse.Namespace) -> int:
     if args.help_config:
         print(describe_config())
         return 0
-    cfg = load_config(args.recipe, run_dir_overrides(args.overrides, args.run_dir))
+    overrides = run_dir_overrides(args.overrides, args.run_dir)
+    cfg = load_config(args.recipe, overrides)
+    saved = Path(cfg.checkpoint.run_dir) / "config.yaml"
+    if args.resume and args.recipe is None and saved.is_file():  # the run's own config, --set on top
+        cfg = load_run_config(saved, overrides)
     # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.train.preflight import check_run
 

@@ -48,7 +48,7 @@ from diffcurr_fast.train.host_memory import retain_host_memory
 from diffcurr_fast.train.interrupt import GridInterrupted, StopRequest, TrainingInterrupted
 from diffcurr_fast.train.preflight import check_run
 from diffcurr_fast.train.report import LogWindow, plot_cluster_losses, plot_curriculum_timeline, read_metrics
-from diffcurr_fast.train.rundir import open_run_dir
+from diffcurr_fast.train.rundir import open_run_dir, write_config
 from diffcurr_fast.train.skips import Skips
 from diffcurr_fast.train.state import Checkpointer, model_config_entry
 
@@ -136,7 +136,10 @@ class Trainer:
             open_run_dir(self.start)  # overwrite: clear the old run's files; resume: metrics cut to the checkpoint
             if self.start.mode == "resume":  # snapshots after the checkpoint: written again by the resumed run
                 remove_snapshots_after(self.run_dir, self.step)
-            (self.run_dir / "config.yaml").write_text(config_to_yaml(cfg))
+            changes = write_config(self.run_dir, config_to_yaml(cfg), self.step if self.start.mode == "resume" else 0)
+            if changes:  # the earlier values stay in the run's record
+                kept = f"config_until_step{self.step:08d}.yaml"
+                print(f"resume: the config changed ({'; '.join(changes)}); the previous one is kept as {kept}")
 
     def _build_model(self, given: torch.nn.Module | None, fine_tune: bool) -> torch.nn.Module:
         """The model on the device: ``given``, or built from the config with rank 0's initialisation on every rank

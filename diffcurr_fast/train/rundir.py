@@ -27,6 +27,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -44,6 +45,7 @@ __all__ = [
     "open_run_dir",
     "run_artifacts",
     "truncate_metrics",
+    "write_config",
 ]
 
 METRICS = "metrics.jsonl"
@@ -67,12 +69,13 @@ class RunLayout:
 TRAIN_LAYOUT = RunLayout(
     files=(
         r"config\.yaml",
+        r"config_until_step\d{8,}\.yaml",  # the config a resume replaced (``write_config``)
         r"metrics\.jsonl",
         r"samples\.png",
         r"cluster_loss\.png",
         r"curriculum\.png",
         r"ema\.safetensors",
-        r"(ema\.safetensors|metrics\.jsonl)\.tmp",
+        r"(ema\.safetensors|metrics\.jsonl|config\.yaml)\.tmp",
         r"checkpoints/ckpt_\d{8,}\.pt(\.tmp)?",
         r"phema/phema-\d{8,}-[0-9.e+-]+\.safetensors(\.tmp)?",  # the post-hoc EMA's snapshots (runs.posthoc_ema)
         r"tb/events\.out\.tfevents\..+",
@@ -288,6 +291,35 @@ def truncate_metrics(path: str | Path, step: int) -> int:
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, path)
     return dropped
+
+
+def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"section.key": value}`` of a nested config dict."""
+    if not isinstance(data, dict):
+        return {prefix[:-1]: data}
+    out: dict[str, Any] = {}
+    for key, sub in data.items():
+        out.update(_flat(sub, f"{prefix}{key}."))
+    return out
+
+
+def write_config(run_dir: Path, text: str, step: int) -> list[str]:
+    """Write the resolved config ``text`` as ``run_dir/config.yaml`` (atomically). On a resume whose config differs
+    from the one there, the old file is kept as ``config_until_step{step:08d}.yaml`` (the config the run had up to
+    its checkpoint's ``step``; an earlier record of the same step is not replaced), so a changed ``optim.lr`` does
+    not erase the earlier one from the run's record. Returns the changes, ``key: old -> new``."""
+    path = run_dir / "config.yaml"
+    changes: list[str] = []
+    if step > 0 and path.is_file():
+        old, new = _flat(yaml.safe_load(path.read_text()) or {}), _flat(yaml.safe_load(text))
+        changes = [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in new.items() if old.get(k) != v]
+        keep = run_dir / f"config_until_step{step:08d}.yaml"
+        if changes and not keep.exists():
+            os.replace(path, keep)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return changes
 
 
 def open_run_dir(start: RunStart) -> None:

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
+from diffcurr_fast import cli
 from diffcurr_fast.runs.recipes import load_config
 from diffcurr_fast.train import cli_train
 from diffcurr_fast.train.loop import Trainer
@@ -330,3 +332,32 @@ def test_overwrite_removes_only_a_runs_files_and_says_which(tmp_path, capsys):
     assert "--overwrite: removed the previous training run's files in" in out
     assert "config.yaml, metrics.jsonl, checkpoints/ckpt_00000002.pt, checkpoints" in out
     assert sorted(p.name for p in train.iterdir()) == ["notes.md"]
+
+
+def test_resume_starts_from_the_runs_own_config_and_keeps_the_one_it_changes(tmp_path, capsys):
+    """`train --run-dir RUN --resume` without a recipe continues from RUN/config.yaml (the original --set values
+    need not be repeated; --set changes go on top of it). A resume that changes the config keeps the previous file
+    as config_until_step<N>.yaml, says what changed, and --overwrite removes that record with the run."""
+    from conftest import TINY_SETS, _main
+
+    run = tmp_path / "run"
+    sets = [a for s in [*TINY_SETS, "engine.max_steps=2", "optim.lr=1e-3"] for a in ("--set", s)]
+    assert _main(capsys, "train", "--run-dir", str(run), *sets)[0] == 0
+    first = (run / "config.yaml").read_text()
+    capsys.readouterr()
+    rc = cli.main(["train", "--run-dir", str(run), "--resume", "--set", "engine.max_steps=3", "--set", "optim.lr=5e-4"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "resume: the config changed (optim.lr: 0.001 -> 0.0005; engine.max_steps: 2 -> 3)" in out, out
+    assert (run / "config_until_step00000002.yaml").read_text() == first
+    now = yaml.safe_load((run / "config.yaml").read_text())
+    assert now["optim"]["lr"] == 5e-4 and now["model"]["hidden_size"] == 32  # TINY_SETS kept from the run
+    rc = cli.main(["train", "--run-dir", str(run), "--resume", "--set", "engine.max_steps=4"])
+    assert rc == 0 and "config_until_step00000003.yaml" in capsys.readouterr().out
+    assert sorted(p.name for p in run.glob("config*.yaml")) == [
+        "config.yaml",
+        "config_until_step00000002.yaml",
+        "config_until_step00000003.yaml",
+    ]
+    assert _main(capsys, "train", "--run-dir", str(run), "--overwrite", *sets)[0] == 0
+    assert sorted(p.name for p in run.glob("config*.yaml")) == ["config.yaml"]
