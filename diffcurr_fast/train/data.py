@@ -12,6 +12,7 @@ loop consumes.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +33,19 @@ from diffcurr_fast.runs.config import SHARDED_DATASETS
 
 if TYPE_CHECKING:
     from diffcurr_fast.runs.config import TrainConfig
+
+
+def usable_workers(n: int) -> int:
+    """``data.num_workers``, at most the CPUs this process may run on (a recipe's 4 workers on a 2-core machine
+    only compete for the cores: PyTorch warns twice, and the step slows). Said once when it is lowered."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if n > cpus:
+        warnings.warn(
+            f"data.num_workers {n} is more than the {cpus} CPU(s) this process may use; using {cpus}",
+            UserWarning,
+            stacklevel=2,
+        )
+    return min(n, cpus)
 
 
 def build_dataset(cfg: TrainConfig):
@@ -73,7 +87,7 @@ def build_loader(cfg: TrainConfig, rank: int, world: int, device: torch.device, 
         rank=rank,
         world=world,
         seed=cfg.engine.seed,
-        num_workers=cfg.data.num_workers,
+        num_workers=usable_workers(cfg.data.num_workers),
         pin_memory=device.type == "cuda",
     )
     return loader, dataset
@@ -241,7 +255,7 @@ def build_train_batches(
         drop_last=True,
         hflip=d.hflip,
         backend=d.backend,
-        num_workers=d.num_workers,
+        num_workers=usable_workers(d.num_workers),
         on_bad=d.on_bad,
         device_id=device_id,
         decoder_device=decoder,

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import os
 import re
 import shutil
@@ -36,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from diffcurr_fast._files import read_json
 from diffcurr_fast.objective import resolve_precision
 from diffcurr_fast.runs.checkpoint import list_checkpoints
 from diffcurr_fast.runs.config import DEVICES, ENGINE_KINDS, TrainConfig
@@ -417,10 +417,7 @@ def load_deepspeed_config(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"DeepSpeed config {str(p)!r} does not exist")
-    try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"DeepSpeed config {str(p)!r} is not valid JSON ({exc})") from None
+    return read_json(p, "DeepSpeed config")
 
 
 class DeepSpeedEngine(DDPEngine):

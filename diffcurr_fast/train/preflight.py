@@ -114,11 +114,16 @@ def check_inputs(cfg: TrainConfig) -> None:
             raise ValueError(f"data.path {d.path!r} has no class subdirectories (expected {d.path}/<class>/<image>)")
         if not any(f.is_file() for c in classes for f in c.iterdir()):
             raise ValueError(f"data.path {d.path!r} holds no image files (its class folders are empty)")
-    if cfg.model.init_from and not Path(cfg.model.init_from).is_file():
-        if not is_diffusers_dir(cfg.model.init_from):
-            raise FileNotFoundError(
-                f"model.init_from {cfg.model.init_from!r} does not exist (a weights file or a diffusers DiT directory)"
-            )
+    init = cfg.model.init_from
+    if init and Path(init).is_dir() and not is_diffusers_dir(init):
+        raise ValueError(
+            f"model.init_from {init!r} is a folder but not a diffusers DiT directory (no config.json or "
+            "transformer/config.json); give a weights file or a diffusers export"
+        )
+    if init and not Path(init).exists():
+        raise FileNotFoundError(
+            f"model.init_from {init!r} does not exist (a weights file or a diffusers DiT directory)"
+        )
     if cfg.engine.kind == "deepspeed":
         ds = load_deepspeed_config(cfg.engine.deepspeed_config)
         if not isinstance(ds, dict):

@@ -45,7 +45,7 @@ class Skips:
         self.max_share, self.max_steps = e.max_skip_share, e.max_steps
         # an int n of skips exceeds max_share * max_steps iff it exceeds its floor: the device compares integers
         self.max_total = math.floor(e.max_skip_share * e.max_steps)
-        self.lr = cfg.optim.lr
+        self.lr, self.data_scale = cfg.optim.lr, cfg.data.scale
         self.total = self.in_a_row = self.first = 0
         self.counts = torch.zeros(7, dtype=torch.int64, device=device) if on_device else None
 
@@ -100,10 +100,16 @@ class Skips:
         return None
 
     def _error(self, n: int, total: int, in_a_row: int) -> NonFiniteLossError:
+        if self.first == 1:  # the loss of step 1 is the initial model's: no update has been made
+            advice = (
+                "the first step already failed, before the learning rate could act: check the data and data.scale "
+                f"(now {self.data_scale:g}; the model sees data.scale x the data)"
+            )
+        else:
+            advice = f"the run diverges: lower optim.lr (now {self.lr:g}) or set optim.grad_clip"
         return NonFiniteLossError(
             f"non-finite loss or gradient at step {n}: {total} step(s) skipped, the first at step "
-            f"{self.first} ({self._reason(total, in_a_row)}); the run diverges: lower optim.lr (now "
-            f"{self.lr:g}) or set optim.grad_clip"
+            f"{self.first} ({self._reason(total, in_a_row)}); {advice}"
         )
 
     # ---- state ---------------------------------------------------------------------------------------

@@ -149,3 +149,17 @@ def test_dali_on_a_gpu_decodes_there_and_spawns_its_workers(monkeypatch):
     assert dali.py_start_method(None) == "fork"
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert dali.py_start_method(None) == "spawn"
+
+
+def test_num_workers_above_the_cpus_is_lowered_once(monkeypatch):
+    """A recipe's data.num_workers 4 on a 2-core machine: one warning naming both numbers, 2 workers used (not
+    PyTorch's two warnings and four processes competing for two cores)."""
+    import warnings
+
+    from diffcurr_fast.train import data
+
+    monkeypatch.setattr(data.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert data.usable_workers(4) == 2 and data.usable_workers(2) == 2 and data.usable_workers(0) == 0
+    assert [str(x.message) for x in w] == ["data.num_workers 4 is more than the 2 CPU(s) this process may use; using 2"]

@@ -144,6 +144,17 @@ def test_mostly_skipped_run_stops_with_the_first_bad_step(tmp_path, capsys):
     assert "done:" not in capsys.readouterr().out
 
 
+def test_a_run_that_fails_at_its_first_step_blames_the_data_not_the_learning_rate(tmp_path, capsys):
+    """data.scale=1e30: the initial model's loss is already non-finite, so no learning rate could cause it; the line
+    names the data and data.scale, not optim.lr."""
+    sets = [*TINY_SETS, "engine.max_steps=15", "data.scale=1e30"]
+    rc, err = _main(capsys, "train", "--run-dir", str(tmp_path / "run"), *(a for s in sets for a in ("--set", s)))
+    line = next(v for v in err.splitlines() if "error:" in v)
+    assert rc == 2 and "the first at step 1 " in line, err
+    assert line.endswith("check the data and data.scale (now 1e+30; the model sees data.scale x the data)")
+    assert "optim.lr" not in line
+
+
 def test_skip_share_and_first_bad_step_are_counted(tmp_path):
     from diffcurr_fast.train.skips import NonFiniteLossError
 
@@ -365,8 +376,10 @@ def _late_inputs(tmp) -> dict[str, tuple[list[str], str]]:
     empty.mkdir()
     dims = dict(input_size=8, in_channels=1, num_classes=10, patch_size=2, hidden_size=32, depth=1, num_heads=2)
     (empty / "config.json").write_text(json.dumps(diffusers_config({**dims, "mlp_ratio": 4.0, "learn_sigma": True})))
+    (tmp / "folder").mkdir()
     ev = ["logging.eval_every=5"]
     return {
+        "init_from a plain folder": ([f"model.init_from={tmp / 'folder'}"], "is a folder but not a diffusers DiT"),
         "reference missing": (
             [*ev, "eval.reference=nonexistent.npz"],
             "eval.reference 'nonexistent.npz' does not exist",
@@ -399,6 +412,7 @@ def _late_inputs(tmp) -> dict[str, tuple[list[str], str]]:
 
 
 LATE_CASES = [
+    "init_from a plain folder",
     "reference missing",
     "reference garbage",
     "reference of another extractor",
