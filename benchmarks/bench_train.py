@@ -7,6 +7,9 @@ Providers, same model and batch:
 - ``fused+compile``: the fused ops with ``torch.compile`` of the model (``--compile``);
 - ``fused+graphs``: the fused ops with ``engine.cuda_graphs`` (on CUDA the model compiled with mode
   reduce-overhead, its forward and backward replayed as CUDA graphs; on CPU the device-side step alone);
+- ``fused+routed``: the fused ops with token routing (TREAD, ``models/routing.py``) at ``--routing KEEP,START,END``
+  (default 0.5,2,-2: half the tokens through blocks 2 to depth - 2); its row names the setting, and its FLOP rate
+  counts the full model's FLOPs (what the unrouted step does), not the fewer FLOPs the routed step does;
 - ``official`` (``--peer-dit PATH``): the official DiT step (facebookresearch/DiT ``models.py``, its IDDPM
   ``training_losses``, AdamW(lr=1e-4, weight_decay=0) and ``update_ema``, as its ``train.py`` runs them), imported
   from the checkout at PATH (timm's three layers stubbed when timm is missing, see ``peer_dit.py``); it needs a
@@ -74,7 +77,14 @@ COLUMNS = [
     "torch",
     "git_rev",
 ]
-PROVIDERS = ("reference", "fused", "fused+compile", "fused+graphs", "official", "official+malloc")
+PROVIDERS = ("reference", "fused", "fused+compile", "fused+graphs", "fused+routed", "official", "official+malloc")
+
+
+def _routing(args: argparse.Namespace) -> list[str]:
+    """The overrides of ``--routing KEEP,START,END`` (END < 0: counted from the model's depth)."""
+    keep, start, end = args.routing.split(",")
+    sets = ["model.routing=tread", f"model.routing_keep={float(keep)}", f"model.routing_start={int(start)}"]
+    return sets + ([f"model.routing_end={int(end)}"] if int(end) > 0 else [])
 
 
 def _config(provider: str, args: argparse.Namespace, run_dir: str):
@@ -91,8 +101,14 @@ def _config(provider: str, args: argparse.Namespace, run_dir: str):
         "data.path=",
         "data.num_workers=0",  # random data of the model's shape is passed in
         *args.overrides,
+        *(_routing(args) if "routed" in provider else []),
     ]
-    return load_config(args.recipe, overrides)
+    cfg = load_config(args.recipe, overrides)
+    if "routed" in provider and int(args.routing.split(",")[2]) < 0:
+        cfg = load_config(
+            args.recipe, [*overrides, f"model.routing_end={cfg.model.depth + int(args.routing.split(',')[2])}"]
+        )
+    return cfg
 
 
 def _ours(provider: str, args: argparse.Namespace, tmp: str, profile: bool):
@@ -125,6 +141,9 @@ def _ours(provider: str, args: argparse.Namespace, tmp: str, profile: bool):
         tr.train_step(a, b)
 
     name = m.preset if m.preset != "custom" else f"custom-{m.hidden_size}x{m.depth}"
+    if m.routing != "none":
+        start, end = m.routing_span()
+        name += f" tread keep {m.routing_keep:g} blocks [{start},{end})"
     step.model_flops = 3 * dit_flops(tr.model, args.batch)  # forward + backward (2x the forward)
     return step, tr.device, name
 
@@ -391,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the device's peak rate at this precision "
         "(TFLOP/s; e.g. 989 for an H100/H200 in dense bf16): adds the MFU column",
     )
+    p.add_argument("--routing", default="0.5,2,-2", help="fused+routed: KEEP,START,END (END < 0: from the depth)")
     p.add_argument("--providers", default=None, help=f"comma-separated subset of {', '.join(PROVIDERS)}")
     p.add_argument("--profile", action="store_true", help="print the step-time breakdown of each provider")
     p.add_argument("--profile-steps", type=int, default=2, help="steps profiled per provider (--profile)")

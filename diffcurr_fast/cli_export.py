@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from diffcurr_fast._files import write_json
+from diffcurr_fast._files import check_writable, write_json
 from diffcurr_fast.runs.config import PIXEL_DATASETS, config_from_dict, with_article
 
 PREDICTION_TYPES = {"eps": "epsilon", "x0": "sample", "v": "v_prediction"}  # ours -> diffusers' prediction_type
@@ -89,17 +89,14 @@ def scheduler_config(cfg: Any) -> tuple[str, dict[str, Any]]:
 def load_model(source: str, weights: str = "ema"):
     """(model on CPU with the checkpoint's weights, its TrainConfig, the checkpoint path)."""
     # imported here, not at the top: keeps --help free of torch
-    from diffcurr_fast.models import DiT
-    from diffcurr_fast.runs.checkpoint import check_finite_weights, load_checkpoint, resolve_checkpoint
-    from diffcurr_fast.runs.sampling import build_model
+    from diffcurr_fast.runs.checkpoint import load_checkpoint, resolve_checkpoint
+    from diffcurr_fast.runs.sampling import checkpoint_dit
 
     path = resolve_checkpoint(source)
     state = load_checkpoint(path)
     cfg = config_from_dict(state["config"])
-    model = DiT.from_config(state["model_config"]) if "model_config" in state else build_model(cfg)
     sd = state["ema"]["module"] if weights == "ema" else state["model"]
-    check_finite_weights(sd, f"checkpoint {path} ({weights} weights)")
-    model.load_state_dict(sd)
+    model = checkpoint_dit(state, cfg, sd, f"checkpoint {str(path)!r} ({weights} weights)")
     return model.eval(), cfg, path
 
 
@@ -134,15 +131,17 @@ def _check_vae_fits(vae: str, cfg) -> None:
 
 
 def _check_out(out: Path, overwrite: bool) -> None:
-    if not out.exists():
-        return
-    if not overwrite:
-        raise FileExistsError(f"{str(out)!r} exists; pass --overwrite to replace it (a previous export only)")
-    if not (out.is_dir() and (out / "transformer" / "config.json").is_file()):
-        raise FileExistsError(
-            f"{str(out)!r} exists and is not a diffusers export (no transformer/config.json); "
-            "--overwrite replaces only a previous export: choose another OUT"
-        )
+    """FileExistsError / ValueError in one line unless ``out`` can be written: absent, or a previous export with
+    ``overwrite``, and where it goes accepts new entries (``check_writable``); checked before the model is read."""
+    if out.exists():
+        if not overwrite:
+            raise FileExistsError(f"{str(out)!r} exists; pass --overwrite to replace it (a previous export only)")
+        if not (out.is_dir() and (out / "transformer" / "config.json").is_file()):
+            raise FileExistsError(
+                f"{str(out)!r} exists and is not a diffusers export (no transformer/config.json); "
+                "--overwrite replaces only a previous export: choose another OUT"
+            )
+    check_writable(out, "OUT", "choose another OUT", directory=True)
 
 
 def export_diffusers(

@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from diffcurr_fast.runs.config import config_from_dict, resolve_sampler
+from diffcurr_fast._files import check_writable, load_npz
+from diffcurr_fast.runs.config import config_from_dict
 
 # torch is imported inside the functions, so --help stays instant; the names are runs.sampling's (tested)
 SAMPLERS = ("ddpm", "ddim", "heun", "euler")
@@ -104,6 +105,52 @@ def _save_npz(path: Path, arrays: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def _shard(out: Path, rank: int) -> Path:
+    """The file beside ``out`` where rank ``rank`` of a torchrun draw writes its batches."""
+    return out.with_name(f"{out.name}.rank{rank}.npz")
+
+
+def merge_shards(out: Path, world: int) -> dict[int, Any]:
+    """Rank 0 of a torchrun draw: the batches (index -> array) that ranks 1.. wrote beside ``out``, each shard read
+    with ``load_npz`` (a damaged one is named in one line) and then removed."""
+    parts: dict[int, Any] = {}
+    for r in range(1, world):
+        other = _shard(out, r)
+        parts.update({int(k[1:]): a for k, a in load_npz(other, f"the samples of rank {r}").items()})
+        other.unlink()
+    return parts
+
+
+def check_arguments(args: argparse.Namespace) -> tuple[Path, list[int] | None]:
+    """(the output path, the ``--labels`` as ints or None) after checking every argument that does not need the
+    checkpoint: the output's suffix, an existing output, that it can be written (``check_writable``), the counts, the
+    labels' syntax and the options that exclude each other. ``run`` calls it before reading anything."""
+    out = Path(args.out)
+    if out.suffix not in (".png", ".npz"):
+        raise ValueError(f"--out must end in .png or .npz, got {str(out)!r}")
+    if out.exists() and not args.overwrite:
+        raise FileExistsError(f"{str(out)!r} exists; pass --overwrite to replace it")
+    check_writable(out, "--out", "choose another --out")
+    for flag, value in (("--num-samples", args.num), ("--batch-size", args.batch_size), ("--steps", args.steps)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.vae and args.vae_batch < 1:
+        raise ValueError(f"--vae-batch must be >= 1, got {args.vae_batch}")
+    if not args.cfg >= 0:
+        raise ValueError(f"--cfg must be >= 0 (1 = no guidance), got {args.cfg}")
+    labels = None
+    if args.labels:
+        try:
+            labels = [int(v) for v in args.labels.split(",")]
+        except ValueError:
+            raise ValueError(f"--labels must be comma-separated ints, got {args.labels!r}") from None
+    if getattr(args, "ema_length", None) is not None and (args.weights != "ema" or getattr(args, "bundle", None)):
+        raise ValueError("--ema-length reconstructs the EMA weights of a --ckpt run: drop --weights model / --bundle")
+    if getattr(args, "bundle", None) and args.weights != "ema":
+        raise ValueError(f"--weights {args.weights} is not available with --bundle (it holds EMA weights only)")
+    return out, labels
+
+
 def run(args: argparse.Namespace) -> int:
     """Sample from a checkpoint and write the grid or arrays. Returns the exit status."""
     # imported here, not at the top: keeps --help free of torch
@@ -112,11 +159,12 @@ def run(args: argparse.Namespace) -> int:
 
     from diffcurr_fast.data.extract import decode_latents, load_decoder
     from diffcurr_fast.runs.checkpoint import check_finite_weights, load_checkpoint, resolve_checkpoint
-    from diffcurr_fast.runs.posthoc_ema import reconstruct
+    from diffcurr_fast.runs.posthoc_ema import list_snapshots, reconstruct, sigma_rel_to_gamma
     from diffcurr_fast.runs.sampling import (
         batch_slices,
-        build_model,
         build_schedule,
+        check_sampler,
+        checkpoint_dit,
         pixel_range,
         sample_batch,
         sampling_readout,
@@ -125,23 +173,8 @@ def run(args: argparse.Namespace) -> int:
         to_uint8_nhwc,
     )
 
-    out = Path(args.out)
-    if out.suffix not in (".png", ".npz"):
-        raise ValueError(f"--out must end in .png or .npz, got {str(out)!r}")
-    if out.exists() and not args.overwrite:
-        raise FileExistsError(f"{str(out)!r} exists; pass --overwrite to replace it")
-    under = next((p for p in out.parents if p.exists()), None)  # the deepest existing folder of the path
-    if under is not None and not under.is_dir():
-        raise ValueError(
-            f"--out {str(out)!r} cannot be written: {str(under)!r} is a file, not a directory; choose another --out"
-        )
-    if args.num < 1:
-        raise ValueError(f"--num-samples must be >= 1, got {args.num}")
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    out, base = check_arguments(args)
     ema_length = getattr(args, "ema_length", None)
-    if ema_length is not None and (args.weights != "ema" or getattr(args, "bundle", None)):
-        raise ValueError("--ema-length reconstructs the EMA weights of a --ckpt run: drop --weights model / --bundle")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda requested but no CUDA device is available; use cpu or auto")
     rank, world, dist_device = _distributed()
@@ -154,18 +187,32 @@ def run(args: argparse.Namespace) -> int:
         # imported here, not at the top: keeps --help free of torch
         from diffcurr_fast.tdc.pipeline import load_bundle_with_config
 
-        if args.weights != "ema":
-            raise ValueError(f"--weights {args.weights} is not available with --bundle (it holds EMA weights only)")
+        bundle = Path(args.bundle)
+        if not (bundle / "train_config.json").is_file() and (bundle / "bundle" / "train_config.json").is_file():
+            raise ValueError(
+                f"--bundle {str(bundle)!r} is a TDC run directory: pass --bundle {str(bundle / 'bundle')!r}"
+            )
         model, cfg = load_bundle_with_config(args.bundle, device)
         check_finite_weights(model.state_dict(), f"bundle {args.bundle}")
         state = {}
     else:
         path = resolve_checkpoint(args.ckpt)
+        if ema_length is not None:  # the run's snapshots are checked before its checkpoint is read
+            sigma_rel_to_gamma(ema_length)  # ValueError for a length out of range
+            if not list_snapshots(path.parent.parent):
+                reconstruct(path.parent.parent, ema_length)  # its one line: the run kept no snapshots
         state = load_checkpoint(path)
         cfg = config_from_dict(state["config"])
+    # what needs the config, before the model is built or the VAE loaded
     set_cpu_threads(args.threads, cfg)
     m = cfg.model
-    args.sampler = resolve_sampler(args.sampler, cfg.diffusion.formulation)
+    if base is not None:
+        bad = [v for v in base if not 0 <= v < m.num_classes]
+        if bad:
+            raise ValueError(f"--labels {bad} out of range; valid labels are 0..{m.num_classes - 1}")
+    else:
+        base = list(range(m.num_classes))
+    args.sampler = check_sampler(args.sampler, args.steps, cfg)
     if args.vae and cfg.data.dataset in ("digits", "images"):
         raise ValueError(f"--vae decodes latents, but this model was trained on data.dataset {cfg.data.dataset!r}")
     if out.suffix == ".png" and m.in_channels not in (1, 3) and not args.vae:
@@ -174,32 +221,14 @@ def run(args: argparse.Namespace) -> int:
             "decode latents with --vae"
         )
     vae = load_decoder(args.vae, device) if args.vae else None
-    if "model" in state:  # a pruned (heterogeneous) expert's checkpoint records its own architecture
-        if "model_config" in state:
-            # imported here, not at the top: keeps --help free of torch
-            from diffcurr_fast.models import DiT
-
-            model = DiT.from_config(state["model_config"])
-        else:
-            model = build_model(cfg)
+    if "model" in state:
         if ema_length is not None:  # the run directory holds checkpoints/ and phema/
             weights, how = reconstruct(path.parent.parent, ema_length, step=int(state["step"]))
             note = f", post-hoc EMA sigma_rel {ema_length} at step {how.step} from {len(how.snapshots)} snapshots"
         else:
             weights, note = state["ema"]["module"] if args.weights == "ema" else state["model"], ""
-        check_finite_weights(weights, f"checkpoint {path} ({args.weights} weights{note})")
-        model.load_state_dict(weights)
+        model = checkpoint_dit(state, cfg, weights, f"checkpoint {str(path)!r} ({args.weights} weights{note})")
     model = model.to(device).eval()
-    if args.labels:
-        try:
-            base = [int(v) for v in args.labels.split(",")]
-        except ValueError:
-            raise ValueError(f"--labels must be comma-separated ints, got {args.labels!r}") from None
-        bad = [v for v in base if not 0 <= v < m.num_classes]
-        if bad:
-            raise ValueError(f"--labels {bad} out of range; valid labels are 0..{m.num_classes - 1}")
-    else:
-        base = list(range(m.num_classes))
     labels = torch.tensor([base[i % len(base)] for i in range(args.num)], dtype=torch.long)
     images = vae is not None or (m.in_channels in (1, 3) and pixel_range(cfg))
     adm = out.suffix == ".npz" and images  # the ADM evaluation suite's layout: uint8 (N, H, W, C)
@@ -227,15 +256,12 @@ def run(args: argparse.Namespace) -> int:
             x = decode_latents(vae, x, args.vae_batch)  # (b, 3, H', W') in [-1, 1]
         parts[b] = (to_uint8_nhwc(x) if adm else x.float()).numpy()
     if world > 1:  # every rank writes its batches; rank 0 merges them in batch order
-        shard = out.with_name(f"{out.name}.rank{rank}.npz")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shard = _shard(out, rank)
         _save_npz(shard, {f"b{b}": a for b, a in parts.items()})
         dist.barrier()
         if rank == 0:
-            for r in range(1, world):
-                other = out.with_name(f"{out.name}.rank{r}.npz")
-                with np.load(other) as z:
-                    parts.update({int(k[1:]): z[k] for k in z.files})
-                other.unlink()
+            parts.update(merge_shards(out, world))
             shard.unlink()
         dist.barrier()
         dist.destroy_process_group()

@@ -28,6 +28,7 @@ from torch import nn
 
 from diffcurr_fast.diffusion import Formulation, TrainingTerms, build_formulation
 from diffcurr_fast.ops import diffusion_loss_coef, q_sample_coef, sample_timesteps
+from diffcurr_fast.ops.token_gather import draw_route, kept_tokens
 from diffcurr_fast.terms.base import TermInputs, TrainingTerm
 
 PRECISIONS = ("fp32", "bf16", "auto")
@@ -55,6 +56,8 @@ class Objective:
         precision: ``fp32``, or ``bf16`` autocast around the network call.
         terms: (weight, term) pairs added to the per-sample loss (``terms.base``); the network is asked for the
             features they read.
+        route: (T, K): token routing in training (``models.routing``): K of the network's T tokens are drawn per
+            sample from the step's generator and passed as ``route=`` when the network is in training mode.
     """
 
     def __init__(
@@ -69,6 +72,7 @@ class Objective:
         backend: str = "auto",
         precision: str = "fp32",
         terms: Sequence[tuple[float, TrainingTerm]] = (),
+        route: tuple[int, int] | None = None,
     ):
         formulation.check_prediction(prediction)
         self.formulation, self.num_cells = formulation, int(num_cells)
@@ -76,11 +80,14 @@ class Objective:
         self.learn_sigma, self.backend, self.precision = bool(learn_sigma), backend, precision
         self.terms = [(float(w), term) for w, term in terms]
         self.features = tuple(sorted({j for _, term in self.terms for j in term.features}))
+        self.route = route
 
     @classmethod
     def from_config(cls, cfg: Any, formulation: Formulation | None = None) -> Objective:
         """The objective of a ``TrainConfig`` (its diffusion section and engine precision)."""
-        d = cfg.diffusion
+        d, m = cfg.diffusion, cfg.model
+        tokens = (m.input_size // m.patch_size) ** 2
+        route = (tokens, kept_tokens(tokens, m.routing_keep)) if m.routing != "none" else None
         return cls(
             formulation if formulation is not None else build_formulation(d),
             num_cells=d.num_timesteps,
@@ -90,6 +97,7 @@ class Objective:
             learn_sigma=d.learn_sigma,
             backend=d.ops_backend,
             precision=cfg.engine.precision,
+            route=route,
         )
 
     def draw(self, k: torch.Tensor, generator: torch.Generator | None = None) -> TrainingTerms:
@@ -113,16 +121,21 @@ class Objective:
         *,
         seed: int,
         generator: torch.Generator | None = None,
+        routed: bool = True,
     ) -> torch.Tensor:
-        """(B,) per-sample loss of ``model(x_in, t_in, y)`` on x0 (B, C, H, W) at cells ``k`` with noise ``seed``."""
+        """(B,) per-sample loss of ``model(x_in, t_in, y)`` on x0 (B, C, H, W) at cells ``k`` with noise ``seed``.
+        ``routed``: draw the kept tokens of token routing (when the objective has ``route`` and the model trains)."""
         draw = self.draw(k, generator)
         x_in = q_sample_coef(x0, draw.a, draw.c, seed=seed, backend=self.backend)  # (B, C, H, W)
         t_in = draw.t_in.to(x0.dtype) if draw.t_in.is_floating_point() else draw.t_in
+        kw: dict[str, Any] = {}
+        if self.route is not None and self.route[1] < self.route[0] and routed and getattr(model, "training", False):
+            kw["route"] = draw_route(x0.shape[0], *self.route, generator, x0.device)  # (B, K)
         with self.autocast(x0.device):
             if not self.terms:
-                out = model(x_in, t_in, y)  # (B, C or 2C, H, W)
+                out = model(x_in, t_in, y, **kw)  # (B, C or 2C, H, W)
             else:  # the features the terms read come from the same pass
-                out, feats = model(x_in, t_in, y, features=self.features)  # feats: {j: (B, T, D)}
+                out, feats = model(x_in, t_in, y, features=self.features, **kw)  # feats: {j: (B, T, D)}
         per = self.loss(out, x0, x_in, draw, seed)  # (B,)
         if self.terms:
             inputs = TermInputs(x0, y, draw, x_in, seed, out[:, : x0.shape[1]].to(x0.dtype), feats)

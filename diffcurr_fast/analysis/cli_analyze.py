@@ -13,6 +13,8 @@ import csv
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from diffcurr_fast._files import check_writable
+
 if TYPE_CHECKING:
     import torch
 
@@ -76,10 +78,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _prepare_out(out: Path, names: tuple[str, ...], overwrite: bool) -> list[Path]:
+    """The result files ``names`` in ``out``, created as a folder, after checking that none exists (unless
+    ``overwrite``) and that each can be written (``check_writable``), before the analysis runs."""
     paths = [out / name for name in names]
     existing = [str(p) for p in paths if p.exists()]
     if existing and not overwrite:
         raise FileExistsError(f"refusing to overwrite {', '.join(existing)}; pass --overwrite to replace them")
+    for path in paths:
+        check_writable(path, "result file", "choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     return paths
 
@@ -101,6 +107,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--intervals must lie in [1, {args.num_timesteps}], got {args.intervals}")
     if args.analysis == "kl" and args.num_timesteps < 2:
         raise ValueError(f"kl needs --num-timesteps >= 2, got {args.num_timesteps}")
+    if args.beta_schedule == "linear" and args.num_timesteps < 20:  # its last beta, 0.02 * 1000 / T, would pass 1
+        raise ValueError(
+            f"--beta-schedule linear needs --num-timesteps >= 20 (its betas scale with 1000 / T), got "
+            f"{args.num_timesteps}; give more timesteps or --beta-schedule cosine"
+        )
     set_cpu_threads(args.threads)
     schedule = DDPMSchedule(args.num_timesteps, args.beta_schedule)
     paths = _prepare_out(Path(args.out), OUTPUTS[args.analysis], args.overwrite)

@@ -50,22 +50,26 @@ def _cuda() -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the extraction; prints how many latents the output now holds."""
+    """Run the extraction; prints how many latents the output now holds. Everything that needs no VAE (the VAE
+    folder's config, --data, --out and its options record) is checked before the VAE is loaded."""
     # imported here, not at the top: keeps --help free of torch
-    from diffcurr_fast.data.extract import extract_latents, load_vae
+    from diffcurr_fast.data.extract import (
+        check_extraction,
+        check_vae_dir,
+        extract_latents,
+        load_vae,
+        require_diffusers,
+    )
 
     if args.device is None:
         args.device = "cuda" if _cuda() else "cpu"
-
     try:
-        vae = load_vae(args.vae, args.device)
+        require_diffusers()
     except ImportError as exc:
         print(f"diffcurr-fast extract-latents: error: {exc}", file=sys.stderr)
         return 2
-    n = extract_latents(
-        vae,
-        args.data,
-        args.out,
+    check_vae_dir(args.vae)
+    options = dict(
         image_size=args.image_size,
         batch_size=args.batch_size,
         layout=args.layout,
@@ -73,11 +77,19 @@ def run(args: argparse.Namespace) -> int:
         sample=not args.mode,
         hflip=args.hflip,
         seed=args.seed,
-        shard_size=args.shard_size,
         dtype=args.dtype,
+        on_bad=args.on_bad,
+    )
+    folder, _ = check_extraction(args.data, args.out, **options)
+    vae = load_vae(args.vae, args.device)
+    n = extract_latents(
+        vae,
+        folder,
+        args.out,
+        **options,
+        shard_size=args.shard_size,
         device=args.device,
         num_workers=args.num_workers,
-        on_bad=args.on_bad,
         progress=not args.no_progress,
     )
     print(f"{n} latents in {args.out} ({args.layout} layout)")

@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from diffcurr_fast._files import write_json
+from diffcurr_fast._files import check_writable, read_json, write_json
 from diffcurr_fast.data.errors import check_on_bad
 from diffcurr_fast.data.images import ImageDataset, ImageFolder
 from diffcurr_fast.data.latents import FastDiTLatentWriter, ShardedLatentWriter
@@ -40,16 +40,38 @@ class LatentEncoder(Protocol):
     def encode(self, x: torch.Tensor): ...
 
 
-def load_vae(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-    """A diffusers ``AutoencoderKL`` from a local directory (never downloaded), in eval mode."""
-    try:
-        diffusers = importlib.import_module("diffusers")
-    except ImportError as exc:
-        raise ImportError("extract-latents needs diffusers for the VAE: pip install diffusers") from exc
-    if not Path(path).is_dir():
+def check_vae_dir(path: str | os.PathLike) -> None:
+    """FileNotFoundError / ValueError in one line naming ``path`` unless it is the folder of a diffusers
+    ``AutoencoderKL`` (its ``config.json`` says so): diffusers would load another model's folder as a VAE of random
+    weights, with a warning, and fail only when it encodes."""
+    path = Path(path)
+    if not path.is_dir():
         raise FileNotFoundError(
             f"VAE directory {path} not found (a diffusers AutoencoderKL saved with save_pretrained)"
         )
+    config = path / "config.json"
+    data = read_json(config, "the VAE's config") if config.is_file() else None
+    kind = data.get("_class_name") if isinstance(data, dict) else None
+    if kind != "AutoencoderKL":
+        why = f"its config.json describes a {kind}" if kind else "it has no diffusers config.json naming one"
+        inner = path / "vae" / "config.json"
+        hint = f"; its VAE is the folder {str(inner.parent)!r}" if inner.is_file() else ""
+        raise ValueError(f"VAE directory {str(path)!r} is not a diffusers AutoencoderKL ({why}){hint}")
+
+
+def require_diffusers():
+    """The ``diffusers`` module (an optional dependency), or ImportError saying how to install it."""
+    try:
+        return importlib.import_module("diffusers")
+    except ImportError as exc:
+        raise ImportError("extract-latents needs diffusers for the VAE: pip install diffusers") from exc
+
+
+def load_vae(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """A diffusers ``AutoencoderKL`` from a local directory (never downloaded, checked by ``check_vae_dir``), in
+    eval mode."""
+    diffusers = require_diffusers()
+    check_vae_dir(path)
     vae = diffusers.AutoencoderKL.from_pretrained(str(path), local_files_only=True, torch_dtype=dtype)
     return vae.eval().to(device)
 
@@ -113,6 +135,52 @@ def check_same_options(out: str | os.PathLike, options: dict) -> None:
         )
 
 
+def check_extraction(
+    data: str | os.PathLike | ImageFolder,
+    out: str | os.PathLike,
+    *,
+    image_size: int = 256,
+    batch_size: int = 32,
+    layout: str = "sharded",
+    scale: float = SD_VAE_SCALE,
+    sample: bool = True,
+    hflip: bool = False,
+    seed: int = 0,
+    dtype: str = "float16",
+    on_bad: str = "stop",
+) -> tuple[ImageFolder, dict]:
+    """(the image folder, the options record) of an extraction of ``data`` into ``out``, after every check that
+    needs no VAE: the options, the images of ``data`` (read and checked as ``on_bad`` says), that ``out`` can be
+    written (``check_writable``) and holds no latents of other options (``check_same_options``). ``extract-latents``
+    runs it before it loads the VAE; ``extract_latents`` runs it again (cheap with the folder it returns)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if image_size < 1:
+        raise ValueError(f"image_size must be >= 1, got {image_size}")
+    check_on_bad(on_bad)
+    if not isinstance(data, ImageFolder) and not Path(data).is_dir():
+        what = "is a file, not a folder" if Path(data).exists() else "does not exist"
+        raise FileNotFoundError(f"--data {str(data)!r} {what}; give the image folder (ROOT/<class>/<image>)")
+    folder = (
+        data if isinstance(data, ImageFolder) else ImageFolder(data, on_bad, "full" if on_bad == "skip" else "header")
+    )
+    options = {
+        "data": str(Path(folder.root).resolve()),
+        "image_size": image_size,
+        "layout": layout,
+        "sample": sample,
+        "hflip": hflip,
+        "seed": seed,
+        "scale": scale,
+        "dtype": dtype if layout == "sharded" else "float32",
+    }
+    check_writable(out, "--out", "give another --out", directory=True)
+    check_same_options(out, options)
+    return folder, options
+
+
 def extract_latents(
     vae: LatentEncoder,
     data: str | os.PathLike | ImageFolder,
@@ -138,26 +206,20 @@ def extract_latents(
     which keeps resuming exact); under ``"stop"`` the first bad image raises an error naming it.
     ``hflip`` flips each image with probability 1/2 (decided from ``seed``), as fast-DiT's extraction does.
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    check_on_bad(on_bad)
-    folder = (
-        data if isinstance(data, ImageFolder) else ImageFolder(data, on_bad, "full" if on_bad == "skip" else "header")
+    folder, options = check_extraction(
+        data,
+        out,
+        image_size=image_size,
+        batch_size=batch_size,
+        layout=layout,
+        scale=scale,
+        sample=sample,
+        hflip=hflip,
+        seed=seed,
+        dtype=dtype,
+        on_bad=on_bad,
     )
     n = len(folder)
-    options = {
-        "data": str(Path(folder.root).resolve()),
-        "image_size": image_size,
-        "layout": layout,
-        "sample": sample,
-        "hflip": hflip,
-        "seed": seed,
-        "scale": scale,
-        "dtype": dtype if layout == "sharded" else "float32",
-    }
-    check_same_options(out, options)
     dataset = ImageDataset(folder, image_size)
     flips = flip_decisions(np.arange(n), n, seed, 0) if hflip else np.zeros(n, dtype=bool)
     device = torch.device(device)
@@ -165,7 +227,7 @@ def extract_latents(
     if layout == "fastdit":
         writer = FastDiTLatentWriter(out)
     elif (Path(out) / "index.json").is_file():
-        meta = json.loads((Path(out) / "index.json").read_text(encoding="utf-8"))
+        meta = read_json(Path(out) / "index.json", "the latents index")
         writer = ShardedLatentWriter(out, tuple(meta["latent_shape"]), shard_size, meta["dtype"], scale)
     start = writer.num_written if writer is not None else 0
     Path(out).mkdir(parents=True, exist_ok=True)

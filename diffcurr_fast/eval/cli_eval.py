@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from diffcurr_fast._files import write_json
+from diffcurr_fast._files import check_writable, write_json
 
 # The evaluation modules (torch) are imported in run(): `diffcurr-fast eval --help` stays instant. The names of
 # features.EXTRACTORS (a test keeps the two equal):
@@ -102,10 +102,14 @@ BUILTIN_REFERENCES = ("digits", "mnist5k")  # the references evaluate.load_refer
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
-    """The files the command writes by name: an existing one is refused unless ``--overwrite`` (as ``sample``)."""
+    """The files the command writes by name: an existing one is refused unless ``--overwrite`` (as ``sample``), and
+    one that cannot be written (a folder that refuses new files, a path under a file) is refused before the work."""
     for flag, path in (("--save-ref", args.save_ref), ("--json", args.json)):
-        if path is not None and os.path.exists(path) and not args.overwrite:
+        if path is None:
+            continue
+        if os.path.exists(path) and not args.overwrite:
             raise FileExistsError(f"{flag} {path!r} exists; pass --overwrite to replace it")
+        check_writable(path, flag, f"choose another {flag} PATH")
     if args.vae is not None and args.samples is None:
         raise ValueError(
             "--vae decodes the latents of --samples; with --ckpt, write them first with "
@@ -198,6 +202,8 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> int:
         if args.ckpt is not None:
             draw()
         return 0
+    if args.samples is not None:  # read first: a bad file is named before the extractor and reference are made
+        samples = load_latents(args.samples, "--samples") if args.vae else load_images(args.samples, "--samples")
     if args.extractor is None:
         args.extractor = args.ref if args.ref in ("digits", "mnist5k") else "inception"
     extractor = get_extractor(
@@ -208,7 +214,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> int:
         convert=args.convert,
         overwrite=args.overwrite,
     )
-    reference = load_reference(args.ref, extractor)
+    reference = load_reference(args.ref, extractor, "--ref")
     if args.save_ref is not None:
         reference.save(args.save_ref)
         print(f"reference statistics ({extractor.name}: {extractor.label}) written to {args.save_ref}")
@@ -216,11 +222,11 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> int:
         # imported here, not at the top: keeps --help free of torch
         from diffcurr_fast.data.extract import decode_latents, load_decoder
 
-        z = load_latents(args.samples)  # (N, C, h, w) unscaled latents
-        images = decode_latents(load_decoder(args.vae, args.device), z, args.vae_batch)  # (N, 3, H, W) in [-1, 1]
+        # samples: (N, C, h, w) unscaled latents -> images (N, 3, H, W) in [-1, 1]
+        images = decode_latents(load_decoder(args.vae, args.device), samples, args.vae_batch)
         print(f"decoded {len(images)} latents of {args.samples} with {args.vae}")
     elif args.samples is not None:
-        images = load_images(args.samples)
+        images = samples
     elif args.ckpt is not None:
         images = draw()
         ranks = f", {world} ranks" if world > 1 else ""

@@ -17,21 +17,27 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from diffcurr_fast._files import load_npz
 from diffcurr_fast.data.builtin import load_mnist5k_tensors
 from diffcurr_fast.eval.features import FeatureExtractor, load_digits_data
 from diffcurr_fast.eval.metrics import feature_statistics, frechet_distance, inception_score, precision_recall
-from diffcurr_fast.runs.checkpoint import check_finite_weights, load_checkpoint, resolve_checkpoint
+from diffcurr_fast.runs.checkpoint import load_checkpoint, resolve_checkpoint
 from diffcurr_fast.runs.config import TrainConfig, config_from_dict, resolve_sampler
 from diffcurr_fast.runs.posthoc_ema import reconstruct
-from diffcurr_fast.runs.sampling import batch_slices, build_model, build_schedule, sample_batch, sampling_readout
+from diffcurr_fast.runs.sampling import batch_slices, build_schedule, checkpoint_dit, sample_batch, sampling_readout
 
 
-def load_images(path: str | os.PathLike) -> torch.Tensor:
-    """Images (N, C, H, W) float32 in [-1, 1] from a samples ``.npz``: ``images``, ``x`` (as written by
-    ``diffcurr-fast sample``) or ADM's uint8 ``arr_0`` (N, H, W, C). Latents (``x`` of a latent model: not 1 or 3
-    channels, or values outside [-1, 1]) are refused with the flag that decodes them (``eval --vae``), and NaN or
-    inf values with the first sample holding them."""
-    key, x = _sample_array(path)
+def load_images(path: str | os.PathLike, what: str = "samples file") -> torch.Tensor:
+    """Images (N, C, H, W) float32 in [-1, 1] from a samples ``.npz`` (``what`` names it in errors, e.g.
+    ``--samples``): ``images``, ``x`` (as written by ``diffcurr-fast sample``) or ADM's uint8 ``arr_0`` (N, H, W, C).
+    Latents (``x`` of a latent model: not 1 or 3 channels, or values outside [-1, 1]) are refused with the flag that
+    decodes them (``eval --vae``), and NaN or inf values with the first sample holding them."""
+    return _images(path, load_npz(path, what))
+
+
+def _images(path: str | os.PathLike, arrays: dict[str, np.ndarray]) -> torch.Tensor:
+    """``load_images`` of the arrays already read from ``path``."""
+    key, x = _sample_array(path, arrays)
     if key == "arr_0":
         return x
     if x.shape[1] not in (1, 3):
@@ -39,7 +45,7 @@ def load_images(path: str | os.PathLike) -> torch.Tensor:
             f"{path}: '{key}' holds {x.shape[1]}-channel latents, not 1- or 3-channel images; decode "
             "them with --vae DIR (the diffusers AutoencoderKL of the training data)"
         )
-    if x.numel() and (float(x.min()) < -1.001 or float(x.max()) > 1.001):
+    if float(x.min()) < -1.001 or float(x.max()) > 1.001:
         raise ValueError(
             f"{path}: '{key}' must be in [-1, 1], got [{float(x.min()):.3g}, {float(x.max()):.3g}]; latents need "
             "--vae DIR to decode them"
@@ -47,10 +53,10 @@ def load_images(path: str | os.PathLike) -> torch.Tensor:
     return x.clamp(-1, 1)
 
 
-def load_latents(path: str | os.PathLike) -> torch.Tensor:
+def load_latents(path: str | os.PathLike, what: str = "samples file") -> torch.Tensor:
     """The unscaled latents z (N, C, H, W) float32 of a latent model's samples ``.npz`` (``x``, as
     ``diffcurr-fast sample`` writes them without ``--vae``), for ``eval --vae`` to decode."""
-    key, x = _sample_array(path)
+    key, x = _sample_array(path, load_npz(path, what))
     if key != "x":
         raise ValueError(
             f"{path}: --vae decodes the latents 'x' (N, C, H, W) of `diffcurr-fast sample`, but this "
@@ -59,24 +65,23 @@ def load_latents(path: str | os.PathLike) -> torch.Tensor:
     return x
 
 
-def _sample_array(path: str | os.PathLike) -> tuple[str, torch.Tensor]:
-    """(key, float32 array (N, C, H, W)) of a samples ``.npz``; ``arr_0`` already converted to [-1, 1]. ValueError
-    naming the file and the first sample for NaN or inf values."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"samples file {path} not found")
-    with np.load(path) as f:
-        key = "images" if "images" in f else ("x" if "x" in f else None)
-        if key is not None:
-            x = torch.from_numpy(np.asarray(f[key], dtype=np.float32))
-            if x.ndim != 4:
-                raise ValueError(f"{path}: '{key}' must be (N, C, H, W), got shape {tuple(x.shape)}")
-        elif "arr_0" in f:
-            a = f["arr_0"]
-            if a.dtype != np.uint8 or a.ndim != 4:
-                raise ValueError(f"{path}: 'arr_0' must be uint8 (N, H, W, C), got {a.dtype} {a.shape}")
-            return "arr_0", torch.from_numpy(a).permute(0, 3, 1, 2).float() / 127.5 - 1.0  # (N, C, H, W)
-        else:
-            raise ValueError(f"{path}: expected an array 'images' (N, C, H, W) or 'arr_0', found {sorted(f.files)}")
+def _sample_array(path: str | os.PathLike, arrays: dict[str, np.ndarray]) -> tuple[str, torch.Tensor]:
+    """(key, float32 array (N, C, H, W)) of the ``arrays`` of the samples ``.npz`` ``path``; ``arr_0`` already
+    converted to [-1, 1]. ValueError naming the file for an array of no images, and the first sample for NaN or
+    inf values."""
+    key = next((k for k in ("images", "x", "arr_0") if k in arrays), None)
+    if key is None:
+        raise ValueError(f"{path}: expected an array 'images' (N, C, H, W) or 'arr_0', found {sorted(arrays)}")
+    a = arrays[key]
+    if key == "arr_0" and (a.dtype != np.uint8 or a.ndim != 4):
+        raise ValueError(f"{path}: 'arr_0' must be uint8 (N, H, W, C), got {a.dtype} {a.shape}")
+    if a.ndim != 4:
+        raise ValueError(f"{path}: '{key}' must be (N, C, H, W), got shape {a.shape}")
+    if a.size == 0:
+        raise ValueError(f"{path}: '{key}' holds no images (shape {a.shape}); give a file of samples to evaluate")
+    if key == "arr_0":
+        return key, torch.from_numpy(a).permute(0, 3, 1, 2).float() / 127.5 - 1.0  # (N, C, H, W)
+    x = torch.from_numpy(np.asarray(a, dtype=np.float32))
     bad = (~torch.isfinite(x)).flatten(1).any(1).nonzero()
     if len(bad):
         raise ValueError(
@@ -110,13 +115,11 @@ def checkpoint_model(
             f"{ckpt}: the model generates {m.in_channels}-channel latents, not images; write them with "
             "`diffcurr-fast sample --out s.npz` and evaluate with --samples s.npz --vae DIR"
         )
-    model = build_model(cfg)
     if ema_length is not None:  # the run directory holds checkpoints/ and phema/
         sd, _ = reconstruct(path.parent.parent, ema_length, step=int(state["step"]))
     else:
         sd = state["ema"]["module"] if weights == "ema" else state["model"]
-    check_finite_weights(sd, f"checkpoint {path} ({weights} weights)")
-    model.load_state_dict(sd)
+    model = checkpoint_dit(state, cfg, sd, f"checkpoint {path} ({weights} weights)")
     return model.to(device).eval(), cfg
 
 
@@ -194,6 +197,7 @@ class Reference:
         """Write as ``.npz`` (pytorch-fid's ``mu``/``sigma`` keys plus ``features``, ``extractor``, ``source``)."""
         extra = {"features": self.features} if self.features is not None else {}
         path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "wb") as fh:  # written as named (np.savez of a name would append .npz), then renamed
             np.savez(
@@ -215,9 +219,9 @@ def reference_from_images(images: torch.Tensor, extractor: FeatureExtractor, sou
     return Reference(mu, sigma, feats, extractor.name, source, len(feats))
 
 
-def load_reference(spec: str, extractor: FeatureExtractor) -> Reference:
+def load_reference(spec: str, extractor: FeatureExtractor, what: str = "reference") -> Reference:
     """A reference: ``"digits"`` (all 1,797 built-in digits), ``"mnist5k"`` (the 1,000 images of its held-out
-    split) or a ``.npz`` of statistics or of images."""
+    split) or a ``.npz`` of statistics or of images (``what`` names it in errors, e.g. ``--ref``)."""
     if spec == "digits":
         xtr, _, xte, _ = load_digits_data()
         return reference_from_images(torch.cat([xtr, xte]), extractor, "sklearn digits (1797 images)")
@@ -228,20 +232,19 @@ def load_reference(spec: str, extractor: FeatureExtractor) -> Reference:
         raise FileNotFoundError(
             f"reference {spec} not found (a statistics .npz, an images .npz, 'digits' or 'mnist5k')"
         )
-    with np.load(spec) as f:
-        files = set(f.files)
-        if {"mu", "sigma"} <= files:
-            made_by = str(f["extractor"]) if "extractor" in files else "inception"
-            if made_by != extractor.name:
-                raise ValueError(
-                    f"{spec} holds {made_by!r} statistics but the extractor is {extractor.name!r}; "
-                    f"use --extractor {made_by} or recompute the reference"
-                )
-            feats = np.asarray(f["features"], dtype=np.float64) if "features" in files else None
-            src = str(f["source"]) if "source" in files else spec
-            count = int(f["count"]) if "count" in files else (len(feats) if feats is not None else 0)
-            return Reference(f["mu"].astype(np.float64), f["sigma"].astype(np.float64), feats, made_by, src, count)
-    return reference_from_images(load_images(spec), extractor, spec)
+    f = load_npz(spec, what)
+    if not {"mu", "sigma"} <= set(f):
+        return reference_from_images(_images(spec, f), extractor, spec)
+    made_by = str(f["extractor"]) if "extractor" in f else "inception"
+    if made_by != extractor.name:
+        raise ValueError(
+            f"{spec} holds {made_by!r} statistics but the extractor is {extractor.name!r}; "
+            f"use --extractor {made_by} or recompute the reference"
+        )
+    feats = np.asarray(f["features"], dtype=np.float64) if "features" in f else None
+    src = str(f["source"]) if "source" in f else spec
+    count = int(f["count"]) if "count" in f else (len(feats) if feats is not None else 0)
+    return Reference(f["mu"].astype(np.float64), f["sigma"].astype(np.float64), feats, made_by, src, count)
 
 
 @dataclass

@@ -18,6 +18,8 @@ import numpy as np
 import scipy.linalg
 import torch
 
+from diffcurr_fast._files import load_npz
+
 ArrayLike = np.ndarray | torch.Tensor
 
 
@@ -81,14 +83,15 @@ def save_statistics(path: str | os.PathLike, mu: ArrayLike, sigma: ArrayLike, **
 
 
 def load_statistics(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray, dict[str, str]]:
-    """(mu, sigma, metadata) from a statistics ``.npz`` (ours or pytorch-fid's)."""
+    """(mu, sigma, metadata) from a statistics ``.npz`` (ours or pytorch-fid's); a file that is not one is named in
+    one line (``_files.load_npz``)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"reference statistics {path} not found")
-    with np.load(path) as f:
-        if "mu" not in f or "sigma" not in f:
-            raise ValueError(f"{path}: needs arrays 'mu' and 'sigma', found {sorted(f.files)}")
-        meta = {k: str(f[k]) for k in f.files if k not in ("mu", "sigma")}
-        return f["mu"].astype(np.float64), f["sigma"].astype(np.float64), meta
+    f = load_npz(path, "reference statistics")
+    if "mu" not in f or "sigma" not in f:
+        raise ValueError(f"{path}: needs arrays 'mu' and 'sigma', found {sorted(f)}")
+    meta = {k: str(v) for k, v in f.items() if k not in ("mu", "sigma")}
+    return f["mu"].astype(np.float64), f["sigma"].astype(np.float64), meta
 
 
 def inception_score(probs: ArrayLike, splits: int = 10) -> tuple[float, float]:

@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from diffcurr_fast.diffusion.samplers import guided_forward
 from diffcurr_fast.models.attention import ATTENTION_BACKENDS, attention, prepare
 from diffcurr_fast.models.dtr import DTRConfig, dtr_mask
-from diffcurr_fast.ops import adaln_modulate, gated_residual, gelu_tanh
+from diffcurr_fast.ops import adaln_modulate, gated_residual, gelu_tanh, token_gather, token_scatter
 
 __all__ = [
     "DiT",
@@ -325,6 +325,9 @@ class DiT(nn.Module):
         fused_adaln: use ``diffcurr_fast.ops.adaln_modulate`` / ``gated_residual`` / ``gelu_tanh`` in the blocks.
         dtr: Denoising Task Routing settings (a ``DTRConfig`` or its dict), or None.
         num_timesteps: T; integer t must lie in [0, T). Also the DTR task count.
+        routing: (start, end), the blocks [start, end) that token routing lets a share of the tokens skip in
+            training (``models.routing``, TREAD); the kept tokens are given to ``forward`` as ``route``. None: no
+            routing. No parameters: the state dict is the plain model's.
     """
 
     def __init__(
@@ -347,6 +350,7 @@ class DiT(nn.Module):
         fused_adaln: bool = False,
         dtr: DTRConfig | dict[str, float] | None = None,
         num_timesteps: int = 1000,
+        routing: Sequence[int] | None = None,
     ):
         super().__init__()
         _check_int("input_size", input_size, 1)
@@ -370,6 +374,12 @@ class DiT(nn.Module):
             raise ValueError(f"dtr must be None, a DTRConfig or a dict of its fields, got {type(dtr).__name__}")
         if dtr is not None and num_timesteps < 2:
             raise ValueError(f"dtr needs num_timesteps >= 2, got {num_timesteps}")
+        if routing is not None:
+            routing = [int(v) for v in routing]
+            if len(routing) != 2 or not 0 <= routing[0] < routing[1] <= depth:
+                raise ValueError(
+                    f"routing must be (start, end) blocks with 0 <= start < end <= depth {depth}, got {routing}"
+                )
         block_num_heads = _block_list("block_num_heads", block_num_heads, depth)
         block_mlp_hidden = _block_list("block_mlp_hidden", block_mlp_hidden, depth)
 
@@ -391,6 +401,7 @@ class DiT(nn.Module):
             fused_adaln=bool(fused_adaln),
             dtr=None if dtr is None else dtr.to_dict(),
             num_timesteps=num_timesteps,
+            routing=routing,
         )
         self.learn_sigma = learn_sigma
         self.in_channels = in_channels
@@ -403,6 +414,7 @@ class DiT(nn.Module):
         self.num_timesteps = num_timesteps
         self.grad_checkpointing = bool(grad_checkpointing)
         self.dtr = dtr
+        self.routing = None if routing is None else (routing[0], routing[1])
         # The range checks of t and y read values back to the host (a device sync); a trainer whose t come from
         # its own sampler and whose labels were checked at load switches them off for its steps.
         self.check_values = True
@@ -441,6 +453,7 @@ class DiT(nn.Module):
         for key in ("block_num_heads", "block_mlp_hidden"):
             cfg[key] = None if cfg[key] is None else list(cfg[key])
         cfg["dtr"] = None if cfg["dtr"] is None else dict(cfg["dtr"])
+        cfg["routing"] = None if cfg.get("routing") is None else list(cfg["routing"])
         return cfg
 
     @classmethod
@@ -552,6 +565,7 @@ class DiT(nn.Module):
         *,
         force_drop_ids: torch.Tensor | None = None,
         features: Sequence[int] = (),
+        route: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Forward pass of DiT.
 
@@ -562,6 +576,8 @@ class DiT(nn.Module):
             force_drop_ids: optional (N,) tensor; entries equal to 1 use the null label.
             features: block indices j (0-based) whose output tokens to return as well, from the same pass (what a
                 training term reads, ``diffcurr_fast.terms``); empty: the output alone.
+            route: (N, K) int64 indices of the tokens that the blocks of ``routing`` process (token routing in
+                training, ``models.routing``; the others skip them); None: every token, every block.
 
         Returns:
             (N, out_channels, H, W); with ``features``, also {j: (N, T, D) tokens after block j}.
@@ -578,14 +594,22 @@ class DiT(nn.Module):
         t = self.t_embedder(t)  # (N, D)
         y = self.y_embedder(y, self.training, force_drop_ids)  # (N, D)
         c = t + y  # (N, D)
+        if route is not None and self.routing is None:
+            raise ValueError("route given to a DiT built without routing (DiT(routing=(start, end)))")
+        start, end = self.routing if route is not None else (-1, -1)
         kept: dict[int, torch.Tensor] = {}
         for j, block in enumerate(self.blocks):
+            if j == start:
+                before = x  # (N, T, D): the value the routed tokens keep (TREAD's x_D_last)
+                x = token_gather(x, route)  # (N, K, D)
             if self.grad_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, c, mask, use_reentrant=False)  # (N, T, D)
+                x = checkpoint(block, x, c, mask, use_reentrant=False)  # (N, T or K, D)
             else:
-                x = block(x, c, mask)  # (N, T, D)
+                x = block(x, c, mask)  # (N, T or K, D)
+            if j == end - 1:
+                x = token_scatter(before, route, x)  # (N, T, D)
             if j in features:
-                kept[j] = x  # (N, T, D)
+                kept[j] = token_scatter(before, route, x) if start <= j < end - 1 else x  # (N, T, D)
         x = self.final_layer(x, c)  # (N, T, patch_size ** 2 * out_channels)
         out = self.unpatchify(x)  # (N, out_channels, H, W)
         return (out, kept) if features else out

@@ -8,7 +8,8 @@ implementations, so they compose with ``torch.compile``. ``q_sample`` and ``diff
 Triton forwards through the opaque custom ops ``diffcurr_fast::q_sample`` / ``diffusion_loss`` (under
 ``torch.compile`` with the noise given they trace their plain-torch definition, which inductor fuses:
 ``_common.traced_under_compile``); the DiT block ops are custom ops with autograd registrations; ``gelu_tanh`` (the
-MLP's activation) is a CPU kernel where it beats torch's, torch's own elsewhere.
+MLP's activation) is a CPU kernel where it beats torch's, torch's own elsewhere; ``token_gather`` and
+``token_scatter`` route the kept tokens of token routing past a span of blocks and back.
 """
 
 from diffcurr_fast.ops._backend import BACKENDS, available_backends, resolve
@@ -25,6 +26,8 @@ from diffcurr_fast.ops.gelu import gelu_tanh, gelu_tanh_ref
 from diffcurr_fast.ops.philox import normalize_seed, philox_randn, philox_randn_ref
 from diffcurr_fast.ops.q_sample import q_sample, q_sample_coef, q_sample_ref
 from diffcurr_fast.ops.sample_timesteps import check_weights, sample_timesteps, sample_timesteps_ref
+from diffcurr_fast.ops.token_gather import token_gather, token_gather_ref
+from diffcurr_fast.ops.token_scatter import token_scatter, token_scatter_ref
 
 __all__ = [
     "BACKENDS",
@@ -50,4 +53,8 @@ __all__ = [
     "resolve",
     "sample_timesteps",
     "sample_timesteps_ref",
+    "token_gather",
+    "token_gather_ref",
+    "token_scatter",
+    "token_scatter_ref",
 ]

@@ -124,10 +124,8 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], keep_
     return path
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """``torch.load(path, weights_only=True)``, its config in today's keys (``upgrade_saved``); FileNotFoundError /
-    ValueError with the path on failure."""
-    path = Path(path)
+def _read_checkpoint(path: Path, map_location: str | torch.device) -> dict[str, Any]:
+    """``torch.load(path, weights_only=True)`` of a training checkpoint, its config in today's keys."""
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
     try:
@@ -142,41 +140,110 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     return state
 
 
+def intact_before(path: str | Path) -> Path | None:
+    """The newest checkpoint of the run holding ``path`` (a ``checkpoints/ckpt_<step>.pt``) that is older than
+    ``path`` and loads; None when there is none (or ``path`` is not in a run's checkpoints folder)."""
+    path = Path(path)
+    if path.parent.name != CKPT_DIR or not _NAME.match(path.name):
+        return None
+    for _, prev in reversed([(s, p) for s, p in list_checkpoints(path.parent.parent) if p.name < path.name]):
+        try:
+            _read_checkpoint(prev, "cpu")
+        except (CorruptCheckpointError, ValueError):
+            continue
+        return prev
+    return None
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """``torch.load(path, weights_only=True)``, its config in today's keys (``upgrade_saved``); FileNotFoundError /
+    ValueError with the path on failure. A corrupt checkpoint of a run (a truncated newest one) names the earlier
+    checkpoint that loads, to pass instead (``sample``, ``export``, ``eval --ckpt``)."""
+    path = Path(path)
+    try:
+        return _read_checkpoint(path, map_location)
+    except CorruptCheckpointError as exc:
+        prev = intact_before(path)
+        if prev is None:
+            raise
+        raise CorruptCheckpointError(
+            f"{exc}; the earlier checkpoint {str(prev)!r} of the run is intact: pass that file instead"
+        ) from None
+
+
 class CorruptCheckpointError(ValueError):
     """A checkpoint file cannot be read with ``weights_only=True`` (truncated, corrupt, or not ours)."""
 
 
 def load_resume_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """``load_checkpoint`` of the newest checkpoint of a run; when it is corrupt, the error names the previous
-    checkpoint that loads, and how to continue from it."""
+    checkpoint that loads (``intact_before``), and how to continue from it."""
     path = Path(path)
     try:
-        return load_checkpoint(path, map_location)
+        return _read_checkpoint(path, map_location)
     except CorruptCheckpointError as exc:
-        older = [p for s, p in list_checkpoints(path.parent.parent) if p != path and p.name < path.name]
-        for prev in reversed(older):
-            try:
-                load_checkpoint(prev, "cpu")
-            except (CorruptCheckpointError, ValueError):
-                continue
-            raise CorruptCheckpointError(
-                f"{exc}; the previous checkpoint {prev.name} is intact: move {path.name} out of {path.parent} and "
-                "rerun with --resume to continue from it"
-            ) from None
-        raise CorruptCheckpointError(f"{exc}; no earlier intact checkpoint in {path.parent}") from None
+        prev = intact_before(path)
+        if prev is None:
+            raise CorruptCheckpointError(f"{exc}; no earlier intact checkpoint in {path.parent}") from None
+        raise CorruptCheckpointError(
+            f"{exc}; the previous checkpoint {prev.name} is intact: move {path.name} out of {path.parent} and "
+            "rerun with --resume to continue from it"
+        ) from None
 
 
 def resolve_checkpoint(path_or_run: str | Path) -> Path:
-    """A checkpoint file, or a run directory (its newest checkpoint)."""
+    """A checkpoint file, or a run directory (its newest checkpoint). A TDC run directory, which has no
+    checkpoint of its own, is refused with the bundle to sample instead."""
     p = Path(path_or_run)
     if p.is_dir():
         latest = latest_checkpoint(p)
         if latest is None:
+            if (p / "tdc.json").is_file() or (p / "bundle").is_dir():  # a TDC run (tdc/pipeline.py's layout)
+                bundle = p / "bundle"
+                what = (
+                    f"sample its multi-expert bundle with --bundle {str(bundle)!r}"
+                    if (bundle / "train_config.json").is_file()
+                    else "its multi-expert bundle (bundle/) is not written yet"
+                )
+                raise FileNotFoundError(
+                    f"{str(p)!r} is a TDC run directory, which holds no checkpoint of its own: {what}, or pass the run "
+                    f"of its base model ({str(p / 'stage1')!r}) or of an expert ({str(p / 'group_<i>' / 'finetune')!r})"
+                )
             raise FileNotFoundError(f"run directory {str(p)!r} has no checkpoint under {CKPT_DIR}/")
         return latest
     if not p.is_file():
         raise FileNotFoundError(f"checkpoint {str(p)!r} does not exist")
     return p
+
+
+def load_weights(model: torch.nn.Module, weights: dict[str, Any], what: str) -> torch.nn.Module:
+    """Load ``weights`` into ``model`` strictly; ValueError in one line naming ``what`` (the checkpoint and its
+    weights) when they hold NaN or inf (``check_finite_weights``) or do not fit the model its config describes: the
+    first key of another shape, missing or unexpected, with the counts (torch's error is many lines)."""
+    check_finite_weights(weights, what)
+    own = model.state_dict()
+    shapes = [k for k, v in own.items() if k in weights and tuple(weights[k].shape) != tuple(v.shape)]
+    missing = [k for k in own if k not in weights]
+    unexpected = [k for k in weights if k not in own]
+    if shapes or missing or unexpected:
+        if shapes:
+            k = shapes[0]
+            first = f"{k!r} is {tuple(weights[k].shape)} in the weights but {tuple(own[k].shape)} in the model"
+        elif missing:
+            first = f"{missing[0]!r} is missing from the weights"
+        else:
+            first = f"{unexpected[0]!r} is in the weights but not in the model"
+        counts = ", ".join(
+            f"{len(items)} key{'s' if len(items) > 1 else ''} {kind}"
+            for kind, items in (("of another shape", shapes), ("missing", missing), ("unexpected", unexpected))
+            if items
+        )
+        raise ValueError(
+            f"{what}: the weights do not match the model the checkpoint's config describes: {first} ({counts}); "
+            "the checkpoint's config or weights were changed or damaged"
+        )
+    model.load_state_dict(weights)
+    return model
 
 
 def export_safetensors(state_dict: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, Any]) -> Path:

@@ -33,6 +33,7 @@ def _owned(module: str, name: str, *, before: tuple = ()) -> Callable[[], tuple]
 
 # Every choice of a lower layer is defined by the module that implements it; the config only refers to it.
 MODEL_PRESETS = _owned("diffcurr_fast.models.dit", "DIT_PRESETS", before=("custom",))
+ROUTINGS = _owned("diffcurr_fast.models.routing", "ROUTINGS")
 FORMULATIONS = _owned("diffcurr_fast.diffusion", "FORMULATIONS")
 PREDICTIONS = _owned("diffcurr_fast.diffusion", "ALL_PREDICTIONS", before=("auto",))
 BETA_SCHEDULES = _owned("diffcurr_fast.diffusion.ddpm", "BETA_SCHEDULES")
@@ -137,6 +138,13 @@ class ModelConfig:
         False, "run the blocks' elementwise ops fused (adaLN modulate, gated residual, tanh-GELU)"
     )
     dtr: bool = _field(False, "Denoising Task Routing (timestep-dependent channel masks)")
+    routing: str = _field("none", "token routing in training: tread (a share of the tokens skips a span)", ROUTINGS)
+    routing_keep: float = _unit(
+        0.5, "routing: share of each sample's tokens that the span's blocks process", lo_open=True
+    )
+    routing_start: int = _nonneg(2, "routing: the span's first block (0-based)")
+    routing_end: int | None = _field(None, "routing: the block after the span (exclusive; None: depth - 2)", lo=1)
+    routing_until: int = _nonneg(0, "routing: the step from which every token runs every block again (0: never)")
     init_from: str = _field(
         "",
         "fine-tune: initial weights (.pt state dict such as DiT-XL-2-256x256.pt, one of our "
@@ -172,6 +180,17 @@ class ModelConfig:
             check_dims(self.input_size, self.patch_size, self.hidden_size, self.num_heads)
         except ValueError as exc:
             raise ValueError(f"model: {exc}") from None
+        if self.routing != "none":
+            start, end = self.routing_span()
+            if not start < end <= self.depth:
+                raise ValueError(
+                    f"model.routing spans blocks [{start}, {end}) (model.routing_start, model.routing_end), which must "
+                    f"hold at least one of the {self.depth} blocks (0 <= start < end <= depth)"
+                )
+
+    def routing_span(self) -> tuple[int, int]:
+        """The blocks [start, end) that token routing spans (``routing_end`` None: depth - 2)."""
+        return self.routing_start, self.routing_end if self.routing_end is not None else self.depth - 2
 
 
 CUSTOM_DIMS = {"patch_size": 2, "hidden_size": 128, "depth": 6, "num_heads": 4}
@@ -210,6 +229,11 @@ class DiffusionConfig:
     def validate(self) -> None:
         if not self.sigma_min < self.sigma_max:
             raise ValueError(f"diffusion.sigma_min {self.sigma_min} must be < diffusion.sigma_max {self.sigma_max}")
+        if self.formulation == "ddpm" and self.beta_schedule == "linear" and self.num_timesteps < 20:
+            raise ValueError(  # its last beta, 0.02 x 1000 / T, would pass 1
+                "diffusion.beta_schedule 'linear' needs diffusion.num_timesteps >= 20 (its betas scale with 1000 / T), "
+                f"got {self.num_timesteps}; give more timesteps or diffusion.beta_schedule=cosine"
+            )
         # imported here, not at the top: keeps --help free of torch
         from diffcurr_fast.diffusion import TRAIN_PREDICTIONS
 
@@ -844,8 +868,8 @@ def _set_field(cfg: TrainConfig, dotted: str, value: Any, source: tuple[int, str
 # Sections whose values must match between a checkpoint and the run resuming from it (they define the model,
 # the objective and the curriculum's state); the others (steps, LR, logging, ...) may change on resume.
 RESUME_LOCKED = ("model", "diffusion", "curriculum", "timesteps")
-# A checkpoint written before a section existed has that section's defaults.
-_DEFAULTS = {"timesteps": dataclasses.asdict(TimestepsConfig())}
+# A checkpoint written before a section or a key existed has its defaults.
+_DEFAULTS = {sec: dataclasses.asdict(SECTIONS[sec]()) for sec in RESUME_LOCKED}
 # Keys of other sections that must match too: the batches (their size and order) and every RNG stream derive from
 # them, so a resume with another value could not continue the run it names.
 RESUME_LOCKED_KEYS = (("data", "batch_size"), ("engine", "seed"))
@@ -854,7 +878,8 @@ RESUME_FREE = {("model", "init_from")}
 
 
 def resume_mismatches(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
-    """Keys of the locked sections whose values differ between ``saved`` (a ``to_dict``) and ``cfg``."""
+    """Keys of the locked sections whose values differ between ``saved`` (a ``to_dict``) and ``cfg``; a key the
+    saved config predates counts as its default."""
     now = cfg.to_dict()
     diffs = []
     for sec in RESUME_LOCKED:
@@ -862,8 +887,9 @@ def resume_mismatches(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
         for key in sorted(set(a) | set(b)):
             if (sec, key) in RESUME_FREE:
                 continue
-            if a.get(key) != b.get(key):
-                diffs.append(f"{sec}.{key}: checkpoint {a.get(key)!r} vs now {b.get(key)!r}")
+            was = a[key] if key in a else _DEFAULTS.get(sec, {}).get(key)  # a key newer than the checkpoint
+            if was != b.get(key):
+                diffs.append(f"{sec}.{key}: checkpoint {was!r} vs now {b.get(key)!r}")
     for sec, key in RESUME_LOCKED_KEYS:
         a, b = saved.get(sec, {}).get(key), now[sec][key]
         if a != b:

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from diffcurr_fast._lazy import pyplot
 from diffcurr_fast.diffusion import (
+    FORMULATION_LIMITS,
     DDPMSchedule,
     EDMDenoiser,
     EDMFormulation,
@@ -38,7 +39,8 @@ from diffcurr_fast.diffusion import (
 )
 from diffcurr_fast.models import DiT, DTRConfig
 from diffcurr_fast.models.dit import LabelEmbedder
-from diffcurr_fast.runs.config import with_article
+from diffcurr_fast.runs.checkpoint import load_weights
+from diffcurr_fast.runs.config import resolve_sampler, with_article
 
 if TYPE_CHECKING:
     from diffcurr_fast.runs.config import TrainConfig
@@ -72,6 +74,7 @@ def build_model(cfg: TrainConfig) -> DiT:
         fused_adaln=m.fused_adaln,
         dtr=DTRConfig() if m.dtr else None,
         num_timesteps=cfg.diffusion.num_timesteps,
+        routing=m.routing_span() if m.routing != "none" else None,
     )
     # the config has resolved a preset into its dimensions (``ModelConfig.validate``)
     return DiT(
@@ -82,6 +85,34 @@ def build_model(cfg: TrainConfig) -> DiT:
         mlp_ratio=m.mlp_ratio,
         **kw,
     )
+
+
+def checkpoint_dit(state: dict[str, Any], cfg: TrainConfig, weights: dict[str, Any], what: str) -> DiT:
+    """The DiT of the training checkpoint ``state`` (read with ``checkpoint.load_checkpoint``; ``cfg`` its config)
+    holding ``weights`` (its EMA or raw weights, or a post-hoc EMA): built from the ``model_config`` the checkpoint
+    records (a pruned expert's own architecture), else from ``cfg``, and loaded by ``checkpoint.load_weights``, which
+    names ``what`` in one line when the weights are not finite or do not fit. ``sample`` and ``export`` load with it."""
+    model = DiT.from_config(state["model_config"]) if "model_config" in state else build_model(cfg)
+    return load_weights(model, weights, what)
+
+
+def check_sampler(sampler: str, steps: int, cfg: TrainConfig) -> str:
+    """The sampler a command runs on the model of ``cfg`` (``auto``: the formulation's own, ``resolve_sampler``);
+    ValueError naming ``--sampler`` when it cannot sample the formulation, or ``--steps`` when it is not in [1, T]
+    for a DDPM model. The commands check this right after reading a checkpoint's config, before building its model."""
+    form = cfg.diffusion.formulation
+    sampler = resolve_sampler(sampler, form)
+    valid = FORMULATION_LIMITS[form].get("sampler", SAMPLERS)
+    if sampler not in valid:
+        raise ValueError(
+            f"--sampler {sampler!r} cannot sample {with_article(form)} model; valid choices: {', '.join(valid)}"
+        )
+    if steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {steps}")
+    if form == "ddpm" and steps > cfg.diffusion.num_timesteps:
+        top = cfg.diffusion.num_timesteps
+        raise ValueError(f"--steps must be an int in [1, {top}] (the model's diffusion.num_timesteps), got {steps}")
+    return sampler
 
 
 def build_schedule(cfg: TrainConfig) -> DDPMSchedule | FlowFormulation | EDMFormulation:

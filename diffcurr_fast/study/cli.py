@@ -90,7 +90,15 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(yaml.safe_dump(spec.to_dict(), sort_keys=False))
         return 0
     out = args.out or Path("studies") / spec.name
-    res = run_study(spec, out, args.workers, peer_dit=args.peer_dit, threads=args.threads)
+    try:
+        res = run_study(spec, out, args.workers, peer_dit=args.peer_dit, threads=args.threads)
+    except KeyboardInterrupt:  # the workers are stopped; a finished run has its status file, the others resume
+        print(
+            "\ndiffcurr-fast study: interrupted (Ctrl-C); the runs under way were stopped (a training run "
+            "checkpoints first): rerun the same command to resume them",
+            file=sys.stderr,
+        )
+        return 130
     if not args.no_report:
         for name, path in write_report(out).items():
             print(f"  {name}: {path}")

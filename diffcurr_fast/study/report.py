@@ -28,9 +28,10 @@ from typing import Any
 import numpy as np
 
 from diffcurr_fast._lazy import pyplot
+from diffcurr_fast.runs.sampling import grid_unavailable
 from diffcurr_fast.study import speedrun, speedrun_report
 from diffcurr_fast.study.runner import eval_records, read_status, run_dir_of
-from diffcurr_fast.study.spec import METRICS, StudySpec, load_study
+from diffcurr_fast.study.spec import METRICS, StudySpec, arm_config, load_study
 from diffcurr_fast.study.step_time import STEP_TIME_FILE
 from diffcurr_fast.train.report import read_metrics
 
@@ -223,26 +224,61 @@ def write_markdown(spec: StudySpec, arms: dict[str, Any], path: Path, study_dir:
         "",
         "![loss per cluster](cluster_loss.png)",
         "",
-        sample_line(arms, study_dir / "samples"),
+        sample_line(arms, study_dir / "samples", no_grid_reasons(spec, study_dir)),
         "",
     ]
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
-def sample_line(arms: dict[str, Any], samples: Path) -> str:
-    """Links to the arms' end-of-run grids in ``samples`` (``copy_samples``), naming the arms that have none."""
+NO_RUN_DIR = (
+    "no finished run directory of theirs was here when the report was written (a report keeps the grids it copied "
+    "before)"
+)
+
+
+def sample_line(arms: dict[str, Any], samples: Path, reasons: dict[str, str] | None = None) -> str:
+    """Links to the arms' end-of-run grids in ``samples`` (``copy_samples``), naming the arms that have none and why:
+    ``reasons`` (``no_grid_reasons``) for arms whose finished runs are here, else that none of them is here."""
     have = [n for n in arms if (samples / f"{n}.png").is_file()]
     line = "End-of-run sample grids (the first seed of each arm that had a run directory here): " + (
         ", ".join(f"[{n}](samples/{n}.png)" for n in have) if have else "none"
     )
-    missing = [n for n in arms if n not in have]
-    if missing:
-        line += (
-            f". No grid for {', '.join(missing)}: no finished run directory of theirs was here when the report was "
-            "written (a report keeps the grids it copied before)"
-        )
+    why: dict[str, list[str]] = {}
+    for n in arms:
+        if n not in have:
+            why.setdefault((reasons or {}).get(n, NO_RUN_DIR), []).append(n)
+    for reason, names in why.items():
+        line += f". No grid for {', '.join(names)}: {reason}"
     return line + "."
+
+
+def no_grid_reasons(spec: StudySpec, study_dir: Path) -> dict[str, str]:
+    """Why an arm whose finished runs are here has no end-of-run grid, by arm: its config draws none
+    (``logging.num_samples`` 0, a latent model: ``grid_unavailable``), or its runs wrote none."""
+    out = {}
+    for arm in spec.arms:
+        here = [
+            s
+            for s in spec.seeds
+            if read_status(study_dir, arm.name, s) is not None and run_dir_of(study_dir, arm.name, s).is_dir()
+        ]
+        if not here:
+            continue
+        try:
+            cfg = arm_config(spec, arm, here[0], run_dir_of(study_dir, arm.name, here[0]))
+        except (ValueError, OSError):  # the base recipe is not here (a study folder carried to another machine)
+            cfg = None
+        if cfg is not None and cfg.logging.num_samples == 0:
+            out[arm.name] = (
+                "its runs finished without drawing one, since logging.num_samples is 0 (set it, e.g. "
+                "logging.num_samples=64, in the spec's set for a grid; the metrics come from the evaluations)"
+            )
+        elif cfg is not None and grid_unavailable(cfg):
+            out[arm.name] = f"its runs finished without drawing one ({grid_unavailable(cfg)})"
+        else:
+            out[arm.name] = f"its finished runs wrote no samples.png (see logs/{arm.name}-seed{here[0]}.log)"
+    return out
 
 
 def equal_sampling_lines(spec: StudySpec, arms: dict[str, Any], tdc: dict[str, Any]) -> list[str]:

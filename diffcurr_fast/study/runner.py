@@ -34,8 +34,9 @@ from typing import Any
 
 import torch
 import yaml
+from tqdm.auto import tqdm
 
-from diffcurr_fast._files import write_json
+from diffcurr_fast._files import check_writable, write_json
 from diffcurr_fast.eval.features import digits_classifier, mnist5k_classifier
 from diffcurr_fast.runs.checkpoint import latest_checkpoint
 from diffcurr_fast.runs.recipes import apply_overrides
@@ -46,6 +47,7 @@ from diffcurr_fast.study.step_time import STEP_TIME_FILE
 from diffcurr_fast.tdc.flops import dit_flops
 from diffcurr_fast.tdc.pipeline import equal_sampling_steps, load_bundle_with_config, run_tdc
 from diffcurr_fast.train.evaluation import Evaluator
+from diffcurr_fast.train.interrupt import TrainingInterrupted
 from diffcurr_fast.train.loop import train
 from diffcurr_fast.train.report import read_metrics
 
@@ -64,7 +66,8 @@ def read_status(study_dir: Path, arm: str, seed: int) -> dict[str, Any] | None:
 
 
 def prepare_study(spec: StudySpec, study_dir: str | Path) -> Path:
-    """Create ``study_dir`` with ``study.yaml``, or check that an existing one holds the same spec."""
+    """Create ``study_dir`` with ``study.yaml``, or check that an existing one holds the same spec. The spec is
+    written whole or not at all (renamed into place), so a Ctrl-C leaves no half spec for a rerun to misread."""
     study_dir = Path(study_dir)
     path = study_dir / SPEC_FILE
     text = yaml.safe_dump(spec.to_dict(), sort_keys=False)
@@ -77,7 +80,9 @@ def prepare_study(spec: StudySpec, study_dir: str | Path) -> Path:
             )
         return study_dir
     study_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
     return study_dir
 
 
@@ -105,7 +110,10 @@ def run_study(
     """Run every unfinished (arm, seed) of ``spec`` in ``study_dir`` with ``workers`` processes at once; returns
     {"ran": [...], "failed": [...], "kept": n}. Failed runs are listed, not retried (a rerun resumes them).
     ``peer_dit`` (a speedrun): a facebookresearch/DiT checkout whose step time is measured first (module doc).
-    ``threads``: CPU threads per worker (default: the cores split between the workers)."""
+    ``threads``: CPU threads per worker (default: the cores split between the workers). ``verbose``: a line per
+    started and finished run on stdout, and a progress bar of the runs (done / all, with an ETA) on stderr.
+    Interrupted (Ctrl-C), the running workers are stopped (``_stop``) and the ``KeyboardInterrupt`` propagates; a
+    rerun resumes their runs."""
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
     if threads is not None and threads < 1:
@@ -115,6 +123,7 @@ def run_study(
             raise ValueError(f"--peer-dit times the official arm of a speedrun; study {spec.name!r} has no speedrun")
         check_checkout(peer_dit)
     check_spec(spec)
+    check_writable(study_dir, "study folder", "choose another study folder (--out)", directory=True)
     study_dir = prepare_study(spec, study_dir)
     todo = pending(spec, study_dir)
     kept = len(jobs(spec)) - len(todo)
@@ -131,6 +140,21 @@ def run_study(
         )
     measure = bool(spec.speedrun) and not (study_dir / STEP_TIME_FILE).is_file()
     queue = [STEPTIME] * measure + list(todo)
+    bar = tqdm(
+        total=kept + len(todo),
+        initial=kept,
+        desc=f"study {spec.name}",
+        unit="run",
+        file=sys.stderr,
+        disable=not verbose,
+        dynamic_ncols=True,
+    )
+
+    def say(line: str) -> None:  # a line of the study's output on stdout, printed above the progress bar
+        if verbose:
+            bar.write(line, file=sys.stdout)
+            sys.stdout.flush()
+
     try:
         while queue or running:
             while queue and len(running) < workers:
@@ -148,8 +172,7 @@ def run_study(
                     env["CUDA_VISIBLE_DEVICES"] = str(slot % gpus)
                 proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
                 running.append(((arm, seed), proc, fh, slot))
-                if verbose:
-                    print("  start step times" if seed < 0 else f"  start {arm} seed {seed}", flush=True)
+                say("  start step times" if seed < 0 else f"  start {arm} seed {seed}")
             time.sleep(0.2)
             for item in list(running):
                 (arm, seed), proc, fh, _ = item
@@ -159,25 +182,40 @@ def run_study(
                 running.remove(item)
                 if (arm, seed) != STEPTIME or proc.returncode:  # "ran" lists runs; a failed measurement fails
                     (ran if proc.returncode == 0 else failed).append((arm, seed))
-                if verbose and (arm, seed) == STEPTIME:
+                if (arm, seed) == STEPTIME:
                     ok = proc.returncode == 0
-                    print(
-                        f"  done  step times: {'step_time.json' if ok else 'FAILED (logs/step-time.log)'}",
-                        flush=True,
-                    )
-                elif verbose:
-                    st = read_status(study_dir, arm, seed)
-                    if proc.returncode == 0 and st:
-                        msg = f"{spec.metric} {st['final'].get(spec.metric, float('nan')):.4g}, {st['wall_s']:.0f} s"
-                    else:
-                        msg = f"FAILED (rc {proc.returncode}; see logs/{arm}-seed{seed}.log)"
-                    print(f"  done  {arm} seed {seed}: {msg}", flush=True)
+                    say(f"  done  step times: {'step_time.json' if ok else 'FAILED (logs/step-time.log)'}")
+                    continue
+                st = read_status(study_dir, arm, seed)
+                if proc.returncode == 0 and st:
+                    msg = f"{spec.metric} {st['final'].get(spec.metric, float('nan')):.4g}, {st['wall_s']:.0f} s"
+                else:
+                    msg = f"FAILED (rc {proc.returncode}; see logs/{arm}-seed{seed}.log)"
+                say(f"  done  {arm} seed {seed}: {msg}")
+                bar.update(1)
+                if failed:
+                    bar.set_postfix(failed=len(failed))
     finally:
-        for _, proc, fh, _ in running:  # interrupted: stop the workers (their runs resume next time)
-            proc.terminate()
+        bar.close()
+        _stop(running)
+    return {"ran": ran, "failed": failed, "kept": kept}
+
+
+def _stop(running: list[tuple[tuple[str, int], subprocess.Popen, Any, int]]) -> None:
+    """Stop the workers still running (the study was interrupted): SIGTERM to all of them first (a training run
+    checkpoints on it, as on Ctrl-C), then wait for each; a second Ctrl-C while waiting kills them. A run's
+    status file is written only once it finished, so every stopped run resumes on the next run of the study."""
+    for _, proc, _, _ in running:
+        proc.terminate()
+    try:
+        for _, proc, fh, _ in running:
             proc.wait()
             fh.close()
-    return {"ran": ran, "failed": failed, "kept": kept}
+    except KeyboardInterrupt:
+        for _, proc, fh, _ in running:
+            proc.kill()
+            fh.close()
+        raise
 
 
 def _gpu_count() -> int:
@@ -284,7 +322,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     study_dir, arm, seed = argv[0], argv[1], int(argv[2])
     threads = int(argv[3]) if len(argv) > 3 else 0
-    status = run_one(study_dir, arm, seed, threads)
+    try:
+        status = run_one(study_dir, arm, seed, threads)
+    except TrainingInterrupted as stop:  # Ctrl-C or SIGTERM: checkpointed; the study's rerun resumes the run
+        print(f"study worker {arm} seed {seed}: {stop}; rerun the study to resume it", flush=True)
+        return stop.exit_code
+    except KeyboardInterrupt:
+        print(f"study worker {arm} seed {seed}: interrupted (Ctrl-C); rerun the study to resume it", flush=True)
+        return 130
     if _rank() == 0:
         print(json.dumps({k: v for k, v in status.items() if k != "final"}), flush=True)
     return 0

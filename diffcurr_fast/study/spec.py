@@ -117,7 +117,7 @@ def spec_from_dict(data: dict[str, Any], source: str = "spec") -> StudySpec:
         arm = Arm(
             str(a["name"]),
             str(a.get("kind", "train")),
-            [str(s) for s in a.get("set") or []],
+            _overrides(a.get("set"), f"{source}: arm {a['name']!r}"),
             str(a.get("reference") or ""),
         )
         if arm.kind not in KINDS:
@@ -140,7 +140,7 @@ def spec_from_dict(data: dict[str, Any], source: str = "spec") -> StudySpec:
         arms=arms,
         seeds=list(seeds),
         recipe=data.get("recipe"),
-        set=[str(s) for s in data.get("set") or []],
+        set=_overrides(data.get("set"), source),
         metric=str(data.get("metric", "fd")),
         reference=str(data.get("reference") or names[0]),
         eval_every=int(data.get("eval_every", 0)),
@@ -157,6 +157,18 @@ def spec_from_dict(data: dict[str, Any], source: str = "spec") -> StudySpec:
     if spec.eval_every < 1:
         raise ValueError(f"{source}: eval_every must be >= 1 (the study compares evaluated metrics)")
     return spec
+
+
+def _overrides(value: Any, where: str) -> list[str]:
+    """The ``set`` of a spec or an arm: a list of ``section.field=value`` strings (absent: none). A string or a
+    mapping would be read character by character or key by key, so each is refused naming ``where`` it is."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise ValueError(
+            f"{where}: set must be a list of section.field=value overrides, e.g. set: [optim.lr=1e-3], got {value!r}"
+        )
+    return list(value)
 
 
 def _speedrun(data: Any, arms: list[str], source: str) -> dict[str, Any]:

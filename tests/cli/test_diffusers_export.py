@@ -421,3 +421,39 @@ def test_init_from_refuses_to_drop_a_trained_null_label_row(tmp_path):
     export_diffusers(str(path2), tmp_path / "export2")
     load_init_weights(plain, tmp_path / "export2")
     assert torch.equal(plain.y_embedder.embedding_table.weight, model2.y_embedder.embedding_table.weight)
+
+
+def test_export_checks_out_and_weights_in_one_line(tmp_path, capsys, monkeypatch):
+    """OUT where nothing can be created is refused before the checkpoint is read; weights that do not fit the
+    checkpoint's own config, and a corrupt newest checkpoint of a run, are one line each (the second naming the
+    earlier intact checkpoint)."""
+    from diffcurr_fast import _files, cli_export
+    from diffcurr_fast.runs import checkpoint
+
+    path, cfg, model = _checkpoint(tmp_path)
+
+    def refuse(*a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(_files.tempfile, "mkdtemp", refuse)
+        mp.setattr(cli_export, "load_model", lambda *a: pytest.fail("the checkpoint was read"))
+        assert cli.main(["export", str(path), "--to", "diffusers", str(tmp_path / "ro" / "out")]) == 2
+        err = capsys.readouterr().err
+        assert "OUT" in err and "cannot be written" in err and "refuses new files (Permission denied)" in err, err
+    assert not (tmp_path / "ro").exists()
+
+    state = checkpoint.load_checkpoint(path)
+    state["config"]["model"]["depth"] = 3  # the weights are of depth 2
+    torch.save(state, tmp_path / "deeper.pt")
+    assert cli.main(["export", str(tmp_path / "deeper.pt"), "--to", "diffusers", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "'blocks.2.attn.qkv.weight' is missing from the weights" in err, err
+    assert f"checkpoint '{tmp_path / 'deeper.pt'}' (ema weights): the weights do not match" in err
+
+    checkpoint.atomic_save(state | {"config": cfg.to_dict()}, path.with_name("ckpt_00000002.pt"))
+    path.with_name("ckpt_00000002.pt").write_bytes(b"PK\x03\x04 truncated")
+    assert cli.main(["export", str(tmp_path / "run"), "--to", "diffusers", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert f"the earlier checkpoint '{path}' of the run is intact: pass that file instead" in err, err
+    assert cli.main(["export", str(path), "--to", "diffusers", str(tmp_path / "b")]) == 0  # the advice works

@@ -368,3 +368,89 @@ def test_threads_default_to_the_runs_own_setting(run_dir, tmp_path):
     with pytest.raises(ValueError, match=r"^--threads must be >= 0 \(0: torch's default\), got -1$"):
         cli_sample.run(_args(*argv[:-4], "--threads=-1", "--out", str(tmp_path / "c.npz")))
     assert not (tmp_path / "c.npz").exists()
+
+
+def _read_only(monkeypatch):
+    """Every folder refuses new entries, as a read-only mount does (as root, permissions alone do not tell)."""
+    from diffcurr_fast import _files
+
+    def refuse(*a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(_files.tempfile, "mkdtemp", refuse)
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--steps", "0"], r"^--steps must be >= 1, got 0$"),
+        (["--batch-size", "0"], r"^--batch-size must be >= 1, got 0$"),
+        (["--labels", "1,x"], r"^--labels must be comma-separated ints, got '1,x'$"),
+        (["--vae", "vae", "--vae-batch", "0"], r"^--vae-batch must be >= 1, got 0$"),
+        (["--cfg=-1"], r"^--cfg must be >= 0 \(1 = no guidance\), got -1.0$"),
+        (["read-only"], r"^--out '.*s\.npz' cannot be written: '.*' refuses new files \(Permission denied\); choose"),
+    ],
+)
+def test_arguments_are_checked_before_the_checkpoint_is_read(run_dir, tmp_path, monkeypatch, argv, match):
+    """What needs no checkpoint is checked first: a read-only --out is refused before anything is drawn (it was
+    refused only when the samples were written), --steps 0 before the model is loaded."""
+    from diffcurr_fast.runs import checkpoint, sampling
+
+    def read(*a, **k):
+        raise AssertionError("the checkpoint was read")
+
+    monkeypatch.setattr(checkpoint, "load_checkpoint", read)
+    monkeypatch.setattr(sampling, "sample", read)
+    if argv == ["read-only"]:
+        _read_only(monkeypatch)
+        argv = []
+    with pytest.raises(ValueError, match=match):
+        cli_sample.run(_args("--ckpt", str(run_dir), "--out", str(tmp_path / "s.npz"), *argv))
+    assert not (tmp_path / "s.npz").exists()
+
+
+def _weightless_checkpoint(tmp_path, *sets):
+    """A checkpoint of a tiny config with no weights at all: a check that runs after the weights are loaded would
+    fail on them, so an error about the arguments shows that its check ran first."""
+    from diffcurr_fast.runs.checkpoint import atomic_save
+
+    run = tmp_path / "run"
+    tiny = ["model.hidden_size=32", "model.depth=1", "model.num_heads=2", "diffusion.num_timesteps=40"]
+    cfg = load_config(None, [f"checkpoint.run_dir={run}", *tiny, "curriculum.num_clusters=4", *sets])
+    state = {"config": cfg.to_dict(), "model": {}, "ema": {"module": {}}, "step": 1}
+    return atomic_save(state, run / "checkpoints" / "ckpt_00000001.pt")
+
+
+FLOW = ["diffusion.formulation=flow", "diffusion.prediction=velocity", "diffusion.learn_sigma=false"]
+
+
+@pytest.mark.parametrize(
+    "sets, argv, match",
+    [
+        (FLOW + ["diffusion.weighting=none", "logging.sampler=heun"], ["--sampler", "ddim"], "--sampler 'ddim' cannot"),
+        (
+            [],
+            ["--steps", "41"],
+            r"^--steps must be an int in \[1, 40\] \(the model's diffusion.num_timesteps\), got 41$",
+        ),
+        ([], ["--labels", "3,11"], r"^--labels \[11\] out of range; valid labels are 0..9$"),
+    ],
+)
+def test_what_needs_the_config_is_checked_before_the_model_is_built(tmp_path, sets, argv, match):
+    """The sampler against the formulation, the steps against T and the labels against the classes are checked
+    right after the config is read (they were checked after the model was loaded, or while sampling)."""
+    ckpt = _weightless_checkpoint(tmp_path, *sets)
+    with pytest.raises(ValueError, match=match):
+        cli_sample.run(_args("--ckpt", str(ckpt), "--out", str(tmp_path / "s.npz"), *argv))
+
+
+def test_a_damaged_rank_shard_is_named(tmp_path):
+    """Under torchrun rank 0 reads the other ranks' samples; a truncated shard is one line naming it."""
+    out = tmp_path / "s.npz"
+    np.savez(tmp_path / "s.npz.rank1.npz", b1=np.zeros((2, 8, 8, 1), np.uint8))
+    assert list(cli_sample.merge_shards(out, 2)) == [1] and not (tmp_path / "s.npz.rank1.npz").exists()
+    np.savez(tmp_path / "s.npz.rank1.npz", b1=np.zeros((2, 8, 8, 1), np.uint8))
+    shard = tmp_path / "s.npz.rank1.npz"
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"^the samples of rank 1 '.*s\.npz\.rank1\.npz' is not a readable \.npz"):
+        cli_sample.merge_shards(out, 2)

@@ -5,6 +5,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from conftest import _main
 from PIL import Image
 from torch import nn
 
@@ -149,3 +150,49 @@ def test_a_rerun_with_other_options_is_refused(folder, tmp_path):
     extract_latents(TinyVAE(), folder, fast, **{**kw, "layout": "fastdit"})
     with pytest.raises(ValueError, match="holds latents of the fastdit layout"):
         extract_latents(TinyVAE(), folder, fast, **kw)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("diffusers") is None, reason="diffusers is not installed")
+def test_cli_checks_vae_data_and_out_before_loading_the_vae(folder, tmp_path, capsys, monkeypatch):
+    """extract-latents checks the VAE folder's config, --data and --out (can be written, no latents of other options)
+    before it loads the VAE (it loaded it first); a folder that is not an AutoencoderKL is one line naming it."""
+    from diffcurr_fast import _files
+    from diffcurr_fast.data import extract
+
+    dit = tmp_path / "dit"  # a diffusers export's transformer: diffusers loaded it as a VAE of random weights
+    dit.mkdir()
+    (dit / "config.json").write_text('{"_class_name": "DiTTransformer2DModel", "sample_size": 8}')
+    with pytest.raises(ValueError, match=r"^VAE directory '.*dit' is not a diffusers AutoencoderKL \(its config"):
+        extract.load_vae(dit)  # sample --vae and eval --vae load with it too
+    (tmp_path / "pipe" / "vae").mkdir(parents=True)  # a DiTPipeline: its VAE is in vae/
+    (tmp_path / "pipe" / "vae" / "config.json").write_text('{"_class_name": "AutoencoderKL"}')
+    loaded = []
+    monkeypatch.setattr(extract, "load_vae", lambda path, device: loaded.append(path) or TinyVAE())
+    vae = tmp_path / "pipe" / "vae"
+    flags = ("--image-size", "16", "--batch-size", "4", "--num-workers", "0", "--no-progress")
+
+    def main(vae_dir, data, out, *extra):
+        argv = ["--vae", str(vae_dir), "--data", str(data), "--out", str(out), *flags, *extra]
+        return _main(capsys, "extract-latents", *argv)
+
+    def refuse(*a, **k):  # a read-only folder (as root, permissions alone do not tell)
+        raise PermissionError(13, "Permission denied")
+
+    rc, err = main(dit, folder, tmp_path / "o")
+    assert rc == 2 and "describes a DiTTransformer2DModel" in err and len(err.strip().splitlines()) == 1, err
+    rc, err = main(vae.parent, folder, tmp_path / "o")
+    assert rc == 2 and f"no diffusers config.json naming one); its VAE is the folder '{vae}'" in err, err
+    rc, err = main(vae, tmp_path / "nope", tmp_path / "o")
+    assert rc == 2 and "--data '" in err and "nope' does not exist; give the image folder" in err, err
+    (tmp_path / "notes.txt").write_text("mine")
+    rc, err = main(vae, folder, tmp_path / "notes.txt" / "o")
+    assert rc == 2 and "notes.txt' is a file, not a directory; give another --out" in err, err
+    with monkeypatch.context() as mp:
+        mp.setattr(_files.tempfile, "mkdtemp", refuse)
+        rc, err = main(vae, folder, tmp_path / "ro")
+    assert rc == 2 and "cannot be written" in err and "(Permission denied); give another --out" in err, err
+    assert loaded == [] and not (tmp_path / "ro").exists()
+    assert main(vae, folder, tmp_path / "o")[0] == 0 and loaded == [str(vae)]
+    rc, err = main(vae, folder, tmp_path / "o", "--seed", "3")
+    assert rc == 2 and "holds latents extracted with other options: seed 0 (now 3)" in err, err
+    assert loaded == [str(vae)]  # the refused rerun did not load the VAE

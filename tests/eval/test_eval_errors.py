@@ -1,6 +1,7 @@
 """Bad inputs of the eval command (diffcurr_fast/eval/): samples of another shape, files named by the user not
 replaced without --overwrite, a missing reference named first, NaN samples, latents without --vae, the option's name
-in its errors. docs/errors.md lists what each input gets."""
+in its errors, unreadable .npz files and samples holding no images named in one line, outputs that cannot be written
+refused before the work. docs/errors.md lists what each input gets."""
 
 import argparse
 import json
@@ -134,3 +135,70 @@ def test_eval_names_the_num_samples_option(no_dropout_run, capsys):
         check_draw(0, 64)
     rc, err = _main(capsys, "eval", "--ckpt", str(no_dropout_run), "--batch-size", "0", "--ref", "digits")
     assert rc == 2 and "--batch-size must be a positive int, got 0" in err, err
+
+
+def _bad_npz(tmp_path, kind):
+    """A samples file cut in half (``truncated``) or bytes that are no archive (``garbage``: numpy reads them as a
+    pickle and advises ``allow_pickle``)."""
+    np.savez(tmp_path / "whole.npz", images=np.zeros((4, 1, 8, 8), np.float32))
+    data = (tmp_path / "whole.npz").read_bytes()
+    path = tmp_path / f"{kind}.npz"
+    path.write_bytes(data[: len(data) // 2] if kind == "truncated" else b"not an archive " * 8)
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["truncated", "garbage"])
+def test_eval_unreadable_npz_is_named_in_one_line(tmp_path, capsys, digits_cache, samples, kind):
+    from diffcurr_fast.eval.metrics import load_statistics
+
+    bad = _bad_npz(tmp_path, kind)
+    for flag, args in (("--samples", [bad, "--ref", "digits"]), ("--ref", [samples, "--ref", bad])):
+        rc, err = _main(capsys, "eval", "--samples", *args, "--extractor", "digits", "--digits-cache", digits_cache)
+        assert rc == 2 and f"{flag} '{bad}' is not a readable .npz file" in err, err
+        assert len(err.strip().splitlines()) == 1 and "allow_pickle" not in err and "Traceback" not in err, err
+    with pytest.raises(ValueError, match=r"^reference statistics '.*\.npz' is not a readable \.npz file") as exc:
+        load_statistics(bad)
+    assert "allow_pickle" not in str(exc.value)
+
+
+@pytest.mark.parametrize("key", ["images", "arr_0"])
+def test_eval_of_no_images_names_the_array(tmp_path, capsys, digits_cache, key):
+    shape = (0, 1, 8, 8) if key == "images" else (0, 8, 8, 1)
+    np.savez(tmp_path / "none.npz", **{key: np.zeros(shape, np.float32 if key == "images" else np.uint8)})
+    for args in (["--samples", str(tmp_path / "none.npz"), "--ref", "digits"], ["--ref", str(tmp_path / "none.npz")]):
+        rc, err = _main(
+            capsys,
+            "eval",
+            *args,
+            "--extractor",
+            "digits",
+            "--digits-cache",
+            digits_cache,
+            "--save-ref",
+            str(tmp_path / "r.npz"),
+            "--overwrite",
+        )
+        assert rc == 2 and f"none.npz: '{key}' holds no images (shape {shape})" in err, err
+
+
+@pytest.mark.parametrize("flag", ["--json", "--save-ref"])
+def test_eval_unwritable_output_is_refused_before_the_work(tmp_path, capsys, monkeypatch, samples, flag):
+    from diffcurr_fast import _files
+    from diffcurr_fast.eval import evaluate
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the reference was computed before the output was checked")
+
+    monkeypatch.setattr(evaluate, "load_reference", no_work)
+    (tmp_path / "notes.txt").write_text("mine")
+    base = ["eval", "--samples", samples, "--ref", "digits", flag]
+    rc, err = _main(capsys, *base, str(tmp_path / "notes.txt" / "out"))
+    assert rc == 2 and f"{flag} '{tmp_path / 'notes.txt' / 'out'}' cannot be created" in err, err
+    assert "is a file, not a directory; choose another" in err
+
+    def refuse(*args, **kwargs):  # a read-only folder (the tests run as root, which permissions do not stop)
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(_files.tempfile, "mkdtemp", refuse)
+    rc, err = _main(capsys, *base, str(tmp_path / "ro" / "out"))
+    assert rc == 2 and "cannot be written" in err and "refuses new files (Permission denied)" in err, err

@@ -206,6 +206,8 @@ def test_cross_field_rules():
         load_config(None, ["diffusion.num_timesteps=5"])
     with pytest.raises(ValueError, match="data.path is required"):
         load_config(None, ["data.dataset=npz"])
+    with pytest.raises(ValueError, match=r"^diffusion.beta_schedule 'linear' needs diffusion.num_timesteps >= 20 "):
+        load_config(None, ["diffusion.beta_schedule=linear", "diffusion.num_timesteps=10", "curriculum.num_clusters=2"])
     with pytest.raises(ValueError, match="^model: input_size 8 is not divisible by patch_size 3$"):
         load_config(None, ["model.patch_size=3"])  # the DiT's own check (models.dit.check_dims)
 
@@ -241,6 +243,13 @@ def test_resume_mismatches_lists_locked_keys():
         "data.batch_size: checkpoint 64 vs now 32",
         "engine.seed: checkpoint 0 vs now 7",
     ]
+    # a checkpoint written before a key existed (model.routing*) holds its default
+    saved = a.to_dict()
+    for key in ("routing", "routing_keep", "routing_start", "routing_end", "routing_until"):
+        del saved["model"][key]
+    assert resume_mismatches(saved, a) == []
+    routed = config_from_dict({"model": {"routing": "tread", "depth": 6}}, base=load_config(None))
+    assert "model.routing: checkpoint 'none' vs now 'tread'" in resume_mismatches(saved, routed)
 
 
 def _parse(argv):

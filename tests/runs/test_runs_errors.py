@@ -1,7 +1,8 @@
 """Bad inputs whose errors come from diffcurr_fast/runs/: non-finite weights are never saved, exported or sampled
-(checkpoint.py), a corrupt newest checkpoint names the previous intact one, recipes (recipes.py: malformed YAML,
-duplicate keys, an empty recipe, paths relative to the recipe, shipped recipes by name), config checks (config.py:
-data.path with the built-in dataset, the article in sampler errors), and guidance without a null label
+(checkpoint.py), a corrupt newest checkpoint names the previous intact one (to resume from, or to sample), weights
+that do not fit their checkpoint's config, a TDC run directory given as a checkpoint, recipes (recipes.py: malformed
+YAML, duplicate keys, an empty recipe, paths relative to the recipe, shipped recipes by name), config checks
+(config.py: data.path with the built-in dataset, the article in sampler errors), and guidance without a null label
 (sampling.py). docs/errors.md lists what each input gets."""
 
 import argparse
@@ -42,7 +43,9 @@ def test_nonfinite_checkpoint_is_not_sampled(trained, tmp_path):
     state["ema"]["module"][key] = torch.full_like(state["ema"]["module"][key], float("inf"))
     torch.save(state, tmp_path / "nan.pt")  # written around save_checkpoint, as an old version could have
     with pytest.raises(ck.NonFiniteWeightsError, match=f"weight '{key}' has .* non-finite"):
-        sample_cli.run(_sample_args("--ckpt", str(tmp_path / "nan.pt"), "--out", str(tmp_path / "s.npz")))
+        sample_cli.run(
+            _sample_args("--ckpt", str(tmp_path / "nan.pt"), "--out", str(tmp_path / "s.npz"), "--steps", "2")
+        )
     assert not (tmp_path / "s.npz").exists()
     from diffcurr_fast.eval.evaluate import checkpoint_model
 
@@ -234,3 +237,72 @@ def test_run_dir_flag_is_one_folder(tmp_path, capsys):
         rc, err = _main(capsys, *argv)
         assert rc == 2 and line in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def _refitted(trained, tmp_path, **model):
+    """A copy of ``trained``'s newest checkpoint whose config (and recorded model_config) say ``model``: its weights
+    no longer fit the model its config describes (an edited or mixed-up checkpoint)."""
+    state = ck.load_checkpoint(ck.latest_checkpoint(trained))
+    state["config"]["model"].update(model)
+    state["model_config"].update(model)
+    path = tmp_path / "refitted.pt"
+    torch.save(state, path)
+    return path
+
+
+def test_weights_that_do_not_fit_their_config_are_one_line(trained, tmp_path, capsys):
+    """A checkpoint whose weights do not fit its own config: one line naming the file, that its weights do not match
+    its config, and the first mismatching key with its shapes (torch's load_state_dict traceback before)."""
+    deeper = _refitted(trained, tmp_path, depth=2)
+    rc, err = _main(capsys, "sample", "--ckpt", str(deeper), "--out", str(tmp_path / "s.npz"), "--steps", "2")
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"checkpoint '{deeper}' (ema weights): the weights do not match the model the checkpoint's config" in err
+    assert "'blocks.1.attn.qkv.weight' is missing from the weights (10 keys missing)" in err
+    wider = _refitted(trained, tmp_path, hidden_size=64)
+    argv = ["--out", str(tmp_path / "s.npz"), "--weights", "model", "--steps", "2"]
+    rc, err = _main(capsys, "sample", "--ckpt", str(wider), *argv)
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "(model weights)" in err and "'pos_embed' is (1, 16, 32) in the weights but (1, 16, 64) in the model" in err
+    assert not (tmp_path / "s.npz").exists()
+
+
+def test_corrupt_newest_checkpoint_names_the_intact_one_to_sample(trained, tmp_path, capsys):
+    """sample / eval --ckpt RUN with a truncated newest checkpoint name the earlier intact file to pass instead (as
+    train --resume does), and that file samples."""
+    import shutil
+
+    from diffcurr_fast.eval.evaluate import checkpoint_model
+
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    newest = ck.latest_checkpoint(run)
+    newest.write_bytes(newest.read_bytes()[:1000])  # truncated by a full disk
+    earlier = run / "checkpoints" / "ckpt_00000001.pt"
+    rc, err = _main(capsys, "sample", "--ckpt", str(run), "--out", str(tmp_path / "s.npz"), "--steps", "2")
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"checkpoint '{newest}' is corrupt" in err and "weights_only=False" not in err
+    assert f"the earlier checkpoint '{earlier}' of the run is intact: pass that file instead" in err
+    with pytest.raises(ValueError, match=f"the earlier checkpoint '{earlier}' of the run is intact"):
+        checkpoint_model(run)  # eval --ckpt
+    rc, err = _main(capsys, "sample", "--ckpt", str(earlier), "--out", str(tmp_path / "s.npz"), "--steps", "2")
+    assert rc == 0, err  # the advice works
+    earlier.write_bytes(b"")  # no intact checkpoint left: nothing is named
+    with pytest.raises(ValueError, match=r"is corrupt or not a weights-only torch file \(\w+\)$"):
+        ck.load_checkpoint(newest)
+
+
+def test_tdc_run_directory_points_to_its_bundle(tmp_path, capsys):
+    """sample --ckpt of a TDC run directory (tdc.json, bundle/; no checkpoints/ of its own) says to sample its bundle
+    with --bundle DIR/bundle, or, before the bundle is written, to pass the run of the base model or an expert."""
+    run = tmp_path / "tdc"
+    (run / "bundle").mkdir(parents=True)
+    (run / "tdc.json").write_text("{}")
+    rc, err = _main(capsys, "sample", "--ckpt", str(run), "--out", str(tmp_path / "s.npz"))
+    assert rc == 2 and f"'{run}' is a TDC run directory, which holds no checkpoint of its own" in err, err
+    assert "bundle (bundle/) is not written yet" in err and f"base model ('{run / 'stage1'}')" in err
+    (run / "bundle" / "train_config.json").write_text("{}")
+    rc, err = _main(capsys, "sample", "--ckpt", str(run), "--out", str(tmp_path / "s.npz"))
+    assert rc == 2 and f"sample its multi-expert bundle with --bundle '{run / 'bundle'}'" in err, err
+    assert len(err.strip().splitlines()) == 1
+    rc, err = _main(capsys, "sample", "--bundle", str(run), "--out", str(tmp_path / "s.npz"))
+    assert rc == 2 and f"is a TDC run directory: pass --bundle '{run / 'bundle'}'" in err, err

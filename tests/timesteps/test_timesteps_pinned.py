@@ -176,9 +176,7 @@ def test_anuts_ranks_candidates_by_squared_correlation_with_the_total():
     rows are chosen so that the sign of the correlation (candidate 0 is strongly anti-correlated), the centring of
     d_c, each column's own variance and a denominator below 1 all change the pick. A probe before any draw of the
     sampler has no draws to credit: with no entropy bonus the policy does not move."""
-    d = np.array(
-        [[0.56, -0.05, -0.16, -0.30, -0.25], [0.23, 0.38, 0.59, 0.31, -0.25], [0.30, 0.07, 0.08, 0.01, 0.17]]
-    )
+    d = np.array([[0.56, -0.05, -0.16, -0.30, -0.25], [0.23, 0.38, 0.59, 0.31, -0.25], [0.30, 0.07, 0.08, 0.01, 0.17]])
     corr = np.array([np.corrcoef(d[:, c], d.sum(1))[0, 1] for c in range(5)])
     np.testing.assert_allclose(corr, [-0.970861, 0.946461, 0.959983, 0.997589, 0.078843], atol=1e-6)
     a = ANUTS(5, every=1, candidates=5, probes=2, buffer=3)

@@ -276,7 +276,7 @@ def test_grad_accumulation_equals_full_batch(tmp_path, batch):
             f"checkpoint.run_dir={tmp_path}/a{acc}",
         ]
         tr = Trainer(load_config(None, over), Engine("cpu"))
-        tr.objective = lambda net, x, y, k, seed, generator: ((net(x, k, y)[:, :1] - x) ** 2).mean((1, 2, 3))
+        tr.objective = lambda net, x, y, k, seed, generator, **_: ((net(x, k, y)[:, :1] - x) ** 2).mean((1, 2, 3))
         for _ in range(2):
             x0, y = next(tr.loader)
             stats = tr.train_step(x0, y)
