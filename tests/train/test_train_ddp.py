@@ -17,8 +17,8 @@ SCRIPT = textwrap.dedent(
     from diffcurr_fast.train.engine import create_engine
     from diffcurr_fast.train.loop import Trainer
 
-    run_dir, out = sys.argv[1], sys.argv[2]
-    base = [f"checkpoint.run_dir={run_dir}", "model.hidden_size=32", "model.depth=1", "model.num_heads=2",
+    run_dir, out, extra = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    base = extra + [f"checkpoint.run_dir={run_dir}", "model.hidden_size=32", "model.depth=1", "model.num_heads=2",
             "diffusion.num_timesteps=60", "curriculum.num_clusters=4", "curriculum.patience=1",
             "curriculum.eval_every=2", "data.batch_size=18", "logging.progress=false", "logging.num_samples=0",
             "logging.plots=false", "checkpoint.export_ema=false", "checkpoint.every=4", "engine.kind=ddp",
@@ -41,8 +41,13 @@ SCRIPT = textwrap.dedent(
 )
 
 
+ROUTED = ["model.routing=tread", "model.routing_keep=0.5", "model.routing_start=0", "model.routing_end=1"]
+
+
 @pytest.mark.slow
-def test_ddp_two_ranks_gloo(tmp_path):
+@pytest.mark.parametrize("extra", [[], ROUTED], ids=["plain", "routed"])
+def test_ddp_two_ranks_gloo(tmp_path, extra):
+    """Also with token routing: each rank draws its own kept tokens, and the replicas stay identical."""
     script = tmp_path / "ddp_run.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -51,6 +56,7 @@ def test_ddp_two_ranks_gloo(tmp_path):
         str(script),
         str(tmp_path / "run"),
         str(tmp_path / "res"),
+        json.dumps(extra),
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
