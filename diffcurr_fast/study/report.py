@@ -27,12 +27,14 @@ from typing import Any
 
 import numpy as np
 
+from diffcurr_fast._files import read_json
 from diffcurr_fast._lazy import pyplot
 from diffcurr_fast.runs.sampling import grid_unavailable
 from diffcurr_fast.study import speedrun, speedrun_report
 from diffcurr_fast.study.runner import eval_records, read_status, run_dir_of
 from diffcurr_fast.study.spec import METRICS, StudySpec, arm_config, load_study
 from diffcurr_fast.study.step_time import STEP_TIME_FILE
+from diffcurr_fast.study.tuning import decide
 from diffcurr_fast.train.report import read_metrics
 
 METRIC_COLUMNS = ("fd", "is", "is_std", "precision", "recall")
@@ -426,7 +428,75 @@ def write_report(study_dir: str | Path, official_from: str | Path | None = None)
     out["cluster_loss"] = plot_cluster_loss(spec, study_dir, study_dir / "cluster_loss.png")
     if spec.speedrun:
         out.update(write_speedrun(spec, rows, study_dir, official_from))
+    if spec.tuning:
+        report = study_dir / "report.md"
+        report.write_text(report.read_text() + "\n" + "\n".join(tuning_section(spec, study_dir)) + "\n")
     return out
+
+
+def tuning_section(spec: StudySpec, study_dir: Path) -> list[str]:
+    """The tuning protocol (``study.tuning``): each trial's result, each arm's pick and tuning wall time, and in a
+    speedrun each arm's speed-up over the reference with the tuning excluded and included (AlgoPerf's view): the
+    mean wall time to the threshold, plus the arm's tuning wall time (every trial's, summed) for the second."""
+    tu = spec.tuning
+    done = decide(spec, study_dir, read_status)
+    pick = tu["pick"] if tu["pick"] == "final" else f"fewest steps to {spec.metric} {tu['pick']:g}"
+    lines = [
+        "## Tuning",
+        "",
+        f"Every tuned arm ran one trial per point of its grid: {tu['budget']} steps, seed {tu['seed']}; the pick rule, "
+        f"fixed in the spec: {pick} (smoothed over {spec.speedrun.get('smooth', 1) if spec.speedrun else 1} "
+        "evaluations; ties keep the grid's order).",
+        "",
+        f"| arm | trial | overrides | steps to the pick's {spec.metric} | final smoothed {spec.metric} | wall s "
+        "| picked |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, d in done.items():
+        for i, t in enumerate(d["trials"]):
+            steps = (
+                "-"
+                if tu["pick"] == "final"
+                else (
+                    "never"
+                    if t["steps_to_pick"] is None or not math.isfinite(t["steps_to_pick"])
+                    else f"{t['steps_to_pick']:g}"
+                )
+            )
+            final = "n/a" if t["final"] is None or not math.isfinite(t["final"]) else f"{t['final']:.4g}"
+            mark = "yes" if t["set"] == d["pick"] else ""
+            lines.append(f"| {name} | {i} | {' '.join(t['set'])} | {steps} | {final} | {t['wall_s']:.0f} | {mark} |")
+    waiting = [a.name for a in spec.arms if a.tune and a.name not in done]
+    untuned = [a.name for a in spec.arms if not a.tune]
+    lines.append("")
+    if waiting:
+        lines.append(f"Trials not all finished (no pick yet): {', '.join(waiting)}.")
+    if untuned:
+        lines.append(f"Not tuned (no grid; no tuning time): {', '.join(untuned)}.")
+    if not spec.speedrun:
+        return lines
+    path = study_dir / "speedrun.json"
+    res = read_json(path, "speedrun analysis") if path.is_file() else {}
+    ref = res.get("reference")
+    wall = {n: (a.get("axes") or {}).get("wall_s", [None])[0] for n, a in (res.get("arms") or {}).items()}
+    cost = {a.name: done[a.name]["tuning_wall_s"] if a.name in done else 0.0 for a in spec.arms}
+    lines += [
+        "",
+        f"Speed-up over {ref} in wall time to the threshold, tuning excluded and included (the arm's mean wall time "
+        "to the threshold plus its tuning wall time; point estimates):",
+        "",
+        "| arm | mean wall s to the threshold | tuning wall s | speed-up, tuning excluded "
+        "| speed-up, tuning included |",
+        "|---|---|---|---|---|",
+    ]
+    for name, w in wall.items():
+        if w is None or not math.isfinite(w) or wall.get(ref) is None or not math.isfinite(wall[ref]):
+            lines.append(f"| {name} | n/a | {cost.get(name, 0.0):.0f} | n/a | n/a |")
+            continue
+        excl = wall[ref] / w
+        incl = (wall[ref] + cost.get(ref, 0.0)) / (w + cost.get(name, 0.0))
+        lines.append(f"| {name} | {w:.0f} | {cost.get(name, 0.0):.0f} | x{excl:.3g} | x{incl:.3g} |")
+    return lines
 
 
 def write_speedrun(

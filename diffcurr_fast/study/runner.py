@@ -42,8 +42,9 @@ from diffcurr_fast.runs.checkpoint import latest_checkpoint
 from diffcurr_fast.runs.recipes import apply_overrides
 from diffcurr_fast.runs.sampling import build_model, build_schedule
 from diffcurr_fast.study.peer_dit import check_checkout
-from diffcurr_fast.study.spec import SPEC_FILE, StudySpec, arm_config, check_spec, load_study, spec_from_dict
+from diffcurr_fast.study.spec import SPEC_FILE, Arm, StudySpec, arm_config, check_spec, load_study, spec_from_dict
 from diffcurr_fast.study.step_time import STEP_TIME_FILE
+from diffcurr_fast.study.tuning import decide, picked, split_trial
 from diffcurr_fast.tdc.flops import dit_flops
 from diffcurr_fast.tdc.pipeline import equal_sampling_steps, load_bundle_with_config, run_tdc
 from diffcurr_fast.train.evaluation import Evaluator
@@ -87,8 +88,9 @@ def prepare_study(spec: StudySpec, study_dir: str | Path) -> Path:
 
 
 def jobs(spec: StudySpec) -> list[tuple[str, int]]:
-    """Every (arm, seed), seed-major so a partial study has every arm at its first seeds."""
-    return [(a.name, s) for s in spec.seeds for a in spec.arms]
+    """Every (arm, seed): the trials of the tuning protocol first, then the seeds, seed-major so a partial study has
+    every arm at its first seeds."""
+    return [*spec.trials(), *((a.name, s) for s in spec.seeds for a in spec.arms)]
 
 
 def pending(spec: StudySpec, study_dir: Path) -> list[tuple[str, int]]:
@@ -150,6 +152,14 @@ def run_study(
         dynamic_ncols=True,
     )
 
+    def ready(job: tuple[str, int]) -> bool:
+        """A run can start: a trial, the step-time job, an untuned arm's run, or a tuned arm's run once its pick is
+        made (``tuning.decide``, when every trial of the arm has finished)."""
+        arm = job[0]
+        if job == STEPTIME or split_trial(arm)[1] is not None or not spec.arm(arm).tune:
+            return True
+        return arm in decide(spec, study_dir, read_status)
+
     def say(line: str) -> None:  # a line of the study's output on stdout, printed above the progress bar
         if verbose:
             bar.write(line, file=sys.stdout)
@@ -158,7 +168,16 @@ def run_study(
     try:
         while queue or running:
             while queue and len(running) < workers:
-                arm, seed = queue.pop(0)
+                job = next((j for j in queue if ready(j)), None)
+                if job is None:  # every queued run waits for the pick of its arm's trials
+                    if not running:  # ... of trials that failed: those runs cannot start
+                        for arm, seed in queue:
+                            failed.append((arm, seed))
+                            say(f"  skip  {arm} seed {seed}: its tuning trials did not all finish (see logs/)")
+                        queue.clear()
+                    break
+                queue.remove(job)
+                arm, seed = job
                 log = study_dir / "logs" / (f"{arm}.log" if seed < 0 else f"{arm}-seed{seed}.log")
                 log.parent.mkdir(parents=True, exist_ok=True)
                 fh = open(log, "a")
@@ -242,6 +261,8 @@ def run_one(study_dir: str | Path, arm_name: str, seed: int, cpu_threads: int = 
     study_dir = Path(study_dir)
     spec = load_study(study_dir)
     arm = spec.arm(arm_name)
+    if arm.tune:  # a tuned arm's seed: its own overrides, then the picked point of its grid
+        arm = Arm(arm.name, arm.kind, [*arm.set, *picked(study_dir, arm.name)], arm.reference)
     run_dir = run_dir_of(study_dir, arm.name, seed)
     cfg = arm_config(spec, arm, seed, run_dir, cpu_threads)
     t0 = time.perf_counter()

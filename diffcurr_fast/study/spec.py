@@ -16,6 +16,9 @@ A spec is a YAML mapping::
       - {name: tdc, kind: tdc, set: [tdc.finetune_steps=200], reference: base}
     speedrun: {official_arm: official, threshold: reference, smooth: 3}   # optional: time to quality
 
+``tuning`` (optional) with an arm's ``tune`` grid is the tuning protocol (``diffcurr_fast.study.tuning``): every
+tuned arm gets the same number of trials, and a rule fixed in the spec picks the value its seeds run with.
+
 ``speedrun`` (optional) makes the report a time-to-quality benchmark (``diffcurr_fast.study.speedrun``): its keys
 are ``SPEEDRUN_KEYS`` with the defaults of ``SPEEDRUN_DEFAULTS``; ``official_arm`` names the arm whose time axis is
 the official DiT step's (measured with ``study --peer-dit PATH``).
@@ -33,11 +36,25 @@ from typing import Any
 import yaml
 
 from diffcurr_fast.runs.recipes import duplicate_keys, load_config
+from diffcurr_fast.study.tuning import check_tuning, grid, split_trial, trial_name
 
 SPEC_FILE = "study.yaml"  # a study folder's spec (``load_study``)
 KINDS = ("train", "tdc")
 METRICS = {"fd": "lower", "is": "higher", "precision": "higher", "recall": "higher"}
-SPEC_KEYS = ("name", "recipe", "set", "seeds", "metric", "reference", "eval_every", "eval", "arms", "notes", "speedrun")
+SPEC_KEYS = (
+    "name",
+    "recipe",
+    "set",
+    "seeds",
+    "metric",
+    "reference",
+    "eval_every",
+    "eval",
+    "arms",
+    "notes",
+    "speedrun",
+    "tuning",
+)
 # threshold: 'reference' (the worst final smoothed metric over the official arm's seeds) or a number; smooth: the
 # trailing window (evaluations) of the moving average; plateau: the official arm's last plateau_share of evaluations
 # improve its smoothed mean curve by less than plateau_tol (relative)
@@ -49,17 +66,19 @@ SPEEDRUN_DEFAULTS: dict[str, Any] = {
     "plateau_tol": 0.03,
 }
 SPEEDRUN_KEYS = tuple(SPEEDRUN_DEFAULTS)
-ARM_KEYS = ("name", "kind", "set", "reference")
+ARM_KEYS = ("name", "kind", "set", "reference", "tune")
 
 
 @dataclass
 class Arm:
-    """One arm: a name, its kind and its overrides; ``reference`` the arm it is compared with ('' = the spec's)."""
+    """One arm: a name, its kind and its overrides; ``reference`` the arm it is compared with ('' = the spec's);
+    ``tune`` its grid of the tuning protocol (``study.tuning``; {} = not tuned)."""
 
     name: str
     kind: str = "train"
     set: list[str] = field(default_factory=list)
     reference: str = ""
+    tune: dict[str, list[Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -77,12 +96,24 @@ class StudySpec:
     eval: dict[str, Any] = field(default_factory=dict)
     notes: str = ""
     speedrun: dict[str, Any] = field(default_factory=dict)
+    tuning: dict[str, Any] = field(default_factory=dict)
 
     def arm(self, name: str) -> Arm:
+        """The arm called ``name``, or trial i of a tuned arm's grid (``<arm>~t<i>``, ``study.tuning``): the arm with
+        the grid point's overrides and ``engine.max_steps`` = ``tuning.budget``."""
+        base, trial = split_trial(name)
         for a in self.arms:
-            if a.name == name:
+            if a.name == base and trial is None:
                 return a
+            if a.name == base and a.tune and trial < len(grid(a.tune)):
+                point = [*grid(a.tune)[trial], f"engine.max_steps={self.tuning['budget']}"]
+                return Arm(name, a.kind, [*a.set, *point], a.reference)
         raise ValueError(f"no arm {name!r} in study {self.name!r}; arms: {', '.join(a.name for a in self.arms)}")
+
+    def trials(self) -> list[tuple[str, int]]:
+        """Every (trial arm, seed) of the tuning protocol, arm by arm."""
+        seed = self.tuning.get("seed", 0)
+        return [(trial_name(a.name, i), seed) for a in self.arms if a.tune for i in range(len(grid(a.tune)))]
 
     def reference_of(self, arm: Arm) -> str:
         return arm.reference or self.reference
@@ -97,7 +128,13 @@ class StudySpec:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        for a in out["arms"]:  # a spec without tuning is written as before it existed
+            if not a["tune"]:
+                del a["tune"]
+        if not out["tuning"]:
+            del out["tuning"]
+        return out
 
 
 def spec_from_dict(data: dict[str, Any], source: str = "spec") -> StudySpec:
@@ -119,6 +156,7 @@ def spec_from_dict(data: dict[str, Any], source: str = "spec") -> StudySpec:
             str(a.get("kind", "train")),
             _overrides(a.get("set"), f"{source}: arm {a['name']!r}"),
             str(a.get("reference") or ""),
+            dict(a.get("tune") or {}),
         )
         if arm.kind not in KINDS:
             raise ValueError(f"{source}: arm {arm.name!r} has kind {arm.kind!r}; valid kinds: {', '.join(KINDS)}")
@@ -147,9 +185,12 @@ def spec_from_dict(data: dict[str, Any], source: str = "spec") -> StudySpec:
         eval=dict(data.get("eval") or {}),
         notes=str(data.get("notes") or ""),
         speedrun=_speedrun(data.get("speedrun"), names, source),
+        tuning=check_tuning(data.get("tuning"), {a.name: a.tune for a in arms}, source),
     )
     if spec.metric not in METRICS:
         raise ValueError(f"{source}: metric {spec.metric!r}; valid metrics: {', '.join(METRICS)}")
+    if spec.tuning and METRICS[spec.metric] != "lower":
+        raise ValueError(f"{source}: the tuning protocol picks a lower-is-better metric (fd), got {spec.metric!r}")
     if spec.speedrun and METRICS[spec.metric] != "lower":
         raise ValueError(f"{source}: a speedrun needs a lower-is-better metric (fd), got {spec.metric!r}")
     for a in arms:
@@ -226,8 +267,9 @@ def arm_config(spec: StudySpec, arm: Arm, seed: int, run_dir: str | Path, cpu_th
 
 
 def check_spec(spec: StudySpec) -> StudySpec:
-    """Resolve every arm's config once (a typo fails before any run starts); returns ``spec``."""
-    for arm in spec.arms:
+    """Resolve every arm's config once, and every trial's of a tuned arm (a typo fails before any run starts);
+    returns ``spec``."""
+    for arm in [*spec.arms, *(spec.arm(name) for name, _ in spec.trials())]:
         cfg = arm_config(spec, arm, spec.seeds[0], "study-check")
         if arm.kind == "tdc":
             # imported here, not at the top: keeps --help free of torch
