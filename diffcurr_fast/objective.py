@@ -30,6 +30,7 @@ from diffcurr_fast.diffusion import Formulation, TrainingTerms, build_formulatio
 from diffcurr_fast.ops import diffusion_loss_coef, q_sample_coef, sample_timesteps
 from diffcurr_fast.ops.token_gather import draw_route, kept_tokens
 from diffcurr_fast.terms.base import TermInputs, TrainingTerm
+from diffcurr_fast.terms.registry import term_class
 
 PRECISIONS = ("fp32", "bf16", "auto")
 
@@ -84,7 +85,7 @@ class Objective:
 
     @classmethod
     def from_config(cls, cfg: Any, formulation: Formulation | None = None) -> Objective:
-        """The objective of a ``TrainConfig`` (its diffusion section and engine precision)."""
+        """The objective of a ``TrainConfig`` (its diffusion section, engine precision, token routing and terms)."""
         d, m = cfg.diffusion, cfg.model
         tokens = (m.input_size // m.patch_size) ** 2
         route = (tokens, kept_tokens(tokens, m.routing_keep)) if m.routing != "none" else None
@@ -97,6 +98,7 @@ class Objective:
             learn_sigma=d.learn_sigma,
             backend=d.ops_backend,
             precision=cfg.engine.precision,
+            terms=[(getattr(cfg.terms, f"{n}_weight"), term_class(n).from_config(cfg)) for n in cfg.terms.use],
             route=route,
         )
 
@@ -132,8 +134,8 @@ class Objective:
         if self.route is not None and self.route[1] < self.route[0] and routed and getattr(model, "training", False):
             kw["route"] = draw_route(x0.shape[0], *self.route, generator, x0.device)  # (B, K)
         with self.autocast(x0.device):
-            if not self.terms:
-                out = model(x_in, t_in, y, **kw)  # (B, C or 2C, H, W)
+            if not self.features:
+                out, feats = model(x_in, t_in, y, **kw), {}  # (B, C or 2C, H, W)
             else:  # the features the terms read come from the same pass
                 out, feats = model(x_in, t_in, y, features=self.features, **kw)  # feats: {j: (B, T, D)}
         per = self.loss(out, x0, x_in, draw, seed)  # (B,)

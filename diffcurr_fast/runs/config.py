@@ -302,6 +302,24 @@ class TimestepsConfig:
 
 
 @dataclass
+class TermsConfig:
+    """Training terms beyond the regression loss (``diffcurr_fast.terms``), each added with its weight."""
+
+    use: list[str] = _field([], "the terms the step adds (terms/registry.py): contrastive")
+    contrastive_weight: float = _field(
+        0.05, "contrastive (DeltaFM, arXiv 2506.05350): lambda of its negative pair", lo=0.0, lo_open=True
+    )
+
+    def validate(self) -> None:
+        # imported here, not at the top: keeps --help free of torch
+        from diffcurr_fast.terms.registry import NAMES
+
+        bad = [u for u in self.use if u not in NAMES]
+        if bad or len(set(self.use)) != len(self.use):
+            raise ValueError(f"terms.use {self.use!r}: each term once, from {', '.join(NAMES)}")
+
+
+@dataclass
 class DataConfig:
     """Training data."""
 
@@ -573,6 +591,7 @@ class TrainConfig:
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     timesteps: TimestepsConfig = field(default_factory=TimestepsConfig)
+    terms: TermsConfig = field(default_factory=TermsConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -867,7 +886,7 @@ def _set_field(cfg: TrainConfig, dotted: str, value: Any, source: tuple[int, str
 
 # Sections whose values must match between a checkpoint and the run resuming from it (they define the model,
 # the objective and the curriculum's state); the others (steps, LR, logging, ...) may change on resume.
-RESUME_LOCKED = ("model", "diffusion", "curriculum", "timesteps")
+RESUME_LOCKED = ("model", "diffusion", "curriculum", "timesteps", "terms")
 # A checkpoint written before a section or a key existed has its defaults.
 _DEFAULTS = {sec: dataclasses.asdict(SECTIONS[sec]()) for sec in RESUME_LOCKED}
 # Keys of other sections that must match too: the batches (their size and order) and every RNG stream derive from

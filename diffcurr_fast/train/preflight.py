@@ -189,6 +189,12 @@ def check_run(
             f"data.batch_size {cfg.data.batch_size} is not divisible by the world size {world} x "
             f"optim.grad_accum_steps {acc}"
         )
+    micro = cfg.data.batch_size // (world * acc)
+    if "contrastive" in cfg.terms.use and micro < 2:
+        raise ValueError(
+            f"terms.use contrastive needs at least 2 samples per micro-batch, got {micro} (data.batch_size "
+            f"{cfg.data.batch_size} over {world} rank(s) x optim.grad_accum_steps {acc}): a negative pair"
+        )
     start = check_run_dir(
         cfg.checkpoint.run_dir, layout, resume=resume, overwrite=overwrite, max_steps=cfg.engine.max_steps
     )
