@@ -305,10 +305,18 @@ class TimestepsConfig:
 class TermsConfig:
     """Training terms beyond the regression loss (``diffcurr_fast.terms``), each added with its weight."""
 
-    use: list[str] = _field([], "the terms the step adds (terms/registry.py): contrastive")
+    use: list[str] = _field([], "the terms the step adds (terms/registry.py): contrastive, dispersive")
     contrastive_weight: float = _field(
         0.05, "contrastive (DeltaFM, arXiv 2506.05350): lambda of its negative pair", lo=0.0, lo_open=True
     )
+
+    dispersive_weight: float = _field(
+        0.5, "dispersive (Wang and He, arXiv 2506.09027): its weight", lo=0.0, lo_open=True
+    )
+    dispersive_block: int | None = _field(
+        None, "dispersive: the block whose output tokens it disperses (None: depth // 4)", lo=0
+    )
+    dispersive_tau: float = _field(1.0, "dispersive: the temperature tau", lo=0.0, lo_open=True)
 
     def validate(self) -> None:
         # imported here, not at the top: keeps --help free of torch
@@ -634,6 +642,9 @@ class TrainConfig:
                 f"logging.eval_every needs images (model.in_channels 1 or 3), got {m.in_channels} "
                 "channels (latents would need the VAE decoder); set logging.eval_every=0"
             )
+        block = self.terms.dispersive_block
+        if "dispersive" in self.terms.use and block is not None and block >= m.depth:
+            raise ValueError(f"terms.dispersive_block {block} must be a block of the model: 0 to {m.depth - 1}")
         shape = (m.in_channels, m.input_size, m.input_size)
         takes = EVAL_SHAPES.get(self.eval.features, shape)
         if self.logging.eval_every and takes != shape:

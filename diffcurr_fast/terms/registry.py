@@ -11,6 +11,7 @@ import importlib
 
 TERMS: dict[str, str] = {
     "contrastive": "diffcurr_fast.terms.contrastive:Contrastive",
+    "dispersive": "diffcurr_fast.terms.dispersive:Dispersive",
 }
 NAMES = tuple(TERMS)
 

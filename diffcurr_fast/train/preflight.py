@@ -190,10 +190,11 @@ def check_run(
             f"optim.grad_accum_steps {acc}"
         )
     micro = cfg.data.batch_size // (world * acc)
-    if "contrastive" in cfg.terms.use and micro < 2:
+    batch_terms = [t for t in cfg.terms.use if t in ("contrastive", "dispersive")]  # they compare samples
+    if batch_terms and micro < 2:
         raise ValueError(
-            f"terms.use contrastive needs at least 2 samples per micro-batch, got {micro} (data.batch_size "
-            f"{cfg.data.batch_size} over {world} rank(s) x optim.grad_accum_steps {acc}): a negative pair"
+            f"terms.use {batch_terms[0]} needs at least 2 samples per micro-batch, got {micro} (data.batch_size "
+            f"{cfg.data.batch_size} over {world} rank(s) x optim.grad_accum_steps {acc})"
         )
     start = check_run_dir(
         cfg.checkpoint.run_dir, layout, resume=resume, overwrite=overwrite, max_steps=cfg.engine.max_steps

@@ -67,10 +67,12 @@ def test_contrastive_weight_zero_is_refused_and_unknown_terms_named(tmp_path):
 
     with pytest.raises(ValueError, match="terms.contrastive_weight"):
         load_config(None, ["terms.contrastive_weight=0"])
-    with pytest.raises(ValueError, match=r"terms.use \['dispersive'\]: each term once, from contrastive"):
-        load_config(None, ["terms.use=[dispersive]"])
+    with pytest.raises(ValueError, match=r"terms.use \['sra'\]: each term once, from contrastive, dispersive"):
+        load_config(None, ["terms.use=[sra]"])
     from diffcurr_fast.train.preflight import check_run
 
     one = tiny(tmp_path / "r", "terms.use=[contrastive]", "data.batch_size=2", "optim.grad_accum_steps=2")
-    with pytest.raises(ValueError, match="needs at least 2 samples per micro-batch, got 1 .data.batch_size 2 over 1"):
+    with pytest.raises(
+        ValueError, match="needs at least 2 samples per micro-batch, got 1 .data.batch_size 2 over 1 rank"
+    ):
         check_run(one)
