@@ -359,5 +359,11 @@ def test_resume_starts_from_the_runs_own_config_and_keeps_the_one_it_changes(tmp
         "config_until_step00000002.yaml",
         "config_until_step00000003.yaml",
     ]
+    # a second resume from the same checkpoint (step 4 was not reached: killed, say) keeps the first record of it
+    kept = (run / "config_until_step00000003.yaml").read_text()
+    for p in (run / "checkpoints").glob("ckpt_00000004.pt"):
+        p.unlink()
+    rc = cli.main(["train", "--run-dir", str(run), "--resume", "--set", "engine.max_steps=5"])
+    assert rc == 0 and (run / "config_until_step00000003.yaml").read_text() == kept
     assert _main(capsys, "train", "--run-dir", str(run), "--overwrite", *sets)[0] == 0
     assert sorted(p.name for p in run.glob("config*.yaml")) == ["config.yaml"]

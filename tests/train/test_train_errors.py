@@ -155,6 +155,28 @@ def test_a_run_that_fails_at_its_first_step_blames_the_data_not_the_learning_rat
     assert "optim.lr" not in line
 
 
+def test_the_advice_names_the_data_only_when_the_first_step_failed():
+    """Step 1's loss is the initial model's: a non-finite one is the data's; from step 2 on, an update came first."""
+    from diffcurr_fast.train.skips import Skips
+
+    s = Skips(tiny("unused", "data.scale=3"), torch.device("cpu"), on_device=False)
+    s.total = s.in_a_row = 2
+    s.first = 1
+    assert str(s._error(2, 2, 2)).endswith(
+        "check the data and data.scale (now 3; the model sees data.scale x the data)"
+    )
+    s.first = 2
+    assert str(s._error(3, 2, 2)).endswith("the run diverges: lower optim.lr (now 0.001) or set optim.grad_clip")
+
+
+def test_data_of_exactly_one_batch_is_enough():
+    from diffcurr_fast.train.data import check_data
+
+    check_data(tiny("unused", "data.batch_size=1797"))  # all 1,797 digits: one batch
+    with pytest.raises(ValueError, match="has 1797 samples, fewer than one batch of data.batch_size 1798"):
+        check_data(tiny("unused", "data.batch_size=1798"))
+
+
 def test_skip_share_and_first_bad_step_are_counted(tmp_path):
     from diffcurr_fast.train.skips import NonFiniteLossError
 
