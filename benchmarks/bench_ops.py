@@ -23,7 +23,11 @@ model's own kernels), ``q_sample`` and ``diffusion_loss`` alone; passes ``fwd``,
 ``fwd+bwd``. Sizes: B in {8, 64, 256} at 4x32x32 and B=32 at 4x64x64. ``gbps`` counts the minimal bytes the case
 must move (eps prediction: q_sample reads x0 and the noise and writes x_t; the loss reads pred and the noise and
 writes the gradient; in-kernel noise is never read); ``pct_copy`` relates it to the ``copy`` row of the same
-rotation. The DiT block ops (``--block B N D``) run at one size. Freed host memory is retained
+rotation. The DiT block ops (``--block B N D``) run at one size. Token routing's ops (``token_gather``,
+``token_scatter``; ``--route BxTxKxD ...``, default DiT-S/2's 256 tokens at width 384, half kept, B=16, and a small
+size) are timed as a routed span uses them: the output is materialised (no reduction after it, which inductor would
+fuse into the gather instead of writing it), the backward gets a given upstream gradient, and the scatter's base
+and src both need gradients; ``gbps`` counts the rows they must read and write. Freed host memory is retained
 (``retain_host_memory``, as the trainer does): with glibc's defaults every provider maps its 4 MiB outputs again on
 each call and pays ~1000 page faults for them, which swamps the kernels (``--glibc-malloc`` measures that). Rows go
 to ``benchmarks/results/ops.csv``; ``ops.md`` is regenerated.
@@ -51,6 +55,7 @@ import common  # noqa: E402
 import diffcurr_fast.ops as ops  # noqa: E402
 from diffcurr_fast.diffusion import DDPMSchedule  # noqa: E402
 from diffcurr_fast.ops import _backend  # noqa: E402
+from diffcurr_fast.ops.token_gather import draw_route  # noqa: E402
 from diffcurr_fast.train.host_memory import retain_host_memory  # noqa: E402
 
 SEED = 20250101
@@ -59,6 +64,8 @@ MODES = ("given", "seed")
 PASSES = ("fwd", "bwd", "fwd+bwd")
 LOSS_CASES = ("full_loss_path", "q_sample", "diffusion_loss")
 BLOCK_CASES = ("randn", "sample_timesteps", "adaln_modulate", "gated_residual", "gelu_tanh")
+ROUTE_CASES = ("token_gather", "token_scatter")
+ROUTE_SIZES = ("16x256x128x384", "4x64x32x96")  # BxTxKxD: DiT-S/2 at 256 tokens, half kept; a small one
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COLUMNS = [
     "op",
@@ -249,6 +256,77 @@ def block_cases(args, device, dtype, backends) -> dict[str, dict[str, Provider]]
     return cases, leaves, numel
 
 
+class _SeedGrad(torch.autograd.Function):
+    """A scalar whose backward hands ``grad`` to ``out``: ``.backward()`` on it runs the op's backward with a given
+    upstream gradient, and its forward makes no pass over ``out`` (a sum would add one, and under torch.compile
+    inductor would fuse it into the gather and never write the output that the routed blocks read)."""
+
+    @staticmethod
+    def forward(ctx, out, grad):
+        ctx.grad = grad
+        return out.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        return ctx.grad, None
+
+
+def route_cases(args, size, device, dtype, backends):
+    """(providers of token_gather and token_scatter at one size, their leaves, their plain outputs per provider
+    for the agreement check). The scatter's leaf is base; src needs a gradient too (both do in a routed span)."""
+    B, T, K, D = size
+    g = torch.Generator(device).manual_seed(2)
+    x = torch.randn(B, T, D, device=device, generator=g).to(dtype)
+    src = torch.randn(B, K, D, device=device, generator=g).to(dtype).requires_grad_()
+    grads = {
+        "token_gather": torch.randn(B, K, D, device=device, generator=g).to(dtype),
+        "token_scatter": torch.randn(B, T, D, device=device, generator=g).to(dtype),
+    }
+    idx = draw_route(B, T, K, torch.Generator().manual_seed(3), device)  # (B, K) sorted, as the trainer draws it
+
+    def gather_ref(x):
+        return ops.token_gather_ref(x, idx)
+
+    def scatter_ref(base, src):
+        return ops.token_scatter_ref(base, idx, src)
+
+    plain = {"token_gather": {"torch-eager": gather_ref}, "token_scatter": {"torch-eager": scatter_ref}}
+    if not args.no_compile:
+        plain["token_gather"]["compile(torch-eager)"] = torch.compile(gather_ref, dynamic=False)
+        plain["token_scatter"]["compile(torch-eager)"] = torch.compile(scatter_ref, dynamic=False)
+    for b in backends:
+        plain["token_gather"][b] = lambda x, b=b: ops.token_gather(x, idx, backend=b)
+        plain["token_scatter"][b] = lambda base, src, b=b: ops.token_scatter(base, idx, src, backend=b)
+
+    def timed(case, fn):
+        if case == "token_gather":
+            return lambda leaf: _SeedGrad.apply(fn(leaf), grads[case])
+
+        def scatter(leaf):
+            src.grad = None
+            return _SeedGrad.apply(fn(leaf, src), grads[case])
+
+        return scatter
+
+    cases = {
+        c: {n: Provider(timed(c, f), compiled=n.startswith("compile")) for n, f in fns.items()}
+        for c, fns in plain.items()
+    }
+    outputs = {
+        "token_gather": {n: (lambda f=f: f(x)) for n, f in plain["token_gather"].items()},
+        "token_scatter": {n: (lambda f=f: f(x, src.detach())) for n, f in plain["token_scatter"].items()},
+    }
+    return cases, {c: x for c in ROUTE_CASES}, outputs
+
+
+def route_passes(case: str, pass_: str, kept: float) -> float:
+    """Rows of a (B, T, D) tensor the routing op must read and write (kept = K / T): the gather reads and writes K
+    rows and its backward reads K and writes T; the scatter reads T (K from src) and writes T, its backward reads T
+    and writes T + K."""
+    fwd, bwd = {"token_gather": (2 * kept, kept + 1), "token_scatter": (2.0, 2 + kept)}[case]
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[pass_]
+
+
 def minimal_passes(case: str, pass_: str, mode: str, prediction: str) -> int:
     """Tensor-sized memory passes the case cannot avoid (eps: the loss never needs x0; seeded noise is not read)."""
     noise = 0 if mode == "seed" else 1
@@ -346,9 +424,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prediction", default="eps", choices=("eps", "x0", "v"))
     parser.add_argument("--gamma", type=float, default=5.0, help="MinSNR gamma")
     parser.add_argument("--block", type=int, nargs=3, default=[32, 256, 384], help="B N D of the DiT block ops")
+    parser.add_argument(
+        "--route", nargs="+", default=None, metavar="BxTxKxD", help=f"token routing sizes (default {ROUTE_SIZES})"
+    )
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=None)
-    parser.add_argument("--ops", nargs="*", default=None, help=f"subset of {LOSS_CASES + BLOCK_CASES}")
+    parser.add_argument("--ops", nargs="*", default=None, help=f"subset of {LOSS_CASES + BLOCK_CASES + ROUTE_CASES}")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile provider")
     parser.add_argument("--compile", action="store_true", help="keep the torch.compile provider with --quick")
     parser.add_argument("--reference", action="store_true", help="add our reference backend (a slow oracle)")
@@ -383,15 +464,23 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--sizes takes positive BxCxHxW values such as 256x4x32x32, got {args.sizes}")
     else:
         sizes = [(8, (4, 16, 16))] if args.quick else list(SIZES)
+    route_args = args.route or (ROUTE_SIZES[1:] if args.quick else ROUTE_SIZES)
+    try:
+        route_sizes = [tuple(int(v) for v in r.split("x")) for r in route_args]
+    except ValueError:
+        route_sizes = []
+    if not route_sizes or any(len(r) != 4 or min(r) < 1 or r[2] > r[1] for r in route_sizes):
+        parser.error(f"--route takes BxTxKxD values with 1 <= K <= T such as 16x256x128x384, got {args.route}")
     if args.quick:
         args.block = [4, 64, 96]
         args.no_compile = args.no_compile or not args.compile
     reps = args.reps or (5 if args.quick else 30)
     warmup = args.warmup or (2 if args.quick else 5)
-    wanted = set(args.ops) if args.ops else set(LOSS_CASES + BLOCK_CASES)
-    unknown = wanted - set(LOSS_CASES + BLOCK_CASES)
+    every = LOSS_CASES + BLOCK_CASES + ROUTE_CASES
+    wanted = set(args.ops) if args.ops else set(every)
+    unknown = wanted - set(every)
     if unknown:
-        parser.error(f"unknown ops {sorted(unknown)}; choose from {LOSS_CASES + BLOCK_CASES}")
+        parser.error(f"unknown ops {sorted(unknown)}; choose from {every}")
     warnings.simplefilter("ignore", RuntimeWarning)
     backends = _backends(device, args.reference)
     info = common.run_info(device)
@@ -409,10 +498,11 @@ def main(argv: list[str] | None = None) -> int:
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     elem = torch.finfo(dtype).bits // 8
 
-    def record(case, mode, pass_, size, times, providers, numel):
+    def record(case, mode, pass_, size, times, providers, numel, passes=None):
         """Append the rotation's rows to the CSV at once (a time-out later keeps them) and print them."""
         new: list[dict[str, object]] = []
-        nbytes = minimal_passes(case, pass_, mode, args.prediction) * numel * elem
+        passes = minimal_passes(case, pass_, mode, args.prediction) if passes is None else passes
+        nbytes = passes * numel * elem
         copy_med = common.percentiles(times["copy"])[0]
         copy_gbps = 2 * numel * 4 / copy_med / 1e9
         meds = {n: common.percentiles(v)[0] for n, v in times.items()}
@@ -491,13 +581,39 @@ def main(argv: list[str] | None = None) -> int:
                     cases[case],
                     numel[case],
                 )
+    for size in route_sizes:
+        if not wanted & set(ROUTE_CASES):
+            break
+        B, T, K, D = size
+        cases, leaves, outputs = route_cases(args, size, device, dtype, backends)
+        label = f"B={B} T={T} K={K} D={D}"
+        print(f"token routing {label}")
+        for case in ROUTE_CASES:
+            if case not in wanted:
+                continue
+            want = outputs[case]["torch-eager"]()
+            bad = [n for n, f in outputs[case].items() if not torch.equal(f(), want)]  # row copies: exact
+            if bad:
+                print(f"  {case}: providers disagree with torch-eager, not timed: {bad}")
+                continue
+            for pass_ in PASSES:
+                times = run_rotation(cases[case], leaves[case], pass_, B * T * D, device, reps, warmup)
+                record(case, "-", pass_, label, times, cases[case], B * T * D, route_passes(case, pass_, K / T))
     write_markdown(csv_path, args.out / "ops.md")
     print_targets(rows)
     return 0
 
 
 def print_targets(rows: list[dict[str, object]]) -> None:
-    """The issue's targets on this run's rows: met or not, with the ratio."""
+    """The issues' targets on this run's rows: met or not, with the ratio."""
+    for r in rows:  # token routing: ours at least 1.3x torch.compile of the reference at DiT-S/2's size
+        if r["op"] in ROUTE_CASES and r["provider"] in ("cpu", "cuda", "triton") and r["x_vs_compile(torch-eager)"]:
+            comp = float(r["x_vs_compile(torch-eager)"])
+            goal = "  [>= 1.3x compile: " + ("met" if comp >= 1.3 else "NOT met") + "]"
+            print(
+                f"target {r['op']} {r['size']} {r['pass']} {r['provider']}: x{comp:.2f} compile, "
+                f"x{r['x_vs_torch-eager']} eager{goal if r['size'] == 'B=16 T=256 K=128 D=384' else ''}"
+            )
     ours = [r for r in rows if r["provider"] in ("cpu", "cuda", "triton") and r["op"] == "full_loss_path"]
     for r in ours:
         if r["pass"] != "fwd+bwd":
@@ -516,40 +632,42 @@ def print_targets(rows: list[dict[str, object]]) -> None:
 
 
 def write_markdown(csv_path: Path, md_path: Path) -> None:
-    """Regenerate ``md_path`` from the latest run of each (machine, device, dtype) in the CSV."""
+    """Regenerate ``md_path`` from the CSV: per (machine, device, dtype), each op's rows of its latest run (a run of
+    some ops, ``--ops``, replaces only their rows)."""
     rows = [r for r in common.read_csv(csv_path) if "pass" in r and r.get("pass")]
-    latest: dict[tuple[str, str, str], str] = {}
+    latest: dict[tuple[str, str, str, str], str] = {}
     for r in rows:
-        key = (r["machine"], r["device"], r.get("dtype", "fp32"))
+        key = (r["machine"], r["device"], r.get("dtype", "fp32"), r["op"])
         latest[key] = max(latest.get(key, ""), r["run_id"])
     parts = [
         "# Fused ops benchmark",
         "",
-        "Generated by `benchmarks/bench_ops.py` from `ops.csv` (latest run per machine, device and dtype). Providers",
-        "are interleaved in one run: plain torch eager, `torch.compile` of the same plain torch (compile time in",
-        "`compile_s`, excluded from the timings), diffusers' own step, and our backends. `given`: the user's noise",
-        "tensor; `seed`: noise inside the step (plain torch's `randn_like` is timed, ours is regenerated in-kernel).",
-        "`full_loss_path` keeps x_t alive and compiles q_sample and the loss apart (a model sits between them in",
-        "a step). `gbps` counts the minimal bytes the case must move; `pct_copy` relates it to `dst.copy_(src)` of",
+        "Generated by `benchmarks/bench_ops.py` from `ops.csv` (each op's latest run per machine, device and dtype).",
+        "Providers are interleaved in one run: plain torch eager, `torch.compile` of the same plain torch (compile",
+        "time in `compile_s`, excluded from the timings), diffusers' own step, and our backends. `given`: the user's",
+        "noise tensor; `seed`: noise inside the step (plain torch's `randn_like` is timed, ours is regenerated",
+        "in-kernel). `full_loss_path` keeps x_t alive and compiles q_sample and the loss apart (a model sits between",
+        "them in a step). The token-routing ops write their output (no reduction after it) and take a given upstream",
+        "gradient. `gbps` counts the minimal bytes the case must move; `pct_copy` relates it to `dst.copy_(src)` of",
         "one tensor of the same size timed in the same rotation. `x_vs_*` are speedups (higher is better).",
     ]
-    for (machine, device, dtype), run_id in sorted(latest.items()):
+    for machine, device, dtype in sorted({k[:3] for k in latest}):
         sel = [
             r
             for r in rows
-            if (r["machine"], r["device"], r.get("dtype", "fp32")) == (machine, device, dtype) and r["run_id"] == run_id
+            if (r["machine"], r["device"], r.get("dtype", "fp32")) == (machine, device, dtype)
+            and r["run_id"] == latest[(machine, device, dtype, r["op"])]
         ]
-        first = sel[0]
-        parts += [
-            "",
-            f"## {machine} ({device}, {dtype})",
-            "",
-            f"Run {run_id}, {first['date']}, torch {first['torch']}, git {first['git_rev']}, large-buffer copy "
-            f"{first.get('dram_copy_gbps', '?')} GB/s, host memory {first.get('host_memory', 'glibc default')}"
-            f"{' (quick run)' if first.get('quick') == '1' else ''}.",
-            "",
-            common.markdown_table(sel, COLUMNS),
-        ]
+        parts += ["", f"## {machine} ({device}, {dtype})", ""]
+        for run_id in sorted({r["run_id"] for r in sel}):
+            run = [r for r in sel if r["run_id"] == run_id]
+            first, names = run[0], ", ".join(dict.fromkeys(r["op"] for r in run))
+            parts.append(
+                f"- Run {run_id} ({names}): {first['date']}, torch {first['torch']}, git {first['git_rev']}, "
+                f"large-buffer copy {first.get('dram_copy_gbps', '?')} GB/s, host memory "
+                f"{first.get('host_memory', 'glibc default')}{' (quick run)' if first.get('quick') == '1' else ''}."
+            )
+        parts += ["", common.markdown_table(sel, COLUMNS)]
     md_path.parent.mkdir(parents=True, exist_ok=True)
     md_path.write_text("\n".join(parts) + "\n", encoding="utf-8")
 

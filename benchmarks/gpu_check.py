@@ -102,9 +102,9 @@ STEPS: tuple[Step, ...] = (
     ),
     Step(
         "ops_all",
-        100,
+        120,
         "{py} benchmarks/bench_ops.py --device {dev} --dtype {dtype_lo} {compile} --sizes "
-        "{all_sizes} --block {block} --reps {reps} --warmup {warmup} --out {out}",
+        "{all_sizes} --block {block} --route {route} --reps {reps} --warmup {warmup} --out {out}",
     ),
     Step(
         "sampling",
@@ -135,6 +135,7 @@ VALUES: dict[str, tuple[str | list[str], str | list[str]]] = {
     "copy_mib": ("1024", "8"),  # the bandwidth yardstick: several times the L2 on the GPU
     "all_sizes": (["8x4x32x32", "64x4x32x32", "32x4x64x64"], ["2x4x8x8"]),
     "block": (["32", "256", "384"], ["2", "16", "32"]),
+    "route": (["16x256x128x384", "256x256x128x1152"], ["2x16x8x32"]),  # token routing: DiT-S/2, DiT-XL/2 widths
     "reps": ("10", "2"),
     "reps_few": ("3", "1"),
     "warmup": ("3", "1"),

@@ -225,4 +225,57 @@ inline BlockArgs gated_bwd_args(const at::Tensor& go, const at::Tensor& gate, co
   return {y.contiguous(), go.contiguous(), f32_contig(gate), at::Tensor(), y.size(0), y.size(1), y.size(2), dt};
 }
 
+// Token routing: rows (B, T, D) of a kernel dtype and idx (B, K) int64 on their device, K <= T.
+struct RouteArgs {
+  at::Tensor rows, idx;  // rows: x of token_gather, src of token_scatter, grad_out of token_scatter_bwd
+  int64_t B, T, K, D;
+  int dt;
+};
+
+inline void check_route_idx(const at::Tensor& idx, const at::Tensor& ref, int64_t B, int64_t T, const char* op) {
+  check_device(idx, ref, op, "idx");
+  TORCH_CHECK(idx.scalar_type() == at::kLong, "diffcurr_fast_C::", op, ": idx must be int64, got ", idx.scalar_type());
+  TORCH_CHECK(idx.dim() == 2 && idx.size(0) == B && idx.size(1) <= T, "diffcurr_fast_C::", op,
+              ": idx must have shape (", B, ", K <= ", T, "), got ", idx.sizes());
+  TORCH_CHECK(T <= INT32_MAX, "diffcurr_fast_C::", op, ": at most 2^31 - 1 tokens, got ", T);
+}
+
+// token_gather(x, idx): x (B, T, D).
+inline RouteArgs token_gather_args(const at::Tensor& x, const at::Tensor& idx, const char* op) {
+  TORCH_CHECK(x.dim() == 3, "diffcurr_fast_C::", op, ": x must have shape (B, T, D), got ", x.sizes());
+  const int dt = dtype_code(x, op, "x");
+  check_route_idx(idx, x, x.size(0), x.size(1), op);
+  return {x.contiguous(), idx.contiguous(), x.size(0), x.size(1), idx.size(1), x.size(2), dt};
+}
+
+// token_scatter(base, idx, src, tokens): src (B, K, D); base (B, tokens, D) like src, or none (zeros).
+inline RouteArgs token_scatter_args(const c10::optional<at::Tensor>& base, const at::Tensor& idx,
+                                    const at::Tensor& src, int64_t tokens, const char* op) {
+  TORCH_CHECK(src.dim() == 3, "diffcurr_fast_C::", op, ": src must have shape (B, K, D), got ", src.sizes());
+  const int dt = dtype_code(src, op, "src");
+  TORCH_CHECK(tokens >= src.size(1), "diffcurr_fast_C::", op, ": tokens must be >= K = ", src.size(1), ", got ",
+              tokens);
+  check_route_idx(idx, src, src.size(0), tokens, op);
+  TORCH_CHECK(idx.size(1) == src.size(1), "diffcurr_fast_C::", op, ": idx ", idx.sizes(), " and src ", src.sizes(),
+              " must have the same K");
+  if (base.has_value()) {
+    check_device(*base, src, op, "base");
+    TORCH_CHECK(base->scalar_type() == src.scalar_type(), "diffcurr_fast_C::", op, ": base must have the dtype of src (",
+                src.scalar_type(), "), got ", base->scalar_type());
+    TORCH_CHECK(base->dim() == 3 && base->size(0) == src.size(0) && base->size(1) == tokens &&
+                    base->size(2) == src.size(2),
+                "diffcurr_fast_C::", op, ": base must have shape (", src.size(0), ", ", tokens, ", ", src.size(2),
+                "), got ", base->sizes());
+  }
+  return {src.contiguous(), idx.contiguous(), src.size(0), tokens, src.size(1), src.size(2), dt};
+}
+
+// token_scatter_bwd(grad_out, idx): grad_out (B, T, D).
+inline RouteArgs token_scatter_bwd_args(const at::Tensor& go, const at::Tensor& idx, const char* op) {
+  TORCH_CHECK(go.dim() == 3, "diffcurr_fast_C::", op, ": grad_out must have shape (B, T, D), got ", go.sizes());
+  const int dt = dtype_code(go, op, "grad_out");
+  check_route_idx(idx, go, go.size(0), go.size(1), op);
+  return {go.contiguous(), idx.contiguous(), go.size(0), go.size(1), idx.size(1), go.size(2), dt};
+}
+
 }  // namespace dcf

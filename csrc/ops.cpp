@@ -336,6 +336,86 @@ at::Tensor gelu_tanh_bwd_cpu(const at::Tensor& gy_in, const at::Tensor& x_in) {
   return gx;
 }
 
+// ---- token routing (row copies; docs/ops.md) ---------------------------------------------------------------
+// Checks every index of idx (B, K) against [0, T) (an out-of-range index would read or write outside the tensors).
+void check_route_range(const int64_t* idx, int64_t B, int64_t T, int64_t K, const char* op) {
+  for (int64_t i = 0; i < B * K; ++i) {
+    TORCH_CHECK(idx[i] >= 0 && idx[i] < T, "diffcurr_fast_C::", op, ": idx[", i / K, ", ", i % K, "] = ", idx[i],
+                " is outside [0, ", T, ")");
+  }
+}
+
+// The inverse map of idx: (B, T) int32 with pos[b, idx[b, k]] = k and -1 at the tokens not kept. Checks that the
+// indices lie in [0, T) and that those of one sample are distinct (each row of the scatter has one source).
+std::vector<int32_t> route_positions(const int64_t* idx, int64_t B, int64_t T, int64_t K, const char* op) {
+  check_route_range(idx, B, T, K, op);
+  std::vector<int32_t> pos(static_cast<size_t>(B * T), -1);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t k = 0; k < K; ++k) {
+      int32_t& p = pos[static_cast<size_t>(b * T + idx[b * K + k])];
+      TORCH_CHECK(p < 0, "diffcurr_fast_C::", op, ": the indices of sample ", b, " must be distinct; token ",
+                  idx[b * K + k], " is kept twice");
+      p = static_cast<int32_t>(k);
+    }
+  }
+  return pos;
+}
+
+int64_t row_grain(int64_t D) { return std::max<int64_t>(1, kElemGrain / std::max<int64_t>(1, D)); }
+
+at::Tensor token_gather_cpu(const at::Tensor& x_in, const at::Tensor& idx_in) {
+  const char* op = "token_gather";
+  check_cpu(x_in, op, "x");
+  const RouteArgs g = token_gather_args(x_in, idx_in, op);
+  at::Tensor out = at::empty({g.B, g.K, g.D}, g.rows.options());
+  const int64_t* ip = g.idx.const_data_ptr<int64_t>();
+  check_route_range(ip, g.B, g.T, g.K, op);
+  if (out.numel() == 0) return out;
+  const void* xp = g.rows.const_data_ptr();
+  void* op_ = out.mutable_data_ptr();
+  at::parallel_for(0, g.B * g.K, row_grain(g.D), [&](int64_t begin, int64_t end) {
+    K().token_gather(g.dt, xp, ip, op_, g.T, g.K, g.D, begin, end - begin);
+  });
+  return out;
+}
+
+// base None: zeros where no row of src lands (the backward of token_gather, with tokens = T of its x).
+at::Tensor token_scatter_cpu(const c10::optional<at::Tensor>& base_in, const at::Tensor& idx_in,
+                             const at::Tensor& src_in, int64_t tokens) {
+  const char* op = "token_scatter";
+  check_cpu(src_in, op, "src");
+  const RouteArgs g = token_scatter_args(base_in, idx_in, src_in, tokens, op);
+  const at::Tensor base = optional_contig(base_in);
+  at::Tensor out = at::empty({g.B, g.T, g.D}, g.rows.options());
+  const std::vector<int32_t> pos = route_positions(g.idx.const_data_ptr<int64_t>(), g.B, g.T, g.K, op);
+  if (out.numel() == 0) return out;
+  const void* bp = base.defined() ? base.const_data_ptr() : nullptr;
+  const void* sp = g.rows.const_data_ptr();
+  void* op_ = out.mutable_data_ptr();
+  at::parallel_for(0, g.B * g.T, row_grain(g.D), [&](int64_t begin, int64_t end) {
+    K().token_scatter(g.dt, bp, pos.data(), sp, op_, g.T, g.K, g.D, begin, end - begin);
+  });
+  return out;
+}
+
+// grad_base = grad_out with the kept rows zeroed, grad_src = grad_out gathered at idx: one pass over grad_out.
+std::tuple<at::Tensor, at::Tensor> token_scatter_bwd_cpu(const at::Tensor& go_in, const at::Tensor& idx_in) {
+  const char* op = "token_scatter_bwd";
+  check_cpu(go_in, op, "grad_out");
+  const RouteArgs g = token_scatter_bwd_args(go_in, idx_in, op);
+  at::Tensor gbase = at::empty({g.B, g.T, g.D}, g.rows.options());
+  at::Tensor gsrc = at::empty({g.B, g.K, g.D}, g.rows.options());
+  const std::vector<int32_t> pos = route_positions(g.idx.const_data_ptr<int64_t>(), g.B, g.T, g.K, op);
+  if (gbase.numel() == 0) return {gbase, gsrc};
+  const void* gp = g.rows.const_data_ptr();
+  void* gbp = gbase.mutable_data_ptr();
+  void* gsp = gsrc.mutable_data_ptr();
+  at::parallel_for(0, g.B * g.T, row_grain(g.D), [&](int64_t begin, int64_t end) {
+    K().token_scatter_bwd(g.dt, gp, pos.data(), gbp, gsp, g.T, g.K, g.D, begin, end - begin);
+  });
+  return {gbase, gsrc};
+}
+
 std::string cpu_isa() { return K().isa; }
 
 std::string set_cpu_isa(const std::string& isa) {
@@ -369,6 +449,9 @@ TORCH_LIBRARY(diffcurr_fast_C, m) {
   m.def("gated_residual_bwd(Tensor grad_out, Tensor gate, Tensor y) -> (Tensor ggate, Tensor gy)");
   m.def("gelu_tanh_fwd(Tensor x) -> Tensor");
   m.def("gelu_tanh_bwd(Tensor grad_y, Tensor x) -> Tensor");
+  m.def("token_gather(Tensor x, Tensor idx) -> Tensor");
+  m.def("token_scatter(Tensor? base, Tensor idx, Tensor src, int tokens) -> Tensor");
+  m.def("token_scatter_bwd(Tensor grad_out, Tensor idx) -> (Tensor grad_base, Tensor grad_src)");
 }
 
 TORCH_LIBRARY_IMPL(diffcurr_fast_C, CPU, m) {
@@ -382,4 +465,7 @@ TORCH_LIBRARY_IMPL(diffcurr_fast_C, CPU, m) {
   m.impl("gated_residual_bwd", &dcf::gated_residual_bwd_cpu);
   m.impl("gelu_tanh_fwd", &dcf::gelu_tanh_fwd_cpu);
   m.impl("gelu_tanh_bwd", &dcf::gelu_tanh_bwd_cpu);
+  m.impl("token_gather", &dcf::token_gather_cpu);
+  m.impl("token_scatter", &dcf::token_scatter_cpu);
+  m.impl("token_scatter_bwd", &dcf::token_scatter_bwd_cpu);
 }

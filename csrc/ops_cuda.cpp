@@ -173,6 +173,56 @@ std::tuple<at::Tensor, at::Tensor> gated_residual_bwd_cuda(const at::Tensor& go_
   return {ggate.to(gate_in.scalar_type()), gy};
 }
 
+// ---- token routing: nothing is checked on the device (launch.h); the position map is a (B, T) int32 scratch
+int64_t elem_bytes(const RouteArgs& g) { return g.dt == 0 ? 4 : 2; }
+
+at::Tensor route_positions(const RouteArgs& g, const char* op) {
+  at::Tensor pos = at::empty({g.B, g.T}, g.idx.options().dtype(at::kInt));
+  DC_CUDA_OK(op, cuda::token_positions(g.idx.const_data_ptr<int64_t>(), pos.mutable_data_ptr<int32_t>(), g.B, g.T,
+                                       g.K, stream_of(g.idx)));
+  return pos;
+}
+
+at::Tensor token_gather_cuda(const at::Tensor& x_in, const at::Tensor& idx_in) {
+  const char* op = "token_gather";
+  check_cuda(x_in, op, "x");
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const RouteArgs g = token_gather_args(x_in, idx_in, op);
+  at::Tensor out = at::empty({g.B, g.K, g.D}, g.rows.options());
+  DC_CUDA_OK(op, cuda::token_gather(elem_bytes(g), g.rows.const_data_ptr(), g.idx.const_data_ptr<int64_t>(),
+                                    out.mutable_data_ptr(), g.B, g.T, g.K, g.D, stream_of(g.rows)));
+  return out;
+}
+
+at::Tensor token_scatter_cuda(const c10::optional<at::Tensor>& base_in, const at::Tensor& idx_in,
+                              const at::Tensor& src_in, int64_t tokens) {
+  const char* op = "token_scatter";
+  check_cuda(src_in, op, "src");
+  const c10::cuda::CUDAGuard guard(src_in.device());
+  const RouteArgs g = token_scatter_args(base_in, idx_in, src_in, tokens, op);
+  const at::Tensor base = optional_contig(base_in);
+  at::Tensor out = at::empty({g.B, g.T, g.D}, g.rows.options());
+  const at::Tensor pos = route_positions(g, op);
+  DC_CUDA_OK(op, cuda::token_scatter(elem_bytes(g), base.defined() ? base.const_data_ptr() : nullptr,
+                                     pos.const_data_ptr<int32_t>(), g.rows.const_data_ptr(), out.mutable_data_ptr(),
+                                     g.B, g.T, g.K, g.D, stream_of(g.rows)));
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> token_scatter_bwd_cuda(const at::Tensor& go_in, const at::Tensor& idx_in) {
+  const char* op = "token_scatter_bwd";
+  check_cuda(go_in, op, "grad_out");
+  const c10::cuda::CUDAGuard guard(go_in.device());
+  const RouteArgs g = token_scatter_bwd_args(go_in, idx_in, op);
+  at::Tensor gbase = at::empty({g.B, g.T, g.D}, g.rows.options());
+  at::Tensor gsrc = at::empty({g.B, g.K, g.D}, g.rows.options());
+  const at::Tensor pos = route_positions(g, op);
+  DC_CUDA_OK(op, cuda::token_scatter_bwd(elem_bytes(g), g.rows.const_data_ptr(), pos.const_data_ptr<int32_t>(),
+                                         gbase.mutable_data_ptr(), gsrc.mutable_data_ptr(), g.B, g.T, g.K, g.D,
+                                         stream_of(g.rows)));
+  return {gbase, gsrc};
+}
+
 }  // namespace
 }  // namespace dcf
 
@@ -185,6 +235,9 @@ TORCH_LIBRARY_IMPL(diffcurr_fast_C, CUDA, m) {
   m.impl("adaln_modulate_bwd", &dcf::adaln_modulate_bwd_cuda);
   m.impl("gated_residual_fwd", &dcf::gated_residual_fwd_cuda);
   m.impl("gated_residual_bwd", &dcf::gated_residual_bwd_cuda);
+  m.impl("token_gather", &dcf::token_gather_cuda);
+  m.impl("token_scatter", &dcf::token_scatter_cuda);
+  m.impl("token_scatter_bwd", &dcf::token_scatter_bwd_cuda);
 }
 
 #endif  // DIFFCURR_WITH_CUDA

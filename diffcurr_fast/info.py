@@ -33,6 +33,8 @@ OPS = {
     "sample_timesteps": "sample_timesteps",
     "adaln_modulate": "adaln_modulate_fwd",
     "gated_residual": "gated_residual_fwd",
+    "token_gather": "token_gather",
+    "token_scatter": "token_scatter",
 }
 PACKAGES = {  # name shown -> distribution names tried
     "torch": ("torch",),
@@ -207,6 +209,22 @@ def _cases(device: torch.device, dtype: torch.dtype, backend: str):
             lambda b: lambda x, gt, y: ops.gated_residual(x, gt, y, backend=b),
             [r(B, N, D), r(B, D), r(B, N, D)],
             r(B, N, D, dt=torch.float32),
+        )
+    for B, T, K, D in ((2, 7, 3, 24), (3, 16, 8, 72)):  # token routing: K of T tokens, unsorted
+        idx = torch.stack([torch.randperm(T, generator=g)[:K] for _ in range(B)]).to(device)
+        yield (
+            "token_gather",
+            (B, T, K, D),
+            lambda b, idx=idx: lambda x: ops.token_gather(x, idx, backend=b),
+            [r(B, T, D)],
+            r(B, K, D, dt=torch.float32),
+        )
+        yield (
+            "token_scatter",
+            (B, T, K, D),
+            lambda b, idx=idx: lambda base, src: ops.token_scatter(base, idx, src, backend=b),
+            [r(B, T, D), r(B, K, D)],
+            r(B, T, D, dt=torch.float32),
         )
     w = torch.rand(1000, generator=g, dtype=torch.float64).to(device) * (torch.arange(1000, device=device) % 3 > 0)
     yield (

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from diffcurr_fast.diffusion import Formulation, TrainingTerms, build_formulation
-from diffcurr_fast.ops import diffusion_loss_coef, q_sample_coef, sample_timesteps
+from diffcurr_fast.ops import diffusion_loss_coef, philox_randn, q_sample_coef, sample_timesteps
 from diffcurr_fast.ops.token_gather import draw_route, kept_tokens
 from diffcurr_fast.terms.base import TermInputs, TrainingTerm
 from diffcurr_fast.terms.registry import term_class
@@ -82,6 +82,7 @@ class Objective:
         self.terms = [(float(w), term) for w, term in terms]
         self.features = tuple(sorted({j for _, term in self.terms for j in term.features}))
         self.route = route
+        self.needs_noise = any(term.needs_noise for _, term in self.terms)
 
     @classmethod
     def from_config(cls, cfg: Any, formulation: Formulation | None = None) -> Objective:
@@ -140,7 +141,8 @@ class Objective:
                 out, feats = model(x_in, t_in, y, features=self.features, **kw)  # feats: {j: (B, T, D)}
         per = self.loss(out, x0, x_in, draw, seed)  # (B,)
         if self.terms:
-            inputs = TermInputs(x0, y, draw, x_in, seed, out[:, : x0.shape[1]].to(x0.dtype), feats)
+            noise = philox_randn(seed, tuple(x0.shape), x0.device) if self.needs_noise else None  # (B, C, H, W) eps
+            inputs = TermInputs(x0, y, draw, x_in, seed, out[:, : x0.shape[1]].to(x0.dtype), feats, noise)
             for weight, term in self.terms:
                 per = per + weight * term(inputs).to(per.dtype)  # (B,)
         return per

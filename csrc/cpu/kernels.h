@@ -56,6 +56,23 @@ struct KernelTable {
 
   // gx = grad_y * dy/dx over flat elements [i0, i0 + n).
   void (*gelu_tanh_bwd)(int dt, const void* grad_y, const void* x, void* gx, int64_t i0, int64_t n);
+
+  // Token routing (docs/ops.md): row copies, no arithmetic (dt only sets the element size). Indices are checked
+  // by the caller: idx[b, k] in [0, T); pos is the inverse map of idx, (B, T) with pos[b, idx[b, k]] = k and -1
+  // at the tokens not kept.
+  // Rows [r0, r0 + nrows) of out (B * K, D): out[b, k] = x[b, idx[b, k]], for x (B, T, D).
+  void (*token_gather)(int dt, const void* x, const int64_t* idx, void* out, int64_t T, int64_t K, int64_t D,
+                       int64_t r0, int64_t nrows);
+
+  // Rows [r0, r0 + nrows) of out (B * T, D): out[b, t] = src[b, pos[b, t]] where pos[b, t] >= 0, else base[b, t]
+  // (zero when base == nullptr: the backward of token_gather), for src (B, K, D).
+  void (*token_scatter)(int dt, const void* base, const int32_t* pos, const void* src, void* out, int64_t T,
+                        int64_t K, int64_t D, int64_t r0, int64_t nrows);
+
+  // Backward of token_scatter over rows [r0, r0 + nrows) of grad_out (B * T, D): where pos[b, t] >= 0,
+  // grad_src[b, pos[b, t]] = grad_out[b, t] and grad_base[b, t] = 0; elsewhere grad_base[b, t] = grad_out[b, t].
+  void (*token_scatter_bwd)(int dt, const void* grad_out, const int32_t* pos, void* grad_base, void* grad_src,
+                            int64_t T, int64_t K, int64_t D, int64_t r0, int64_t nrows);
 };
 
 // The table in use: at first the best instruction set of this CPU; DIFFCURR_CPU_ISA=generic|avx2|avx512

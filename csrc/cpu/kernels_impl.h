@@ -572,10 +572,88 @@ void gelu_bwd_entry(int dt, const void* gy, const void* x, void* gx, int64_t i0,
   return gelu_t<F16, true>(gy, x, gx, i0, n);
 }
 
+// ---- token routing: row copies --------------------------------------------------------------------------
+// A row is n bytes (D elements of 2 or 4 bytes); rows never overlap. The copies move 64-byte blocks through
+// generic vectors, which gcc lowers to the instruction set's widest loads and stores (one zmm, two ymm or four
+// xmm), then the tail of fewer than 64 bytes.
+// gcc would turn these loops into calls of memmove (-ftree-loop-distribute-patterns); a call per row of 1.5 KB
+// costs more than the copy's inline vector moves, so the pattern is off for this section.
+#pragma GCC push_options
+#pragma GCC optimize("no-tree-loop-distribute-patterns")
+typedef uint8_t v64u8 __attribute__((vector_size(64)));
+
+DC_INLINE void copy_row(const uint8_t* __restrict s, uint8_t* __restrict d, int64_t n) {
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    v64u8 v;
+    __builtin_memcpy(&v, s + i, 64);
+    __builtin_memcpy(d + i, &v, 64);
+  }
+  for (; i < n; ++i) d[i] = s[i];
+}
+
+DC_INLINE void zero_row(uint8_t* __restrict d, int64_t n) {
+  const v64u8 z = {};
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) __builtin_memcpy(d + i, &z, 64);
+  for (; i < n; ++i) d[i] = 0;
+}
+
+inline int64_t elem_bytes(int dt) { return dt == dcf::cpu::kF32 ? 4 : 2; }
+
+void token_gather_entry(int dt, const void* x_, const int64_t* idx, void* out_, int64_t T, int64_t K, int64_t D,
+                        int64_t r0, int64_t nrows) {
+  const int64_t n = D * elem_bytes(dt);
+  const auto* x = static_cast<const uint8_t*>(x_);
+  auto* out = static_cast<uint8_t*>(out_);
+  for (int64_t r = r0; r < r0 + nrows; ++r) {
+    const int64_t b = r / K;
+    copy_row(x + (b * T + idx[r]) * n, out + r * n, n);  // out[b, k] = x[b, idx[b, k]]
+  }
+}
+
+void token_scatter_entry(int dt, const void* base_, const int32_t* pos, const void* src_, void* out_, int64_t T,
+                         int64_t K, int64_t D, int64_t r0, int64_t nrows) {
+  const int64_t n = D * elem_bytes(dt);
+  const auto* base = static_cast<const uint8_t*>(base_);
+  const auto* src = static_cast<const uint8_t*>(src_);
+  auto* out = static_cast<uint8_t*>(out_);
+  for (int64_t r = r0; r < r0 + nrows; ++r) {
+    const int32_t k = pos[r];
+    if (k >= 0) {
+      copy_row(src + ((r / T) * K + k) * n, out + r * n, n);  // a kept token: its row of src
+    } else if (base != nullptr) {
+      copy_row(base + r * n, out + r * n, n);  // a token not kept: its value before the route
+    } else {
+      zero_row(out + r * n, n);
+    }
+  }
+}
+
+void token_scatter_bwd_entry(int dt, const void* go_, const int32_t* pos, void* gbase_, void* gsrc_, int64_t T,
+                             int64_t K, int64_t D, int64_t r0, int64_t nrows) {
+  const int64_t n = D * elem_bytes(dt);
+  const auto* go = static_cast<const uint8_t*>(go_);
+  auto* gbase = static_cast<uint8_t*>(gbase_);
+  auto* gsrc = static_cast<uint8_t*>(gsrc_);
+  for (int64_t r = r0; r < r0 + nrows; ++r) {
+    const int32_t k = pos[r];
+    if (k >= 0) {
+      copy_row(go + r * n, gsrc + ((r / T) * K + k) * n, n);  // grad_src[b, k] = grad_out[b, idx[b, k]]
+      zero_row(gbase + r * n, n);
+    } else {
+      copy_row(go + r * n, gbase + r * n, n);
+    }
+  }
+}
+
+#pragma GCC pop_options
+
 }  // namespace
 
 #define DC_DEFINE_KERNEL_TABLE(NAME, ISA_STRING)                                                               \
   extern const ::dcf::cpu::KernelTable NAME;                                                                   \
   const ::dcf::cpu::KernelTable NAME = {ISA_STRING,        &randn_impl,      &q_sample_entry,  &loss_entry,    \
                                         &adaln_fwd_entry,  &adaln_bwd_entry, &gated_fwd_entry, &gated_bwd_entry, \
-                                        &gelu_fwd_entry,   &gelu_bwd_entry};
+                                        &gelu_fwd_entry,   &gelu_bwd_entry, &token_gather_entry,              \
+                                        &token_scatter_entry, &token_scatter_bwd_entry};

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <initializer_list>
 
 #include "cuda/launch.h"
 #include "dc_math.h"
@@ -631,6 +632,79 @@ int reg_vectors(int64_t D, const void* p0, const void* p1, const void* p2, const
   return 0;
 }
 
+// ---------------------------------------------------------------- token routing
+// Row copies, one warp per row (grid-stride over rows), in words W: 16 bytes (uint4) when a row's bytes are a
+// multiple of 16 and every pointer is 16-byte aligned, else 4 or 2 bytes. No arithmetic, so one instance per word
+// size serves every dtype.
+__global__ void token_positions_kernel(const int64_t* __restrict__ idx, int32_t* __restrict__ pos, int64_t n,
+                                       int64_t T, int64_t K) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = idx[i];
+    if (t >= 0 && t < T) pos[(i / K) * T + t] = static_cast<int32_t>(i % K);
+  }
+}
+
+template <class W>
+__global__ void token_gather_kernel(const W* __restrict__ x, const int64_t* __restrict__ idx, W* __restrict__ out,
+                                    int64_t rows, int64_t T, int64_t K, int64_t rw) {
+  const int lane = threadIdx.x % kWarp;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / kWarp);
+  for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x / kWarp) + threadIdx.x / kWarp; r < rows;
+       r += warps) {
+    const int64_t t = idx[r];
+    const bool valid = t >= 0 && t < T;
+    const W* s = x + ((r / K) * T + (valid ? t : 0)) * rw;  // out[b, k] = x[b, idx[b, k]]
+    for (int64_t j = lane; j < rw; j += kWarp) out[r * rw + j] = valid ? s[j] : W{};
+  }
+}
+
+template <class W, bool kBase>
+__global__ void token_scatter_kernel(const W* __restrict__ base, const int32_t* __restrict__ pos,
+                                     const W* __restrict__ src, W* __restrict__ out, int64_t rows, int64_t T,
+                                     int64_t K, int64_t rw) {
+  const int lane = threadIdx.x % kWarp;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / kWarp);
+  for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x / kWarp) + threadIdx.x / kWarp; r < rows;
+       r += warps) {
+    const int32_t k = pos[r];
+    const W* s = k >= 0 ? src + ((r / T) * K + k) * rw : (kBase ? base + r * rw : nullptr);
+    for (int64_t j = lane; j < rw; j += kWarp) out[r * rw + j] = s != nullptr ? s[j] : W{};
+  }
+}
+
+template <class W>
+__global__ void token_scatter_bwd_kernel(const W* __restrict__ go, const int32_t* __restrict__ pos,
+                                         W* __restrict__ gbase, W* __restrict__ gsrc, int64_t rows, int64_t T,
+                                         int64_t K, int64_t rw) {
+  const int lane = threadIdx.x % kWarp;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / kWarp);
+  for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x / kWarp) + threadIdx.x / kWarp; r < rows;
+       r += warps) {
+    const int32_t k = pos[r];
+    W* kept = k >= 0 ? gsrc + ((r / T) * K + k) * rw : nullptr;
+    for (int64_t j = lane; j < rw; j += kWarp) {
+      const W g = go[r * rw + j];
+      gbase[r * rw + j] = kept != nullptr ? W{} : g;  // grad_base: grad_out with the kept rows zeroed
+      if (kept != nullptr) kept[j] = g;              // grad_src[b, k] = grad_out[b, idx[b, k]]
+    }
+  }
+}
+
+// fn(W{}, words per row) with the widest word that the rows (row_bytes) and every pointer allow.
+template <class Fn>
+int with_row_words(int64_t row_bytes, std::initializer_list<const void*> ptrs, Fn&& fn) {
+  bool a16 = row_bytes % 16 == 0, a4 = row_bytes % 4 == 0;
+  for (const void* p : ptrs) {
+    if (p == nullptr) continue;
+    a16 = a16 && aligned(p, 16);
+    a4 = a4 && aligned(p, 4);
+  }
+  if (a16) return fn(uint4{}, row_bytes / 16);
+  if (a4) return fn(uint32_t{}, row_bytes / 4);
+  return fn(uint16_t{}, row_bytes / 2);
+}
+
 // ---------------------------------------------------------------- dispatch helpers
 template <class Fn>
 int with_type(int dt, Fn&& fn) {
@@ -820,6 +894,62 @@ int gated_bwd(int dt, const void* grad_out, const float* gate, const void* y, vo
       launch_gated<T, true>(gp, gate, nullptr, static_cast<typename T::S*>(gy), B, N, D, s);
     }
     launch_column_sums<T, false>(gp, yp, nullptr, nullptr, nullptr, ggate, B, N, D, s);  // grad_gate = sum_n grad_out * y
+    return finish();
+  });
+}
+
+int token_positions(const int64_t* idx, int32_t* pos, int64_t B, int64_t T, int64_t K, void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (B * T == 0) return 0;
+  const int err = static_cast<int>(cudaMemsetAsync(pos, 0xff, sizeof(int32_t) * B * T, s));  // all -1
+  if (err != 0 || B * K == 0) return err;
+  token_positions_kernel<<<blocks_for(B * K, kThreads), kThreads, 0, s>>>(idx, pos, B * K, T, K);
+  return finish();
+}
+
+int token_gather(int elem_bytes, const void* x, const int64_t* idx, void* out, int64_t B, int64_t T, int64_t K,
+                 int64_t D, void* stream) {
+  const int64_t rows = B * K;
+  if (rows == 0 || D == 0) return 0;
+  const auto s = static_cast<cudaStream_t>(stream);
+  return with_row_words(D * elem_bytes, {x, out}, [&](auto w, int64_t rw) {
+    using W = decltype(w);
+    token_gather_kernel<W><<<blocks_for(rows, kThreads / kWarp), kThreads, 0, s>>>(
+        static_cast<const W*>(x), idx, static_cast<W*>(out), rows, T, K, rw);
+    return finish();
+  });
+}
+
+int token_scatter(int elem_bytes, const void* base, const int32_t* pos, const void* src, void* out, int64_t B,
+                  int64_t T, int64_t K, int64_t D, void* stream) {
+  const int64_t rows = B * T;
+  if (rows == 0 || D == 0) return 0;
+  const auto s = static_cast<cudaStream_t>(stream);
+  return with_row_words(D * elem_bytes, {base, src, out}, [&](auto w, int64_t rw) {
+    using W = decltype(w);
+    const auto* bp = static_cast<const W*>(base);
+    const auto* sp = static_cast<const W*>(src);
+    auto* op = static_cast<W*>(out);
+    const int64_t blocks = blocks_for(rows, kThreads / kWarp);
+    if (base != nullptr) {
+      token_scatter_kernel<W, true><<<blocks, kThreads, 0, s>>>(bp, pos, sp, op, rows, T, K, rw);
+    } else {
+      token_scatter_kernel<W, false><<<blocks, kThreads, 0, s>>>(bp, pos, sp, op, rows, T, K, rw);
+    }
+    return finish();
+  });
+}
+
+int token_scatter_bwd(int elem_bytes, const void* grad_out, const int32_t* pos, void* grad_base, void* grad_src,
+                      int64_t B, int64_t T, int64_t K, int64_t D, void* stream) {
+  const int64_t rows = B * T;
+  if (rows == 0 || D == 0) return 0;
+  const auto s = static_cast<cudaStream_t>(stream);
+  return with_row_words(D * elem_bytes, {grad_out, grad_base, grad_src}, [&](auto w, int64_t rw) {
+    using W = decltype(w);
+    token_scatter_bwd_kernel<W><<<blocks_for(rows, kThreads / kWarp), kThreads, 0, s>>>(
+        static_cast<const W*>(grad_out), pos, static_cast<W*>(grad_base), static_cast<W*>(grad_src), rows, T, K,
+        rw);
     return finish();
   });
 }

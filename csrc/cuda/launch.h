@@ -49,4 +49,23 @@ int gated_fwd(int dt, const void* x, const float* gate, const void* y, void* out
 int gated_bwd(int dt, const void* grad_out, const float* gate, const void* y, void* gy, float* ggate, int64_t B,
               int64_t N, int64_t D, void* stream);
 
+// Token routing (row copies of elem_bytes-sized elements, no arithmetic). Nothing is checked on the device (no
+// host synchronisation): an index outside [0, T) moves no row (its gathered row is zero), and duplicate indices of
+// one sample leave which source a row takes unspecified.
+// pos (B, T) int32 scratch := the inverse map of idx (B, K): pos[b, idx[b, k]] = k, -1 at the tokens not kept.
+int token_positions(const int64_t* idx, int32_t* pos, int64_t B, int64_t T, int64_t K, void* stream);
+
+// out (B, K, D) = x[b, idx[b, k]] for x (B, T, D).
+int token_gather(int elem_bytes, const void* x, const int64_t* idx, void* out, int64_t B, int64_t T, int64_t K,
+                 int64_t D, void* stream);
+
+// out (B, T, D): src[b, pos[b, t]] where pos >= 0, else base[b, t] (zero when base == nullptr).
+int token_scatter(int elem_bytes, const void* base, const int32_t* pos, const void* src, void* out, int64_t B,
+                  int64_t T, int64_t K, int64_t D, void* stream);
+
+// Backward of token_scatter: grad_base (B, T, D) = grad_out with the kept rows zeroed, grad_src (B, K, D) =
+// grad_out at the kept rows.
+int token_scatter_bwd(int elem_bytes, const void* grad_out, const int32_t* pos, void* grad_base, void* grad_src,
+                      int64_t B, int64_t T, int64_t K, int64_t D, void* stream);
+
 }  // namespace dcf::cuda

@@ -157,9 +157,10 @@ def register_raw_fake(op: str, fake) -> None:
     """Give the raw kernel ``diffcurr_fast_C::<op>`` a fake implementation, so it traces under torch.compile.
 
     The public ops call the C++/CUDA kernels directly (no Python op layer in between); this is what lets a
-    compiled graph hold them as single nodes. A no-op when the extension is missing.
+    compiled graph hold them as single nodes. A no-op when the extension is missing or was built before the op
+    existed (a stale build: the op then falls back with ``resolve``'s warning instead of failing the import).
     """
-    if _ext_error() is None:
+    if _ext_error() is None and hasattr(ext_ops(), op):
         torch.library.register_fake(f"diffcurr_fast_C::{op}")(fake)
 
 

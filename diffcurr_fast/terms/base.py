@@ -28,8 +28,9 @@ class TermInputs:
 
     ``x0`` (B, C, H, W) and ``y`` (B,) the batch; ``terms`` the formulation's per-sample draw (t, t_in, a, c, p,
     q, w: ``x_in = a x0 + c eps``, target ``p x0 + q eps``); ``x_in`` the network input; ``seed`` the Philox seed of
-    eps (``ops.philox_randn`` regenerates it: the fused ops never store it); ``pred`` (B, C, H, W) the network's
-    prediction; ``features`` {j: (B, T, D) tokens after block j} for the blocks the terms asked for.
+    eps; ``pred`` (B, C, H, W) the network's prediction; ``features`` {j: (B, T, D) tokens after block j} for the
+    blocks the terms asked for; ``noise`` (B, C, H, W) eps itself, regenerated from ``seed`` by the objective when a
+    term sets ``needs_noise`` (the fused ops never store it), else None.
     """
 
     x0: torch.Tensor
@@ -39,12 +40,14 @@ class TermInputs:
     seed: int
     pred: torch.Tensor
     features: dict[int, torch.Tensor]
+    noise: torch.Tensor | None = None
 
 
 class TrainingTerm(nn.Module):
     """Base class of a training term (module doc). Subclasses set ``features`` and implement ``forward``."""
 
     features: tuple[int, ...] = ()  # the blocks whose output tokens this term reads
+    needs_noise: bool = False  # the objective regenerates the step's noise for it (``TermInputs.noise``)
 
     def forward(self, inputs: TermInputs) -> torch.Tensor:
         """(B,) per-sample loss of this term, unweighted."""

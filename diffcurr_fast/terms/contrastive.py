@@ -20,7 +20,8 @@ for flow with v prediction, and the same construction for DDPM (eps, x0 or v tar
   one has no other sample: refused.
 - The squared distance is the per-sample mean over C, H, W (as the regression loss) and carries the same weight w_i
   (1 unless ``diffusion.weighting`` weights the regression, e.g. MinSNR).
-- The noise is not stored (the fused ops regenerate it): eps is regenerated here from the step's Philox seed.
+- The noise is not stored (the fused ops regenerate it): the objective regenerates eps from the step's Philox seed
+  for this term (``needs_noise``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from typing import Any
 
 import torch
 
-from diffcurr_fast.ops import philox_randn
 from diffcurr_fast.terms.base import TermInputs, TrainingTerm
 
 
@@ -37,6 +37,7 @@ class Contrastive(TrainingTerm):
     """-w_i || pred_i - (p_i x0_{i-1} + q_i eps_{i-1}) ||^2 (module doc); reads no features."""
 
     features = ()
+    needs_noise = True
 
     @classmethod
     def from_config(cls, cfg: Any) -> Contrastive:
@@ -46,7 +47,7 @@ class Contrastive(TrainingTerm):
         x0, d = inputs.x0, inputs.terms
         if x0.shape[0] < 2:
             raise ValueError("terms.use contrastive needs at least 2 samples per (micro-)batch: a negative pair")
-        eps = philox_randn(inputs.seed, tuple(x0.shape), x0.device).to(x0.dtype)  # (B, C, H, W): the step's noise
+        eps = inputs.noise.to(x0.dtype)  # (B, C, H, W): the step's noise
         shape = (-1,) + (1,) * (x0.dim() - 1)
         p, q = d.p.to(x0.dtype).view(shape), d.q.to(x0.dtype).view(shape)
         negative = p * x0.roll(1, dims=0) + q * eps.roll(1, dims=0)  # (B, C, H, W): sample i - 1's data and noise

@@ -29,15 +29,15 @@ def test_contrastive_is_minus_the_weighted_distance_to_the_previous_samples_targ
     pred = torch.randn(b, 3, 4, 4, generator=g, dtype=torch.float64)
     terms = form.training_terms(torch.randint(0, 50, (b,), generator=g), 50, prediction, weighting, 5.0, g)
     seed = 1234
-    got = Contrastive()(TermInputs(x0, torch.zeros(b, dtype=torch.long), terms, x0, seed, pred, {}))
     eps = philox_randn(seed, (b, 3, 4, 4)).double()
+    got = Contrastive()(TermInputs(x0, torch.zeros(b, dtype=torch.long), terms, x0, seed, pred, {}, eps))
     for i in range(b):
         j = (i - 1) % b  # the negative of sample i: sample i - 1's data and noise at sample i's own level
         neg = terms.p[i].double() * x0[j] + terms.q[i].double() * eps[j]
         want = -terms.w[i].double() * ((pred[i] - neg) ** 2).mean()
         torch.testing.assert_close(got[i], want, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="needs at least 2 samples per"):
-        Contrastive()(TermInputs(x0[:1], torch.zeros(1, dtype=torch.long), terms, x0[:1], seed, pred[:1], {}))
+        Contrastive()(TermInputs(x0[:1], torch.zeros(1, dtype=torch.long), terms, x0[:1], seed, pred[:1], {}, eps[:1]))
 
 
 def test_a_run_with_the_contrastive_term_changes_the_loss_resumes_exactly_and_weight_is_lambda(tmp_path):
