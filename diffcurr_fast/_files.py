@@ -2,8 +2,8 @@
 
 - ``check_writable``: an output path can be created and written, checked before the work (a command that fails
   only when it writes loses the work);
-- ``read_safetensors``, ``read_json``, ``load_npz``: a user's file read with one line naming it and its problem
-  when it cannot be read (truncated, empty, of another format), instead of the library's error;
+- ``read_safetensors``, ``read_json``, ``load_npz`` / ``npz_files``: a user's file read with one line naming it and
+  its problem when it cannot be read (truncated, empty, of another format), instead of the library's error;
 - ``write_json``: small JSON records of a run (status, accounting, indexes, bundles, results), written whole.
 """
 
@@ -61,6 +61,16 @@ def load_npz(path: str | Path, what: str = "", keys: tuple[str, ...] | None = No
     """The arrays of the ``.npz`` file ``path`` (only ``keys`` when given, each required), read whole, without
     pickles; ValueError naming the file when it is truncated, of another format, or lacks a key. numpy's own errors
     name neither the file nor the cause, and one advises ``allow_pickle``, which runs code from the file."""
+    return _open_npz(path, what, lambda z: {k: z[k] for k in (keys or z.files)}, keys)
+
+
+def npz_files(path: str | Path, what: str = "") -> list[str]:
+    """The array names of the ``.npz`` file ``path``, no array read (``load_npz``'s checks and errors)."""
+    return _open_npz(path, what, lambda z: list(z.files))
+
+
+def _open_npz(path: str | Path, what: str, read: Any, keys: tuple[str, ...] | None = None) -> Any:
+    """``read(npz)`` of the archive ``path`` opened without pickles (``load_npz``)."""
     import numpy as np  # here, not at the top: this module stays light
 
     path = Path(path)
@@ -75,7 +85,7 @@ def load_npz(path: str | Path, what: str = "", keys: tuple[str, ...] | None = No
             missing = [k for k in keys or () if k not in z.files]
             if missing:
                 raise ValueError(f"{name} has no {' or '.join(map(repr, missing))} array (it holds {z.files})")
-            return {k: z[k] for k in (keys or z.files)}
+            return read(z)
     except ValueError as exc:
         if str(exc).startswith(name):
             raise

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from diffcurr_fast._files import load_npz
+from diffcurr_fast._files import load_npz, npz_files
 from diffcurr_fast.data.builtin import load_mnist5k_tensors
 from diffcurr_fast.eval.features import FeatureExtractor, load_digits_data
 from diffcurr_fast.eval.metrics import feature_statistics, frechet_distance, inception_score, precision_recall
@@ -69,7 +69,7 @@ def _sample_array(path: str | os.PathLike, arrays: dict[str, np.ndarray]) -> tup
     """(key, float32 array (N, C, H, W)) of the ``arrays`` of the samples ``.npz`` ``path``; ``arr_0`` already
     converted to [-1, 1]. ValueError naming the file for an array of no images, and the first sample for NaN or
     inf values."""
-    key = next((k for k in ("images", "x", "arr_0") if k in arrays), None)
+    key = next((k for k in IMAGE_KEYS if k in arrays), None)
     if key is None:
         raise ValueError(f"{path}: expected an array 'images' (N, C, H, W) or 'arr_0', found {sorted(arrays)}")
     a = arrays[key]
@@ -219,6 +219,24 @@ def reference_from_images(images: torch.Tensor, extractor: FeatureExtractor, sou
     return Reference(mu, sigma, feats, extractor.name, source, len(feats))
 
 
+IMAGE_KEYS = ("images", "x", "arr_0")  # a samples or images .npz: the first of these it holds (``_sample_array``)
+
+
+def statistics_extractor(path: str | os.PathLike, what: str = "reference") -> str | None:
+    """What the reference ``.npz`` ``path`` holds, read from its names (and its ``extractor`` entry) alone: the
+    extractor of its statistics (``mu``, ``sigma``; ``inception`` when unnamed, as pytorch-fid writes them), or None
+    for images; ValueError naming it when it holds neither. ``load_reference`` and the trainer's preflight read it."""
+    names = npz_files(path, what)
+    if {"mu", "sigma"} <= set(names):
+        return str(load_npz(path, what, ("extractor",))["extractor"]) if "extractor" in names else "inception"
+    if not set(IMAGE_KEYS) & set(names):
+        raise ValueError(
+            f"{what} {str(path)!r} holds neither statistics (mu, sigma) nor images ({', '.join(IMAGE_KEYS)}): it "
+            f"holds {sorted(names)}"
+        )
+    return None
+
+
 def load_reference(spec: str, extractor: FeatureExtractor, what: str = "reference") -> Reference:
     """A reference: ``"digits"`` (all 1,797 built-in digits), ``"mnist5k"`` (the 1,000 images of its held-out
     split) or a ``.npz`` of statistics or of images (``what`` names it in errors, e.g. ``--ref``)."""
@@ -232,10 +250,10 @@ def load_reference(spec: str, extractor: FeatureExtractor, what: str = "referenc
         raise FileNotFoundError(
             f"reference {spec} not found (a statistics .npz, an images .npz, 'digits' or 'mnist5k')"
         )
+    made_by = statistics_extractor(spec, what)
     f = load_npz(spec, what)
-    if not {"mu", "sigma"} <= set(f):
+    if made_by is None:
         return reference_from_images(_images(spec, f), extractor, spec)
-    made_by = str(f["extractor"]) if "extractor" in f else "inception"
     if made_by != extractor.name:
         raise ValueError(
             f"{spec} holds {made_by!r} statistics but the extractor is {extractor.name!r}; "

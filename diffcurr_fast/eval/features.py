@@ -26,6 +26,7 @@ from torch import nn
 
 from diffcurr_fast.data.builtin import load_digits_tensors, load_mnist5k_tensors
 from diffcurr_fast.eval.inception import load_fid_inception
+from diffcurr_fast.runs.config import EVAL_SHAPES
 
 EXTRACTORS = ("digits", "mnist5k", "inception")
 DIGITS_LABEL = "digits-classifier features: not Inception FID"
@@ -238,7 +239,7 @@ class DigitsExtractor(FeatureExtractor):
             return super().__call__(images, batch_size)
 
     def _forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if tuple(images.shape[1:]) != (1, 8, 8) and not self.convert:
+        if tuple(images.shape[1:]) != EVAL_SHAPES["digits"] and not self.convert:
             c, h, w = images.shape[1:]
             raise ValueError(
                 f"the digits extractor takes 1x8x8 images, got {c}x{h}x{w}; pass --convert to average "
@@ -268,7 +269,7 @@ class Mnist5kExtractor(FeatureExtractor):
             return super().__call__(images, batch_size)
 
     def _forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if tuple(images.shape[1:]) != (1, 28, 28):
+        if tuple(images.shape[1:]) != EVAL_SHAPES["mnist5k"]:
             c, h, w = images.shape[1:]
             raise ValueError(
                 f"the mnist5k extractor takes 1x28x28 images, got {c}x{h}x{w} (use --extractor "

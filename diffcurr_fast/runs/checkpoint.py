@@ -159,16 +159,11 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     """``torch.load(path, weights_only=True)``, its config in today's keys (``upgrade_saved``); FileNotFoundError /
     ValueError with the path on failure. A corrupt checkpoint of a run (a truncated newest one) names the earlier
     checkpoint that loads, to pass instead (``sample``, ``export``, ``eval --ckpt``)."""
-    path = Path(path)
-    try:
-        return _read_checkpoint(path, map_location)
-    except CorruptCheckpointError as exc:
-        prev = intact_before(path)
-        if prev is None:
-            raise
-        raise CorruptCheckpointError(
-            f"{exc}; the earlier checkpoint {str(prev)!r} of the run is intact: pass that file instead"
-        ) from None
+    return _read_naming_intact(
+        path,
+        map_location,
+        lambda prev: f"the earlier checkpoint {str(prev)!r} of the run is intact: pass that file instead",
+    )
 
 
 class CorruptCheckpointError(ValueError):
@@ -179,16 +174,28 @@ def load_resume_checkpoint(path: str | Path, map_location: str | torch.device = 
     """``load_checkpoint`` of the newest checkpoint of a run; when it is corrupt, the error names the previous
     checkpoint that loads (``intact_before``), and how to continue from it."""
     path = Path(path)
+    return _read_naming_intact(
+        path,
+        map_location,
+        lambda prev: (
+            f"the previous checkpoint {prev.name} is intact: move {path.name} out of {path.parent} and "
+            "rerun with --resume to continue from it"
+        ),
+        f"no earlier intact checkpoint in {path.parent}",
+    )
+
+
+def _read_naming_intact(path: str | Path, map_location: Any, advice: Any, none: str | None = None) -> dict[str, Any]:
+    """``_read_checkpoint``; a corrupt one raises with ``advice(the intact earlier checkpoint)`` added, or ``none``
+    when there is no such checkpoint (the bare error when ``none`` is None)."""
+    path = Path(path)
     try:
         return _read_checkpoint(path, map_location)
     except CorruptCheckpointError as exc:
         prev = intact_before(path)
-        if prev is None:
-            raise CorruptCheckpointError(f"{exc}; no earlier intact checkpoint in {path.parent}") from None
-        raise CorruptCheckpointError(
-            f"{exc}; the previous checkpoint {prev.name} is intact: move {path.name} out of {path.parent} and "
-            "rerun with --resume to continue from it"
-        ) from None
+        if prev is None and none is None:
+            raise
+        raise CorruptCheckpointError(f"{exc}; {none if prev is None else advice(prev)}") from None
 
 
 def resolve_checkpoint(path_or_run: str | Path) -> Path:

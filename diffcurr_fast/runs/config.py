@@ -497,8 +497,8 @@ class CheckpointConfig:
 
 
 EVAL_FEATURES = ("digits", "mnist5k", "inception")  # ``diffcurr_fast.eval.features.EXTRACTORS``
-# The images the classifier extractors take (``eval.features``; their ``_forward``): evaluation during training
-# does not resize (the eval command's --convert).
+# The images the classifier extractors take (``eval.features``; eval/features.py checks their input against it):
+# evaluation during training does not resize (the eval command's --convert).
 EVAL_SHAPES = {"digits": (1, 8, 8), "mnist5k": (1, 28, 28)}
 
 

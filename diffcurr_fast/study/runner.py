@@ -152,13 +152,13 @@ def run_study(
         dynamic_ncols=True,
     )
 
+    picks = decide(spec, study_dir, read_status) if spec.tuning else {}  # made again when a trial finishes
+
     def ready(job: tuple[str, int]) -> bool:
         """A run can start: a trial, the step-time job, an untuned arm's run, or a tuned arm's run once its pick is
         made (``tuning.decide``, when every trial of the arm has finished)."""
         arm = job[0]
-        if job == STEPTIME or split_trial(arm)[1] is not None or not spec.arm(arm).tune:
-            return True
-        return arm in decide(spec, study_dir, read_status)
+        return job == STEPTIME or split_trial(arm)[1] is not None or not spec.arm(arm).tune or arm in picks
 
     def say(line: str) -> None:  # a line of the study's output on stdout, printed above the progress bar
         if verbose:
@@ -212,6 +212,8 @@ def run_study(
                     msg = f"FAILED (rc {proc.returncode}; see logs/{arm}-seed{seed}.log)"
                 say(f"  done  {arm} seed {seed}: {msg}")
                 bar.update(1)
+                if split_trial(arm)[1] is not None:  # a trial: its arm's pick may be made now
+                    picks = decide(spec, study_dir, read_status)
                 if failed:
                     bar.set_postfix(failed=len(failed))
     finally:

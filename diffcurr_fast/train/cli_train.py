@@ -105,7 +105,9 @@ def run(args: argparse.Namespace) -> int:
     # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.train.preflight import check_run
 
-    start = check_run(cfg, resume=args.resume, overwrite=args.overwrite)  # everything, before anything is written
+    # everything, before anything is written; the data and the initial weights are read here only for --dry-run
+    # (a real start reads them in the Trainer, still before anything is written, rather than twice)
+    start = check_run(cfg, resume=args.resume, overwrite=args.overwrite, read_inputs=args.dry_run)
     if args.dry_run:
         sys.stdout.write(config_to_yaml(cfg))
         print(

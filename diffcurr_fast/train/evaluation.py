@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from diffcurr_fast._files import load_npz
-from diffcurr_fast.eval.evaluate import evaluate, load_reference, reference_from_images
+from diffcurr_fast.eval.evaluate import evaluate, load_reference, reference_from_images, statistics_extractor
 from diffcurr_fast.eval.features import get_extractor
 from diffcurr_fast.runs.config import EVAL_SHAPES
 from diffcurr_fast.runs.sampling import sample, sampling_readout
@@ -57,18 +56,11 @@ def check_reference(cfg: TrainConfig) -> None:
             f"eval.reference {e.reference!r} does not exist (a statistics or images .npz, digits or mnist5k, or '' "
             "for the training data)"
         )
-    arrays = load_npz(e.reference, "eval.reference")
-    if {"mu", "sigma"} <= arrays.keys():
-        made_by = str(arrays["extractor"]) if "extractor" in arrays else "inception"
-        if made_by != e.features:
-            raise ValueError(
-                f"eval.reference {e.reference!r} holds {made_by!r} statistics but eval.features is {e.features!r}; "
-                f"set eval.features={made_by} or recompute the reference"
-            )
-    elif not {"images", "x", "arr_0"} & arrays.keys():
+    made_by = statistics_extractor(e.reference, "eval.reference")  # names only: the arrays are read at the start
+    if made_by is not None and made_by != e.features:
         raise ValueError(
-            f"eval.reference {e.reference!r} holds neither statistics (mu, sigma) nor images (images, x or arr_0): "
-            f"it holds {sorted(arrays)}"
+            f"eval.reference {e.reference!r} holds {made_by!r} statistics but eval.features is {e.features!r}; "
+            f"set eval.features={made_by} or recompute the reference"
         )
 
 
