@@ -85,6 +85,8 @@ setup(
         "safetensors",
         "matplotlib",
         "nvidia-ml-py",
+        # the trainer imports it (FD's sqrtm in eval.metrics; terms.immiscible's linear assignment); no torch
+        "scipy",
     ],
     extras_require={
         "triton": ["triton>=3.0"],

@@ -30,6 +30,7 @@ from diffcurr_fast.diffusion import Formulation, TrainingTerms, build_formulatio
 from diffcurr_fast.ops import diffusion_loss_coef, philox_randn, q_sample_coef, sample_timesteps
 from diffcurr_fast.ops.token_gather import draw_route, kept_tokens
 from diffcurr_fast.terms.base import TermInputs, TrainingTerm
+from diffcurr_fast.terms.immiscible import assign_noise
 from diffcurr_fast.terms.registry import term_class
 
 PRECISIONS = ("fp32", "bf16", "auto")
@@ -59,6 +60,8 @@ class Objective:
             features they read.
         route: (T, K): token routing in training (``models.routing``): K of the network's T tokens are drawn per
             sample from the step's generator and passed as ``route=`` when the network is in training mode.
+        immiscible: immiscible diffusion (``terms.immiscible``): each noise stream takes the image the batch's
+            linear assignment gives it; the data are permuted, the noise stays in place.
     """
 
     def __init__(
@@ -74,6 +77,7 @@ class Objective:
         precision: str = "fp32",
         terms: Sequence[tuple[float, TrainingTerm]] = (),
         route: tuple[int, int] | None = None,
+        immiscible: bool = False,
     ):
         formulation.check_prediction(prediction)
         self.formulation, self.num_cells = formulation, int(num_cells)
@@ -83,6 +87,7 @@ class Objective:
         self.features = tuple(sorted({j for _, term in self.terms for j in term.features}))
         self.route = route
         self.needs_noise = any(term.needs_noise for _, term in self.terms)
+        self.immiscible = bool(immiscible)
 
     @classmethod
     def from_config(cls, cfg: Any, formulation: Formulation | None = None) -> Objective:
@@ -101,6 +106,7 @@ class Objective:
             precision=cfg.engine.precision,
             terms=[(getattr(cfg.terms, f"{n}_weight"), term_class(n).from_config(cfg)) for n in cfg.terms.use],
             route=route,
+            immiscible=cfg.terms.immiscible,
         )
 
     def draw(self, k: torch.Tensor, generator: torch.Generator | None = None) -> TrainingTerms:
@@ -128,6 +134,10 @@ class Objective:
     ) -> torch.Tensor:
         """(B,) per-sample loss of ``model(x_in, t_in, y)`` on x0 (B, C, H, W) at cells ``k`` with noise ``seed``.
         ``routed``: draw the kept tokens of token routing (when the objective has ``route`` and the model trains)."""
+        noise = philox_randn(seed, tuple(x0.shape), x0.device) if self.immiscible else None  # (B, C, H, W) eps
+        if noise is not None:  # immiscible: noise stream b trains on its assigned image (terms/immiscible.py)
+            order = assign_noise(x0, noise)  # (B,)
+            x0, y = x0[order], y[order]  # (B, C, H, W), (B,)
         draw = self.draw(k, generator)
         x_in = q_sample_coef(x0, draw.a, draw.c, seed=seed, backend=self.backend)  # (B, C, H, W)
         t_in = draw.t_in.to(x0.dtype) if draw.t_in.is_floating_point() else draw.t_in
@@ -141,8 +151,11 @@ class Objective:
                 out, feats = model(x_in, t_in, y, features=self.features, **kw)  # feats: {j: (B, T, D)}
         per = self.loss(out, x0, x_in, draw, seed)  # (B,)
         if self.terms:
-            noise = philox_randn(seed, tuple(x0.shape), x0.device) if self.needs_noise else None  # (B, C, H, W) eps
+            if noise is None and self.needs_noise:
+                noise = philox_randn(seed, tuple(x0.shape), x0.device)  # (B, C, H, W) eps
             inputs = TermInputs(x0, y, draw, x_in, seed, out[:, : x0.shape[1]].to(x0.dtype), feats, noise)
+            inputs.cells, inputs.num_cells, inputs.redraw = k, self.num_cells, self.draw  # a teacher's other levels
+            inputs.autocast = lambda: self.autocast(x0.device)
             for weight, term in self.terms:
                 per = per + weight * term(inputs).to(per.dtype)  # (B,)
         return per

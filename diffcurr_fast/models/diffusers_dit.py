@@ -10,8 +10,10 @@ One difference is not in the weights: diffusers embeds the timestep with frequen
 (``Timesteps(downscale_freq_shift=1)``), the release with 10000^(-i / half) (``TimestepEmbedder``). The same
 weights therefore give slightly different outputs (``test_timestep_frequency_gap`` in
 ``tests/cli/test_diffusers_export.py`` pins it; docs/training.md gives its size on the demo model); everything else is
-identical. Only plain DiTs map: a DTR model (timestep channel masks), a pruned model (per-block widths) or an
-MLP ratio other than 4 (diffusers' feed-forward is fixed at 4x) has no diffusers counterpart.
+identical. Only plain DiTs map: a DTR model (timestep channel masks), a pruned model (per-block widths), an
+MLP ratio other than 4 (diffusers' feed-forward is fixed at 4x) or the modern block's options (RMSNorm, QK-norm,
+SwiGLU, 2-D RoPE: ``modern.py``; diffusers' DiT has LayerNorm, a GELU feed-forward and the added sin-cos embedding)
+has no diffusers counterpart.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ __all__ = [
 
 DIFFUSERS_CLASS = "DiTTransformer2DModel"
 _WEIGHTS = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin")
+# the modern block's options (``modern.py``) and the values diffusers' DiT has (the release's block)
+MODERN_DEFAULTS: dict[str, Any] = {"norm": "layernorm", "qk_norm": False, "mlp": "gelu", "pos": "sincos"}
 
 # ours -> diffusers, for the keys that are renamed one to one (block keys get the prefix of their block)
 _BLOCK = {
@@ -63,6 +67,16 @@ def diffusers_config(config: dict[str, Any]) -> dict[str, Any]:
         why.append("it is pruned (per-block heads or MLP widths); diffusers' blocks are all the same width")
     if float(config["mlp_ratio"]) != 4.0:
         why.append(f"its model.mlp_ratio is {config['mlp_ratio']} (diffusers' DiT feed-forward is 4x wide)")
+    modern = [  # as a --set writes them (model.qk_norm=true)
+        f"model.{key}={str(value).lower() if isinstance(value, bool) else value}"
+        for key, default in MODERN_DEFAULTS.items()
+        if (value := config.get(key, default)) != default
+    ]
+    if modern:
+        why.append(
+            f"it uses the modern block ({', '.join(modern)}), which diffusers' DiT has no equivalent for (it has "
+            "LayerNorm, no QK-norm, a GELU feed-forward and the added sin-cos position embedding)"
+        )
     if why:
         raise ValueError("this DiT cannot be written as a diffusers DiTTransformer2DModel: " + "; ".join(why))
     c = config["in_channels"]

@@ -11,6 +11,9 @@ out here with the same parameter names. Extras, all off by default and none of t
 - ``fused_adaln``: the block's LayerNorm + modulate and gated residual run as the fused ops of
   ``diffcurr_fast.ops`` (``adaln_modulate``, ``gated_residual``).
 - ``dtr``: Denoising Task Routing (Park et al., ICLR 2024), see ``dtr.py``.
+- ``norm`` / ``qk_norm`` / ``mlp`` / ``pos``: the modern block of LightningDiT (RMSNorm, QK-norm, SwiGLU, 2-D RoPE),
+  see ``modern.py``. These change the math; their defaults (``layernorm``, False, ``gelu``, ``sincos``) are the
+  release's block, with its parameter names.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from diffcurr_fast.diffusion.samplers import guided_forward
 from diffcurr_fast.models.attention import ATTENTION_BACKENDS, attention, prepare
 from diffcurr_fast.models.dtr import DTRConfig, dtr_mask
+from diffcurr_fast.models.modern import RMS_EPS, RMSNorm, apply_rope2d, check_modern, rope2d_tables, swiglu_hidden
 from diffcurr_fast.ops import adaln_modulate, gated_residual, gelu_tanh, token_gather, token_scatter
 
 __all__ = [
@@ -40,6 +44,7 @@ __all__ = [
     "PatchEmbed",
     "Attention",
     "Mlp",
+    "SwiGLU",
     "DIT_PRESETS",
     "DiT_models",
     "check_dims",
@@ -104,15 +109,38 @@ class Mlp(nn.Module):
         return self.fc2(self.act(x))  # (N, T, D)
 
 
+class SwiGLU(nn.Module):
+    """SwiGLU MLP (Shazeer 2020, Eq. 6; LightningDiT): w3(silu(w1 x) * w2 x), with [w1; w2] stacked as one linear
+    ``w12`` of 2 * hidden outputs. ``hidden`` is 2/3 of the GELU width (``modern.swiglu_hidden``). It has no fused
+    op: with ``fused_adaln`` the SiLU and product run as torch ops (``torch.compile`` fuses them)."""
+
+    def __init__(self, in_features: int, hidden_features: int):
+        super().__init__()
+        self.w12 = _linear(in_features, 2 * hidden_features)
+        self.w3 = _linear(hidden_features, in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = self.w12(x).chunk(2, dim=-1)  # (N, T, hidden) each: w1 x, w2 x
+        return self.w3(nn.functional.silu(x1) * x2)  # (N, T, D)
+
+
 class Attention(nn.Module):
     """Multi-head self-attention (Vaswani et al. 2017, Eq. 1) with qkv / proj projections.
 
     ``num_heads`` heads of ``head_dim`` each (``head_dim`` defaults to dim // num_heads; a pruned block keeps the
     original head_dim with fewer heads). With 0 heads the attention is skipped and only ``proj.bias`` remains.
+    ``qk_norm``: q and k RMS-normalised per head over head_dim with a learnable weight (``modern.py``). ``forward``'s
+    ``rope``: (cos, sin) tables that rotate q and k (``modern.apply_rope2d``), or None.
     """
 
     def __init__(
-        self, dim: int, num_heads: int, head_dim: int | None = None, qkv_bias: bool = True, backend: str = "auto"
+        self,
+        dim: int,
+        num_heads: int,
+        head_dim: int | None = None,
+        qkv_bias: bool = True,
+        backend: str = "auto",
+        qk_norm: bool = False,
     ):
         super().__init__()
         if head_dim is None:
@@ -127,13 +155,21 @@ class Attention(nn.Module):
         inner = num_heads * head_dim
         self.qkv = _linear(dim, 3 * inner, bias=qkv_bias)
         self.proj = _linear(inner, dim)
+        self.qk_norm = bool(qk_norm)
+        if self.qk_norm:  # absent otherwise: the release's state dict has no such keys
+            self.q_norm = RMSNorm(head_dim, RMS_EPS, affine=True)
+            self.k_norm = RMSNorm(head_dim, RMS_EPS, affine=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         B, N, _ = x.shape
         if self.num_heads == 0:
             return self.proj(x.new_zeros(B, N, 0))  # (B, N, D): bias only
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (3, B, H, N, Dh)
         q, k, v = qkv.unbind(0)  # (B, H, N, Dh) each
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)  # (B, H, N, Dh) each: RMSNorm over Dh (modern.py)
+        if rope is not None:
+            q, k = apply_rope2d(q, *rope), apply_rope2d(k, *rope)  # (B, H, N, Dh) each: RoFormer Eq. 34 in 2-D
         x = attention(q, k, v, self.backend, scale=self.scale)  # (B, H, N, Dh)
         x = x.transpose(1, 2).reshape(B, N, self.num_heads * self.head_dim)  # (B, N, H * Dh)
         return self.proj(x)  # (B, N, D)
@@ -219,11 +255,20 @@ class LabelEmbedder(nn.Module):
 #################################################################################
 
 
+def _norm(kind: str, dim: int) -> nn.Module:
+    """The pre-norm of a block (and of the final layer): the release's LayerNorm, or RMSNorm (``modern.py``); both
+    without an affine weight, as the adaLN modulation follows."""
+    if kind == "rmsnorm":
+        return RMSNorm(dim, RMS_EPS)
+    return nn.LayerNorm(dim, elementwise_affine=False, eps=_LN_EPS)
+
+
 class DiTBlock(nn.Module):
     """A DiT block with adaptive layer norm zero (adaLN-Zero) conditioning (DiT Sec. 3.2).
 
     ``x = x + gate_msa * Attn(modulate(LN(x), shift_msa, scale_msa))``, then the same with the MLP. With a DTR
-    mask m the block runs on ``x * m`` and adds back ``x * (1 - m)``.
+    mask m the block runs on ``x * m`` and adds back ``x * (1 - m)``. ``norm``, ``qk_norm``, ``mlp``: the modern
+    block's options (``modern.py``); ``forward``'s ``rope``: the (cos, sin) tables of its tokens, or None.
     """
 
     def __init__(
@@ -236,45 +281,67 @@ class DiTBlock(nn.Module):
         mlp_hidden: int | None = None,
         attn_backend: str = "auto",
         fused_adaln: bool = False,
+        norm: str = "layernorm",
+        qk_norm: bool = False,
+        mlp: str = "gelu",
     ):
         super().__init__()
         self.fused_adaln = fused_adaln
-        self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=_LN_EPS)
-        self.attn = Attention(hidden_size, num_heads=num_heads, head_dim=head_dim, qkv_bias=True, backend=attn_backend)
-        self.norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=_LN_EPS)
+        self.norm_kind = norm
+        self.norm1 = _norm(norm, hidden_size)
+        self.attn = Attention(
+            hidden_size, num_heads=num_heads, head_dim=head_dim, qkv_bias=True, backend=attn_backend, qk_norm=qk_norm
+        )
+        self.norm2 = _norm(norm, hidden_size)
         mlp_hidden_dim = int(hidden_size * mlp_ratio) if mlp_hidden is None else mlp_hidden
-        self.mlp = Mlp(in_features=hidden_size, hidden_features=mlp_hidden_dim, fused=fused_adaln)
+        if mlp == "swiglu":  # mlp_hidden (a pruned block's) is then the SwiGLU width itself
+            self.mlp = SwiGLU(hidden_size, swiglu_hidden(mlp_hidden_dim) if mlp_hidden is None else mlp_hidden)
+        else:
+            self.mlp = Mlp(in_features=hidden_size, hidden_features=mlp_hidden_dim, fused=fused_adaln)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size, bias=True))
 
-    def forward(self, x: torch.Tensor, c: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        c: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
         if mask is not None:
             x_in = x  # (N, T, D)
             x = x * mask.unsqueeze(1)  # (N, T, D): routed channels only
         if self.fused_adaln:
-            x = self._fused(x, shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp)  # (N, T, D)
+            x = self._fused(x, shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp, rope)  # (N, T, D)
         else:
-            x = x + gate_msa.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa))  # (N, T, D)
+            h = self.attn(modulate(self.norm1(x), shift_msa, scale_msa), rope)  # (N, T, D)
+            x = x + gate_msa.unsqueeze(1) * h  # (N, T, D)
             x = x + gate_mlp.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))  # (N, T, D)
         if mask is not None:
             x = x + x_in * (1 - mask.unsqueeze(1))  # (N, T, D): unrouted channels pass through
         return x
 
-    def _fused(self, x, shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp) -> torch.Tensor:
+    def _fused(self, x, shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp, rope=None) -> torch.Tensor:
         dt = torch.promote_types(x.dtype, shift_msa.dtype)
         x = x.to(dt)
-        h = self.attn(adaln_modulate(x, shift_msa.to(dt), scale_msa.to(dt), eps=_LN_EPS))  # (N, T, D)
+        h = self.attn(self._norm_modulate(self.norm1, x, shift_msa.to(dt), scale_msa.to(dt)), rope)  # (N, T, D)
         x = gated_residual(x, gate_msa, h)  # (N, T, D): h, gate keep their (autocast) dtype; the result has x's
-        h = self.mlp(adaln_modulate(x, shift_mlp.to(dt), scale_mlp.to(dt), eps=_LN_EPS))  # (N, T, D)
+        h = self.mlp(self._norm_modulate(self.norm2, x, shift_mlp.to(dt), scale_mlp.to(dt)))  # (N, T, D)
         return gated_residual(x, gate_mlp, h)  # (N, T, D)
+
+    def _norm_modulate(self, norm: nn.Module, x, shift, scale) -> torch.Tensor:
+        if self.norm_kind == "rmsnorm":
+            # the fused op adaln_modulate is LayerNorm + modulate only: RMSNorm takes the plain modulate path
+            return modulate(norm(x), shift, scale)  # (N, T, D)
+        return adaln_modulate(x, shift, scale, eps=_LN_EPS)  # (N, T, D)
 
 
 class FinalLayer(nn.Module):
     """The final layer of DiT: adaLN modulation then a linear map to p * p * out_channels per token."""
 
-    def __init__(self, hidden_size: int, patch_size: int, out_channels: int):
+    def __init__(self, hidden_size: int, patch_size: int, out_channels: int, norm: str = "layernorm"):
         super().__init__()
-        self.norm_final = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=_LN_EPS)
+        self.norm_final = _norm(norm, hidden_size)
         self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels, bias=True)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size, bias=True))
 
@@ -328,6 +395,11 @@ class DiT(nn.Module):
         routing: (start, end), the blocks [start, end) that token routing lets a share of the tokens skip in
             training (``models.routing``, TREAD); the kept tokens are given to ``forward`` as ``route``. None: no
             routing. No parameters: the state dict is the plain model's.
+        norm: ``layernorm`` (the release) | ``rmsnorm``: the blocks' pre-norms and the final norm (``modern.py``).
+        qk_norm: RMSNorm of q and k per head, with a learnable weight (``modern.py``).
+        mlp: ``gelu`` (the release) | ``swiglu``, 2/3 as wide (``modern.py``).
+        pos: ``sincos`` (the release's fixed embedding, added to the tokens) | ``rope2d`` (2-D rotary embedding of q
+            and k in every block; no ``pos_embed`` then, ``modern.py``).
     """
 
     def __init__(
@@ -351,6 +423,10 @@ class DiT(nn.Module):
         dtr: DTRConfig | dict[str, float] | None = None,
         num_timesteps: int = 1000,
         routing: Sequence[int] | None = None,
+        norm: str = "layernorm",
+        qk_norm: bool = False,
+        mlp: str = "gelu",
+        pos: str = "sincos",
     ):
         super().__init__()
         _check_int("input_size", input_size, 1)
@@ -362,6 +438,7 @@ class DiT(nn.Module):
         _check_int("num_classes", num_classes, 1)
         _check_int("num_timesteps", num_timesteps, 1)
         check_dims(input_size, patch_size, hidden_size, num_heads)
+        check_modern(norm, qk_norm, mlp, pos, hidden_size // num_heads)
         if not 0.0 <= class_dropout_prob < 1.0:
             raise ValueError(f"class_dropout_prob must be in [0, 1), got {class_dropout_prob!r}")
         if not mlp_ratio >= 0:
@@ -402,6 +479,10 @@ class DiT(nn.Module):
             dtr=None if dtr is None else dtr.to_dict(),
             num_timesteps=num_timesteps,
             routing=routing,
+            norm=norm,
+            qk_norm=qk_norm,
+            mlp=mlp,
+            pos=pos,
         )
         self.learn_sigma = learn_sigma
         self.in_channels = in_channels
@@ -415,6 +496,8 @@ class DiT(nn.Module):
         self.grad_checkpointing = bool(grad_checkpointing)
         self.dtr = dtr
         self.routing = None if routing is None else (routing[0], routing[1])
+        self.pos = pos
+        self.norm = norm
         # The range checks of t and y read values back to the host (a device sync); a trainer whose t come from
         # its own sampler and whose labels were checked at load switches them off for its steps.
         self.check_values = True
@@ -423,8 +506,12 @@ class DiT(nn.Module):
         self.t_embedder = TimestepEmbedder(hidden_size)
         self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob)
         num_patches = self.x_embedder.num_patches
-        # Fixed 2-D sin-cos embedding, kept as a frozen parameter as in the release (it is in state_dict()).
-        self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, hidden_size), requires_grad=False)
+        # Fixed 2-D sin-cos embedding, kept as a frozen parameter as in the release (it is in state_dict()); with
+        # rope2d the blocks rotate q and k instead, and there is none.
+        if pos == "sincos":
+            self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, hidden_size), requires_grad=False)
+        else:
+            self.register_parameter("pos_embed", None)
 
         head_dim = hidden_size // num_heads
         self.blocks = nn.ModuleList(
@@ -437,11 +524,14 @@ class DiT(nn.Module):
                     mlp_hidden=None if block_mlp_hidden is None else block_mlp_hidden[i],
                     attn_backend=attn_backend,
                     fused_adaln=bool(fused_adaln),
+                    norm=norm,
+                    qk_norm=qk_norm,
+                    mlp=mlp,
                 )
                 for i in range(depth)
             ]
         )
-        self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
+        self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels, norm=norm)
         self.initialize_weights()
 
     # ------------------------------------------------------------------ config
@@ -482,9 +572,10 @@ class DiT(nn.Module):
         self.apply(_basic_init)
 
         # Initialize (and freeze) pos_embed by sin-cos embedding:
-        grid = self.x_embedder.grid_size[0]
-        pos_embed = get_2d_sincos_pos_embed(self.pos_embed.shape[-1], grid)  # (T, D) float64
-        self.pos_embed.data.copy_(pos_embed.float().unsqueeze(0))
+        if self.pos_embed is not None:
+            grid = self.x_embedder.grid_size[0]
+            pos_embed = get_2d_sincos_pos_embed(self.pos_embed.shape[-1], grid)  # (T, D) float64
+            self.pos_embed.data.copy_(pos_embed.float().unsqueeze(0))
 
         # Initialize patch_embed like nn.Linear (instead of nn.Conv2d):
         w = self.x_embedder.proj.weight.data
@@ -587,7 +678,16 @@ class DiT(nn.Module):
         if t.dim() == 0 and x.dim() > 0:
             t = t.expand(x.shape[0])  # (N,)
         self._check_inputs(x, t, y)
-        x = self.x_embedder(x) + self.pos_embed  # (N, T, D), where T = H * W / patch_size ** 2
+        x = self.x_embedder(x)  # (N, T, D), where T = H * W / patch_size ** 2
+        if self.norm == "rmsnorm":
+            # dense tokens (the embedding's are a transposed view; LayerNorm makes its input dense itself): RMSNorm's
+            # sums and their backward then run in one order whether or not the tokens were routed
+            x = x.contiguous()  # (N, T, D)
+        rope = None
+        if self.pos_embed is not None:
+            x = x + self.pos_embed  # (N, T, D): the fixed 2-D sin-cos embedding
+        else:
+            rope = self._rope_tables(x)  # (T, Dh / 2) cos and sin: rope2d rotates q and k in every block instead
         mask = None
         if self.dtr is not None:
             mask = dtr_mask(t, self.hidden_size, self.num_timesteps, self.dtr, dtype=x.dtype)  # (N, D)
@@ -598,21 +698,32 @@ class DiT(nn.Module):
             raise ValueError("route given to a DiT built without routing (DiT(routing=(start, end)))")
         start, end = self.routing if route is not None else (-1, -1)
         kept: dict[int, torch.Tensor] = {}
+        all_rope = rope
         for j, block in enumerate(self.blocks):
             if j == start:
                 before = x  # (N, T, D): the value the routed tokens keep (TREAD's x_D_last)
                 x = token_gather(x, route)  # (N, K, D)
+                if rope is not None:  # the kept tokens rotate with their original positions
+                    rope = tuple(r[route].unsqueeze(1) for r in rope)  # (N, 1, K, Dh / 2) cos and sin
             if self.grad_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, c, mask, use_reentrant=False)  # (N, T or K, D)
+                x = checkpoint(block, x, c, mask, rope, use_reentrant=False)  # (N, T or K, D)
             else:
-                x = block(x, c, mask)  # (N, T or K, D)
+                x = block(x, c, mask, rope)  # (N, T or K, D)
             if j == end - 1:
                 x = token_scatter(before, route, x)  # (N, T, D)
+                rope = all_rope  # (T, Dh / 2) cos and sin
             if j in features:
                 kept[j] = token_scatter(before, route, x) if start <= j < end - 1 else x  # (N, T, D)
         x = self.final_layer(x, c)  # (N, T, patch_size ** 2 * out_channels)
         out = self.unpatchify(x)  # (N, out_channels, H, W)
         return (out, kept) if features else out
+
+    def _rope_tables(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The 2-D rotary (cos, sin) tables of the token grid, (T, head_dim / 2) each (``modern.rope2d_tables``), in
+        float32 (float64 for a float64 model), on x's device."""
+        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        grid = self.x_embedder.grid_size[0]
+        return rope2d_tables(grid, self.hidden_size // self.num_heads, dtype=dtype, device=x.device)
 
     def forward_with_cfg(
         self,

@@ -16,6 +16,9 @@ What was chosen here, and where it follows the official code:
   is drawn here by the objective from the step's generator (never inside the model), so a resumed run draws the same
   sets and every rank its own. The kept indices are sorted: the blocks are permutation-equivariant over tokens (the
   position embedding is added before the route), so the order only changes memory locality.
+- With ``model.pos=rope2d`` (``modern.py``) positions enter every block as rotations of q and k: inside the span the
+  rotary cos / sin tables are gathered by the same indices as the tokens, so each kept token rotates with its
+  original position (and the blocks stay permutation-equivariant).
 - The span is blocks [start, end) (``model.routing_start``, ``model.routing_end``, end exclusive; the code's
   ``end_layer_idx`` is inclusive). One span per model (the code allows a list).
 - The code runs the block after a span in fp32 under autocast (``fp32_next``); this is not done here: autocast

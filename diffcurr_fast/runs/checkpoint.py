@@ -223,10 +223,21 @@ def resolve_checkpoint(path_or_run: str | Path) -> Path:
     return p
 
 
+TERM_HEADS = "term_heads."  # the training terms' trainable parts (a projector), attached to the model in training
+
+
+def drop_term_heads(weights: dict[str, Any]) -> dict[str, Any]:
+    """``weights`` without the training terms' parts (``term_heads.*``): sampling, export and a fine-tune's start
+    never need them."""
+    return {k: v for k, v in weights.items() if not k.startswith(TERM_HEADS)}
+
+
 def load_weights(model: torch.nn.Module, weights: dict[str, Any], what: str) -> torch.nn.Module:
     """Load ``weights`` into ``model`` strictly; ValueError in one line naming ``what`` (the checkpoint and its
     weights) when they hold NaN or inf (``check_finite_weights``) or do not fit the model its config describes: the
-    first key of another shape, missing or unexpected, with the counts (torch's error is many lines)."""
+    first key of another shape, missing or unexpected, with the counts (torch's error is many lines). The training
+    terms' parts (``drop_term_heads``) are left out."""
+    weights = drop_term_heads(weights)
     check_finite_weights(weights, what)
     own = model.state_dict()
     shapes = [k for k, v in own.items() if k in weights and tuple(weights[k].shape) != tuple(v.shape)]

@@ -34,6 +34,10 @@ def _owned(module: str, name: str, *, before: tuple = ()) -> Callable[[], tuple]
 # Every choice of a lower layer is defined by the module that implements it; the config only refers to it.
 MODEL_PRESETS = _owned("diffcurr_fast.models.dit", "DIT_PRESETS", before=("custom",))
 ROUTINGS = _owned("diffcurr_fast.models.routing", "ROUTINGS")
+SRA_LOSSES = _owned("diffcurr_fast.terms.sra", "LOSSES")
+NORMS = _owned("diffcurr_fast.models.modern", "NORMS")
+MLPS = _owned("diffcurr_fast.models.modern", "MLPS")
+POSITIONS = _owned("diffcurr_fast.models.modern", "POSITIONS")
 FORMULATIONS = _owned("diffcurr_fast.diffusion", "FORMULATIONS")
 PREDICTIONS = _owned("diffcurr_fast.diffusion", "ALL_PREDICTIONS", before=("auto",))
 BETA_SCHEDULES = _owned("diffcurr_fast.diffusion.ddpm", "BETA_SCHEDULES")
@@ -145,6 +149,18 @@ class ModelConfig:
     routing_start: int = _nonneg(2, "routing: the span's first block (0-based)")
     routing_end: int | None = _field(None, "routing: the block after the span (exclusive; None: depth - 2)", lo=1)
     routing_until: int = _nonneg(0, "routing: the step from which every token runs every block again (0: never)")
+    norm: str = _field(
+        "layernorm", "the blocks' pre-norms and final norm: layernorm (DiT) or rmsnorm (LightningDiT; no affine)", NORMS
+    )
+    qk_norm: bool = _field(False, "RMSNorm of q and k per head over head_dim, with a learnable weight (LightningDiT)")
+    mlp: str = _field(
+        "gelu", "the blocks' MLP: gelu (DiT) or swiglu (w3(silu(w1 x) * w2 x), 2/3 the width; LightningDiT)", MLPS
+    )
+    pos: str = _field(
+        "sincos",
+        "positions: sincos (the fixed embedding added to the tokens, DiT) or rope2d (2-D rotary q and k; LightningDiT)",
+        POSITIONS,
+    )
     init_from: str = _field(
         "",
         "fine-tune: initial weights (.pt state dict such as DiT-XL-2-256x256.pt, one of our "
@@ -158,6 +174,7 @@ class ModelConfig:
         is an error, and so are dimensions the DiT cannot take (``models.dit.check_dims``)."""
         # imported here, not at the top: keeps --help free of torch
         from diffcurr_fast.models.dit import DIT_PRESETS, check_dims
+        from diffcurr_fast.models.modern import check_modern
 
         dims = DIT_PRESETS.get(self.preset, CUSTOM_DIMS)
         filled = _filled(self)
@@ -180,6 +197,10 @@ class ModelConfig:
             check_dims(self.input_size, self.patch_size, self.hidden_size, self.num_heads)
         except ValueError as exc:
             raise ValueError(f"model: {exc}") from None
+        try:  # the choices are checked with the fields; what is left is rope2d's head dim
+            check_modern(self.norm, self.qk_norm, self.mlp, self.pos, self.hidden_size // self.num_heads)
+        except ValueError as exc:
+            raise ValueError(f"model.{exc}") from None
         if self.routing != "none":
             start, end = self.routing_span()
             if not start < end <= self.depth:
@@ -305,7 +326,7 @@ class TimestepsConfig:
 class TermsConfig:
     """Training terms beyond the regression loss (``diffcurr_fast.terms``), each added with its weight."""
 
-    use: list[str] = _field([], "the terms the step adds (terms/registry.py): contrastive, dispersive")
+    use: list[str] = _field([], "the terms the step adds (terms/registry.py): contrastive, dispersive, sra")
     contrastive_weight: float = _field(
         0.05, "contrastive (DeltaFM, arXiv 2506.05350): lambda of its negative pair", lo=0.0, lo_open=True
     )
@@ -317,6 +338,26 @@ class TermsConfig:
         None, "dispersive: the block whose output tokens it disperses (None: depth // 4)", lo=0
     )
     dispersive_tau: float = _field(1.0, "dispersive: the temperature tau", lo=0.0, lo_open=True)
+    sra_weight: float = _field(
+        0.5, "sra (self-representation alignment, arXiv 2505.02831): its weight", lo=0.0, lo_open=True
+    )
+    sra_student_block: int | None = _field(
+        None, "sra: the block whose output tokens are aligned, through the projector (None: depth // 4 - 1)", lo=0
+    )
+    sra_teacher_block: int | None = _field(
+        None, "sra: the EMA model's block whose output tokens are the target (None: 3 depth // 4 - 1)", lo=0
+    )
+    sra_gap: float = _field(
+        0.2, "sra: the teacher's largest noise-level gap below the student, a fraction of the cells", lo=0.0, hi=1.0
+    )
+    sra_projector_dim: int | None = _field(None, "sra: the projector MLP's hidden width (None: 2 x hidden_size)", lo=1)
+    sra_loss: str = _field("cosine", "sra: cosine (1 - cos per token) or smooth_l1 (beta 0.05)", SRA_LOSSES)
+
+    immiscible: bool = _field(
+        False,
+        "immiscible diffusion (Li et al., arXiv 2406.12303): each (micro-)batch's noise assigned to its images by "
+        "a linear assignment of least total distance (terms/immiscible.py; no loss of its own, needs scipy)",
+    )
 
     def validate(self) -> None:
         # imported here, not at the top: keeps --help free of torch
@@ -627,6 +668,7 @@ class TrainConfig:
         host_only = {
             "timesteps.sampler 'anuts'": (self.timesteps.sampler == "anuts", "its policy update reads losses back"),
             "optim.impl 'apex'": (self.optim.impl == "apex", "its FusedAdam cannot skip an update on the device"),
+            "terms.immiscible": (self.terms.immiscible, "its assignment runs on the host"),
         }
         for what, (used, why) in host_only.items():
             if self.engine.cuda_graphs and used:
@@ -642,9 +684,11 @@ class TrainConfig:
                 f"logging.eval_every needs images (model.in_channels 1 or 3), got {m.in_channels} "
                 "channels (latents would need the VAE decoder); set logging.eval_every=0"
             )
-        block = self.terms.dispersive_block
-        if "dispersive" in self.terms.use and block is not None and block >= m.depth:
-            raise ValueError(f"terms.dispersive_block {block} must be a block of the model: 0 to {m.depth - 1}")
+        blocks = (("dispersive", "dispersive_block"), ("sra", "sra_student_block"), ("sra", "sra_teacher_block"))
+        for name, key in blocks:
+            block = getattr(self.terms, key)
+            if name in self.terms.use and block is not None and block >= m.depth:
+                raise ValueError(f"terms.{key} {block} must be a block of the model: 0 to {m.depth - 1}")
         shape = (m.in_channels, m.input_size, m.input_size)
         takes = EVAL_SHAPES.get(self.eval.features, shape)
         if self.logging.eval_every and takes != shape:

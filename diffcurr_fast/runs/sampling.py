@@ -75,6 +75,10 @@ def build_model(cfg: TrainConfig) -> DiT:
         dtr=DTRConfig() if m.dtr else None,
         num_timesteps=cfg.diffusion.num_timesteps,
         routing=m.routing_span() if m.routing != "none" else None,
+        norm=m.norm,
+        qk_norm=m.qk_norm,
+        mlp=m.mlp,
+        pos=m.pos,
     )
     # the config has resolved a preset into its dimensions (``ModelConfig.validate``)
     return DiT(

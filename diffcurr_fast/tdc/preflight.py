@@ -48,6 +48,16 @@ def check_tdc_run(
     check_inputs(cfg)
     check_guidance(cfg)
     check_groups(cfg, opts.num_groups, opts.group_method)
+    if "sra" in cfg.terms.use:  # its projector is attached to the model (model.term_heads); an expert has none
+        raise ValueError(
+            "terms.use 'sra' trains a projector attached to the model, which TDC's pruned experts do not carry; "
+            "drop it from terms.use for a TDC run"
+        )
+    if cfg.model.mlp != "gelu":  # tdc/prune.py prunes the hidden units of fc1 / fc2
+        raise ValueError(
+            f"model.mlp {cfg.model.mlp!r}: TDC's pruning removes hidden units of the GELU MLP (fc1, fc2) only; "
+            "use model.mlp=gelu for a TDC run"
+        )
     if resume:
         if overwrite:
             raise ValueError("--resume and --overwrite exclude each other")

@@ -14,6 +14,8 @@ where a term lives and how it reaches the optimizer, the EMA, the checkpoint and
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +32,11 @@ class TermInputs:
     q, w: ``x_in = a x0 + c eps``, target ``p x0 + q eps``); ``x_in`` the network input; ``seed`` the Philox seed of
     eps; ``pred`` (B, C, H, W) the network's prediction; ``features`` {j: (B, T, D) tokens after block j} for the
     blocks the terms asked for; ``noise`` (B, C, H, W) eps itself, regenerated from ``seed`` by the objective when a
-    term sets ``needs_noise`` (the fused ops never store it), else None.
+    term sets ``needs_noise`` (the fused ops never store it), else None. For a term that runs another network at
+    other noise levels (SRA's teacher): ``cells`` (B,) the cells k of the draw on the formulation's difficulty axis
+    of ``num_cells`` cells (higher k: more noise), ``redraw(k, generator)`` the formulation's terms at other cells
+    (a point inside each continuous cell drawn from ``generator``), and ``autocast()`` the objective's precision
+    context of the network call.
     """
 
     x0: torch.Tensor
@@ -41,6 +47,10 @@ class TermInputs:
     pred: torch.Tensor
     features: dict[int, torch.Tensor]
     noise: torch.Tensor | None = None
+    cells: torch.Tensor | None = None
+    num_cells: int = 0
+    redraw: Callable[[torch.Tensor, torch.Generator | None], TrainingTerms] | None = None
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
 
 class TrainingTerm(nn.Module):
@@ -48,6 +58,10 @@ class TrainingTerm(nn.Module):
 
     features: tuple[int, ...] = ()  # the blocks whose output tokens this term reads
     needs_noise: bool = False  # the objective regenerates the step's noise for it (``TermInputs.noise``)
+
+    def attach_teacher(self, teacher: nn.Module) -> None:
+        """The trainer hands every term the run's EMA model once it exists; a term that reads a teacher keeps a
+        reference to it (never a copy, never a submodule: its weights stay the EMA's), the others ignore it."""
 
     def forward(self, inputs: TermInputs) -> torch.Tensor:
         """(B,) per-sample loss of this term, unweighted."""

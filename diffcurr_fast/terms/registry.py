@@ -12,6 +12,7 @@ import importlib
 TERMS: dict[str, str] = {
     "contrastive": "diffcurr_fast.terms.contrastive:Contrastive",
     "dispersive": "diffcurr_fast.terms.dispersive:Dispersive",
+    "sra": "diffcurr_fast.terms.sra:SRA",
 }
 NAMES = tuple(TERMS)
 

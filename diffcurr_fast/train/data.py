@@ -29,6 +29,7 @@ from diffcurr_fast.data.latents import ShardedLatents, open_latents
 from diffcurr_fast.data.loader import ArrayDataset, ResumableLoader, load_npz
 from diffcurr_fast.data.pipeline import ShardedLoader
 from diffcurr_fast.models.diffusers_dit import from_diffusers_state, is_diffusers_dir, read_diffusers_dir
+from diffcurr_fast.runs.checkpoint import drop_term_heads
 from diffcurr_fast.runs.config import SHARDED_DATASETS
 
 if TYPE_CHECKING:
@@ -302,7 +303,7 @@ def read_init_state(path: str | Path, own: dict[str, torch.Tensor] | None = None
     for prefix in ("module.", "_orig_mod."):  # DDP / torch.compile wrappers
         if all(k.startswith(prefix) for k in state):
             state = {k[len(prefix) :]: v for k, v in state.items()}
-    return state
+    return drop_term_heads(state)  # a training term's projector starts fresh
 
 
 def fitting_init_state(own: dict[str, torch.Tensor], path: str | Path) -> dict[str, torch.Tensor]:

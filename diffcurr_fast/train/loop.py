@@ -111,6 +111,8 @@ class Trainer:
         )
         self.model = self._build_model(model, fine_tune=self.start.checkpoint is None)
         self.ema = EMA(self.model, o.ema_decay, o.ema_warmup)  # its copy keeps checking the values it samples with
+        for _, term in self.objective.terms:  # a term's teacher is the run's EMA model itself (SRA)
+            term.attach_teacher(self.ema.module)
         self.phema = PowerEMA(self.model, o.phema_sigma_rels) if o.phema_every else None  # post-hoc EMA (EDM2)
         if hasattr(self.model, "check_values"):  # t from the sampler, labels checked at load: no per-step host sync
             self.model.check_values = False
@@ -151,7 +153,10 @@ class Trainer:
                 torch.manual_seed(cfg.engine.seed)
             model = (build_model(cfg) if given is None else _check_given_model(given, cfg)).to(self.device)
         if cfg.model.init_from and fine_tune:  # a resumed run takes its checkpoint's weights
-            load_init_weights(model, cfg.model.init_from)
+            load_init_weights(model, cfg.model.init_from)  # without term heads: theirs start fresh
+        heads = {n: t for n, (_, t) in zip(cfg.terms.use, self.objective.terms) if any(True for _ in t.parameters())}
+        if heads:  # the terms' trainable parts: optimised, averaged, checkpointed and synchronised with the model
+            model.term_heads = torch.nn.ModuleDict(heads).to(self.device)
         return model
 
     # ---- one step (one screen) ------------------------------------------------------------------------
@@ -292,7 +297,8 @@ class Trainer:
         meta = {"config": cfg.to_dict(), "step": self.step, **model_config_entry(self.model)}
         if cfg.checkpoint.export_ema:
             path = self.run_dir / "ema.safetensors"
-            out["ema"] = str(ckpt_io.export_safetensors(self.ema.module.state_dict(), path, meta))
+            weights = ckpt_io.drop_term_heads(self.ema.module.state_dict())  # sampling never needs them
+            out["ema"] = str(ckpt_io.export_safetensors(weights, path, meta))
         try:
             with StopRequest() as stop:  # Ctrl-C / SIGTERM during the grid: stop it (the final checkpoint is written)
                 png = self.run_dir / "samples.png"

@@ -295,14 +295,30 @@ def test_export_refuses_existing_out_and_non_exports(tmp_path, capsys):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".fresh.")]  # no temporary left behind
 
 
+_MODERN = r"^this DiT cannot be written as a diffusers DiTTransformer2DModel: it uses the modern block \({}\), which "
+
+
 @pytest.mark.parametrize(
-    "extra, match", [(("model.dtr=true",), "Denoising Task Routing"), (("model.mlp_ratio=3.0",), "mlp_ratio is 3.0")]
+    "extra, match",
+    [
+        (("model.dtr=true",), "Denoising Task Routing"),
+        (("model.mlp_ratio=3.0",), "mlp_ratio is 3.0"),
+        (("model.norm=rmsnorm",), _MODERN.format("model.norm=rmsnorm")),
+        (("model.qk_norm=true",), _MODERN.format("model.qk_norm=true")),
+        (("model.mlp=swiglu",), _MODERN.format("model.mlp=swiglu")),
+        (("model.pos=rope2d",), _MODERN.format("model.pos=rope2d")),
+        (
+            ("model.norm=rmsnorm", "model.qk_norm=true", "model.mlp=swiglu", "model.pos=rope2d"),
+            _MODERN.format("model.norm=rmsnorm, model.qk_norm=true, model.mlp=swiglu, model.pos=rope2d"),
+        ),
+    ],
 )
 def test_export_refuses_what_diffusers_cannot_hold(tmp_path, extra, match):
     path, _, _ = _checkpoint(tmp_path, *extra)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as info:
         export_diffusers(str(path), tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+    assert "\n" not in str(info.value)  # one line
+    assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
 
 
 def test_flow_export_euler_loop_equals_flow_sample(tmp_path):

@@ -29,6 +29,13 @@ def test_tdc_groups_checked_before_training(tmp_path):
     with pytest.raises(ValueError, match="classifier-free guidance needs the null label"):
         check_tdc_run(nodrop, TDCConfig(num_groups=3), tmp_path / "tdc2")
     assert not (tmp_path / "tdc2").exists()
+    sra = tiny(tmp_path / "z", "curriculum.pacing=none", "terms.use=[sra]")
+    with pytest.raises(ValueError, match="terms.use 'sra' trains a projector attached to the model"):
+        check_tdc_run(sra, TDCConfig(num_groups=3), tmp_path / "tdc3")
+    assert not (tmp_path / "tdc3").exists()
+    swiglu = tiny(tmp_path / "w", "curriculum.pacing=none", "model.mlp=swiglu")
+    with pytest.raises(ValueError, match="model.mlp 'swiglu': TDC's pruning removes hidden units of the GELU MLP"):
+        check_tdc_run(swiglu, TDCConfig(num_groups=3), tmp_path / "tdc4")
 
 
 def test_bundle_weights_finite_and_readable(tmp_path):

@@ -67,8 +67,8 @@ def test_contrastive_weight_zero_is_refused_and_unknown_terms_named(tmp_path):
 
     with pytest.raises(ValueError, match="terms.contrastive_weight"):
         load_config(None, ["terms.contrastive_weight=0"])
-    with pytest.raises(ValueError, match=r"terms.use \['sra'\]: each term once, from contrastive, dispersive"):
-        load_config(None, ["terms.use=[sra]"])
+    with pytest.raises(ValueError, match=r"terms.use \['nope'\]: each term once, from contrastive, dispersive"):
+        load_config(None, ["terms.use=[nope]"])
     from diffcurr_fast.train.preflight import check_run
 
     one = tiny(tmp_path / "r", "terms.use=[contrastive]", "data.batch_size=2", "optim.grad_accum_steps=2")

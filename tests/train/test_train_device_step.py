@@ -229,6 +229,7 @@ def test_a_resumed_device_side_run_continues_its_counts(tmp_path):
         ),
         (("timesteps.sampler=anuts",), r"^engine.cuda_graphs does not work with timesteps.sampler 'anuts'"),
         (("optim.impl=apex",), r"^engine.cuda_graphs does not work with optim.impl 'apex'"),
+        (("terms.immiscible=true",), r"^engine.cuda_graphs does not work with terms.immiscible \(its assignment"),
     ],
 )
 def test_host_only_combinations_are_refused(tmp_path, extra, match):
