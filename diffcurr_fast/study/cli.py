@@ -1,5 +1,5 @@
 """``diffcurr-fast study [SPEC.yaml | --preset NAME] [--recipe R] [--workers N] [--out DIR] [--peer-dit PATH]
-[--screen DIR]`` and ``diffcurr-fast study report DIR``.
+[--screen DIR]``, ``diffcurr-fast study report DIR [--against ARM]`` and ``diffcurr-fast study posthoc DIR``.
 
 Runs every (arm, seed) of a study as an ordinary run directory under ``--out`` (a rerun keeps the finished runs
 and resumes the others), then writes results.csv, report.md and the plots. ``--recipe`` replaces a preset's base
@@ -10,6 +10,8 @@ A speedrun (``--preset speedrun``) first times every arm's training step side by
 time) and takes ``--peer-dit PATH``, a local checkout of facebookresearch/DiT whose own training step is timed
 beside ours to give the official arm its time axis (without it the report flags that the official arm keeps our
 step's time); ``--preset speedrun_mnist5k --screen DIR`` picks its arms from the finished digits screening at DIR.
+``study posthoc DIR`` evaluates every run at one grid of post-hoc EMA lengths and each arm at its best
+(``diffcurr_fast.study.posthoc``); the report then adds that section.
 A study folder can be carried to another sitting or machine without its ``runs/``: the status files hold every
 finished run's evaluations, and the rerun resumes the rest.
 """
@@ -28,8 +30,10 @@ from diffcurr_fast.study.spec import check_spec, load_spec, spec_from_dict
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``study``."""
-    parser.add_argument("spec", nargs="?", default=None, help="study spec YAML, or 'report' followed by a study folder")
-    parser.add_argument("folder", nargs="?", default=None, help="with 'report': the study folder")
+    parser.add_argument(
+        "spec", nargs="?", default=None, help="study spec YAML, or 'report' / 'posthoc' followed by a study folder"
+    )
+    parser.add_argument("folder", nargs="?", default=None, help="with 'report' or 'posthoc': the study folder")
     parser.add_argument("--preset", choices=sorted(PRESETS), help="a built-in spec instead of SPEC.yaml")
     parser.add_argument("--recipe", default=None, help="base training recipe replacing the spec's (default: its own)")
     parser.add_argument("--workers", type=int, default=1, help="runs at once (CPU threads are split between them)")
@@ -55,6 +59,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(e.g. --preset speedrun_plateau: the official recipe trained until its FD stops falling)",
     )
     parser.add_argument(
+        "--against",
+        action="append",
+        default=[],
+        metavar="ARM",
+        help="with 'report' of a speedrun: also every speed-up over this arm (repeatable), and the headline over the "
+        "strongest of the official arm and these (lowest mean final smoothed FD)",
+    )
+    parser.add_argument(
         "--screen",
         default=None,
         metavar="DIR",
@@ -66,16 +78,26 @@ def run(args: argparse.Namespace) -> int:
     # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.study.report import write_report
 
+    if args.spec in ("report", "posthoc") and args.folder is None:
+        raise ValueError(f"study {args.spec} needs the study folder: diffcurr-fast study {args.spec} DIR")
     if args.spec == "report":
-        if args.folder is None:
-            raise ValueError("study report needs the study folder: diffcurr-fast study report DIR")
-        for name, path in write_report(args.folder, args.official_from).items():
+        for name, path in write_report(args.folder, args.official_from, args.against).items():
             print(f"  {name}: {path}")
         return 0
-    if args.official_from is not None:
-        raise ValueError("--official-from is an option of 'study report DIR'")
+    if args.official_from is not None or args.against:
+        raise ValueError("--official-from and --against are options of 'study report DIR'")
+    if args.spec == "posthoc":
+        # imported here, not at the top: keeps --help free of torch
+        from diffcurr_fast.study.posthoc import run_posthoc
+
+        picks = run_posthoc(args.folder, threads=args.threads or 1)
+        for arm, p in picks.items():
+            print(f"  {arm}: post-hoc EMA length {p['pick']:g}")
+        return 0
     if args.folder is not None:
-        raise ValueError(f"unexpected argument {args.folder!r} (only 'study report DIR' takes a folder)")
+        raise ValueError(
+            f"unexpected argument {args.folder!r} (only 'study report DIR' and 'study posthoc DIR' take a folder)"
+        )
     # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.study.runner import run_study
 

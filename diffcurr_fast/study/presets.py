@@ -366,6 +366,36 @@ def speedrun_tuned_preset() -> dict[str, Any]:
     }
 
 
+# ---- speedrun_levers: each new lever alone on top of the best timestep strategy, tuned as the references were ----
+LEVERS = {
+    "tread": ["model.routing=tread", "model.routing_keep=0.5", "model.routing_start=1", "model.routing_end=3"],
+    "modern": ["model.norm=rmsnorm", "model.qk_norm=true", "model.mlp=swiglu", "model.pos=rope2d"],
+    "contrastive": ["terms.use=[contrastive]"],
+    "dispersive": ["terms.use=[dispersive]"],
+    "sra": ["terms.use=[sra]"],
+    "immiscible": ["terms.immiscible=true"],
+}
+
+
+def speedrun_levers_preset() -> dict[str, Any]:
+    """``speedrun_tuned``'s `minsnr` arm (the best timestep strategy; the same settings, so its runs carry over)
+    and each lever alone on top of it, every arm with the same learning-rate grid and trials."""
+    data = speedrun_tuned_preset()
+    tune = {"optim.lr": list(LR_GRID)}
+    base = [*VANILLA, *MINSNR]
+    arms = [{**_arm("minsnr", VANILLA, MINSNR), "tune": tune}]
+    arms += [{**_arm(name, base, sets), "tune": tune} for name, sets in LEVERS.items()]
+    return {
+        **data,
+        "name": "speedrun_levers",
+        "reference": "minsnr",
+        "arms": [{**a, "reference": "minsnr"} for a in arms],
+        "notes": "Each lever alone on top of MinSNR on the built-in digits, at speedrun_tuned's sizes and tuning "
+        "(settings: diffcurr_fast.study.presets; definitions: diffcurr_fast.study.speedrun).",
+        "speedrun": {**SPEEDRUN, "official_arm": "minsnr"},
+    }
+
+
 PRESETS = {
     "curriculum": curriculum_preset,
     "tdc": tdc_preset,
@@ -374,6 +404,7 @@ PRESETS = {
     "speedrun_plateau": speedrun_plateau_preset,
     "speedrun_tdc": speedrun_tdc_preset,
     "speedrun_tuned": speedrun_tuned_preset,
+    "speedrun_levers": speedrun_levers_preset,
 }
 DIGITS_ONLY = (
     "diffusion.weighting",

@@ -31,6 +31,7 @@ from diffcurr_fast._files import read_json
 from diffcurr_fast._lazy import pyplot
 from diffcurr_fast.runs.sampling import grid_unavailable
 from diffcurr_fast.study import speedrun, speedrun_report
+from diffcurr_fast.study.posthoc import posthoc_picks, posthoc_rows
 from diffcurr_fast.study.runner import eval_records, read_status, run_dir_of
 from diffcurr_fast.study.spec import METRICS, StudySpec, arm_config, load_study
 from diffcurr_fast.study.step_time import STEP_TIME_FILE
@@ -412,26 +413,76 @@ def plot_cluster_loss(spec: StudySpec, study_dir: Path, path: Path) -> Path:
     return path
 
 
-def write_report(study_dir: str | Path, official_from: str | Path | None = None) -> dict[str, Path]:
+def write_report(
+    study_dir: str | Path, official_from: str | Path | None = None, against: list[str] | tuple[str, ...] = ()
+) -> dict[str, Path]:
     """results.csv, report.md and the three plots of the study in ``study_dir``; their paths. ``official_from``
     (a speedrun): another study whose official-arm runs the report also compares every arm with
-    (``speedrun.with_official_runs``)."""
+    (``speedrun.with_official_runs``); ``against`` (a speedrun): more reference arms, every speed-up over each and
+    the headline over the strongest (``speedrun.against``). Runs evaluated by ``study posthoc`` add that section."""
     study_dir = Path(study_dir)
     spec, rows, status = collect(study_dir)
     if official_from is not None and not spec.speedrun:
         raise ValueError(f"--official-from applies to a speedrun study; {str(study_dir)!r} is not one")
+    if against and not spec.speedrun:
+        raise ValueError(f"--against applies to a speedrun study; {str(study_dir)!r} is not one")
+    unknown = [a for a in against if a not in {x.name for x in spec.arms}]
+    if unknown:
+        raise ValueError(f"--against {unknown} names no arm of the study; arms: {', '.join(a.name for a in spec.arms)}")
     arms = summarize(spec, status)
     out = {"csv": write_csv(rows, study_dir / "results.csv"), "samples": copy_samples(spec, study_dir)}
     out["report"] = write_markdown(spec, arms, study_dir / "report.md", study_dir)
     out["metric_plot"] = plot_metric(spec, rows, study_dir / "metric_vs_step.png")
     out["timelines"] = plot_timelines(spec, study_dir, study_dir / "curriculum_timelines.png")
     out["cluster_loss"] = plot_cluster_loss(spec, study_dir, study_dir / "cluster_loss.png")
+    report = study_dir / "report.md"
     if spec.speedrun:
         out.update(write_speedrun(spec, rows, study_dir, official_from))
+        if against:
+            refs = speedrun.against(spec, rows, _step_time(study_dir), list(against))
+            report.write_text(report.read_text() + "\n" + "\n".join(speedrun_report.references_section(refs)))
     if spec.tuning:
-        report = study_dir / "report.md"
         report.write_text(report.read_text() + "\n" + "\n".join(tuning_section(spec, study_dir)) + "\n")
+    picks = posthoc_picks(spec, study_dir)
+    if picks:
+        report.write_text(report.read_text() + "\n" + "\n".join(posthoc_section(spec, study_dir, rows, picks, against)))
     return out
+
+
+def _step_time(study_dir: Path) -> dict[str, Any] | None:
+    path = study_dir / STEP_TIME_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def posthoc_section(
+    spec: StudySpec, study_dir: Path, rows: list[dict[str, Any]], picks: dict[str, Any], against: Any = ()
+) -> list[str]:
+    """The post-hoc EMA pass (``study.posthoc``): every arm's final FD at each length of the grid (mean +- std over
+    seeds), its pick, and for a speedrun the time to quality on the picked curves against each reference."""
+    grid = sorted({s for p in picks.values() for s in p["finals"]})
+    lines = [
+        "## Post-hoc EMA: every arm at its best EMA length",
+        "",
+        "Each run evaluated at its last snapshot for every EMA length (EDM2 sigma_rel) of one grid, with the run's "
+        "own evaluation; an arm's length is the one with the lowest mean final FD over its seeds (ties: the "
+        "shorter), the same rule for every arm; its curve is then evaluated at that length at every snapshot step "
+        "(weights from the snapshots up to that step only).",
+        "",
+        "| arm | " + " | ".join(f"FD at {s:g}" for s in grid) + " | picked |",
+        "|---|" + "---|" * (len(grid) + 1),
+    ]
+    for arm, p in picks.items():
+        cells = [" +- ".join(_fmt(v) for v in mean_std(p["finals"][s])) if s in p["finals"] else "n/a" for s in grid]
+        lines.append(f"| {arm} | " + " | ".join(cells) + f" | {p['pick']:g} |")
+    missing = [a.name for a in spec.arms if a.name not in picks]
+    if missing:
+        lines += ["", f"Not evaluated post hoc (no finished runs with every length): {', '.join(missing)}."]
+    lines.append("")
+    if spec.speedrun:
+        prow = posthoc_rows(spec, study_dir, rows, picks)
+        refs = speedrun.against(spec, prow, _step_time(study_dir), list(against))
+        lines += speedrun_report.references_section(refs, "Time to quality with post-hoc EMA")
+    return lines
 
 
 def tuning_section(spec: StudySpec, study_dir: Path) -> list[str]:
@@ -479,11 +530,27 @@ def tuning_section(spec: StudySpec, study_dir: Path) -> list[str]:
     res = read_json(path, "speedrun analysis") if path.is_file() else {}
     ref = res.get("reference")
     wall = {n: (a.get("axes") or {}).get("wall_s", [None])[0] for n, a in (res.get("arms") or {}).items()}
-    cost = {a.name: done[a.name]["tuning_wall_s"] if a.name in done else 0.0 for a in spec.arms}
+    st = _step_time(study_dir)
+    priced = {a.name: speedrun.arm_step_s(st, a.name, spec.speedrun["official_arm"]) for a in spec.arms}
+    cost = {
+        a.name: (
+            0.0
+            if a.name not in done
+            else len(done[a.name]["trials"]) * tu["budget"] * priced[a.name]
+            if priced[a.name]
+            else done[a.name]["tuning_wall_s"]
+        )
+        for a in spec.arms
+    }
+    how = (
+        "its trials' steps x the arm's side-by-side step time, as the arms' time axes"
+        if all(priced[n] for n in done)
+        else "the trials' own recorded wall time (no side-by-side step times)"
+    )
     lines += [
         "",
         f"Speed-up over {ref} in wall time to the threshold, tuning excluded and included (the arm's mean wall time "
-        "to the threshold plus its tuning wall time; point estimates):",
+        f"to the threshold plus its tuning wall time: {how}; point estimates):",
         "",
         "| arm | mean wall s to the threshold | tuning wall s | speed-up, tuning excluded "
         "| speed-up, tuning included |",

@@ -215,6 +215,25 @@ def analyse(
     }
 
 
+def mean_final(rows: list[dict[str, Any]], spec: Any, arm: str) -> float:
+    """The mean over an arm's seeds of its final smoothed FD (the strength of a reference); nan without runs."""
+    window = int(spec.speedrun["smooth"])
+    finals = [smooth([p["fd"] for p in pts], window)[-1] for s in spec.seeds if (pts := run_points(rows, arm, s, 1.0))]
+    return float(np.mean(finals)) if finals else math.nan
+
+
+def against(
+    spec: Any, rows: list[dict[str, Any]], step_time: dict[str, Any] | None, references: list[str]
+) -> dict[str, Any]:
+    """{reference: the analysis with that arm as the reference} for the official arm and ``references``, and the
+    strongest of them (``strongest``: the lowest ``mean_final``), which a headline divides by."""
+    names = [spec.speedrun["official_arm"], *(r for r in references if r != spec.speedrun["official_arm"])]
+    res = {n: analyse(spec, rows, step_time, reference=n) for n in names}
+    finals = {n: mean_final(rows, spec, n) for n in names}
+    strongest = min(names, key=lambda n: finals[n] if math.isfinite(finals[n]) else math.inf)
+    return {"analyses": res, "finals": finals, "strongest": strongest}
+
+
 def with_official_runs(
     spec: Any, rows: list[dict[str, Any]], step_time: dict[str, Any] | None, official_rows: list[dict[str, Any]]
 ) -> dict[str, Any]:

@@ -132,6 +132,44 @@ def decomposition(spec: Any, res: dict[str, Any]) -> list[str]:
     ]
 
 
+def references_section(refs: dict[str, Any], title: str = "Against each reference") -> list[str]:
+    """A speedrun's speed-ups over each reference arm (``speedrun.against``), each at its own threshold, and the
+    headline: the best arm's wall-time speed-up over the strongest reference (the lowest mean final smoothed FD)."""
+    names, strong = list(refs["analyses"]), refs["strongest"]
+    finals = ", ".join(f"`{n}` {_num(refs['finals'][n], 4)}" for n in names)
+    lines = [
+        f"## {title}",
+        "",
+        f"Mean final smoothed FD of the references: {finals}. The strongest is `{strong}`; the headline divides by it.",
+        "",
+    ]
+    res = refs["analyses"][strong]
+    best = _best(res, "wall_s", tuple(names))
+    if best is None:
+        lines += [
+            f"**Headline:** no arm has a wall-time speed-up over `{strong}` (some seed never reached its "
+            f"threshold FD {_num(res['threshold'], 4)}).",
+            "",
+        ]
+    else:
+        name, (up, lo, hi) = best
+        lines += [
+            f"**Headline:** `{name}` reaches `{strong}`'s threshold FD {_num(res['threshold'], 4)} "
+            f"({res['threshold_rule']}) in 1/{_num(up)} of its wall time, 95% interval [x{_num(lo)}, x{_num(hi)}], "
+            "tuning excluded.",
+            "",
+        ]
+    for n in names:
+        r = refs["analyses"][n]
+        lines += [
+            f"Over `{n}`, at its threshold FD {_num(r['threshold'], 4)} ({r['threshold_rule']}):",
+            "",
+            *table(r),
+            "",
+        ]
+    return lines
+
+
 def _ratio(v: tuple[float, float, float] | None, ref: bool) -> str:
     return ("-" if ref else "n/a") if v is None else f"x{_num(v[0])} [{_num(v[1])}, {_num(v[2])}]"
 

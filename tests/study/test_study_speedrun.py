@@ -534,8 +534,11 @@ def test_study_cli_options_are_checked(tmp_path):
 
     p = argparse.ArgumentParser()
     cli.add_arguments(p)
-    with pytest.raises(ValueError, match="--official-from is an option of 'study report DIR'"):
-        cli.run(p.parse_args(["--preset", "speedrun", "--official-from", str(tmp_path)]))
+    for extra in (["--official-from", str(tmp_path)], ["--against", "official"]):
+        with pytest.raises(ValueError, match="--official-from and --against are options of 'study report DIR'"):
+            cli.run(p.parse_args(["--preset", "speedrun", *extra]))
+    with pytest.raises(ValueError, match="study posthoc needs the study folder: diffcurr-fast study posthoc DIR"):
+        cli.run(p.parse_args(["posthoc"]))
     with pytest.raises(ValueError, match="--threads must be >= 1, got 0"):
         run_study(preset_spec("speedrun"), tmp_path / "s", threads=0, verbose=False)
     (tmp_path / "plain").mkdir()
@@ -544,3 +547,5 @@ def test_study_cli_options_are_checked(tmp_path):
     )
     with pytest.raises(ValueError, match="--official-from applies to a speedrun study"):
         cli.run(p.parse_args(["report", str(tmp_path / "plain"), "--official-from", str(tmp_path)]))
+    with pytest.raises(ValueError, match="--against applies to a speedrun study"):
+        cli.run(p.parse_args(["report", str(tmp_path / "plain"), "--against", "a"]))

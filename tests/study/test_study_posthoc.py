@@ -1,0 +1,231 @@
+"""The references and post-hoc EMA of a time-to-quality study: the speed-ups over each reference and the headline
+over the strongest, by hand; the tuning time priced by the step times; the post-hoc pass (study/posthoc.py) on a
+tiny study: its grid, each arm's pick by the rule, the curve at the pick equal to an evaluation of the reconstructed
+weights, a rerun that evaluates nothing, and the report's section; and the speedrun_tuned preset's settings."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from diffcurr_fast._files import write_json
+from diffcurr_fast.runs.checkpoint import load_weights
+from diffcurr_fast.runs.posthoc_ema import reconstruct
+from diffcurr_fast.runs.recipes import load_run_config
+from diffcurr_fast.runs.sampling import build_model, build_schedule
+from diffcurr_fast.study import posthoc
+from diffcurr_fast.study import speedrun as sr
+from diffcurr_fast.study import speedrun_report as srr
+from diffcurr_fast.study.presets import LR_GRID, OFFICIAL, preset_spec
+from diffcurr_fast.study.report import tuning_section, write_report
+from diffcurr_fast.study.runner import read_status, run_dir_of, run_study, status_path
+from diffcurr_fast.study.spec import spec_from_dict
+from diffcurr_fast.train.evaluation import Evaluator
+
+
+def _rows(arm, seed, fds, every=100):
+    return [
+        {
+            "arm": arm,
+            "seed": seed,
+            "step": every * (i + 1),
+            "fd": f,
+            "train_s": 0.01 * every * (i + 1),
+            "train_flops": 2.0 * every * (i + 1),
+        }
+        for i, f in enumerate(fds)
+    ]
+
+
+def _ref_spec():
+    return spec_from_dict(
+        {
+            "name": "s",
+            "seeds": [0, 1],
+            "eval_every": 100,
+            "reference": "tuned",
+            "arms": [{"name": "tuned"}, {"name": "decay"}, {"name": "fast"}],
+            "speedrun": {"official_arm": "tuned", "smooth": 1},
+        }
+    )
+
+
+def test_speed_ups_over_each_reference_and_the_headline_over_the_strongest_by_hand():
+    spec = _ref_spec()
+    rows = _rows("tuned", 0, [9, 7, 6, 5]) + _rows("tuned", 1, [9, 8, 6, 6])  # finals 5, 6: mean 5.5
+    rows += _rows("decay", 0, [9, 7, 5, 3]) + _rows("decay", 1, [9, 6, 4, 4])  # finals 3, 4: mean 3.5, stronger
+    rows += _rows("fast", 0, [6, 4, 3, 2]) + _rows("fast", 1, [5, 4, 2, 2])
+    refs = sr.against(spec, rows, None, ["decay"])
+    assert refs["finals"] == {"tuned": 5.5, "decay": 3.5} and refs["strongest"] == "decay"
+    dec = refs["analyses"]["decay"]
+    assert dec["threshold"] == 4  # decay's worst final FD
+    # decay reaches 4 at step 400 (seed 0: 5 -> 3, interpolated at 350) and 300 (seed 1); fast at 200 and 200
+    assert dec["arms"]["decay"]["per_seed"][0]["step"] == pytest.approx(350)
+    assert dec["arms"]["decay"]["per_seed"][1]["step"] == pytest.approx(300)
+    assert dec["arms"]["fast"]["per_seed"][0]["step"] == pytest.approx(200)
+    up = math.sqrt(350 * 300) / 200
+    assert dec["arms"]["fast"]["speedup"]["wall_s"][0] == pytest.approx(up)
+    text = "\n".join(srr.references_section(refs))
+    assert "The strongest is `decay`" in text and f"in 1/{up:.3g} of its wall time" in text
+    assert "Over `tuned`, at its threshold FD 6" in text and "Over `decay`, at its threshold FD 4" in text
+    # a reference that is also an arm of the headline is never the headline's arm
+    assert "**Headline:** `fast`" in text
+
+
+def test_tuning_time_is_priced_by_the_side_by_side_step_times(tmp_path):
+    data = {
+        "name": "t",
+        "seeds": [0],
+        "metric": "fd",
+        "reference": "plain",
+        "eval_every": 4,
+        "tuning": {"budget": 8, "pick": "final"},
+        "arms": [{"name": "plain", "tune": {"optim.lr": [1, 2]}}, {"name": "other", "tune": {"optim.lr": [1, 2]}}],
+        "speedrun": {"official_arm": "plain", "smooth": 1},
+    }
+    spec = spec_from_dict(data)
+    for arm in ("plain", "other"):
+        for i in (0, 1):
+            write_json(
+                {"wall_s": 999.0, "evals": [{"step": 8, "fd": 5.0 + i}]}, status_path(tmp_path, f"{arm}~t{i}", 0)
+            )
+    arms = {n: {"axes": {"wall_s": [w, w, w]}} for n, w in (("plain", 40.0), ("other", 10.0))}
+    write_json({"reference": "plain", "arms": arms}, tmp_path / "speedrun.json")
+    write_json({"arms": {"plain": 0.5, "other": 0.25}, "steps_each": 60, "threads": 1}, tmp_path / "step_time.json")
+    text = "\n".join(tuning_section(spec, tmp_path))
+    # plain: 2 trials x 8 steps x 0.5 s = 8 s; other: 2 x 8 x 0.25 = 4 s; included: (40 + 8) / (10 + 4)
+    assert "| other | 10 | 4 | x4 | x3.43 |" in text and "| plain | 40 | 8 | x1 | x1 |" in text
+    assert "side-by-side step time" in text
+
+
+def test_pick_length_by_hand():
+    assert posthoc.pick_length({0.05: [3.0, 5.0], 0.1: [3.5, 4.0], 0.2: [4.0, 4.0]}) == 0.1  # means 4, 3.75, 4
+    assert posthoc.pick_length({0.05: [4.0], 0.1: [4.0]}) == 0.05  # a tie: the shorter
+    assert posthoc.pick_length({0.05: [float("nan")], 0.1: [9.0]}) == 0.1  # non-finite ranks last
+
+
+TINY = [
+    "model.hidden_size=32",
+    "model.depth=1",
+    "model.num_heads=2",
+    "diffusion.num_timesteps=60",
+    "curriculum.num_clusters=4",
+    "curriculum.pacing=none",
+    "data.batch_size=16",
+    "logging.progress=false",
+    "logging.num_samples=0",
+    "logging.plots=false",
+    "checkpoint.export_ema=false",
+    "optim.warmup_steps=0",
+    "optim.schedule=constant",
+    "engine.cpu_threads=1",
+    "engine.max_steps=8",
+    "checkpoint.every=8",
+    "optim.phema_every=4",
+]
+
+
+def test_posthoc_pass_on_a_tiny_study(tmp_path, monkeypatch):
+    spec = spec_from_dict(
+        {
+            "name": "p",
+            "set": TINY,
+            "seeds": [0, 1],
+            "metric": "fd",
+            "reference": "a",
+            "eval_every": 4,
+            "eval": {"num_samples": 16, "steps": 3},
+            "arms": [{"name": "a"}, {"name": "b", "set": ["optim.lr=3e-3"]}],
+            "speedrun": {"official_arm": "a", "smooth": 1},
+        }
+    )
+    out = tmp_path / "study"
+    assert run_study(spec, out, verbose=False)["failed"] == []
+    grid = (0.05, 0.1, 0.2)
+    picks = posthoc.run_posthoc(out, grid, progress=False)
+    for arm in ("a", "b"):
+        finals = {s: [] for s in grid}
+        for seed in (0, 1):
+            recs = posthoc.read_records(run_dir_of(out, arm, seed))
+            assert {k for k in recs if k[0] == 8} == {(8, s) for s in grid}
+            for s in grid:
+                finals[s].append(recs[(8, s)]["fd"])
+            assert {k for k in recs if k[1] == picks[arm]["pick"]} == {(4, picks[arm]["pick"]), (8, picks[arm]["pick"])}
+        mean = {s: sum(v) / 2 for s, v in finals.items()}
+        assert picks[arm]["pick"] == min(grid, key=lambda s: (mean[s], s))
+    # a record is the run's own evaluation of the reconstructed weights at that step (snapshots up to it only)
+    rd = run_dir_of(out, "b", 1)
+    cfg = load_run_config(rd / "config.yaml")
+    model = load_weights(build_model(cfg), reconstruct(rd, 0.1, step=4)[0], "test")
+    want = Evaluator(cfg, rd)(4, model, build_schedule(cfg))["fd"]
+    s = picks["b"]["pick"]
+    got = posthoc.RunEvaluator(rd).record(4, 0.1) if s != 0.1 else posthoc.read_records(rd)[(4, 0.1)]
+    assert got["fd"] == pytest.approx(want, rel=1e-6)
+    # a rerun evaluates nothing: every record is read back
+    monkeypatch.setattr(posthoc, "Evaluator", lambda *a, **k: pytest.fail("evaluated again"))
+    assert posthoc.run_posthoc(out, grid, progress=False) == picks
+    # the report's section: the grid, the picks and the time to quality on the picked curves
+    write_report(out)
+    text = (out / "report.md").read_text()
+    assert "## Post-hoc EMA: every arm at its best EMA length" in text
+    assert "| b | " in text and f" | {picks['b']['pick']:g} |" in text
+    assert "## Time to quality with post-hoc EMA" in text
+    rows = posthoc.posthoc_rows(spec, out, [r for r in _collected(out)], picks)
+    assert {(r["arm"], r["seed"], r["step"]) for r in rows} == {(a, s, t) for a in "ab" for s in (0, 1) for t in (4, 8)}
+
+
+def _collected(out):
+    from diffcurr_fast.study.report import collect
+
+    return collect(out)[1]
+
+
+def test_posthoc_needs_snapshots(tmp_path):
+    spec = spec_from_dict(
+        {
+            "name": "p",
+            "set": [s for s in TINY if not s.startswith("optim.phema_every")],
+            "seeds": [0],
+            "metric": "fd",
+            "reference": "a",
+            "eval_every": 8,
+            "eval": {"num_samples": 16, "steps": 3},
+            "arms": [{"name": "a"}],
+        }
+    )
+    out = tmp_path / "study"
+    run_study(spec, out, verbose=False)
+    assert read_status(out, "a", 0) is not None
+    with pytest.raises(ValueError, match="kept no post-hoc EMA snapshots: its study needs optim.phema_every > 0"):
+        posthoc.run_posthoc(out, progress=False)
+
+
+def test_speedrun_tuned_preset_settings():
+    spec = preset_spec("speedrun_tuned")
+    names = [a.name for a in spec.arms]
+    assert names == ["official", "official_tuned", "official_tuned_decay", "vanilla", "minsnr"]
+    assert not spec.arm("official").tune  # as released, for the record
+    for n in names[1:]:  # every tuned arm: the same grid
+        assert spec.arm(n).tune == {"optim.lr": list(LR_GRID)}
+    assert set(OFFICIAL) <= set(spec.arm("official_tuned").set)
+    decay = spec.arm("official_tuned_decay").set
+    assert decay[: len(OFFICIAL)] == OFFICIAL and decay[-1] == "optim.schedule=cosine" and "optim.min_lr=0" in decay
+    assert spec.tuning == {"budget": 2000, "pick": "final", "seed": 10} and 10 not in spec.seeds
+    assert spec.speedrun["official_arm"] == "official_tuned" and "optim.phema_every=400" in spec.set
+    assert torch.tensor(LR_GRID).diff().gt(0).all()
+    assert json.dumps(spec.to_dict())  # a spec that the study folder can record
+
+
+def test_speedrun_levers_preset_is_minsnr_and_each_lever_on_it():
+    from diffcurr_fast.study.presets import LEVERS
+    from diffcurr_fast.study.spec import arm_config
+
+    spec, tuned = preset_spec("speedrun_levers"), preset_spec("speedrun_tuned")
+    assert [a.name for a in spec.arms] == ["minsnr", *LEVERS]
+    assert spec.arm("minsnr").set == tuned.arm("minsnr").set and spec.set == tuned.set  # its runs carry over
+    assert spec.tuning == tuned.tuning and spec.seeds == tuned.seeds and spec.speedrun["official_arm"] == "minsnr"
+    for name, sets in LEVERS.items():
+        arm = spec.arm(name)
+        assert arm.set == [*spec.arm("minsnr").set, *sets] and arm.tune == {"optim.lr": list(LR_GRID)}
+        arm_config(spec, arm, 0, "check")  # every lever's config validates at the study's sizes
