@@ -377,11 +377,14 @@ LEVERS = {
 }
 
 
+LEVERS_LR_GRID = [1e-3, 2e-3, 4e-3, 8e-3]  # LR_GRID one step up: every speedrun_tuned arm picked its top, 4e-3
+
+
 def speedrun_levers_preset() -> dict[str, Any]:
-    """``speedrun_tuned``'s `minsnr` arm (the best timestep strategy; the same settings, so its runs carry over)
-    and each lever alone on top of it, every arm with the same learning-rate grid and trials."""
+    """The best timestep strategy (MinSNR) and each lever alone on top of it, at ``speedrun_tuned``'s sizes, every
+    arm with the same learning-rate grid (``LEVERS_LR_GRID``) and trials."""
     data = speedrun_tuned_preset()
-    tune = {"optim.lr": list(LR_GRID)}
+    tune = {"optim.lr": list(LEVERS_LR_GRID)}
     base = [*VANILLA, *MINSNR]
     arms = [{**_arm("minsnr", VANILLA, MINSNR), "tune": tune}]
     arms += [{**_arm(name, base, sets), "tune": tune} for name, sets in LEVERS.items()]

@@ -218,14 +218,15 @@ def test_speedrun_tuned_preset_settings():
 
 
 def test_speedrun_levers_preset_is_minsnr_and_each_lever_on_it():
-    from diffcurr_fast.study.presets import LEVERS
+    from diffcurr_fast.study.presets import LEVERS, LEVERS_LR_GRID
     from diffcurr_fast.study.spec import arm_config
 
     spec, tuned = preset_spec("speedrun_levers"), preset_spec("speedrun_tuned")
     assert [a.name for a in spec.arms] == ["minsnr", *LEVERS]
-    assert spec.arm("minsnr").set == tuned.arm("minsnr").set and spec.set == tuned.set  # its runs carry over
+    assert spec.arm("minsnr").set == tuned.arm("minsnr").set and spec.set == tuned.set
+    assert LEVERS_LR_GRID == [2 * v for v in LR_GRID]  # one step up the same ladder
     assert spec.tuning == tuned.tuning and spec.seeds == tuned.seeds and spec.speedrun["official_arm"] == "minsnr"
     for name, sets in LEVERS.items():
         arm = spec.arm(name)
-        assert arm.set == [*spec.arm("minsnr").set, *sets] and arm.tune == {"optim.lr": list(LR_GRID)}
+        assert arm.set == [*spec.arm("minsnr").set, *sets] and arm.tune == {"optim.lr": LEVERS_LR_GRID}
         arm_config(spec, arm, 0, "check")  # every lever's config validates at the study's sizes
