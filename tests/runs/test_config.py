@@ -18,9 +18,9 @@ from diffcurr_fast.runs.recipes import config_to_yaml, load_config, parse_overri
 from diffcurr_fast.train import cli_train
 
 ROOT = Path(__file__).resolve().parents[2]
-# the papers' recipes (DiT, EDM); the fast_* recipes are arms of a committed study and are checked against it below,
-# the demo has its own tests
-RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if not p.stem.startswith("fast_") and p.stem != "demo")
+# the papers' recipes (DiT, EDM, fast_dit_b2); fast_mnist5k is an arm of a committed study and is checked against it
+# below, the demo has its own tests
+RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if p.stem not in ("fast_mnist5k", "demo"))
 
 
 def test_defaults_and_demo_validate():
@@ -149,7 +149,15 @@ def test_there_are_recipes():
         "dit_b2_curriculum_dtr",
         "dit_l2",
         "dit_xl2",
+        "fast_dit_b2",
     } <= names
+
+
+def test_fast_dit_b2_routes_as_tread_at_that_size():
+    cfg = load_config(ROOT / "recipes" / "fast_dit_b2.yaml")
+    assert (cfg.model.preset, cfg.model.routing, cfg.model.routing_keep) == ("DiT-B/2", "tread", 0.5)
+    assert cfg.model.routing_span() == (2, 10) and cfg.model.depth == 12  # 2nd to second-to-last of 12 blocks
+    assert (cfg.diffusion.weighting, cfg.diffusion.min_snr_gamma, cfg.optim.lr) == ("min_snr", 5.0, 1e-4)
 
 
 @pytest.mark.parametrize(
