@@ -45,10 +45,16 @@ ROUTED = ["model.routing=tread", "model.routing_keep=0.5", "model.routing_start=
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [[], ROUTED, ["terms.use=[sra]"]], ids=["plain", "routed", "sra"])
+@pytest.mark.parametrize(
+    "extra",
+    [[], ROUTED, ["terms.use=[sra]"], ["terms.use=[contrastive, dispersive]", "terms.immiscible=true"]],
+    ids=["plain", "routed", "sra", "batch-terms"],
+)
 def test_ddp_two_ranks_gloo(tmp_path, extra):
-    """Also with token routing: each rank draws its own kept tokens, and the replicas stay identical; and with the
-    sra term: its projector (``model.term_heads``) is synchronised with the model, its teacher is each rank's EMA."""
+    """Also with token routing: each rank draws its own kept tokens, and the replicas stay identical; with the sra
+    term: its projector (``model.term_heads``) is synchronised with the model, its teacher is each rank's EMA; and
+    with the terms whose statistics are over the batch (contrastive negatives, dispersive pairs, the immiscible
+    assignment): each rank's over its own micro-batch, nothing gathered, replicas identical."""
     script = tmp_path / "ddp_run.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
