@@ -367,3 +367,18 @@ def test_adaptive_curriculum_in_a_tdc_range_weights_pinned():
     want = np.zeros(g)
     want[10:20], want[20:30] = p0 / 10, p1 / 10
     np.testing.assert_allclose(ts.weights().numpy(), want, rtol=1e-6, atol=0)
+
+
+def test_importance_history_keeps_each_cells_last_losses_in_arrival_order_in_a_large_batch():
+    """A batch of 300 draws over 3 cells (torch's unstable sort reorders equal keys from about 100 elements): each
+    cell's ring holds exactly its last ``history`` losses in arrival order, by hand."""
+    k = torch.randint(0, 3, (300,), generator=torch.Generator().manual_seed(0))
+    loss = torch.arange(300, dtype=torch.float64)  # the arrival index is the loss
+    s = LossSecondMoment(3, 4, 0.0)
+    s.observe(k, loss)
+    for c in range(3):
+        mine = loss[k == c]
+        n = mine.numel()
+        want = {int((n - 4 + j) % 4): float(mine[n - 4 + j]) for j in range(4)}  # slot of the j-th of the last 4
+        assert {slot: float(s._hist[c, slot]) for slot in range(4)} == want, c
+    assert s._count.tolist() == [int((k == c).sum()) for c in range(3)]
