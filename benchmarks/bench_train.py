@@ -8,8 +8,10 @@ Providers, same model and batch:
 - ``fused+graphs``: the fused ops with ``engine.cuda_graphs`` (on CUDA the model compiled with mode
   reduce-overhead, its forward and backward replayed as CUDA graphs; on CPU the device-side step alone);
 - ``fused+routed``: the fused ops with token routing (TREAD, ``models/routing.py``) at ``--routing KEEP,START,END``
-  (default 0.5,2,-2: half the tokens through blocks 2 to depth - 2); its row names the setting, and its FLOP rate
-  counts the full model's FLOPs (what the unrouted step does), not the fewer FLOPs the routed step does;
+  (default 0.5,2,-2: half the tokens through blocks 2 to depth - 2); its row names the setting, and it has two
+  FLOP rates: ``model_tflop_s`` / ``mfu_pct`` count the full model's FLOPs (what the unrouted step does: the rate
+  at which the routed step gets through the model's work), ``step_tflop_s`` / ``step_mfu_pct`` the fewer FLOPs the
+  routed step does (how busy the device is);
 - ``official`` (``--peer-dit PATH``): the official DiT step (facebookresearch/DiT ``models.py``, its IDDPM
   ``training_losses``, AdamW(lr=1e-4, weight_decay=0) and ``update_ema``, as its ``train.py`` runs them), imported
   from the checkout at PATH (timm's three layers stubbed when timm is missing, see ``peer_dit.py``); it needs a
@@ -58,6 +60,7 @@ import step_breakdown as sb  # noqa: E402
 
 from diffcurr_fast.data.loader import ArrayDataset  # noqa: E402
 from diffcurr_fast.runs.recipes import load_config  # noqa: E402
+from diffcurr_fast.ops.token_gather import kept_tokens  # noqa: E402
 from diffcurr_fast.tdc.flops import dit_flops  # noqa: E402
 
 COLUMNS = [
@@ -72,6 +75,8 @@ COLUMNS = [
     "img_per_s",
     "model_tflop_s",
     "mfu_pct",
+    "step_tflop_s",
+    "step_mfu_pct",
     "machine",
     "date",
     "torch",
@@ -145,6 +150,11 @@ def _ours(provider: str, args: argparse.Namespace, tmp: str, profile: bool):
         start, end = m.routing_span()
         name += f" tread keep {m.routing_keep:g} blocks [{start},{end})"
     step.model_flops = 3 * dit_flops(tr.model, args.batch)  # forward + backward (2x the forward)
+    route = None
+    if m.routing != "none":  # the FLOPs the routed step does: the span's blocks on the kept tokens
+        tokens = (m.input_size // m.patch_size) ** 2
+        route = (kept_tokens(tokens, m.routing_keep), *m.routing_span())
+    step.step_flops = 3 * dit_flops(tr.model, args.batch, route)
     return step, tr.device, name
 
 
@@ -230,6 +240,9 @@ def bench(provider: str, args: argparse.Namespace) -> dict[str, object]:
         flops = getattr(step, "model_flops", None)  # the DiT's analytic matmul FLOPs (tdc.flops), ours only
         row["model_tflop_s"] = round(flops / med / 1e12, 3) if flops else ""
         row["mfu_pct"] = round(100 * flops / med / 1e12 / args.peak_tflops, 2) if flops and args.peak_tflops else ""
+        done = getattr(step, "step_flops", None)  # what the step does: fewer than the model's when routed
+        row["step_tflop_s"] = round(done / med / 1e12, 3) if done else ""
+        row["step_mfu_pct"] = round(100 * done / med / 1e12 / args.peak_tflops, 2) if done and args.peak_tflops else ""
         extra = {"faults_per_step": sorted(faults[args.warmup :])[len(faults[args.warmup :]) // 2]}
         if args.profile:
             extra["breakdown"] = sb.breakdown(step, args.profile_steps, sync)  # first: after a dispatch mode

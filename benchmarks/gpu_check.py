@@ -83,15 +83,19 @@ STEPS: tuple[Step, ...] = (
     Step("info_check", 90, "{py} -m diffcurr_fast.cli info --check --device {dev}"),
     Step("ops_loss_fp32", 60, _LOSS + "--warmup {warmup} --dtype fp32 --sizes {loss_size} --out {out}"),
     Step("ops_loss_bf16", 60, _LOSS + "--warmup {warmup} --dtype {dtype_lo} --sizes {loss_size} --out {out}"),
+    # each with token routing beside it (TREAD, keep 0.5 over blocks [2, depth - 2)): its MFU on the full model's
+    # FLOPs and on the FLOPs the routed step does, each labelled (bench_train.py)
     Step(
         "train_b2",
-        60,
-        _TRAIN + "--providers fused --batch {train_batch} --recipe dit_b2_vanilla --set model.preset={preset_b2}",
+        90,
+        _TRAIN + "--providers fused,fused+routed --routing 0.5,2,-2 --batch {train_batch} --recipe dit_b2_vanilla "
+        "--set model.preset={preset_b2}",
     ),
     Step(
         "train_xl2",
-        75,
-        _TRAIN + "--providers fused --batch {train_batch} --recipe dit_xl2 --set model.preset={preset_xl2}",
+        120,
+        _TRAIN + "--providers fused,fused+routed --routing 0.5,2,-2 --batch {train_batch} --recipe dit_xl2 "
+        "--set model.preset={preset_xl2}",
     ),
     # ---- everything else
     Step(

@@ -57,9 +57,12 @@ def block_flops(tokens: int, hidden: int, head_dim: int, heads: int, mlp_hidden:
     }
 
 
-def dit_flops_breakdown(model_or_config: nn.Module | dict[str, Any], batch_size: int = 1) -> dict[str, int]:
+def dit_flops_breakdown(
+    model_or_config: nn.Module | dict[str, Any], batch_size: int = 1, route: tuple[int, int, int] | None = None
+) -> dict[str, int]:
     """FLOPs of one forward by component (``embed``, ``t_embed``, ``adaln``, ``qkv``, ``attn``, ``proj``, ``fc1``,
-    ``fc2``, ``final``) and ``total``, for ``batch_size`` samples."""
+    ``fc2``, ``final``) and ``total``, for ``batch_size`` samples. ``route`` (K, start, end): token routing in
+    training (``models/routing.py``), the blocks [start, end) on K tokens, the others on all T."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     cfg = dit_config(model_or_config)
@@ -76,17 +79,20 @@ def dit_flops_breakdown(model_or_config: nn.Module | dict[str, Any], batch_size:
         "fc2": 0,
         "final": 2 * d * 2 * d + 2 * tokens * d * p * p * out_ch,  # adaLN (D -> 2D) and linear
     }
-    for h, m in zip(heads, mlp, strict=True):
-        for key, value in block_flops(tokens, d, head_dim, h, m).items():
+    for i, (h, m) in enumerate(zip(heads, mlp, strict=True)):
+        n = route[0] if route is not None and route[1] <= i < route[2] else tokens
+        for key, value in block_flops(n, d, head_dim, h, m).items():
             out[key] += value
     out = {key: value * batch_size for key, value in out.items()}
     out["total"] = sum(out.values())
     return out
 
 
-def dit_flops(model_or_config: nn.Module | dict[str, Any], batch_size: int = 1) -> int:
-    """Total FLOPs (2 x MACs) of one DiT forward on ``batch_size`` samples."""
-    return dit_flops_breakdown(model_or_config, batch_size)["total"]
+def dit_flops(
+    model_or_config: nn.Module | dict[str, Any], batch_size: int = 1, route: tuple[int, int, int] | None = None
+) -> int:
+    """Total FLOPs (2 x MACs) of one DiT forward on ``batch_size`` samples (``route``: ``dit_flops_breakdown``)."""
+    return dit_flops_breakdown(model_or_config, batch_size, route)["total"]
 
 
 def widths_flops(config: dict[str, Any], heads: Sequence[int], mlp_hidden: Sequence[int]) -> int:

@@ -152,6 +152,23 @@ def test_flops_match_flop_counter(kw, batch):
     assert dit_flops(m.config(), batch) == batch * dit_flops(m)
 
 
+def test_routed_flops_match_flop_counter():
+    """Token routing: the span's blocks on the K kept tokens, the others on all T (``dit_flops(route=)``), as
+    counted on the routed forward."""
+    from diffcurr_fast.ops.token_gather import draw_route
+
+    m = tiny_dit(depth=4, routing=(1, 3)).train()
+    tokens = (m.input_size // m.patch_size) ** 2
+    x, t, y = torch.randn(3, 3, m.input_size, m.input_size), torch.randint(0, 100, (3,)), torch.randint(0, 5, (3,))
+    for kept in (1, 5, tokens):
+        route = draw_route(3, tokens, kept, torch.Generator().manual_seed(kept))
+        with FlopCounterMode(display=False) as fc:
+            m(x, t, y, route=route)
+        assert dit_flops(m, 3, (kept, 1, 3)) == pytest.approx(fc.get_total_flops(), rel=1e-3)
+    assert dit_flops(m, 3, (tokens, 1, 3)) == dit_flops(m, 3)
+    assert dit_flops(m, 3, (1, 1, 3)) < dit_flops(m, 3)
+
+
 def test_flops_errors():
     with pytest.raises(ValueError, match="batch_size"):
         dit_flops(tiny_dit(), 0)
