@@ -59,8 +59,8 @@ import common  # noqa: E402
 import step_breakdown as sb  # noqa: E402
 
 from diffcurr_fast.data.loader import ArrayDataset  # noqa: E402
-from diffcurr_fast.runs.recipes import load_config  # noqa: E402
 from diffcurr_fast.ops.token_gather import kept_tokens  # noqa: E402
+from diffcurr_fast.runs.recipes import load_config  # noqa: E402
 from diffcurr_fast.tdc.flops import dit_flops  # noqa: E402
 
 COLUMNS = [
