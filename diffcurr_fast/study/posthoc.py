@@ -12,9 +12,10 @@ study whose runs kept snapshots (``optim.phema_every``, every evaluation step):
    use only the snapshots of steps <= s (so the curve is one a run could have reported at s).
 
 Every evaluation is the run's own (``train.evaluation.Evaluator``: its reference, sampler, seed and sample count),
-so a post-hoc FD compares with the FD the run logged. The records are ``runs/<arm>/seed<k>/phema_evals.jsonl``, one
-JSON line per (step, sigma_rel); a rerun evaluates only what is missing. ``study report`` adds the grid, the picks
-and, for a speedrun, the time to quality on these curves (``posthoc_rows``).
+so a post-hoc FD compares with the FD the run logged. The records are ``posthoc/<arm>-seed<k>.jsonl`` in the study
+folder (kept when ``runs/`` is not), one JSON line per (step, sigma_rel); a rerun evaluates only what is missing.
+``study report`` adds the grid, the picks and, for a speedrun, the time to quality on these curves
+(``posthoc_rows``).
 """
 
 from __future__ import annotations
@@ -36,12 +37,18 @@ from diffcurr_fast.study.spec import load_study
 from diffcurr_fast.train.evaluation import Evaluator
 
 GRID = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2)  # EDM2 found its optima between 0.05 and 0.15 (Fig. 5)
-POSTHOC_FILE = "phema_evals.jsonl"
+POSTHOC_DIR = "posthoc"  # in the study folder, beside status/: kept when the run folders are not
 
 
-def read_records(run_dir: Path) -> dict[tuple[int, float], dict[str, Any]]:
-    """{(step, sigma_rel): record} of a run's post-hoc evaluations (a torn last line, from a stop, is skipped)."""
-    path = Path(run_dir) / POSTHOC_FILE
+def records_path(study_dir: Path, arm: str, seed: int) -> Path:
+    """The post-hoc records of run (``arm``, ``seed``): ``posthoc/<arm>-seed<k>.jsonl`` in the study folder."""
+    return Path(study_dir) / POSTHOC_DIR / f"{arm}-seed{seed}.jsonl"
+
+
+def read_records(path: Path) -> dict[tuple[int, float], dict[str, Any]]:
+    """{(step, sigma_rel): record} of a run's post-hoc evaluations (``records_path``; a torn last line, from a stop,
+    is skipped)."""
+    path = Path(path)
     out = {}
     for line in path.read_text().splitlines() if path.is_file() else []:
         try:
@@ -55,15 +62,15 @@ def read_records(run_dir: Path) -> dict[tuple[int, float], dict[str, Any]]:
 class RunEvaluator:
     """Evaluates one run's post-hoc EMA weights at (step, sigma_rel), appending each record to its file."""
 
-    def __init__(self, run_dir: Path):
-        self.run_dir = Path(run_dir)
+    def __init__(self, run_dir: Path, path: Path):
+        self.run_dir, self.path = Path(run_dir), Path(path)
         self.cfg = load_run_config(self.run_dir / "config.yaml")
         self.steps = sorted({s.step for s in list_snapshots(self.run_dir)})
         if not self.steps:
             raise ValueError(
                 f"run {str(self.run_dir)!r} kept no post-hoc EMA snapshots: its study needs optim.phema_every > 0"
             )
-        self.done = read_records(self.run_dir)
+        self.done = read_records(self.path)
         self._parts: tuple[Any, Any, Any] | None = None
 
     def record(self, step: int, sigma_rel: float) -> dict[str, Any]:
@@ -76,7 +83,8 @@ class RunEvaluator:
         weights, how = reconstruct(self.run_dir, sigma_rel, step=step)
         load_weights(model, weights, f"post-hoc EMA {sigma_rel} of {self.run_dir} at step {how.step}")
         rec = {**evaluator(how.step, model, schedule), "sigma_rel": float(sigma_rel)}
-        with open(self.run_dir / POSTHOC_FILE, "a") as f:  # one line per record: a stop loses at most the last
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:  # one line per record: a stop loses at most the last
             f.write(json.dumps(rec) + "\n")
         self.done[key] = rec
         return rec
@@ -96,7 +104,7 @@ def run_posthoc(
     spec = load_study(study_dir)
     set_cpu_threads(threads)
     runs = {
-        (a.name, s): RunEvaluator(run_dir_of(study_dir, a.name, s))
+        (a.name, s): RunEvaluator(run_dir_of(study_dir, a.name, s), records_path(study_dir, a.name, s))
         for a in spec.arms
         if a.kind == "train"
         for s in spec.seeds
@@ -126,7 +134,7 @@ def posthoc_picks(spec: Any, study_dir: Path, grid: tuple[float, ...] | None = N
     runs: dict[str, list[dict[tuple[int, float], dict[str, Any]]]] = {}
     for a in spec.arms:
         recs = [
-            read_records(run_dir_of(study_dir, a.name, s))
+            read_records(records_path(study_dir, a.name, s))
             for s in spec.seeds
             if read_status(study_dir, a.name, s) is not None
         ]
@@ -156,7 +164,7 @@ def posthoc_rows(spec: Any, study_dir: Path, rows: list[dict[str, Any]], picks: 
     out = []
     for arm, p in picks.items():
         for s in spec.seeds:
-            for (step, sigma), rec in sorted(read_records(run_dir_of(study_dir, arm, s)).items()):
+            for (step, sigma), rec in sorted(read_records(records_path(study_dir, arm, s)).items()):
                 base = keep.get((arm, s, step))
                 if sigma != p["pick"] or base is None:
                     continue
@@ -164,4 +172,13 @@ def posthoc_rows(spec: Any, study_dir: Path, rows: list[dict[str, Any]], picks: 
     return out
 
 
-__all__ = ["GRID", "POSTHOC_FILE", "pick_length", "posthoc_picks", "posthoc_rows", "read_records", "run_posthoc"]
+__all__ = [
+    "GRID",
+    "POSTHOC_DIR",
+    "records_path",
+    "pick_length",
+    "posthoc_picks",
+    "posthoc_rows",
+    "read_records",
+    "run_posthoc",
+]

@@ -147,7 +147,7 @@ def test_posthoc_pass_on_a_tiny_study(tmp_path, monkeypatch):
     for arm in ("a", "b"):
         finals = {s: [] for s in grid}
         for seed in (0, 1):
-            recs = posthoc.read_records(run_dir_of(out, arm, seed))
+            recs = posthoc.read_records(posthoc.records_path(out, arm, seed))
             assert {k for k in recs if k[0] == 8} == {(8, s) for s in grid}
             for s in grid:
                 finals[s].append(recs[(8, s)]["fd"])
@@ -160,12 +160,17 @@ def test_posthoc_pass_on_a_tiny_study(tmp_path, monkeypatch):
     model = load_weights(build_model(cfg), reconstruct(rd, 0.1, step=4)[0], "test")
     want = Evaluator(cfg, rd)(4, model, build_schedule(cfg))["fd"]
     s = picks["b"]["pick"]
-    got = posthoc.RunEvaluator(rd).record(4, 0.1) if s != 0.1 else posthoc.read_records(rd)[(4, 0.1)]
+    path = posthoc.records_path(out, "b", 1)
+    got = posthoc.RunEvaluator(rd, path).record(4, 0.1) if s != 0.1 else posthoc.read_records(path)[(4, 0.1)]
     assert got["fd"] == pytest.approx(want, rel=1e-6)
     # a rerun evaluates nothing: every record is read back
     monkeypatch.setattr(posthoc, "Evaluator", lambda *a, **k: pytest.fail("evaluated again"))
     assert posthoc.run_posthoc(out, grid, progress=False) == picks
-    # the report's section: the grid, the picks and the time to quality on the picked curves
+    # the report's section: the grid, the picks and the time to quality on the picked curves, also from a study
+    # folder carried without its run folders (the records are the study's, beside status/)
+    import shutil
+
+    shutil.rmtree(out / "runs")
     write_report(out)
     text = (out / "report.md").read_text()
     assert "## Post-hoc EMA: every arm at its best EMA length" in text
