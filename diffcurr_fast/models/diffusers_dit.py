@@ -65,6 +65,10 @@ def diffusers_config(config: dict[str, Any]) -> dict[str, Any]:
         why.append("it uses Denoising Task Routing (model.dtr), which diffusers' DiT has no place for")
     if config.get("block_num_heads") is not None or config.get("block_mlp_hidden") is not None:
         why.append("it is pruned (per-block heads or MLP widths); diffusers' blocks are all the same width")
+    if config.get("sprint"):
+        why.append(
+            "it uses SPRINT (model.routing=sprint), whose fusion layer and [MASK] token diffusers' DiT has no place for"
+        )
     if float(config["mlp_ratio"]) != 4.0:
         why.append(f"its model.mlp_ratio is {config['mlp_ratio']} (diffusers' DiT feed-forward is 4x wide)")
     modern = [  # as a --set writes them (model.qk_norm=true)

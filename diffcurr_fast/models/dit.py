@@ -11,6 +11,8 @@ out here with the same parameter names. Extras, all off by default and none of t
 - ``fused_adaln``: the block's LayerNorm + modulate and gated residual run as the fused ops of
   ``diffcurr_fast.ops`` (``adaln_modulate``, ``gated_residual``).
 - ``dtr``: Denoising Task Routing (Park et al., ICLR 2024), see ``dtr.py``.
+- ``routing`` / ``sprint``: token routing in training (TREAD; SPRINT, which adds a [MASK] token and a fusion
+  layer), see ``routing.py``.
 - ``norm`` / ``qk_norm`` / ``mlp`` / ``pos``: the modern block of LightningDiT (RMSNorm, QK-norm, SwiGLU, 2-D RoPE),
   see ``modern.py``. These change the math; their defaults (``layernorm``, False, ``gelu``, ``sincos``) are the
   release's block, with its parameter names.
@@ -395,6 +397,10 @@ class DiT(nn.Module):
         routing: (start, end), the blocks [start, end) that token routing lets a share of the tokens skip in
             training (``models.routing``, TREAD); the kept tokens are given to ``forward`` as ``route``. None: no
             routing. No parameters: the state dict is the plain model's.
+        sprint: SPRINT (``models.routing``) around the ``routing`` span: the blocks before it are the dense shallow
+            path, the span the sparse deep path (the routed tokens are dropped and come back as the [MASK] token),
+            fused with the shallow path by a linear 2D -> D before the blocks after it. Adds ``sprint_mask_token``
+            (D,) and ``sprint_fusion``; the fusion runs on every forward, with or without ``route``.
         norm: ``layernorm`` (the release) | ``rmsnorm``: the blocks' pre-norms and the final norm (``modern.py``).
         qk_norm: RMSNorm of q and k per head, with a learnable weight (``modern.py``).
         mlp: ``gelu`` (the release) | ``swiglu``, 2/3 as wide (``modern.py``).
@@ -423,6 +429,7 @@ class DiT(nn.Module):
         dtr: DTRConfig | dict[str, float] | None = None,
         num_timesteps: int = 1000,
         routing: Sequence[int] | None = None,
+        sprint: bool = False,
         norm: str = "layernorm",
         qk_norm: bool = False,
         mlp: str = "gelu",
@@ -457,6 +464,8 @@ class DiT(nn.Module):
                 raise ValueError(
                     f"routing must be (start, end) blocks with 0 <= start < end <= depth {depth}, got {routing}"
                 )
+        if sprint and routing is None:
+            raise ValueError("sprint needs the routing span: DiT(routing=(start, end), sprint=True)")
         block_num_heads = _block_list("block_num_heads", block_num_heads, depth)
         block_mlp_hidden = _block_list("block_mlp_hidden", block_mlp_hidden, depth)
 
@@ -479,6 +488,7 @@ class DiT(nn.Module):
             dtr=None if dtr is None else dtr.to_dict(),
             num_timesteps=num_timesteps,
             routing=routing,
+            sprint=bool(sprint),
             norm=norm,
             qk_norm=qk_norm,
             mlp=mlp,
@@ -496,6 +506,7 @@ class DiT(nn.Module):
         self.grad_checkpointing = bool(grad_checkpointing)
         self.dtr = dtr
         self.routing = None if routing is None else (routing[0], routing[1])
+        self.sprint = bool(sprint)
         self.pos = pos
         self.norm = norm
         # The range checks of t and y read values back to the host (a device sync); a trainer whose t come from
@@ -532,6 +543,10 @@ class DiT(nn.Module):
             ]
         )
         self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels, norm=norm)
+        if self.sprint:  # absent otherwise: the state dict of a model without SPRINT is the release's
+            # the [MASK] token of the dropped positions, frozen as in the official code (``models.routing``)
+            self.sprint_mask_token = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+            self.sprint_fusion = nn.Linear(2 * hidden_size, hidden_size, bias=True)  # W [h_deep ; h_enc] + b
         self.initialize_weights()
 
     # ------------------------------------------------------------------ config
@@ -599,6 +614,11 @@ class DiT(nn.Module):
         nn.init.constant_(self.final_layer.adaLN_modulation[-1].bias, 0)
         nn.init.constant_(self.final_layer.linear.weight, 0)
         nn.init.constant_(self.final_layer.linear.bias, 0)
+
+        # SPRINT: the fusion keeps _basic_init's xavier-uniform and zero bias; the [MASK] token is N(0, 0.02), as in
+        # the official code
+        if self.sprint:
+            nn.init.normal_(self.sprint_mask_token, std=0.02)
 
     # ------------------------------------------------------------------ forward
 
@@ -668,7 +688,8 @@ class DiT(nn.Module):
             features: block indices j (0-based) whose output tokens to return as well, from the same pass (what a
                 training term reads, ``diffcurr_fast.terms``); empty: the output alone.
             route: (N, K) int64 indices of the tokens that the blocks of ``routing`` process (token routing in
-                training, ``models.routing``; the others skip them); None: every token, every block.
+                training, ``models.routing``; the others skip them, or with ``sprint`` come back as the [MASK]
+                token); None: every token, every block.
 
         Returns:
             (N, out_channels, H, W); with ``features``, also {j: (N, T, D) tokens after block j}.
@@ -696,27 +717,47 @@ class DiT(nn.Module):
         c = t + y  # (N, D)
         if route is not None and self.routing is None:
             raise ValueError("route given to a DiT built without routing (DiT(routing=(start, end)))")
-        start, end = self.routing if route is not None else (-1, -1)
+        # SPRINT splits the blocks at the span with or without a route (the fusion always runs); TREAD without one
+        # is the plain model
+        start, end = self.routing if route is not None or self.sprint else (-1, -1)
+        inside = end if self.sprint else end - 1  # blocks [start, inside) whose features are put back by hand
         kept: dict[int, torch.Tensor] = {}
         all_rope = rope
         for j, block in enumerate(self.blocks):
             if j == start:
-                before = x  # (N, T, D): the value the routed tokens keep (TREAD's x_D_last)
-                x = token_gather(x, route)  # (N, K, D)
-                if rope is not None:  # the kept tokens rotate with their original positions
-                    rope = tuple(r[route].unsqueeze(1) for r in rope)  # (N, 1, K, Dh / 2) cos and sin
+                before = x  # (N, T, D): the value the routed tokens keep (TREAD's x_D_last); SPRINT's dense path
+                if route is None:  # SPRINT unrouted: a node of its own, so that the middle blocks' gradient is summed
+                    x = x.view_as(x)  # before it meets the fusion's, as through token_gather (keep 1.0 is bitwise)
+                else:
+                    x = token_gather(x, route)  # (N, K, D)
+                    if rope is not None:  # the kept tokens rotate with their original positions
+                        rope = tuple(r[route].unsqueeze(1) for r in rope)  # (N, 1, K, Dh / 2) cos and sin
             if self.grad_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(block, x, c, mask, rope, use_reentrant=False)  # (N, T or K, D)
             else:
                 x = block(x, c, mask, rope)  # (N, T or K, D)
-            if j == end - 1:
+            if j == end - 1 and not self.sprint:
                 x = token_scatter(before, route, x)  # (N, T, D)
                 rope = all_rope  # (T, Dh / 2) cos and sin
             if j in features:
-                kept[j] = token_scatter(before, route, x) if start <= j < end - 1 else x  # (N, T, D)
+                put_back = route is not None and start <= j < inside
+                kept[j] = token_scatter(before, route, x) if put_back else x  # (N, T, D)
+            if j == end - 1 and self.sprint:
+                x = self._sprint_fuse(x, before, route)  # (N, T, D)
+                rope = all_rope  # (T, Dh / 2) cos and sin
         x = self.final_layer(x, c)  # (N, T, patch_size ** 2 * out_channels)
         out = self.unpatchify(x)  # (N, out_channels, H, W)
         return (out, kept) if features else out
+
+    def _sprint_fuse(self, deep: torch.Tensor, shallow: torch.Tensor, route: torch.Tensor | None) -> torch.Tensor:
+        """SPRINT's sparse-dense residual fusion (``models.routing``): the deep path (N, K, D) back among the [MASK]
+        token at the dropped positions (N, T, D) when routed, then W [h_deep ; h_enc] + b (N, T, D)."""
+        if route is not None:
+            n, tokens, width = shallow.shape
+            masks = self.sprint_mask_token.to(deep.dtype).expand(n, tokens, width)  # (N, T, D): [MASK] everywhere
+            deep = token_scatter(masks, route, deep)  # (N, T, D): the kept tokens at their positions
+        fused = self.sprint_fusion(torch.cat([deep, shallow], dim=-1))  # (N, T, D): concat_linear
+        return fused.to(shallow.dtype)  # (N, T, D): the residual stream's dtype (float32 under bf16 autocast)
 
     def _rope_tables(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The 2-D rotary (cos, sin) tables of the token grid, (T, head_dim / 2) each (``modern.rope2d_tables``), in

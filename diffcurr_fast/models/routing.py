@@ -1,5 +1,9 @@
-"""Token routing in training (TREAD: Krause, Phan, Gui, Baumann, Hu, Ommer, "TREAD: Token Routing for Efficient
-Architecture-agnostic Diffusion Training", ICCV 2025, arXiv 2501.04765; official code CompVis/tread).
+"""Token routing in training: TREAD (Krause, Phan, Gui, Baumann, Hu, Ommer, "TREAD: Token Routing for Efficient
+Architecture-agnostic Diffusion Training", ICCV 2025, arXiv 2501.04765; official code CompVis/tread) and SPRINT (Park,
+Haji-Ali, Li, Menapace, Tulyakov, Kim, Siarohin, Kag, "Sprint: Sparse-Dense Residual Fusion for Efficient Diffusion
+Transformers", arXiv 2510.21986; official code snap-research/Sprint, ``src/models/sit.py``).
+
+TREAD (``model.routing=tread``):
 
 A random share of each sample's tokens skips a span of blocks: at the span's first block the kept tokens are
 gathered (B, K, D), the blocks of the span run on them alone, and after the span's last block they are written back
@@ -25,7 +29,46 @@ What was chosen here, and where it follows the official code:
   choices are the engine's.
 - Training only: ``forward`` without ``route`` (sampling, evaluation, the probes of timestep strategies, export) runs
   every token through every block. ``model.routing_until`` > 0 turns routing off from that step on, a full-token
-  phase at the end of training (what SPRINT, arXiv 2510.21986, does after its sparse pre-training).
+  phase at the end of training (what SPRINT does after its sparse pre-training).
+
+SPRINT (``model.routing=sprint``): the blocks [0, start) (the encoder) run on every token; their output h_enc is the
+dense shallow path. The kept tokens of h_enc are gathered and the middle blocks [start, end) run on them alone (the
+sparse deep path); the dropped positions are then filled with a [MASK] token m, the kept ones put back at their
+positions (h_deep, (B, T, D)), and the two paths are fused, h = W [h_deep ; h_enc] + b with W of shape (D, 2D),
+before the last blocks [end, depth) (the decoder) run on every token. Two parameters are added, ``sprint_mask_token``
+(D,) and ``sprint_fusion`` (Linear 2D -> D); a model built without SPRINT has neither. What was chosen here, and
+where it follows the official code:
+
+- The fusion is the code's ``residual_type='concat_linear'``: ``cat([x_deep, x_shallow], dim=-1)`` then
+  ``renoise_linear = nn.Linear(2 D, D, bias=True)``, deep path first. It runs on every forward, with or without a
+  route: at inference (every token kept) it fuses the dense deep path with the encoder's output, as the code does.
+- Initialisation as the code's: the fusion linear is xavier-uniform with a zero bias (the DiT's ``_basic_init``,
+  which the code applies to it too; no identity init), the mask token N(0, 0.02) (``nn.init.normal_(mask_token,
+  std=.02)``).
+- The mask token is frozen (``requires_grad=False``), as in the code (``nn.Parameter(..., requires_grad=False)``;
+  its comment says "learnable", its flag says otherwise): it is a fixed random vector saved in the state dict, like
+  ``pos_embed``. The fusion's W_deep m, which the decoder sees at every dropped position, is still learned through
+  W_deep. A frozen token also keeps every trained parameter used on every step (the full-token phase and keep 1.0
+  never reach the mask token), which DDP without ``find_unused_parameters`` requires.
+- The kept set is drawn exactly as TREAD's (uniform without replacement per sample, sorted, from the step's
+  generator; the same ``route`` argument and K = T - floor(T (1 - keep))). This is the code's ``mask_type: random``;
+  its configs use ``structured_with_random_offset`` (one token of each 2x2 group at 75% drop), which is not built.
+- The split: the code's SiT-XL config (``configs/train/SIT_XL_SPRINT_256.yaml``) has ``encoder_depth: 2,
+  middle_depth: 24, decoder_depth: 2`` of 28 blocks, i.e. ``model.routing_start=2`` and ``model.routing_end`` =
+  depth - 2, the defaults here. For DiT-B's 12 blocks the same two dense blocks at each end give [2, 10) (the
+  code ships no config at that size; this split is that rule, not a figure taken from the paper). Its drop
+  ratio is ``mask_ratio: 0.75``: set ``model.routing_keep=0.25`` (the field's default, 0.5, is TREAD's).
+- The two-stage schedule: the code pre-trains with the mask, then fine-tunes with ``mask_ratio: 0.0``
+  (``SIT_XL_SPRINT_256_ft.yaml``, 200k steps after 2M); here ``model.routing_until`` starts the full-token phase.
+- The loss covers every token (the code's ``mean_flat`` over the whole output), as TREAD's.
+- ``rope2d`` and the features of a training term read inside the span follow TREAD's rules above (a feature of a
+  middle block holds the encoder output at the dropped positions; the span's last block's feature is its output,
+  before the fusion).
+- The fused tokens are cast back to the residual stream's dtype (float32 under bf16 autocast; the code's decoder
+  runs on the linear's bf16 output).
+- Not built: Path-Drop Guidance (PDG, the paper's sampler that replaces CFG's unconditional pass by the
+  decoder on the [MASK]-filled path) and its training-side companion, the code's ``cfg_mask_prob`` (10 % of the
+  samples of a step get the mask token at every position of the deep path). Sampling uses ordinary CFG.
 """
 
 from __future__ import annotations
@@ -34,4 +77,4 @@ from diffcurr_fast.ops.token_gather import draw_route, kept_tokens
 
 __all__ = ["ROUTINGS", "draw_route", "kept_tokens"]
 
-ROUTINGS = ("none", "tread")
+ROUTINGS = ("none", "tread", "sprint")

@@ -142,11 +142,18 @@ class ModelConfig:
         False, "run the blocks' elementwise ops fused (adaLN modulate, gated residual, tanh-GELU)"
     )
     dtr: bool = _field(False, "Denoising Task Routing (timestep-dependent channel masks)")
-    routing: str = _field("none", "token routing in training: tread (a share of the tokens skips a span)", ROUTINGS)
-    routing_keep: float = _unit(
-        0.5, "routing: share of each sample's tokens that the span's blocks process", lo_open=True
+    routing: str = _field(
+        "none",
+        "token routing in training: tread (a share of the tokens skips a span) or sprint (the span runs on the kept "
+        "tokens alone, its output fused with the tokens before it; adds a [MASK] token and a fusion layer)",
+        ROUTINGS,
     )
-    routing_start: int = _nonneg(2, "routing: the span's first block (0-based)")
+    routing_keep: float = _unit(
+        0.5,
+        "routing: share of each sample's tokens that the span's blocks process (SPRINT's paper: 0.25)",
+        lo_open=True,
+    )
+    routing_start: int = _nonneg(2, "routing: the span's first block (0-based; sprint: the dense encoder's depth)")
     routing_end: int | None = _field(None, "routing: the block after the span (exclusive; None: depth - 2)", lo=1)
     routing_until: int = _nonneg(0, "routing: the step from which every token runs every block again (0: never)")
     norm: str = _field(
@@ -326,7 +333,7 @@ class TimestepsConfig:
 class TermsConfig:
     """Training terms beyond the regression loss (``diffcurr_fast.terms``), each added with its weight."""
 
-    use: list[str] = _field([], "the terms the step adds (terms/registry.py): contrastive, dispersive, sra")
+    use: list[str] = _field([], "the terms the step adds (terms/registry.py): contrastive, dispersive, sra, repa")
     contrastive_weight: float = _field(
         0.05, "contrastive (DeltaFM, arXiv 2506.05350): lambda of its negative pair", lo=0.0, lo_open=True
     )
@@ -352,6 +359,21 @@ class TermsConfig:
     )
     sra_projector_dim: int | None = _field(None, "sra: the projector MLP's hidden width (None: 2 x hidden_size)", lo=1)
     sra_loss: str = _field("cosine", "sra: cosine (1 - cos per token) or smooth_l1 (beta 0.05)", SRA_LOSSES)
+    repa_weight: float = _field(
+        0.5, "repa (representation alignment, arXiv 2410.06940): its weight (the official 0.5)", lo=0.0, lo_open=True
+    )
+    repa_block: int | None = _field(
+        None, "repa: the block whose output tokens are aligned, through the projector (None: depth // 3 - 1)", lo=0
+    )
+    repa_encoder: str = _field(
+        "",
+        "repa: the frozen encoder, a local file (required with repa): a TorchScript module (torch.jit.save) "
+        "returning patch tokens (B, N, D), or a safetensors state dict of a DINOv2-style ViT; no torch.save pickles",
+    )
+    repa_encoder_size: int = _field(
+        224, "repa: the encoder's input size (images resized to it bicubically; DINOv2: 224 for 16x16 tokens)", lo=1
+    )
+    repa_projector_dim: int = _field(2048, "repa: the projector MLP's hidden width (the official 2048)", lo=1)
 
     immiscible: bool = _field(
         False,
@@ -366,6 +388,11 @@ class TermsConfig:
         bad = [u for u in self.use if u not in NAMES]
         if bad or len(set(self.use)) != len(self.use):
             raise ValueError(f"terms.use {self.use!r}: each term once, from {', '.join(NAMES)}")
+        if "repa" in self.use and not self.repa_encoder:
+            raise ValueError(
+                "terms.repa_encoder is required with terms.use repa: a local TorchScript file (torch.jit.save) or "
+                "a safetensors file of a DINOv2-style ViT (docs/training.md, REPA from a local encoder)"
+            )
 
 
 @dataclass
@@ -685,10 +712,15 @@ class TrainConfig:
                 "channels (latents would need the VAE decoder); set logging.eval_every=0"
             )
         blocks = (("dispersive", "dispersive_block"), ("sra", "sra_student_block"), ("sra", "sra_teacher_block"))
-        for name, key in blocks:
+        for name, key in (*blocks, ("repa", "repa_block")):
             block = getattr(self.terms, key)
             if name in self.terms.use and block is not None and block >= m.depth:
                 raise ValueError(f"terms.{key} {block} must be a block of the model: 0 to {m.depth - 1}")
+        if "repa" in self.terms.use and m.in_channels not in (1, 3):
+            raise ValueError(
+                f"terms.use repa needs images (model.in_channels 1 or 3), got {m.in_channels} channels: its encoder "
+                "sees the clean image (latents would need the VAE decoder); drop repa from terms.use"
+            )
         shape = (m.in_channels, m.input_size, m.input_size)
         takes = EVAL_SHAPES.get(self.eval.features, shape)
         if self.logging.eval_every and takes != shape:

@@ -70,7 +70,7 @@ def _fix_floats(obj: Any) -> Any:
 
 # Config fields that name input files: inside a recipe, a relative value is relative to the recipe's folder (so a
 # recipe and its DeepSpeed JSON travel together); on the command line (--set), relative to the current directory.
-RECIPE_PATH_KEYS = (("data", "path"), ("engine", "deepspeed_config"), ("model", "init_from"))
+RECIPE_PATH_KEYS = (("data", "path"), ("engine", "deepspeed_config"), ("model", "init_from"), ("terms", "repa_encoder"))
 
 
 def recipes_dir() -> Path:

@@ -75,6 +75,7 @@ def build_model(cfg: TrainConfig) -> DiT:
         dtr=DTRConfig() if m.dtr else None,
         num_timesteps=cfg.diffusion.num_timesteps,
         routing=m.routing_span() if m.routing != "none" else None,
+        sprint=m.routing == "sprint",
         norm=m.norm,
         qk_norm=m.qk_norm,
         mlp=m.mlp,

@@ -13,6 +13,7 @@ TERMS: dict[str, str] = {
     "contrastive": "diffcurr_fast.terms.contrastive:Contrastive",
     "dispersive": "diffcurr_fast.terms.dispersive:Dispersive",
     "sra": "diffcurr_fast.terms.sra:SRA",
+    "repa": "diffcurr_fast.terms.repa:REPA",
 }
 NAMES = tuple(TERMS)
 

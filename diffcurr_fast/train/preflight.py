@@ -1,8 +1,8 @@
 """Everything about a training run that can be checked before its directory is touched (``train --dry-run`` runs
 exactly this): the config, the guidance it will sample with, the device, launcher, optimizer and backends asked
 for, the input files, the evaluation's reference, the DeepSpeed JSON, optional packages that were asked for, the
-batch split, the run directory (``rundir.check_run_dir``), and the data and initial weights, opened and read as
-the start reads them (``train.data``).
+batch split, the run directory (``rundir.check_run_dir``), and the data, initial weights and REPA's encoder, opened
+and read as the start reads them (``train.data``, ``terms.repa.check_encoder``).
 
 ``check_run(cfg, resume=..., overwrite=...)`` raises ValueError / FileNotFoundError / FileExistsError /
 ImportError with one line naming the key and what to do, and returns the ``RunStart``.
@@ -22,12 +22,13 @@ from diffcurr_fast.models.diffusers_dit import is_diffusers_dir
 from diffcurr_fast.ops._backend import CHOICES, unavailable_reason
 from diffcurr_fast.runs.config import TrainConfig
 from diffcurr_fast.runs.sampling import build_model
+from diffcurr_fast.terms.repa import check_encoder, encoder_format
 from diffcurr_fast.train.data import check_data, fitting_init_state
 from diffcurr_fast.train.engine import check_launcher, check_optimizer, load_deepspeed_config
 from diffcurr_fast.train.evaluation import check_reference
 from diffcurr_fast.train.rundir import TRAIN_LAYOUT, RunLayout, RunStart, check_run_dir
 
-__all__ = ["check_backends", "check_guidance", "check_init_from", "check_inputs", "check_run"]
+__all__ = ["check_backends", "check_guidance", "check_init_from", "check_inputs", "check_repa_encoder", "check_run"]
 
 
 def _device_type(cfg: TrainConfig):
@@ -96,7 +97,8 @@ def check_backends(cfg: TrainConfig) -> None:
 
 
 def check_inputs(cfg: TrainConfig) -> None:
-    """The data, initial weights and DeepSpeed JSON named by ``cfg`` exist and are readable."""
+    """The data, initial weights, DeepSpeed JSON and REPA encoder named by ``cfg`` exist and are readable (the
+    encoder's format from its first bytes: ``check_repa_encoder`` reads it whole)."""
     d = cfg.data
     p = Path(d.path) if d.path else None
     if d.dataset == "npz" and p is not None:
@@ -124,6 +126,8 @@ def check_inputs(cfg: TrainConfig) -> None:
         raise FileNotFoundError(
             f"model.init_from {init!r} does not exist (a weights file or a diffusers DiT directory)"
         )
+    if "repa" in cfg.terms.use:
+        encoder_format(cfg.terms.repa_encoder)  # exists, TorchScript or safetensors, not a pickle
     if cfg.engine.kind == "deepspeed":
         ds = load_deepspeed_config(cfg.engine.deepspeed_config)
         if not isinstance(ds, dict):
@@ -165,6 +169,15 @@ def check_init_from(cfg: TrainConfig) -> None:
     fitting_init_state(model.state_dict(), cfg.model.init_from)
 
 
+def check_repa_encoder(cfg: TrainConfig) -> None:
+    """``terms.repa_encoder`` loads as the start loads it (``REPA.from_config``) and its patch tokens at
+    ``terms.repa_encoder_size`` can be matched to the model's grid: one line naming the file or the size to set."""
+    if "repa" not in cfg.terms.use:
+        return
+    m, t = cfg.model, cfg.terms
+    check_encoder(t.repa_encoder, t.repa_encoder_size, m.input_size // m.patch_size)
+
+
 def check_run(
     cfg: TrainConfig,
     *,
@@ -175,8 +188,8 @@ def check_run(
     read_inputs: bool = True,
 ) -> RunStart:
     """Validate the whole run before anything is written (module doc); returns how it starts. ``read_inputs``:
-    also open the data and read ``model.init_from`` as the start will (the trainer, which reads them itself right
-    after, passes False rather than read them twice)."""
+    also open the data and read ``model.init_from`` and REPA's encoder as the start will (the trainer, which reads
+    them itself right after, passes False rather than read them twice)."""
     cfg.validate()
     check_guidance(cfg)
     check_backends(cfg)
@@ -203,4 +216,5 @@ def check_run(
         check_data(cfg, world)
         if start.checkpoint is None:  # a resumed run takes its checkpoint's weights
             check_init_from(cfg)
+        check_repa_encoder(cfg)
     return start

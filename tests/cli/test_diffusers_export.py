@@ -302,6 +302,10 @@ _MODERN = r"^this DiT cannot be written as a diffusers DiTTransformer2DModel: it
     "extra, match",
     [
         (("model.dtr=true",), "Denoising Task Routing"),
+        (
+            ("model.routing=sprint", "model.routing_start=0", "model.routing_end=1"),
+            r"it uses SPRINT \(model.routing=sprint\), whose fusion layer and \[MASK\] token",
+        ),
         (("model.mlp_ratio=3.0",), "mlp_ratio is 3.0"),
         (("model.norm=rmsnorm",), _MODERN.format("model.norm=rmsnorm")),
         (("model.qk_norm=true",), _MODERN.format("model.qk_norm=true")),
@@ -319,6 +323,13 @@ def test_export_refuses_what_diffusers_cannot_hold(tmp_path, extra, match):
         export_diffusers(str(path), tmp_path / "out")
     assert "\n" not in str(info.value)  # one line
     assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+
+
+def test_a_tread_model_exports(tmp_path):
+    """TREAD adds no parameters: its model is written as the plain one (SPRINT's is refused above)."""
+    path, _, _ = _checkpoint(tmp_path, "model.routing=tread", "model.routing_start=0", "model.routing_end=1")
+    export_diffusers(str(path), tmp_path / "out")
+    assert (tmp_path / "out" / "transformer" / "config.json").is_file()
 
 
 def test_flow_export_euler_loop_equals_flow_sample(tmp_path):

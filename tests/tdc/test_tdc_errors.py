@@ -33,6 +33,12 @@ def test_tdc_groups_checked_before_training(tmp_path):
     with pytest.raises(ValueError, match="terms.use 'sra' trains a projector attached to the model"):
         check_tdc_run(sra, TDCConfig(num_groups=3), tmp_path / "tdc3")
     assert not (tmp_path / "tdc3").exists()
+    sprint = tiny(
+        tmp_path / "v", "curriculum.pacing=none", "model.routing=sprint", "model.routing_start=0", "model.routing_end=1"
+    )
+    with pytest.raises(ValueError, match="model.routing 'sprint': TDC's pruning does not know SPRINT's fusion layer"):
+        check_tdc_run(sprint, TDCConfig(num_groups=3), tmp_path / "tdc5")
+    assert not (tmp_path / "tdc5").exists()
     swiglu = tiny(tmp_path / "w", "curriculum.pacing=none", "model.mlp=swiglu")
     with pytest.raises(ValueError, match="model.mlp 'swiglu': TDC's pruning removes hidden units of the GELU MLP"):
         check_tdc_run(swiglu, TDCConfig(num_groups=3), tmp_path / "tdc4")
