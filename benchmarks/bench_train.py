@@ -7,16 +7,18 @@ Providers, same model and batch:
 - ``fused+compile``: the fused ops with ``torch.compile`` of the model (``--compile``);
 - ``fused+graphs``: the fused ops with ``engine.cuda_graphs`` (on CUDA the model compiled with mode
   reduce-overhead, its forward and backward replayed as CUDA graphs; on CPU the device-side step alone);
-- ``fused+routed``: the fused ops with token routing (TREAD, ``models/routing.py``) at ``--routing KEEP,START,END``
-  (default 0.5,2,-2: half the tokens through blocks 2 to depth - 2); its row names the setting, and it has two
+- ``fused+routed``: the fused ops with token routing (``models/routing.py``) at ``--routing [KIND,]KEEP,START,END``
+  (KIND tread, the default, or sprint; default 0.5,2,-2: half the tokens through blocks 2 to depth - 2; SPRINT's
+  fusion layer is not in the FLOP count); its row names the setting, and it has two
   FLOP rates: ``model_tflop_s`` / ``mfu_pct`` count the full model's FLOPs (what the unrouted step does: the rate
   at which the routed step gets through the model's work), ``step_tflop_s`` / ``step_mfu_pct`` the fewer FLOPs the
   routed step does (how busy the device is);
 - ``official`` (``--peer-dit PATH``): the official DiT step (facebookresearch/DiT ``models.py``, its IDDPM
   ``training_losses``, AdamW(lr=1e-4, weight_decay=0) and ``update_ema``, as its ``train.py`` runs them), imported
-  from the checkout at PATH (timm's three layers stubbed when timm is missing, see ``peer_dit.py``); it needs a
-  DiT preset (``--set model.preset=DiT-S/2``). ``official+malloc`` is the same step with the host allocator
-  setting our trainer applies (``engine.retain_host_memory``), to show what that setting alone buys.
+  from the checkout at PATH (timm's three layers stubbed when timm is missing, see ``peer_dit.py``), at the
+  same model (a DiT preset, or the official ``DiT`` class built with a custom model's sizes).
+  ``official+malloc`` is the same step with the host allocator setting our trainer applies
+  (``engine.retain_host_memory``), to show what that setting alone buys.
 
 Each provider runs in its own process (``--isolate``, the default with several providers), so one provider's
 allocator and thread-pool state cannot help or hurt the next. Each row is the median step time with p20/p80 over
@@ -85,11 +87,27 @@ COLUMNS = [
 PROVIDERS = ("reference", "fused", "fused+compile", "fused+graphs", "fused+routed", "official", "official+malloc")
 
 
+def _route(args: argparse.Namespace) -> tuple[str, float, int, int]:
+    """``--routing [KIND,]KEEP,START,END`` as (kind, keep, start, end); KIND tread (default) or sprint."""
+    parts = args.routing.split(",")
+    kind = parts.pop(0) if parts[0] in ("tread", "sprint") else "tread"
+    if len(parts) != 3:
+        raise SystemExit(f"--routing {args.routing!r}: expected [tread|sprint,]KEEP,START,END, e.g. 0.5,2,-2")
+    return kind, float(parts[0]), int(parts[1]), int(parts[2])
+
+
 def _routing(args: argparse.Namespace) -> list[str]:
-    """The overrides of ``--routing KEEP,START,END`` (END < 0: counted from the model's depth)."""
-    keep, start, end = args.routing.split(",")
-    sets = ["model.routing=tread", f"model.routing_keep={float(keep)}", f"model.routing_start={int(start)}"]
-    return sets + ([f"model.routing_end={int(end)}"] if int(end) > 0 else [])
+    """The overrides of ``--routing`` (END < 0: counted from the model's depth)."""
+    kind, keep, start, end = _route(args)
+    sets = [f"model.routing={kind}", f"model.routing_keep={keep}", f"model.routing_start={start}"]
+    return sets + ([f"model.routing_end={end}"] if end > 0 else [])
+
+
+def _variant(args: argparse.Namespace, provider: str) -> list[str] | None:
+    """The overrides of a ``--variant`` provider (``fused@I``: the I-th ``--variant``), None for the others."""
+    if "@" not in provider:
+        return None
+    return [s.strip() for s in args.variants[int(provider.split("@")[1])].split(";") if s.strip()]
 
 
 def _config(provider: str, args: argparse.Namespace, run_dir: str):
@@ -107,12 +125,11 @@ def _config(provider: str, args: argparse.Namespace, run_dir: str):
         "data.num_workers=0",  # random data of the model's shape is passed in
         *args.overrides,
         *(_routing(args) if "routed" in provider else []),
+        *(_variant(args, provider) or []),
     ]
     cfg = load_config(args.recipe, overrides)
-    if "routed" in provider and int(args.routing.split(",")[2]) < 0:
-        cfg = load_config(
-            args.recipe, [*overrides, f"model.routing_end={cfg.model.depth + int(args.routing.split(',')[2])}"]
-        )
+    if "routed" in provider and _route(args)[3] < 0:
+        cfg = load_config(args.recipe, [*overrides, f"model.routing_end={cfg.model.depth + _route(args)[3]}"])
     return cfg
 
 
@@ -145,10 +162,7 @@ def _ours(provider: str, args: argparse.Namespace, tmp: str, profile: bool):
         state["i"] += 1
         tr.train_step(a, b)
 
-    name = m.preset if m.preset != "custom" else f"custom-{m.hidden_size}x{m.depth}"
-    if m.routing != "none":
-        start, end = m.routing_span()
-        name += f" tread keep {m.routing_keep:g} blocks [{start},{end})"
+    name = _label(cfg)
     step.model_flops = 3 * dit_flops(tr.model, args.batch)  # forward + backward (2x the forward)
     route = None
     if m.routing != "none":  # the FLOPs the routed step does: the span's blocks on the kept tokens
@@ -158,14 +172,39 @@ def _ours(provider: str, args: argparse.Namespace, tmp: str, profile: bool):
     return step, tr.device, name
 
 
+def _model_name(m) -> str:
+    """The preset, or ``custom-WIDTHxDEPTH/PATCH on CxSxS``."""
+    if m.preset != "custom":
+        return m.preset
+    return f"custom-{m.hidden_size}x{m.depth}/{m.patch_size} on {m.in_channels}x{m.input_size}x{m.input_size}"
+
+
+def _label(cfg) -> str:
+    """The row's model name (``_model_name``), then what differs from the plain DiT step: the routing with its
+    share and span, the block options and the training terms."""
+    m = cfg.model
+    name = _model_name(m)
+    if m.routing != "none":
+        start, end = m.routing_span()
+        name += f" {m.routing} keep {m.routing_keep:g} blocks [{start},{end})"
+    options = {"norm": "layernorm", "qk_norm": False, "mlp": "gelu", "pos": "sincos"}
+    changed = [k if isinstance(v, bool) else str(getattr(m, k)) for k, v in options.items() if getattr(m, k) != v]
+    terms = list(cfg.terms.use) + (["immiscible"] if cfg.terms.immiscible else [])
+    return " ".join([name, *changed, *(f"+{t}" for t in terms)])
+
+
+def _official_dims(m) -> dict:
+    """The official ``DiT`` class's arguments for a custom model of ours (the study's time axis does the same)."""
+    keys = ("patch_size", "hidden_size", "depth", "num_heads", "mlp_ratio", "class_dropout_prob")
+    return {k: getattr(m, k) for k in keys}
+
+
 def _official(provider: str, args: argparse.Namespace, profile: bool):
     """(step(), device, model name) of the official DiT step (``peer_dit.official_step``)."""
     import peer_dit
 
     cfg = _config("fused", args, "unused")
     m, e = cfg.model, cfg.engine
-    if m.preset == "custom":
-        raise SystemExit("the official provider needs a DiT preset: --set model.preset=DiT-S/2 (or another)")
     if args.precision != "fp32":
         raise SystemExit("the official provider runs fp32 only (its train.py has no autocast)")
     if provider == "official+malloc":
@@ -183,6 +222,7 @@ def _official(provider: str, args: argparse.Namespace, profile: bool):
         num_classes=m.num_classes,
         seed=e.seed,
         label=sb.labelled if profile else None,
+        dims=_official_dims(m) if m.preset == "custom" else None,
     )
     info["model"].to(device)
     g = torch.Generator().manual_seed(0)
@@ -205,7 +245,7 @@ def _official(provider: str, args: argparse.Namespace, profile: bool):
             "official: timm is not installed; its PatchEmbed / Attention / Mlp are stubbed (peer_dit.py)",
             file=sys.stderr,
         )
-    return step, device, m.preset
+    return step, device, _model_name(m)  # the official step has no routing, block options or terms
 
 
 def bench(provider: str, args: argparse.Namespace) -> dict[str, object]:
@@ -269,6 +309,76 @@ def _print(provider: str, res: dict[str, object]) -> None:
             ).replace("\n", "\n  "),
             flush=True,
         )
+
+
+VARIANT_COLUMNS = [
+    "option",
+    "model",
+    "batch",
+    "threads",
+    "ms_plain",
+    "ms_option",
+    "x_plain",
+    "x_p20",
+    "x_p80",
+    "machine",
+    "date",
+    "torch",
+    "git_rev",
+]
+
+
+def variant_costs(args: argparse.Namespace) -> list[dict[str, object]]:
+    """The cost per step of each ``--variant`` (model options, routing, training terms) as a ratio to the plain
+    fused step of the same model and batch.
+
+    Every step is built in this process (one Trainer each, on the same random batches) and they are timed
+    interleaved, in alternating order, after ``--warmup`` steps each; each ratio is paired per repetition, so a
+    drift of the machine's speed cancels (separate processes drifted by up to 20% here). An empty variant
+    (``--variant ''``) times the plain step against itself: the noise floor of the ratios.
+    """
+    names = ["fused", *(f"fused@{i}" for i in range(len(args.variants)))]
+    with tempfile.TemporaryDirectory() as tmp:
+        built = {n: _ours(n, args, f"{tmp}/{i}", False) for i, n in enumerate(names)}
+        device = built["fused"][1]
+        for step, _, _ in built.values():
+            for _ in range(args.warmup):
+                step()
+        times = {n: [] for n in names}
+        for rep in range(args.reps):
+            for n in names if rep % 2 == 0 else names[::-1]:
+                common.synchronize(device)
+                t0 = time.perf_counter()
+                built[n][0]()
+                common.synchronize(device)
+                times[n].append(time.perf_counter() - t0)
+    plain, _, _ = common.percentiles(times["fused"])
+    rows = []
+    for n in names[1:]:
+        label = built[n][2]
+        med, _, _ = common.percentiles(times[n])
+        r50, r20, r80 = common.percentiles([a / b for a, b in zip(times[n], times["fused"])])
+        option = " ".join(args.variants[int(n.split("@")[1])].split(";")).strip() or "none (the plain step again)"
+        print(
+            f"{label}: {med * 1e3:.2f} ms/step, x{r50:.3f} the plain step {plain * 1e3:.2f} ms (p20 {r20:.3f}, "
+            f"p80 {r80:.3f})",
+            flush=True,
+        )
+        rows.append(
+            {
+                "option": option,
+                "model": label,
+                "batch": args.batch,
+                "threads": torch.get_num_threads(),
+                "ms_plain": round(plain * 1e3, 3),
+                "ms_option": round(med * 1e3, 3),
+                "x_plain": round(r50, 3),
+                "x_p20": round(r20, 3),
+                "x_p80": round(r80, 3),
+                **common.run_info(args.device),
+            }
+        )
+    return rows
 
 
 def compiled_step(args: argparse.Namespace) -> list[dict[str, object]]:
@@ -362,7 +472,7 @@ def compiled_step(args: argparse.Namespace) -> list[dict[str, object]]:
             common.synchronize(device)
             times[key].append(time.perf_counter() - t0)
     rows = []
-    model = m.preset if m.preset != "custom" else f"custom-{m.hidden_size}x{m.depth}"
+    model = _label(cfg)
     for mode in ("given", "seed"):
         per_rep = {lab: [a + b for a, b in zip(times[(mode, lab, 0)], times[(mode, lab, 1)])] for lab in makers}
         plain = per_rep["plain-torch loss"]
@@ -423,7 +533,18 @@ def main(argv: list[str] | None = None) -> int:
         help="the device's peak rate at this precision "
         "(TFLOP/s; e.g. 989 for an H100/H200 in dense bf16): adds the MFU column",
     )
-    p.add_argument("--routing", default="0.5,2,-2", help="fused+routed: KEEP,START,END (END < 0: from the depth)")
+    p.add_argument(
+        "--routing", default="0.5,2,-2", help="fused+routed: [tread|sprint,]KEEP,START,END (END < 0: from the depth)"
+    )
+    p.add_argument(
+        "--variant",
+        dest="variants",
+        action="append",
+        default=[],
+        metavar="SETS",
+        help="instead: the fused step with these overrides (';'-separated, e.g. 'terms.use=[sra]') against the plain "
+        "fused step, interleaved in one process; its cost per step as a paired ratio (repeatable)",
+    )
     p.add_argument("--providers", default=None, help=f"comma-separated subset of {', '.join(PROVIDERS)}")
     p.add_argument("--profile", action="store_true", help="print the step-time breakdown of each provider")
     p.add_argument("--profile-steps", type=int, default=2, help="steps profiled per provider (--profile)")
@@ -441,6 +562,20 @@ def main(argv: list[str] | None = None) -> int:
             common.append_csv(out, rows)
             out.with_suffix(".md").write_text(
                 "# Training step throughput\n\n" + common.markdown_table(common.read_csv(out), COLUMNS) + "\n"
+            )
+        return 0
+    if args.variants:
+        rows = variant_costs(args)
+        if not args.quick:
+            out = Path(args.out).with_name("step_options.csv")
+            common.append_csv(out, rows)
+            out.with_suffix(".md").write_text(
+                "# Cost per step of the model options and training terms\n\n"
+                "Each option's step against the plain fused step of the same model and batch (`bench_train.py "
+                "--variant`), built in one process and timed interleaved; `x_plain` is the median of the "
+                "per-repetition ratios (p20-p80).\n\n"
+                + common.markdown_table(common.read_csv(out), VARIANT_COLUMNS)
+                + "\n"
             )
         return 0
     if args.child:

@@ -50,6 +50,44 @@ def test_bench_train_compiled_step(tmp_path):
             assert f"compiled step, {label}, {mode} noise:" in out
 
 
+def test_bench_train_variants_are_labelled_and_divided_by_the_plain_step(tmp_path):
+    """``--variant``: each option's step beside the plain one, its row named by what differs, its ratio written."""
+    out = _run(
+        [
+            "benchmarks/bench_train.py",
+            "--batch",
+            "4",
+            "--warmup",
+            "0",
+            "--reps",
+            "2",
+            "--set",
+            "engine.cpu_threads=1",
+            "--variant",
+            "",
+            "--variant",
+            "model.routing=sprint;model.routing_keep=0.5;model.routing_start=1;model.routing_end=3",
+            "--variant",
+            "model.norm=rmsnorm;terms.use=[dispersive]",
+            "--out",
+            str(tmp_path / "train.csv"),
+        ],
+        tmp_path,
+    )
+    assert "custom-64x4/2 on 1x8x8 sprint keep 0.5 blocks [1,3): " in out
+    assert "custom-64x4/2 on 1x8x8 rmsnorm +dispersive: " in out
+    import csv
+
+    rows = list(csv.DictReader(open(tmp_path / "step_options.csv")))
+    assert [r["option"] for r in rows] == [
+        "none (the plain step again)",
+        "model.routing=sprint model.routing_keep=0.5 model.routing_start=1 model.routing_end=3",
+        "model.norm=rmsnorm terms.use=[dispersive]",
+    ]
+    assert len({r["ms_plain"] for r in rows}) == 1 and all(float(r["x_plain"]) > 0 for r in rows)
+    assert (tmp_path / "step_options.md").exists() and not (tmp_path / "train.csv").exists()
+
+
 def test_step_breakdown_counts_the_raw_kernels_as_fused_ops():
     """The C++ kernels (``diffcurr_fast_C::*``) are ops of the step, not unattributed Python time."""
     import torch

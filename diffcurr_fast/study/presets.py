@@ -369,6 +369,15 @@ def speedrun_tuned_preset() -> dict[str, Any]:
 # ---- speedrun_levers: each new lever alone on top of the best timestep strategy, tuned as the references were ----
 LEVERS = {
     "tread": ["model.routing=tread", "model.routing_keep=0.5", "model.routing_start=1", "model.routing_end=3"],
+    # SPRINT's setting (75% of the tokens dropped over the middle blocks), then its full-token fine-tune over the
+    # last tenth (the official code's 200k of 2.2M steps); the tuning trials (SR_TUNED_TRIAL) end before it
+    "sprint": [
+        "model.routing=sprint",
+        "model.routing_keep=0.25",
+        "model.routing_start=1",
+        "model.routing_end=3",
+        f"model.routing_until={SR_TUNED_STEPS * 9 // 10}",
+    ],
     "modern": ["model.norm=rmsnorm", "model.qk_norm=true", "model.mlp=swiglu", "model.pos=rope2d"],
     "contrastive": ["terms.use=[contrastive]"],
     "dispersive": ["terms.use=[dispersive]"],
