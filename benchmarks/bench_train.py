@@ -91,9 +91,11 @@ def _route(args: argparse.Namespace) -> tuple[str, float, int, int]:
     """``--routing [KIND,]KEEP,START,END`` as (kind, keep, start, end); KIND tread (default) or sprint."""
     parts = args.routing.split(",")
     kind = parts.pop(0) if parts[0] in ("tread", "sprint") else "tread"
-    if len(parts) != 3:
-        raise SystemExit(f"--routing {args.routing!r}: expected [tread|sprint,]KEEP,START,END, e.g. 0.5,2,-2")
-    return kind, float(parts[0]), int(parts[1]), int(parts[2])
+    try:
+        keep, start, end = parts
+        return kind, float(keep), int(start), int(end)
+    except ValueError:
+        raise SystemExit(f"--routing {args.routing!r}: expected [tread|sprint,]KEEP,START,END, e.g. 0.5,2,-2") from None
 
 
 def _routing(args: argparse.Namespace) -> list[str]:
@@ -193,12 +195,6 @@ def _label(cfg) -> str:
     return " ".join([name, *changed, *(f"+{t}" for t in terms)])
 
 
-def _official_dims(m) -> dict:
-    """The official ``DiT`` class's arguments for a custom model of ours (the study's time axis does the same)."""
-    keys = ("patch_size", "hidden_size", "depth", "num_heads", "mlp_ratio", "class_dropout_prob")
-    return {k: getattr(m, k) for k in keys}
-
-
 def _official(provider: str, args: argparse.Namespace, profile: bool):
     """(step(), device, model name) of the official DiT step (``peer_dit.official_step``)."""
     import peer_dit
@@ -222,7 +218,7 @@ def _official(provider: str, args: argparse.Namespace, profile: bool):
         num_classes=m.num_classes,
         seed=e.seed,
         label=sb.labelled if profile else None,
-        dims=_official_dims(m) if m.preset == "custom" else None,
+        dims=peer_dit.official_dims(m) if m.preset == "custom" else None,
     )
     info["model"].to(device)
     g = torch.Generator().manual_seed(0)
@@ -472,7 +468,7 @@ def compiled_step(args: argparse.Namespace) -> list[dict[str, object]]:
             common.synchronize(device)
             times[key].append(time.perf_counter() - t0)
     rows = []
-    model = _label(cfg)
+    model = _model_name(m)  # the compiled step builds the model alone: no routing or terms
     for mode in ("given", "seed"):
         per_rep = {lab: [a + b for a, b in zip(times[(mode, lab, 0)], times[(mode, lab, 1)])] for lab in makers}
         plain = per_rep["plain-torch loss"]

@@ -88,6 +88,19 @@ def test_bench_train_variants_are_labelled_and_divided_by_the_plain_step(tmp_pat
     assert (tmp_path / "step_options.md").exists() and not (tmp_path / "train.csv").exists()
 
 
+def test_bench_train_refuses_a_malformed_routing_in_one_line():
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/bench_train.py", "--providers", "fused+routed", "--routing", "sprint,0.5,2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0
+    assert "expected [tread|sprint,]KEEP,START,END" in proc.stderr + proc.stdout
+    assert "Traceback" not in proc.stderr
+
+
 def test_step_breakdown_counts_the_raw_kernels_as_fused_ops():
     """The C++ kernels (``diffcurr_fast_C::*``) are ops of the step, not unattributed Python time."""
     import torch

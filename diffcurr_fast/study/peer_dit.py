@@ -156,6 +156,13 @@ def update_ema(ema_model: nn.Module, model: nn.Module, decay: float = 0.9999) ->
         ema_params[name].mul_(decay).add_(param.data, alpha=1 - decay)
 
 
+def official_dims(model_cfg: object) -> dict[str, object]:
+    """``official_step``'s ``dims`` for a custom model of ours (``ModelConfig``): the official ``DiT`` class built at
+    the same sizes."""
+    keys = ("patch_size", "hidden_size", "depth", "num_heads", "mlp_ratio", "class_dropout_prob")
+    return {k: getattr(model_cfg, k) for k in keys}
+
+
 def official_step(
     path: str | Path,
     *,

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from diffcurr_fast._files import write_json
-from diffcurr_fast.study.peer_dit import official_step
+from diffcurr_fast.study.peer_dit import official_dims, official_step
 from diffcurr_fast.study.spec import arm_config, load_study
 from diffcurr_fast.train.loop import Trainer
 
@@ -65,14 +65,6 @@ def measure_step_times(
             steps[name] = tr.train_step
         if peer_dit is not None:
             m = ref.model
-            dims = {
-                "patch_size": m.patch_size,
-                "hidden_size": m.hidden_size,
-                "depth": m.depth,
-                "num_heads": m.num_heads,
-                "mlp_ratio": m.mlp_ratio,
-                "class_dropout_prob": m.class_dropout_prob,
-            }
             steps[OFFICIAL_CODE], info = official_step(
                 peer_dit,
                 preset=m.preset,
@@ -80,7 +72,7 @@ def measure_step_times(
                 in_channels=m.in_channels,
                 num_classes=m.num_classes,
                 seed=ref.engine.seed,
-                dims=dims if m.preset == "custom" else None,
+                dims=official_dims(m) if m.preset == "custom" else None,
                 ema_decay=ref.optim.ema_decay,
             )
         state = {"i": 0}
