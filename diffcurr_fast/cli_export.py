@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", metavar="OUT", help="output directory (must not exist unless --overwrite)")
     parser.add_argument("--weights", default="ema", choices=("ema", "model"), help="EMA (default) or raw weights")
     parser.add_argument(
-        "--vae", default=None, help="latent models: the diffusers AutoencoderKL directory; writes a whole DiTPipeline"
+        "--vae", metavar="DIR", help="latent models: the diffusers AutoencoderKL directory; writes a whole DiTPipeline"
     )
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it is a previous export")
 

@@ -214,3 +214,45 @@ def no_dropout_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("nodrop") / "run"
     Trainer(tiny(run, "engine.max_steps=1", "model.class_dropout_prob=0")).fit()
     return run
+
+
+def random_weights(model: torch.nn.Module, std: float = 0.05, seed: int = 0) -> torch.nn.Module:
+    """Every trainable weight drawn at random (the zero-initialised adaLN and output layers would hide a mix-up), the
+    model in eval mode."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model.eval()
+
+
+def tiny_dit_overrides(run, *extra) -> list:
+    """``--set`` overrides of a tiny DiT run (6x6 input, patch 3, width 48, depth 2, 7 classes, 60 timesteps) in
+    ``run``, then ``extra``."""
+    return [
+        f"checkpoint.run_dir={run}",
+        "model.input_size=6",
+        "model.patch_size=3",
+        "model.hidden_size=48",
+        "model.depth=2",
+        "model.num_heads=3",
+        "model.num_classes=7",
+        "diffusion.num_timesteps=60",
+        "curriculum.num_clusters=4",
+        "engine.max_steps=1",
+        *extra,
+    ]
+
+
+class RecordingClassifier(torch.nn.Module):
+    """A linear classifier on flattened 2x2 images that records every batch it sees, with the mode it was in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+        self.seen: list[tuple[bool, torch.Tensor]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append((self.training, x.detach().clone()))
+        return self.lin(x.flatten(1))

@@ -147,18 +147,20 @@ def _cached_classifier(
     """The classifier ``name`` from ``cache`` (default ``default_cache_dir()/<name>_classifier_v<version>.pt``),
     trained (``train()``) and saved there atomically first when missing or stale; (model, held-out accuracy). A
     file named by ``cache`` that is not a current cache (a user's file) is refused unless ``overwrite``; the default
-    cache is retrained when stale."""
+    cache is retrained when stale. ``retrain``: train again and replace a current cache (named or default)."""
     path = Path(cache) if cache is not None else default_cache_dir() / f"{name}_classifier_v{version}.pt"
-    if path.exists() and not retrain:
+    ours = False  # a current cache of this classifier: loaded, or replaced when ``retrain``
+    if path.exists():
         try:
             blob = torch.load(path, map_location="cpu", weights_only=True)
             model = build()
             model.load_state_dict(blob["state_dict"])
-            if int(blob["version"]) == version:
-                return model.eval(), float(blob["accuracy"])
+            ours = int(blob["version"]) == version
         except Exception:  # torch.load of a foreign file raises any of several types
             pass  # unreadable or stale cache: retrain below and replace it (only ours, or when asked)
-    if cache is not None and path.exists() and not overwrite:
+        if ours and not retrain:
+            return model.eval(), float(blob["accuracy"])
+    if cache is not None and path.exists() and not ours and not overwrite:
         raise FileExistsError(
             f"--{name}-cache {str(path)!r} exists and is not a {name} classifier cache (version "
             f"{version}); pass --overwrite to replace it, or name another file"

@@ -14,7 +14,7 @@ import torch
 
 diffusers = pytest.importorskip("diffusers", reason="diffusers is not installed (pip install diffusers)")
 
-from conftest import assert_near_reference, save_tiny_vae  # noqa: E402
+from conftest import assert_near_reference, random_weights, save_tiny_vae, tiny_dit_overrides  # noqa: E402
 
 from diffcurr_fast import cli  # noqa: E402
 from diffcurr_fast.cli_export import export_diffusers, scheduler_config, to_diffusers_transformer  # noqa: E402
@@ -49,36 +49,11 @@ def diffusers_time(monkeypatch):
     monkeypatch.setattr(dit_module.TimestepEmbedder, "timestep_embedding", staticmethod(embed))
 
 
-def _random_(model: DiT, std: float = 0.05, seed: int = 0) -> DiT:
-    """Every trainable weight drawn at random (the zero-initialised adaLN and output layers would hide a mix-up)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.copy_(torch.randn(p.shape, generator=g) * std)
-    return model.eval()
-
-
-def _overrides(run, *extra):
-    return [
-        f"checkpoint.run_dir={run}",
-        "model.input_size=6",
-        "model.patch_size=3",
-        "model.hidden_size=48",
-        "model.depth=2",
-        "model.num_heads=3",
-        "model.num_classes=7",
-        "diffusion.num_timesteps=60",
-        "curriculum.num_clusters=4",
-        "engine.max_steps=1",
-        *extra,
-    ]
-
-
 def _checkpoint(tmp_path, *extra, std=0.05):
-    """A hand-made checkpoint of a random-weight model of the config ``_overrides(...extra)``: (path, cfg, model)."""
-    cfg = load_config(None, _overrides(tmp_path / "run", *extra))
-    model = _random_(build_model(cfg), std)
+    """A hand-made checkpoint of a random-weight model of the config ``tiny_dit_overrides(...extra)``: (path, cfg,
+    model)."""
+    cfg = load_config(None, tiny_dit_overrides(tmp_path / "run", *extra))
+    model = random_weights(build_model(cfg), std)
     sd = model.state_dict()
     path = atomic_save(
         {"config": cfg.to_dict(), "model": sd, "ema": {"module": sd}, "step": 1},
@@ -91,7 +66,7 @@ def _checkpoint(tmp_path, *extra, std=0.05):
 @pytest.mark.parametrize("cfg_scale", [1.0, 2.5])
 def test_exported_transformer_equals_ours(diffusers_time, learn_sigma, cfg_scale):
     torch.manual_seed(0)
-    ours = _random_(
+    ours = random_weights(
         DiT(
             input_size=6,
             patch_size=3,
@@ -121,7 +96,9 @@ def test_exported_transformer_equals_ours(diffusers_time, learn_sigma, cfg_scale
 
 def test_timestep_frequency_gap():
     """The one difference left: the same weights, diffusers' shifted timestep frequencies."""
-    ours = _random_(DiT(input_size=4, patch_size=2, in_channels=1, hidden_size=32, depth=1, num_heads=2, num_classes=3))
+    ours = random_weights(
+        DiT(input_size=4, patch_size=2, in_channels=1, hidden_size=32, depth=1, num_heads=2, num_classes=3)
+    )
     theirs = to_diffusers_transformer(ours)
     x, t, y = torch.randn(3, 1, 4, 4), torch.tensor([5, 300, 900]), torch.tensor([0, 1, 2])
     with torch.no_grad():
@@ -246,7 +223,7 @@ def test_round_trip_export_then_init_from_is_bitwise(tmp_path):
     # a training run fine-tunes from it: its first checkpoint starts from these weights
     cfg2 = load_config(
         None,
-        _overrides(
+        tiny_dit_overrides(
             tmp_path / "ft",
             *digits,
             f"model.init_from={out}",
@@ -266,7 +243,7 @@ def test_init_from_diffusers_mismatch_and_split_embedders(tmp_path):
     path, cfg, model = _checkpoint(tmp_path)
     out = tmp_path / "export"
     export_diffusers(str(path), out)
-    other = build_model(load_config(None, _overrides(tmp_path / "x", "model.depth=3")))
+    other = build_model(load_config(None, tiny_dit_overrides(tmp_path / "x", "model.depth=3")))
     with pytest.raises(ValueError, match="does not fit the model: 10 missing keys: blocks.2.attn.qkv"):
         load_init_weights(other, out)
     # a diffusers model whose blocks' embedder copies were trained apart has no release counterpart
@@ -441,7 +418,7 @@ def test_init_from_refuses_to_drop_a_trained_null_label_row(tmp_path):
     for it: refused in one line (never dropped silently). The all-zero row of a no-dropout export is dropped."""
     path, cfg, model = _checkpoint(tmp_path)  # label dropout 0.1: 7 classes + the null row
     export_diffusers(str(path), tmp_path / "export")
-    plain = build_model(load_config(None, _overrides(tmp_path / "x", "model.class_dropout_prob=0.0")))
+    plain = build_model(load_config(None, tiny_dit_overrides(tmp_path / "x", "model.class_dropout_prob=0.0")))
     with pytest.raises(ValueError, match=r"has a trained null-label row .* set model.class_dropout_prob > 0"):
         load_init_weights(plain, tmp_path / "export")
     path2, cfg2, model2 = _checkpoint(tmp_path / "nodrop", "model.class_dropout_prob=0.0")

@@ -9,6 +9,7 @@
 import numpy as np
 import pytest
 import torch
+from conftest import RecordingClassifier
 
 from diffcurr_fast.data import builtin
 from diffcurr_fast.eval import features
@@ -124,24 +125,11 @@ def test_frechet_distance_pinned_2d():
 # --- which split the feature classifiers train on ----------------------------------------------------------------
 
 
-class _Recorder(torch.nn.Module):
-    """A linear classifier on flattened images that records every batch it sees, with the mode it was in."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(4, 3)
-        self.seen: list[tuple[bool, torch.Tensor]] = []
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.seen.append((self.training, x.detach().clone()))
-        return self.lin(x.flatten(1))
-
-
 def test_train_classifier_fits_train_and_scores_heldout():
     gen = torch.Generator().manual_seed(0)
     xtr, ytr = torch.randn(70, 1, 2, 2, generator=gen), torch.randint(0, 3, (70,), generator=gen)
     xte, yte = 10 + torch.randn(9, 1, 2, 2, generator=gen), torch.randint(0, 3, (9,), generator=gen)
-    model, acc = features._train_classifier(_Recorder, (xtr, ytr), (xte, yte), epochs=2, seed=0, lr=1e-2)
+    model, acc = features._train_classifier(RecordingClassifier, (xtr, ytr), (xte, yte), epochs=2, seed=0, lr=1e-2)
     trained = [x for training, x in model.seen if training]
     scored = [x for training, x in model.seen if not training]
     assert len(trained) == 4  # 2 epochs of batches 64 + 6
