@@ -408,6 +408,41 @@ def speedrun_levers_preset() -> dict[str, Any]:
     }
 
 
+# ---- speedrun_edge: the grid's top edge, for the strongest reference and our two best arms ----
+EDGE_LR_GRID = [4e-3, 8e-3, 1.6e-2, 3.2e-2]  # from the top both grids picked, two steps further up the same ladder
+# a diverged trial is a result (it loses the pick), not a failure that stops its arm: runs go on over skipped steps
+DIVERGED_IS_A_RESULT = ["engine.max_nan_skips=4000", "engine.max_skip_share=1.0"]
+
+
+def speedrun_edge_preset() -> dict[str, Any]:
+    """``official_tuned_decay`` (``speedrun_tuned``'s strongest reference), ``minsnr`` and ``immiscible`` tuned
+    again over ``EDGE_LR_GRID`` (every arm of the two studies before picked the top of its grid), the same four
+    trials each, at ``speedrun_tuned``'s sizes."""
+    data = speedrun_tuned_preset()
+    tune = {"optim.lr": list(EDGE_LR_GRID)}
+    ref = "official_tuned_decay"
+    arms = [
+        _arm(ref, OFFICIAL, OFFICIAL_DECAY),
+        _arm("minsnr", VANILLA, MINSNR),
+        _arm("immiscible", VANILLA, MINSNR, LEVERS["immiscible"]),
+    ]
+    return {
+        **data,
+        "name": "speedrun_edge",
+        "set": data["set"] + DIVERGED_IS_A_RESULT,
+        "reference": ref,
+        "arms": [{**a, "reference": ref, "tune": tune} for a in arms],
+        "notes": "The learning-rate grid's top edge: every arm of speedrun_tuned and speedrun_levers picked the top "
+        "of its grid, so the strongest reference (official_tuned_decay), MinSNR and immiscible noise are tuned again "
+        "over a grid that goes two steps higher (4e-3 to 3.2e-2), the same four trials each; everything else is "
+        "speedrun_tuned's (settings: diffcurr_fast.study.presets; definitions: diffcurr_fast.study.speedrun). A trial "
+        "that diverges is a result, not a failure: every run keeps going over skipped non-finite steps "
+        "(engine.max_nan_skips=4000, engine.max_skip_share=1.0), so a diverged learning rate loses the pick instead "
+        "of stopping the arm.",
+        "speedrun": {**SPEEDRUN, "official_arm": ref},
+    }
+
+
 PRESETS = {
     "curriculum": curriculum_preset,
     "tdc": tdc_preset,
@@ -417,6 +452,7 @@ PRESETS = {
     "speedrun_tdc": speedrun_tdc_preset,
     "speedrun_tuned": speedrun_tuned_preset,
     "speedrun_levers": speedrun_levers_preset,
+    "speedrun_edge": speedrun_edge_preset,
 }
 DIGITS_ONLY = (
     "diffusion.weighting",

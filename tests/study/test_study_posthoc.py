@@ -235,3 +235,17 @@ def test_speedrun_levers_preset_is_minsnr_and_each_lever_on_it():
         arm = spec.arm(name)
         assert arm.set == [*spec.arm("minsnr").set, *sets] and arm.tune == {"optim.lr": LEVERS_LR_GRID}
         arm_config(spec, arm, 0, "check")  # every lever's config validates at the study's sizes
+
+
+def test_speedrun_edge_preset_is_the_reference_and_our_best_two_over_a_higher_grid():
+    from diffcurr_fast.study.presets import EDGE_LR_GRID, LEVERS_LR_GRID
+
+    spec, tuned, levers = preset_spec("speedrun_edge"), preset_spec("speedrun_tuned"), preset_spec("speedrun_levers")
+    assert [a.name for a in spec.arms] == ["official_tuned_decay", "minsnr", "immiscible"]
+    for name, source in (("official_tuned_decay", tuned), ("minsnr", tuned), ("immiscible", levers)):
+        assert spec.arm(name).set == source.arm(name).set, name  # the same arm, only its grid differs
+        assert spec.arm(name).tune == {"optim.lr": [4e-3, 8e-3, 1.6e-2, 3.2e-2]}
+    assert EDGE_LR_GRID[:2] == [LR_GRID[-1], LEVERS_LR_GRID[-1]]  # from both earlier grids' top, two steps up
+    assert spec.set == [*tuned.set, "engine.max_nan_skips=4000", "engine.max_skip_share=1.0"]
+    assert spec.tuning == tuned.tuning and spec.seeds == tuned.seeds
+    assert spec.speedrun["official_arm"] == "official_tuned_decay" and spec.reference == "official_tuned_decay"
