@@ -437,8 +437,7 @@ def speedrun_edge_preset() -> dict[str, Any]:
         "over a grid that goes two steps higher (4e-3 to 3.2e-2), the same four trials each; everything else is "
         "speedrun_tuned's (settings: diffcurr_fast.study.presets; definitions: diffcurr_fast.study.speedrun). A trial "
         "that diverges is a result, not a failure: every run keeps going over skipped non-finite steps "
-        "(engine.max_nan_skips=4000, engine.max_skip_share=1.0), so a diverged learning rate loses the pick instead "
-        "of stopping the arm.",
+        f"({', '.join(DIVERGED_IS_A_RESULT)}), so a diverged learning rate loses the pick instead of stopping the arm.",
         "speedrun": {**SPEEDRUN, "official_arm": ref},
     }
 
