@@ -21,6 +21,7 @@ import csv
 import json
 import math
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -413,6 +414,32 @@ def plot_cluster_loss(spec: StudySpec, study_dir: Path, path: Path) -> Path:
     return path
 
 
+def run_folder_plots(spec: StudySpec, study_dir: Path) -> dict[str, Path]:
+    """The two plots drawn from the run folders' training records. Where some finished runs' folders are not here (a
+    study carried without its ``runs/``, or with part of them), an existing plot is kept as it was drawn, with a
+    warning, instead of being redrawn from the runs that are here."""
+    finished = [(a.name, s) for a in spec.arms for s in spec.seeds if read_status(study_dir, a.name, s) is not None]
+    gone = [run for run in finished if not run_dir_of(study_dir, *run).is_dir()]
+    out, kept = {}, []
+    for key, name, plot in (
+        ("timelines", "curriculum_timelines.png", plot_timelines),
+        ("cluster_loss", "cluster_loss.png", plot_cluster_loss),
+    ):
+        path = study_dir / name
+        if gone and path.is_file():
+            out[key] = path
+            kept.append(name)
+        else:
+            out[key] = plot(spec, study_dir, path)
+    if kept:
+        warnings.warn(
+            f"{' and '.join(kept)} kept as they were: the folders of {len(gone)} of the {len(finished)} finished runs "
+            f"are not under {str(study_dir / 'runs')!r} (delete the plots to draw them from the runs that are)",
+            stacklevel=2,
+        )
+    return out
+
+
 def write_report(
     study_dir: str | Path, official_from: str | Path | None = None, against: list[str] | tuple[str, ...] = ()
 ) -> dict[str, Path]:
@@ -433,8 +460,7 @@ def write_report(
     out = {"csv": write_csv(rows, study_dir / "results.csv"), "samples": copy_samples(spec, study_dir)}
     out["report"] = write_markdown(spec, arms, study_dir / "report.md", study_dir)
     out["metric_plot"] = plot_metric(spec, rows, study_dir / "metric_vs_step.png")
-    out["timelines"] = plot_timelines(spec, study_dir, study_dir / "curriculum_timelines.png")
-    out["cluster_loss"] = plot_cluster_loss(spec, study_dir, study_dir / "cluster_loss.png")
+    out.update(run_folder_plots(spec, study_dir))
     report = study_dir / "report.md"
     if spec.speedrun:
         out.update(write_speedrun(spec, rows, study_dir, official_from))

@@ -14,8 +14,16 @@ import yaml
 
 from diffcurr_fast.runs.recipes import load_config
 from diffcurr_fast.study.presets import preset_spec
-from diffcurr_fast.study.report import collect, mean_std, paired_t, sample_line, summarize, write_report
-from diffcurr_fast.study.runner import read_status, run_dir_of, run_study
+from diffcurr_fast.study.report import (
+    collect,
+    mean_std,
+    paired_t,
+    run_folder_plots,
+    sample_line,
+    summarize,
+    write_report,
+)
+from diffcurr_fast.study.runner import read_status, run_dir_of, run_study, status_path
 from diffcurr_fast.study.spec import load_spec, spec_from_dict
 from diffcurr_fast.train.loop import Trainer, train
 
@@ -190,6 +198,29 @@ def test_study_runs_reports_and_matches_a_hand_computation(tmp_path):
     text = files["report"].read_text()
     assert f"| cl | vanilla | 2 | {mean:.4g} | [{mean - half:.4g}, {mean + half:.4g}] | {p.improved}/2 | x1 |" in text
     assert f"| vanilla | 2 | 24 | {np.mean(v):.4g} +- {np.std(v, ddof=1):.2g}" in text
+
+
+def test_plots_from_run_folders_are_kept_when_some_folders_are_gone(tmp_path):
+    """The timelines and the per-cluster losses come from the run folders: with only part of them here, the plots
+    drawn when they were all here stay as they are (with a warning), instead of being redrawn from a subset."""
+    spec = spec_from_dict(SPEC)
+    names = ("curriculum_timelines.png", "cluster_loss.png")
+    assert set(run_folder_plots(spec, tmp_path)) == {"timelines", "cluster_loss"}  # no finished run: drawn
+    assert all((tmp_path / n).stat().st_size > 1000 for n in names)
+    for arm in ("vanilla", "cl"):
+        for seed in (0, 1):
+            status_path(tmp_path, arm, seed).parent.mkdir(parents=True, exist_ok=True)
+            status_path(tmp_path, arm, seed).write_text("{}")
+    run_dir_of(tmp_path, "cl", 1).mkdir(parents=True)  # 1 of the 4 finished runs' folders is here
+    for n in names:
+        (tmp_path / n).write_bytes(b"drawn before")
+    with pytest.warns(UserWarning, match=r"curriculum_timelines.png and cluster_loss.png kept .* 3 of the 4 finished"):
+        run_folder_plots(spec, tmp_path)
+    assert all((tmp_path / n).read_bytes() == b"drawn before" for n in names)
+    for arm, seed in (("vanilla", 0), ("vanilla", 1), ("cl", 0)):  # every folder here again: drawn anew
+        run_dir_of(tmp_path, arm, seed).mkdir(parents=True)
+    run_folder_plots(spec, tmp_path)
+    assert all((tmp_path / n).read_bytes()[:4] == b"\x89PNG" for n in names)
 
 
 def test_study_resumes_after_a_killed_worker(tmp_path):
