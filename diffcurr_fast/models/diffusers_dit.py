@@ -112,8 +112,16 @@ def export_dims(path: str | Path) -> dict[str, int]:
     cfg_file = p / "config.json" if (p / "config.json").is_file() else p / "transformer" / "config.json"
     c = read_json(cfg_file, "diffusers config")
     keys = ("sample_size", "in_channels", "patch_size", "num_layers", "num_attention_heads", "attention_head_dim")
-    if not isinstance(c, dict) or c.get("_class_name") != DIFFUSERS_CLASS or any(k not in c for k in keys):
-        raise ValueError(f"{str(cfg_file)!r} does not describe a {DIFFUSERS_CLASS} (it lacks {', '.join(keys)})")
+    missing = [k for k in keys if k not in c] if isinstance(c, dict) else []
+    why = ""
+    if not isinstance(c, dict):
+        why = "it is not a JSON object"
+    elif c.get("_class_name") != DIFFUSERS_CLASS:
+        why = f"its _class_name is {c.get('_class_name')!r}"
+    elif missing:
+        why = f"it lacks {', '.join(missing)}"
+    if why:
+        raise ValueError(f"{str(cfg_file)!r} does not describe a {DIFFUSERS_CLASS} ({why})")
     return {
         "input_size": int(c["sample_size"]),
         "in_channels": int(c["in_channels"]),
@@ -123,6 +131,11 @@ def export_dims(path: str | Path) -> dict[str, int]:
         "depth": int(c["num_layers"]),
         "num_heads": int(c["num_attention_heads"]),
     }
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch.equal`` that takes NaN as equal to NaN: a copy holds the same values, NaN where the original has it."""
+    return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
 def to_diffusers_state(state: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -177,7 +190,7 @@ def from_diffusers_state(state: dict[str, torch.Tensor], own: dict[str, torch.Te
     for ours, theirs in emb.items():
         out[ours] = take(f"transformer_blocks.0.{theirs}")
         for i in range(1, depth):
-            if not torch.equal(take(f"transformer_blocks.{i}.{theirs}"), out[ours]):
+            if not _same(take(f"transformer_blocks.{i}.{theirs}"), out[ours]):
                 raise ValueError(
                     f"transformer_blocks.{i}.{theirs} differs from block 0's copy; the DiT release "
                     "has one timestep / label embedder shared by all blocks, so this model does not map "

@@ -161,23 +161,23 @@ def test_export_dims_defaults_to_1000_classes(tmp_path, labels):
     assert export_dims(tmp_path) == {**DIMS, "num_classes": 1000}
 
 
-_LACKS = "sample_size, in_channels, patch_size, num_layers, num_attention_heads, attention_head_dim"
-
-
 @pytest.mark.parametrize(
-    "config",
+    "config, why",
     [
-        DIFFUSERS | {"_class_name": "UNet2DModel"},  # every key, another class
-        {k: v for k, v in DIFFUSERS.items() if k != "num_layers"},  # the class, a key missing
-        [1, 2],  # not an object
+        (DIFFUSERS | {"_class_name": "UNet2DModel"}, "its _class_name is 'UNet2DModel'"),  # every key, another class
+        ({k: v for k, v in DIFFUSERS.items() if k != "_class_name"}, "its _class_name is None"),
+        ({k: v for k, v in DIFFUSERS.items() if k != "num_layers"}, "it lacks num_layers"),  # the class, a key missing
+        (
+            {k: v for k, v in DIFFUSERS.items() if k not in ("sample_size", "attention_head_dim")},
+            "it lacks sample_size, attention_head_dim",
+        ),
+        ([1, 2], "it is not a JSON object"),
     ],
 )
-def test_export_dims_refuses_what_is_not_a_dit_config(tmp_path, config):
+def test_export_dims_refuses_what_is_not_a_dit_config(tmp_path, config, why):
     _write_config(tmp_path, config)
     cfg = tmp_path / "config.json"
-    with pytest.raises(
-        ValueError, match=_exact(f"{str(cfg)!r} does not describe a DiTTransformer2DModel (it lacks {_LACKS})")
-    ):
+    with pytest.raises(ValueError, match=_exact(f"{str(cfg)!r} does not describe a DiTTransformer2DModel ({why})")):
         export_dims(tmp_path)
 
 
@@ -221,6 +221,20 @@ def test_one_block_model_has_no_embedder_copies_to_compare():
     back = from_diffusers_state(state, model.state_dict())
     assert torch.isnan(back["t_embedder.mlp.0.bias"][0])
     assert torch.equal(back["t_embedder.mlp.0.bias"][1:], model.state_dict()["t_embedder.mlp.0.bias"][1:])
+
+
+def test_embedder_copies_with_nan_at_the_same_places_are_the_same_copy():
+    """A NaN in every block's copy at the same place is one copy, carried over; a NaN in one copy only differs."""
+    model = _tiny(depth=2)
+    state = _diffusers_state(model)
+    name = "norm1.emb.timestep_embedder.linear_1.bias"
+    for i in (0, 1):
+        state[f"transformer_blocks.{i}.{name}"][0] = float("nan")
+    back = from_diffusers_state(state, model.state_dict())
+    assert torch.isnan(back["t_embedder.mlp.0.bias"][0])
+    state[f"transformer_blocks.1.{name}"][0] = 0.0
+    with pytest.raises(ValueError, match=f"^transformer_blocks.1.{name} differs from block 0's copy"):
+        from_diffusers_state(state, model.state_dict())
 
 
 @pytest.mark.parametrize("state", [{}, {"pos_embed.proj.weight": torch.zeros(1)}])
