@@ -475,7 +475,15 @@ def test_the_presets_reproduce_the_committed_studies():
     preset edited after its study began would make the study refuse to resume)."""
     root = Path(__file__).resolve().parents[2] / "docs" / "results"
     checked = 0
-    for name in ("speedrun", "speedrun_plateau", "speedrun_tdc", "speedrun_tuned", "speedrun_levers", "speedrun_edge"):
+    for name in (
+        "speedrun",
+        "speedrun_plateau",
+        "speedrun_tdc",
+        "speedrun_tuned",
+        "speedrun_levers",
+        "speedrun_edge",
+        "speedrun_tuned_mnist5k",
+    ):
         path = root / name / "study.yaml"
         if path.is_file():
             assert spec_from_dict(yaml.safe_load(path.read_text())).to_dict() == preset_spec(name).to_dict(), name
