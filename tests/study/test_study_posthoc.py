@@ -249,3 +249,25 @@ def test_speedrun_edge_preset_is_the_reference_and_our_best_two_over_a_higher_gr
     assert spec.set == [*tuned.set, "engine.max_nan_skips=4000", "engine.max_skip_share=1.0"]
     assert spec.tuning == tuned.tuning and spec.seeds == tuned.seeds
     assert spec.speedrun["official_arm"] == "official_tuned_decay" and spec.reference == "official_tuned_decay"
+
+
+def test_speedrun_tuned_mnist5k_preset_is_the_digits_arms_on_mnist5k_at_patch_2():
+    from diffcurr_fast.study.presets import SR_TM_LR_GRID
+    from diffcurr_fast.study.spec import arm_config
+
+    spec, edge, tuned = (
+        preset_spec("speedrun_tuned_mnist5k"),
+        preset_spec("speedrun_edge"),
+        preset_spec("speedrun_tuned"),
+    )
+    assert [a.name for a in spec.arms] == ["official_tuned_decay", "vanilla", "minsnr", "immiscible"]
+    for name, source in (("official_tuned_decay", edge), ("vanilla", tuned), ("minsnr", edge), ("immiscible", edge)):
+        assert spec.arm(name).set == source.arm(name).set, name  # the digits' arms, setting for setting
+        assert spec.arm(name).tune == {"optim.lr": SR_TM_LR_GRID} == {"optim.lr": [4e-3, 8e-3, 1.6e-2]}
+    cfg = arm_config(spec, spec.arm("immiscible"), 0, "check")
+    m = cfg.model
+    assert (cfg.data.dataset, cfg.data.batch_size, m.input_size, m.patch_size) == ("mnist5k", 32, 28, 2)
+    assert (m.input_size // m.patch_size) ** 2 == 196 and cfg.engine.max_steps == 2400
+    assert cfg.optim.phema_every == spec.eval_every == 400 and spec.tuning["budget"] == 1200
+    assert spec.eval["features"] == "mnist5k" and spec.speedrun["official_arm"] == spec.reference
+    assert cfg.engine.max_nan_skips == 4000  # a diverged trial is a result
