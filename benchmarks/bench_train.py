@@ -61,7 +61,7 @@ import common  # noqa: E402
 import step_breakdown as sb  # noqa: E402
 
 from diffcurr_fast.data.loader import ArrayDataset  # noqa: E402
-from diffcurr_fast.ops.token_gather import kept_tokens  # noqa: E402
+from diffcurr_fast.models.routing import RoutingOptions, kept_tokens  # noqa: E402
 from diffcurr_fast.runs.recipes import load_config  # noqa: E402
 from diffcurr_fast.tdc.flops import dit_flops  # noqa: E402
 
@@ -169,7 +169,7 @@ def _ours(provider: str, args: argparse.Namespace, tmp: str, profile: bool):
     route = None
     if m.routing != "none":  # the FLOPs the routed step does: the span's blocks on the kept tokens
         tokens = (m.input_size // m.patch_size) ** 2
-        route = (kept_tokens(tokens, m.routing_keep), *m.routing_span())
+        route = (kept_tokens(tokens, m.routing_keep), *RoutingOptions.of(m).span(m.depth))
     step.step_flops = 3 * dit_flops(tr.model, args.batch, route)
     return step, tr.device, name
 
@@ -187,7 +187,7 @@ def _label(cfg) -> str:
     m = cfg.model
     name = _model_name(m)
     if m.routing != "none":
-        start, end = m.routing_span()
+        start, end = RoutingOptions.of(m).span(m.depth)
         name += f" {m.routing} keep {m.routing_keep:g} blocks [{start},{end})"
     options = {"norm": "layernorm", "qk_norm": False, "mlp": "gelu", "pos": "sincos"}
     changed = [k if isinstance(v, bool) else str(getattr(m, k)) for k, v in options.items() if getattr(m, k) != v]

@@ -94,7 +94,7 @@ def load_model(source: str, weights: str = "ema"):
 
     path = resolve_checkpoint(source)
     state = load_checkpoint(path)
-    cfg = config_from_dict(state["config"])
+    cfg = config_from_dict(state["config"], record=True)
     sd = state["ema"]["module"] if weights == "ema" else state["model"]
     model = checkpoint_dit(state, cfg, sd, f"checkpoint {str(path)!r} ({weights} weights)")
     return model.eval(), cfg, path

@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
             if not list_snapshots(path.parent.parent):
                 reconstruct(path.parent.parent, ema_length)  # its one line: the run kept no snapshots
         state = load_checkpoint(path)
-        cfg = config_from_dict(state["config"])
+        cfg = config_from_dict(state["config"], record=True)
     # what needs the config, before the model is built or the VAE loaded
     set_cpu_threads(args.threads, cfg)
     m = cfg.model

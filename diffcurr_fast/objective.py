@@ -2,18 +2,19 @@
 
 For a batch x0 (B, C, H, W), cells k (B,) on the formulation's difficulty axis and a Philox seed:
 
-    terms = formulation.training_terms(k)              # t, t_in and per-sample a, c, p, q, w
+    draw  = formulation.training_draw(k)              # t, t_in and per-sample a, c, p, q, w
     x_in  = a x0 + c eps(seed)                         # ops.q_sample_coef, the noise made in-kernel
     out   = model(x_in, t_in, y)                       # (B, C or 2C, H, W)
     loss  = w * mean_j (out - (p x0 + q eps(seed)))^2  # ops.diffusion_loss_coef, the same noise regenerated
           (+ the formulation's variance term when the variance is learned: IDDPM's L_vlb)
           (+ sum_i lambda_i term_i(...): training terms that read the same pass's features, ``terms.base``)
 
-in the spirit of NVlabs/edm ``training/loss.py``: the formulation owns its equations (DDPM, EDM, flow) and this
-module never asks which one it has. The trainer (``train.loop``), TDC (importance, proxy recovery and scoring,
-fine-tuning) and the difficulty analysis (``analysis.difficulty``) all call it; ``fit_steps`` is the plain
-AdamW loop the short fine-tunes share. The fused ops' ``reference`` backend is the pure-torch definition of the
-same computation (``diffusion.ops_backend``), not a separate code path.
+in the spirit of NVlabs/edm ``training/loss.py``: the formulation owns its equations and this module never asks
+which one it has; nor does it name a training term or a model option: each comes with its own options. The trainer
+(``train.loop``), TDC (importance, proxy recovery and scoring, fine-tuning) and the difficulty analysis
+(``analysis.difficulty``) all call it; ``fit_steps`` is the plain AdamW loop the short fine-tunes share. The fused
+ops' ``reference`` backend is the pure-torch definition of the same computation (``diffusion.ops_backend``), not a
+separate code path.
 """
 
 from __future__ import annotations
@@ -26,12 +27,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from diffcurr_fast.diffusion import Formulation, TrainingTerms, build_formulation
+from diffcurr_fast.diffusion import Formulation, TrainingDraw, build_formulation
+from diffcurr_fast.models.routing import Route
 from diffcurr_fast.ops import diffusion_loss_coef, philox_randn, q_sample_coef, sample_timesteps
-from diffcurr_fast.ops.token_gather import draw_route, kept_tokens
 from diffcurr_fast.terms.base import TermInputs, TrainingTerm
-from diffcurr_fast.terms.immiscible import assign_noise
-from diffcurr_fast.terms.registry import term_class
+from diffcurr_fast.terms.registry import build_terms, noise_pairing
 
 PRECISIONS = ("fp32", "bf16", "auto")
 
@@ -58,10 +58,10 @@ class Objective:
         precision: ``fp32``, or ``bf16`` autocast around the network call.
         terms: (weight, term) pairs added to the per-sample loss (``terms.base``); the network is asked for the
             features they read.
-        route: (T, K): token routing in training (``models.routing``): K of the network's T tokens are drawn per
-            sample from the step's generator and passed as ``route=`` when the network is in training mode.
-        immiscible: immiscible diffusion (``terms.immiscible``): each noise stream takes the image the batch's
-            linear assignment gives it; the data are permuted, the noise stays in place.
+        route: token routing in training (``models.routing.Route``): the kept tokens of each sample, drawn from the
+            step's generator and passed as ``route=`` when the network is in training mode.
+        pairing: x0, noise -> the image each noise stream trains on (a switch of the ``terms`` section,
+            ``terms.registry.noise_pairing``); the data are permuted, the noise stays in place. None: in order.
     """
 
     def __init__(
@@ -76,8 +76,8 @@ class Objective:
         backend: str = "auto",
         precision: str = "fp32",
         terms: Sequence[tuple[float, TrainingTerm]] = (),
-        route: tuple[int, int] | None = None,
-        immiscible: bool = False,
+        route: Route | None = None,
+        pairing: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ):
         formulation.check_prediction(prediction)
         self.formulation, self.num_cells = formulation, int(num_cells)
@@ -87,14 +87,12 @@ class Objective:
         self.features = tuple(sorted({j for _, term in self.terms for j in term.features}))
         self.route = route
         self.needs_noise = any(term.needs_noise for _, term in self.terms)
-        self.immiscible = bool(immiscible)
+        self.pairing = pairing
 
     @classmethod
     def from_config(cls, cfg: Any, formulation: Formulation | None = None) -> Objective:
         """The objective of a ``TrainConfig`` (its diffusion section, engine precision, token routing and terms)."""
-        d, m = cfg.diffusion, cfg.model
-        tokens = (m.input_size // m.patch_size) ** 2
-        route = (tokens, kept_tokens(tokens, m.routing_keep)) if m.routing != "none" else None
+        d = cfg.diffusion
         return cls(
             formulation if formulation is not None else build_formulation(d),
             num_cells=d.num_timesteps,
@@ -104,16 +102,14 @@ class Objective:
             learn_sigma=d.learn_sigma,
             backend=d.ops_backend,
             precision=cfg.engine.precision,
-            terms=[(getattr(cfg.terms, f"{n}_weight"), term_class(n).from_config(cfg)) for n in cfg.terms.use],
-            route=route,
-            immiscible=cfg.terms.immiscible,
+            terms=build_terms(cfg),
+            route=Route.from_config(cfg),
+            pairing=noise_pairing(cfg),
         )
 
-    def draw(self, k: torch.Tensor, generator: torch.Generator | None = None) -> TrainingTerms:
+    def draw(self, k: torch.Tensor, generator: torch.Generator | None = None) -> TrainingDraw:
         """The per-sample terms at cells ``k`` (B,) (a point inside each continuous cell drawn from ``generator``)."""
-        return self.formulation.training_terms(
-            k, self.num_cells, self.prediction, self.weighting, self.gamma, generator
-        )
+        return self.formulation.training_draw(k, self.num_cells, self.prediction, self.weighting, self.gamma, generator)
 
     def autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
         """bf16 autocast for ``precision`` bf16 (``auto``: see ``resolve_precision``), else a no-op context."""
@@ -134,16 +130,18 @@ class Objective:
     ) -> torch.Tensor:
         """(B,) per-sample loss of ``model(x_in, t_in, y)`` on x0 (B, C, H, W) at cells ``k`` with noise ``seed``.
         ``routed``: draw the kept tokens of token routing (when the objective has ``route`` and the model trains)."""
-        noise = philox_randn(seed, tuple(x0.shape), x0.device) if self.immiscible else None  # (B, C, H, W) eps
-        if noise is not None:  # immiscible: noise stream b trains on its assigned image (terms/immiscible.py)
-            order = assign_noise(x0, noise)  # (B,)
+        noise = philox_randn(seed, tuple(x0.shape), x0.device) if self.pairing else None  # (B, C, H, W) eps
+        if noise is not None:  # noise stream b trains on the image the pairing assigns it
+            order = self.pairing(x0, noise)  # (B,)
             x0, y = x0[order], y[order]  # (B, C, H, W), (B,)
         draw = self.draw(k, generator)
         x_in = q_sample_coef(x0, draw.a, draw.c, seed=seed, backend=self.backend)  # (B, C, H, W)
         t_in = draw.t_in.to(x0.dtype) if draw.t_in.is_floating_point() else draw.t_in
         kw: dict[str, Any] = {}
-        if self.route is not None and self.route[1] < self.route[0] and routed and getattr(model, "training", False):
-            kw["route"] = draw_route(x0.shape[0], *self.route, generator, x0.device)  # (B, K)
+        if self.route is not None and routed and getattr(model, "training", False):
+            idx = self.route.draw(x0.shape[0], generator, x0.device)  # (B, K), None when every token is kept
+            if idx is not None:
+                kw["route"] = idx
         with self.autocast(x0.device):
             if not self.features:
                 out, feats = model(x_in, t_in, y, **kw), {}  # (B, C or 2C, H, W)
@@ -167,16 +165,16 @@ class Objective:
         return per_sample.mean() if weights is None else (per_sample * weights.to(per_sample.dtype)).mean()
 
     def loss(
-        self, out: torch.Tensor, x0: torch.Tensor, x_in: torch.Tensor, terms: TrainingTerms, seed: int
+        self, out: torch.Tensor, x0: torch.Tensor, x_in: torch.Tensor, draw: TrainingDraw, seed: int
     ) -> torch.Tensor:
-        """(B,) loss of the network output ``out`` for the draw (``x_in``, ``terms``, ``seed``)."""
+        """(B,) loss of the network output ``out`` for the draw (``x_in``, ``draw``, ``seed``)."""
         out = out.to(x0.dtype)  # bf16 autocast output: the loss reads it in the data's precision
         pred = out[:, : x0.shape[1]]  # (B, C, H, W), a view with out's batch stride: the loss reads it in place
         per = diffusion_loss_coef(
-            pred, x0, None, terms.p, terms.q, terms.w, reduction="none", seed=seed, backend=self.backend
+            pred, x0, None, draw.p, draw.q, draw.w, reduction="none", seed=seed, backend=self.backend
         )
         if self.learn_sigma:  # only DDPM has one; its network input is x_t itself (a, c = sqrt(abar), ...)
-            per = per + self.formulation.variance_loss(out, x0, x_in, terms.t, self.prediction)
+            per = per + self.formulation.variance_loss(out, x0, x_in, draw.t, self.prediction)
         return per
 
 

@@ -15,11 +15,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Bottom-up. A unit (a subpackage, or a top-level module) may import its own modules and units of lower layers only.
 LAYERS: list[tuple[str, ...]] = [
-    ("", "_C", "_files", "_lazy", "kernels", "recipes"),  # the face, the C++ extension, JSON files, lazy exports,
-    # Triton kernels, YAML recipes
+    ("", "_C", "_files", "_lazy", "kernels", "options", "recipes"),  # the face, the C++ extension, JSON files, lazy
+    # exports, Triton kernels, the options schema, YAML recipes
     ("diffusion", "data", "curriculum"),  # schedules and formulations; datasets and loaders; clustering and pacing
     ("ops", "terms"),  # fused ops and their backend dispatch; the training-term interface
-    ("models", "objective", "timesteps"),  # the DiT; the training objective; timestep strategies
+    ("models", "timesteps"),  # the DiT and its options; timestep strategies
+    ("objective",),  # the training objective
     ("runs",),  # the run config, model building and sampling, checkpoints
     ("eval",),  # metrics and feature extractors, samples from a checkpoint
     ("train",),  # engines, the loop, EMA, evaluation during training, run directories

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from diffcurr_fast.runs import config as config_mod
-from diffcurr_fast.runs.config import INF, TrainConfig
+from diffcurr_fast.options import INF, hints
+from diffcurr_fast.runs.config import TrainConfig
 from diffcurr_fast.runs.recipes import load_config
 
 
@@ -80,7 +81,7 @@ BOUNDS = _bounds()
 def _typed(key: str, bound: float):
     """``bound`` as a value of the field's type (an int field gets an int; a list field, a list of the one item)."""
     sec, name = key.split(".")
-    tp = config_mod._hints(type(getattr(TrainConfig(), sec)))[name]
+    tp = hints(type(getattr(TrainConfig(), sec)))[name]
     if typing.get_origin(tp) is list:
         return [_typed_as(typing.get_args(tp)[0], bound)]
     return _typed_as(tp, bound)
@@ -101,10 +102,10 @@ def test_every_range_bound_is_open_or_closed_as_declared(key, end, bound, is_ope
     value = _typed(key, bound)
     if is_open:
         with pytest.raises(ValueError, match=rf"^{key} must"):
-            config_mod._set_field(TrainConfig(), key, value)
+            config_mod.set_key(TrainConfig(), key, value)
     else:
         cfg = TrainConfig()
-        config_mod._set_field(cfg, key, value)  # the closed end itself is valid
+        config_mod.set_key(cfg, key, value)  # the closed end itself is valid
         assert getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) == value
 
 

@@ -19,8 +19,11 @@ import math
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from diffcurr_fast.options import Options
 
 
 def _bshape(coef: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -49,8 +52,8 @@ def t_trusted() -> bool:
 
 
 @dataclass(frozen=True)
-class TrainingTerms:
-    """The per-sample terms of one training draw (``Formulation.training_terms``), each (B,) on the cells' device.
+class TrainingDraw:
+    """The per-sample terms of one training draw (``Formulation.training_draw``), each (B,) on the cells' device.
 
     Network input x_in = a x0 + c eps at network time ``t_in``; regression target p x0 + q eps; loss weight w.
     ``t`` is the formulation's own noise level (DDPM index, EDM sigma, flow time). Coefficients are float64
@@ -72,10 +75,26 @@ class Formulation(ABC):
     Subclasses set ``discrete`` (True when ``t`` is an integer index) and ``predictions`` (the prediction types
     ``target_coefficients`` accepts), and implement the abstract methods. ``q_sample`` and ``target`` are
     derived from the coefficients and need no override.
+
+    What the run config asks of a formulation (``runs.config``; ``registry.FORMULATIONS`` names it): ``Options``,
+    its own fields in the ``diffusion`` section (``options.Options``: fields, help, its rules), and ``from_options``,
+    which builds it from that section; ``defaults``, its own value of each formulation-dependent field, which
+    ``auto`` stands for (``prediction``, ``learn_sigma``, ``weighting``, ``sampler``); ``limits``, the values it
+    allows of those fields where it does not take all (``prediction``: the ones it trains; ``sampler``: the ones that
+    can sample it).
     """
 
     discrete: bool = False
     predictions: tuple[str, ...] = ()
+    Options: type[Options] = Options
+    defaults: dict[str, Any] = {}
+    limits: dict[str, tuple] = {}
+
+    @classmethod
+    def from_options(cls, d: Any) -> Formulation:
+        """The formulation of the config's ``diffusion`` section ``d`` (its ``Options`` keys and
+        ``num_timesteps``)."""
+        return cls()
 
     # ---- the difficulty axis ------------------------------------------------------------------------
     @abstractmethod
@@ -124,12 +143,12 @@ class Formulation(ABC):
         return None
 
     def cell_input_edges(self, num_cells: int) -> torch.Tensor | None:
-        """(G + 1,) float64 network input time (``TrainingTerms.t_in``) at the cell edges, ascending, so a model
+        """(G + 1,) float64 network input time (``TrainingDraw.t_in``) at the cell edges, ascending, so a model
         called at input time s can be routed to its cell; None: the input time is the cell index itself."""
         return None
 
     @abstractmethod
-    def training_terms(
+    def training_draw(
         self,
         k: torch.Tensor,
         num_cells: int,
@@ -137,7 +156,7 @@ class Formulation(ABC):
         weighting: str = "none",
         gamma: float = 5.0,
         generator: torch.Generator | None = None,
-    ) -> TrainingTerms:
+    ) -> TrainingDraw:
         """The terms of training at cells ``k`` (B,) int64 (a point inside each cell drawn from ``generator``)."""
 
     def variance_loss(

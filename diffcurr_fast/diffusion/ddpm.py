@@ -9,13 +9,16 @@ it to the caller's dtype/device.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from diffcurr_fast.diffusion.axis import Formulation, TrainingTerms, t_trusted
+from diffcurr_fast.diffusion.axis import Formulation, TrainingDraw, t_trusted
 from diffcurr_fast.diffusion.losses import vb_terms_bpd
 from diffcurr_fast.diffusion.readout import Readout
 from diffcurr_fast.diffusion.weights import loss_weights
+from diffcurr_fast.options import Options, option
 
 PREDICTIONS = ("eps", "x0", "v")
 BETA_SCHEDULES = ("linear", "cosine")
@@ -36,6 +39,21 @@ def _cosine_betas(num_timesteps: int, max_beta: float = 0.999) -> torch.Tensor:
     return torch.tensor(betas, dtype=torch.float64)
 
 
+@dataclass
+class DDPMOptions(Options):
+    """DDPM's options in the ``diffusion`` section."""
+
+    beta_schedule: str = option("linear", "beta schedule", BETA_SCHEDULES)
+
+    def validate(self, cfg: Any) -> None:
+        t = cfg.diffusion.num_timesteps
+        if self.beta_schedule == "linear" and t < 20:
+            raise ValueError(  # its last beta, 0.02 x 1000 / T, would pass 1
+                "diffusion.beta_schedule 'linear' needs diffusion.num_timesteps >= 20 (its betas scale with 1000 / T), "
+                f"got {t}; give more timesteps or diffusion.beta_schedule=cosine"
+            )
+
+
 class DDPMSchedule(Formulation):
     """Variance-preserving discrete schedule: x_t = sqrt(abar_t) x0 + sqrt(1 - abar_t) eps, t in [0, T).
 
@@ -46,6 +64,14 @@ class DDPMSchedule(Formulation):
 
     discrete = True
     predictions = PREDICTIONS
+    Options = DDPMOptions
+    # eps with the IDDPM learned variance, sampled with DDIM (the DiT release); every prediction and sampler
+    defaults = {"prediction": "eps", "learn_sigma": True, "weighting": "none", "sampler": "ddim"}
+    limits = {"prediction": PREDICTIONS}
+
+    @classmethod
+    def from_options(cls, d: Any) -> DDPMSchedule:
+        return cls(d.num_timesteps, d.beta_schedule)
 
     def __init__(self, num_timesteps: int = 1000, beta_schedule: str = "linear", betas: torch.Tensor | None = None):
         if betas is None:
@@ -173,7 +199,7 @@ class DDPMSchedule(Formulation):
         return -self.coef("sqrt_one_minus_alphas_cumprod", t), self.coef("sqrt_alphas_cumprod", t)
 
     # ---- training terms -----------------------------------------------------------------------------
-    def training_terms(
+    def training_draw(
         self,
         k: torch.Tensor,
         num_cells: int,
@@ -181,14 +207,14 @@ class DDPMSchedule(Formulation):
         weighting: str = "none",
         gamma: float = 5.0,
         generator: torch.Generator | None = None,
-    ) -> TrainingTerms:
+    ) -> TrainingDraw:
         """t = k; x_t = sqrt(abar_t) x0 + sqrt(1 - abar_t) eps (Ho et al. Eq. 4); target eps, x0 or v (Salimans &
         Ho 2022); w = ``loss_weights(SNR_t)`` (MinSNR: Hang et al. Eq. 5). Gathered from a (T, 5) table on k's
         device, so a step needs no host synchronisation. The cells are the timesteps (``num_cells`` = T)."""
         if num_cells != self.num_timesteps:
             raise ValueError(f"DDPM trains on its {self.num_timesteps} timesteps, got {num_cells} cells")
         row = self._terms_table(k.device, prediction, weighting, gamma)[k]  # (B, 5): a, c, p, q, w
-        return TrainingTerms(t=k, t_in=k, a=row[:, 0], c=row[:, 1], p=row[:, 2], q=row[:, 3], w=row[:, 4])
+        return TrainingDraw(t=k, t_in=k, a=row[:, 0], c=row[:, 1], p=row[:, 2], q=row[:, 3], w=row[:, 4])
 
     def _terms_table(self, device: torch.device, prediction: str, weighting: str, gamma: float) -> torch.Tensor:
         key = ("terms", str(device), prediction, weighting, float(gamma))

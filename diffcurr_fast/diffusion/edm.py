@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from diffcurr_fast.diffusion.axis import Formulation, TrainingTerms, _bshape, t_trusted, trusted_t
+from diffcurr_fast.diffusion.axis import Formulation, TrainingDraw, _bshape, t_trusted, trusted_t
 from diffcurr_fast.diffusion.losses import weighted_mse
+from diffcurr_fast.options import INF, Options, option
 
 EDM_PREDICTIONS = ("x0", "eps", "F")
 
@@ -106,6 +109,21 @@ def karras_sigmas(
     return torch.cat([s, torch.zeros(1, dtype=torch.float64)])
 
 
+@dataclass
+class EDMOptions(Options):
+    """EDM's options in the ``diffusion`` section (Karras et al. 2022, Table 1)."""
+
+    sigma_data: float = option(0.5, "EDM: standard deviation of the data", lo=0.0, lo_open=True)
+    P_mean: float = option(-1.2, "EDM: mean of ln(sigma) during training", lo=-INF)
+    P_std: float = option(1.2, "EDM: standard deviation of ln(sigma) during training", lo=0.0, lo_open=True)
+    sigma_min: float = option(0.002, "EDM: smallest sigma (training range and sampling grid)", lo=0.0, lo_open=True)
+    sigma_max: float = option(80.0, "EDM: largest sigma (training range and sampling grid)", lo=0.0, lo_open=True)
+
+    def validate(self, cfg: Any) -> None:
+        if not self.sigma_min < self.sigma_max:
+            raise ValueError(f"diffusion.sigma_min {self.sigma_min} must be < diffusion.sigma_max {self.sigma_max}")
+
+
 class EDMFormulation(Formulation):
     """EDM as a ``Formulation``: t = sigma, x_sigma = x0 + sigma n, SNR = 1 / sigma^2.
 
@@ -116,6 +134,14 @@ class EDMFormulation(Formulation):
 
     discrete = False
     predictions = EDM_PREDICTIONS
+    Options = EDMOptions
+    # the preconditioned denoiser D (x0), no learned variance or extra loss weighting; EDM Alg. 1 (Heun) on its grid
+    defaults = {"prediction": "x0", "learn_sigma": False, "weighting": "none", "sampler": "heun"}
+    limits = {"prediction": ("x0",), "learn_sigma": (False,), "weighting": ("none",), "sampler": ("euler", "heun")}
+
+    @classmethod
+    def from_options(cls, d: Any) -> EDMFormulation:
+        return cls(d.sigma_data, d.P_mean, d.P_std, d.sigma_min, d.sigma_max)
 
     def __init__(
         self,
@@ -185,7 +211,7 @@ class EDMFormulation(Formulation):
         cdf = 0.5 * (1.0 + torch.erf(z / math.sqrt(2.0)))  # (G + 1,) normal CDF of ln sigma
         return (cdf[1:] - cdf[:-1]).clamp(min=1e-30)
 
-    def training_terms(
+    def training_draw(
         self,
         k: torch.Tensor,
         num_cells: int,
@@ -193,7 +219,7 @@ class EDMFormulation(Formulation):
         weighting: str = "none",
         gamma: float = 5.0,
         generator: torch.Generator | None = None,
-    ) -> TrainingTerms:
+    ) -> TrainingDraw:
         """ln sigma uniform in cell k; network input c_in (x0 + sigma eps) at time c_noise (EDM Table 1); the raw
         network's target F (EDM Eq. 8), whose plain MSE is the lambda(sigma)-weighted denoiser loss (Eq. 2)."""
         if prediction != "x0" or weighting != "none":
@@ -205,7 +231,7 @@ class EDMFormulation(Formulation):
             c_in = pre.c_in(sigma)
             p, q = self.target_coefficients(sigma, "F")
             c_noise = pre.c_noise(sigma)
-        return TrainingTerms(
+        return TrainingDraw(
             t=sigma,
             t_in=c_noise,
             a=c_in,

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from diffcurr_fast.diffusion.axis import Formulation, TrainingTerms, t_trusted, trusted_t
+from diffcurr_fast.diffusion.axis import Formulation, TrainingDraw, t_trusted, trusted_t
 from diffcurr_fast.diffusion.losses import weighted_mse
 
 FLOW_PREDICTIONS = ("velocity", "eps", "x0")
@@ -18,11 +18,19 @@ FLOW_PREDICTIONS = ("velocity", "eps", "x0")
 
 class FlowFormulation(Formulation):
     """Linear-interpolant flow as a ``Formulation``. Training times are drawn by ``diffcurr_fast.timesteps`` on G
-    equal cells of t (``training_terms``): uniform t (SiT) with ``timesteps.sampler=uniform``, SD3's logit-normal t
+    equal cells of t (``training_draw``): uniform t (SiT) with ``timesteps.sampler=uniform``, SD3's logit-normal t
     with ``lognormal``."""
 
     discrete = False
     predictions = FLOW_PREDICTIONS
+    # the velocity (SiT), no learned variance or extra loss weighting; its ODE sampled with SiT's second-order step
+    defaults = {"prediction": "velocity", "learn_sigma": False, "weighting": "none", "sampler": "heun"}
+    limits = {
+        "prediction": ("velocity",),
+        "learn_sigma": (False,),
+        "weighting": ("none",),
+        "sampler": ("euler", "heun"),
+    }
 
     def __repr__(self) -> str:
         return "FlowFormulation()"
@@ -67,7 +75,7 @@ class FlowFormulation(Formulation):
         """(G + 1,) edges k / G: the network sees t itself."""
         return torch.arange(num_cells + 1, dtype=torch.float64) / num_cells
 
-    def training_terms(
+    def training_draw(
         self,
         k: torch.Tensor,
         num_cells: int,
@@ -75,14 +83,14 @@ class FlowFormulation(Formulation):
         weighting: str = "none",
         gamma: float = 5.0,
         generator: torch.Generator | None = None,
-    ) -> TrainingTerms:
+    ) -> TrainingDraw:
         """t = (k + u) / G with u ~ U[0, 1); x_t = (1 - t) x0 + t eps and target velocity eps - x0 (SiT); w = 1."""
         if weighting != "none":
             raise ValueError(f"flow training has no {weighting!r} weighting; use 'none'")
         t = self.point_in_cells(k, num_cells, generator)  # (B,) in [0, 1), on k's device: no read-back
         with trusted_t():  # in range by construction
             p, q = self.target_coefficients(t, prediction)
-        return TrainingTerms(t=t, t_in=t, a=1.0 - t, c=t, p=p, q=q, w=torch.ones_like(t))
+        return TrainingDraw(t=t, t_in=t, a=1.0 - t, c=t, p=p, q=q, w=torch.ones_like(t))
 
     def coefficients(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(a, c) = (1 - t, t)."""

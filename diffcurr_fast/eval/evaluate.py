@@ -108,7 +108,7 @@ def checkpoint_model(
         raise ValueError("--ema-length reconstructs EMA weights: drop --weights model")
     path = resolve_checkpoint(ckpt)
     state = load_checkpoint(path)
-    cfg = config_from_dict(state["config"])
+    cfg = config_from_dict(state["config"], record=True)
     m = cfg.model
     if m.in_channels not in (1, 3):
         raise ValueError(

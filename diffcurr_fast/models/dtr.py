@@ -21,10 +21,41 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
-__all__ = ["DTRConfig", "dtr_mask", "dtr_window"]
+from diffcurr_fast.diffusion.registry import formulation_class
+from diffcurr_fast.options import Options, option, source_of
+
+__all__ = ["DTRConfig", "DTROptions", "dtr_mask", "dtr_window"]
+
+
+@dataclass
+class DTROptions(Options):
+    """The switch ``model.dtr``: Denoising Task Routing with the paper's beta and alpha (``DTRConfig``)."""
+
+    SWITCH = "dtr"
+    dtr: bool = option(False, "Denoising Task Routing (timestep-dependent channel masks)")
+
+    def active(self) -> bool:
+        return self.dtr
+
+    def overruled(self, cfg: Any) -> tuple[int, str] | None:
+        form = cfg.diffusion.formulation
+        rank, where = source_of(cfg.diffusion, "formulation")
+        if formulation_class(form).discrete or source_of(cfg.model, "dtr")[0] >= rank:
+            return None
+        by = source_of(cfg.model, "dtr")[1]
+        return rank, f"auto: diffusion.formulation {form!r} ({where}); True ({by}) does not apply to {form}"
+
+    def validate(self, cfg: Any) -> None:
+        form = cfg.diffusion.formulation
+        if not formulation_class(form).discrete:  # its masks are defined on the timestep index
+            raise ValueError(f"model.dtr=True is not supported with diffusion.formulation {form!r}; use False")
+
+    def dit_kwargs(self, cfg: Any) -> dict[str, Any]:
+        return {"dtr": DTRConfig() if self.dtr else None}
 
 
 @dataclass(frozen=True)

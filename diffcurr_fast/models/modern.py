@@ -36,12 +36,18 @@ and TDC's pruning (``tdc/prune.py``) reads the GELU MLP's ``fc1`` / ``fc2``, so 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from diffcurr_fast.options import Options, option
+
 __all__ = [
     "MLPS",
+    "ModernOptions",
     "NORMS",
     "POSITIONS",
     "ROPE_BASE",
@@ -71,6 +77,42 @@ def check_modern(norm: str, qk_norm: bool, mlp: str, pos: str, head_dim: int) ->
             f"pos rope2d needs a head dim (hidden_size / num_heads) divisible by 4 (half rotates with the row, half "
             f"with the column, in pairs), got {head_dim}"
         )
+
+
+@dataclass
+class ModernOptions(Options):
+    """The block options in the ``model`` section (module doc), each off at its first choice."""
+
+    norm: str = option(
+        "layernorm", "the blocks' pre-norms and final norm: layernorm (DiT) or rmsnorm (LightningDiT; no affine)", NORMS
+    )
+    qk_norm: bool = option(False, "RMSNorm of q and k per head over head_dim, with a learnable weight (LightningDiT)")
+    mlp: str = option(
+        "gelu", "the blocks' MLP: gelu (DiT) or swiglu (w3(silu(w1 x) * w2 x), 2/3 the width; LightningDiT)", MLPS
+    )
+    pos: str = option(
+        "sincos",
+        "positions: sincos (the fixed embedding added to the tokens, DiT) or rope2d (2-D rotary q and k; LightningDiT)",
+        POSITIONS,
+    )
+
+    def validate(self, cfg: Any) -> None:
+        m = cfg.model
+        try:  # the choices are checked with the fields; what is left is rope2d's head dim
+            check_modern(self.norm, self.qk_norm, self.mlp, self.pos, m.hidden_size // m.num_heads)
+        except ValueError as exc:
+            raise ValueError(f"model.{exc}") from None
+
+    def refusal(self, cfg: Any, use: str) -> str | None:
+        if use == "tdc" and self.mlp != "gelu":  # tdc/prune.py prunes the hidden units of fc1 / fc2
+            return (
+                f"model.mlp {self.mlp!r}: TDC's pruning removes hidden units of the GELU MLP (fc1, fc2) only; "
+                "use model.mlp=gelu for a TDC run"
+            )
+        return None
+
+    def dit_kwargs(self, cfg: Any) -> dict[str, Any]:
+        return {"norm": self.norm, "qk_norm": self.qk_norm, "mlp": self.mlp, "pos": self.pos}
 
 
 class RMSNorm(nn.Module):

@@ -73,8 +73,110 @@ where it follows the official code:
 
 from __future__ import annotations
 
-from diffcurr_fast.ops.token_gather import draw_route, kept_tokens
+import math
+from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["ROUTINGS", "draw_route", "kept_tokens"]
+import torch
+
+from diffcurr_fast.options import Options, option, unit
+
+__all__ = ["ROUTINGS", "Route", "RoutingOptions", "draw_route", "kept_tokens"]
 
 ROUTINGS = ("none", "tread", "sprint")
+
+
+def kept_tokens(tokens: int, keep: float) -> int:
+    """K of T tokens kept for ``keep`` in (0, 1]: T - floor(T (1 - keep)), at least 1 (TREAD's ``num_keep``)."""
+    if not 0.0 < keep <= 1.0:
+        raise ValueError(f"model.routing_keep must be in (0, 1], got {keep!r}")
+    return max(1, tokens - math.floor(tokens * (1.0 - keep) + 1e-9))
+
+
+def draw_route(
+    batch: int, tokens: int, kept: int, generator: torch.Generator | None, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """(B, K) int64 sorted indices of the kept tokens of each sample: K of T uniform without replacement, from
+    ``generator`` (on its device; the indices are moved to ``device``)."""
+    gen_device = generator.device if generator is not None else torch.device("cpu")
+    noise = torch.rand(batch, tokens, generator=generator, device=gen_device)  # (B, T)
+    idx = noise.argsort(dim=1)[:, :kept].sort(dim=1).values  # (B, K)
+    return idx.to(device, non_blocking=True)
+
+
+@dataclass
+class RoutingOptions(Options):
+    """Token routing's options in the ``model`` section (module doc); ``model.routing`` turns it on."""
+
+    SWITCH = "routing"
+    routing: str = option(
+        "none",
+        "token routing in training: tread (a share of the tokens skips a span) or sprint (the span runs on the kept "
+        "tokens alone, its output fused with the tokens before it; adds a [MASK] token and a fusion layer)",
+        ROUTINGS,
+    )
+    routing_keep: float = unit(
+        0.5,
+        "routing: share of each sample's tokens that the span's blocks process (SPRINT's paper: 0.25)",
+        lo_open=True,
+    )
+    routing_start: int = option(2, "routing: the span's first block (0-based; sprint: the dense encoder's depth)", lo=0)
+    routing_end: int | None = option(None, "routing: the block after the span (exclusive; None: depth - 2)", lo=1)
+    routing_until: int = option(0, "routing: the step from which every token runs every block again (0: never)", lo=0)
+
+    def active(self) -> bool:
+        return self.routing != "none"
+
+    def span(self, depth: int) -> tuple[int, int]:
+        """The blocks [start, end) that token routing spans (``routing_end`` None: depth - 2)."""
+        return self.routing_start, self.routing_end if self.routing_end is not None else depth - 2
+
+    def validate(self, cfg: Any) -> None:
+        depth = cfg.model.depth
+        start, end = self.span(depth)
+        if not start < end <= depth:
+            fit = (1, depth - 1) if depth >= 3 else (0, depth)
+            raise ValueError(
+                f"model.routing spans blocks [{start}, {end}) (model.routing_start, model.routing_end), which must "
+                f"hold at least one of the {depth} blocks (0 <= start < end <= depth); e.g. "
+                f"model.routing_start={fit[0]} model.routing_end={fit[1]}"
+            )
+
+    def refusal(self, cfg: Any, use: str) -> str | None:
+        if use == "tdc" and self.routing == "sprint":  # tdc/prune.py prunes the blocks, not the fusion layer
+            return (
+                "model.routing 'sprint': TDC's pruning does not know SPRINT's fusion layer and [MASK] token; use "
+                "model.routing=tread or none for a TDC run"
+            )
+        return None
+
+    def dit_kwargs(self, cfg: Any) -> dict[str, Any]:
+        span = self.span(cfg.model.depth) if self.active() else None
+        return {"routing": span, "sprint": self.routing == "sprint"}
+
+
+class Route:
+    """The per-step draw of token routing: K of each sample's T tokens (``kept_tokens``), uniform without
+    replacement, drawn by the objective from the step's generator (``draw``) until the full-token phase
+    (``routed(step)``)."""
+
+    def __init__(self, tokens: int, keep: float, until: int = 0):
+        self.tokens, self.kept, self.until = int(tokens), kept_tokens(tokens, keep), int(until)
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> Route | None:
+        """The draw of the run's routing (None without routing)."""
+        opts, m = RoutingOptions.of(cfg.model), cfg.model
+        if not opts.active():
+            return None
+        return cls((m.input_size // m.patch_size) ** 2, opts.routing_keep, opts.routing_until)
+
+    def routed(self, step: int) -> bool:
+        """Whether step ``step`` routes (``routing_until`` 0: always; else before it)."""
+        return self.until == 0 or step < self.until
+
+    def draw(self, batch: int, generator: torch.Generator | None, device: torch.device | str) -> torch.Tensor | None:
+        """(B, K) kept indices, or None when every token is kept (K = T: the plain model)."""
+        if self.kept >= self.tokens:
+            return None
+        return draw_route(batch, self.tokens, self.kept, generator, device)

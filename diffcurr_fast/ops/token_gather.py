@@ -9,31 +9,10 @@ forward and one backward kernel per backend (docs/ops.md).
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.autograd.function import once_differentiable
 
 from diffcurr_fast.ops import _backend, _common
-
-
-def kept_tokens(tokens: int, keep: float) -> int:
-    """K of T tokens kept for ``keep`` in (0, 1]: T - floor(T (1 - keep)), at least 1 (TREAD's ``num_keep``;
-    ``models.routing``)."""
-    if not 0.0 < keep <= 1.0:
-        raise ValueError(f"model.routing_keep must be in (0, 1], got {keep!r}")
-    return max(1, tokens - math.floor(tokens * (1.0 - keep) + 1e-9))
-
-
-def draw_route(
-    batch: int, tokens: int, kept: int, generator: torch.Generator | None, device: torch.device | str = "cpu"
-) -> torch.Tensor:
-    """(B, K) int64 sorted indices of the kept tokens of each sample: K of T uniform without replacement, from
-    ``generator`` (on its device; the indices are moved to ``device``)."""
-    gen_device = generator.device if generator is not None else torch.device("cpu")
-    noise = torch.rand(batch, tokens, generator=generator, device=gen_device)  # (B, T)
-    idx = noise.argsort(dim=1)[:, :kept].sort(dim=1).values  # (B, K)
-    return idx.to(device, non_blocking=True)
 
 
 def token_gather_ref(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -173,8 +152,6 @@ def token_gather(x: torch.Tensor, idx: torch.Tensor, backend: str | None = None)
 __all__ = [
     "TokenGatherFunction",
     "check_route",
-    "draw_route",
-    "kept_tokens",
     "route_backend",
     "token_gather",
     "token_gather_bwd_ref",

@@ -1,30 +1,51 @@
-"""Typed, strict training configuration: the dataclass sections and their rules.
+"""Typed, strict training configuration: the sections, composed from the options of their components.
 
-A configuration is a ``TrainConfig`` of eleven sections (model, diffusion, curriculum, timesteps, data, optim,
-engine, logging, checkpoint, eval, tdc). Every field carries a one-line doc (``metadata["doc"]``) and, where it is a
-choice, its valid values (``metadata["choices"]``). Unknown keys, wrong types and invalid values raise ``ValueError``
-naming the key and what is valid. ``config_from_dict`` builds one from a nested dict; recipes, ``--set`` overrides
-and the YAML written to a run directory are ``runs.recipes``.
+A configuration is a ``TrainConfig`` of twelve sections (model, diffusion, curriculum, timesteps, terms, data, optim,
+engine, logging, checkpoint, eval, tdc). A section holds its own fields (declared here with ``options.option``: a
+default, a one-line doc, its choices or range) and the fields of the components registered for it (``COMPONENTS``):
+each formulation, timestep strategy, training term and model option declares its options beside its code
+(``options.Options``), and the section takes them as its keys (``terms.sra_weight`` is SRA's ``weight``). The config
+names no component: it asks each one whether the run uses it, for its rules (``validate``) and for what it refuses.
+
+Unknown keys, wrong types and invalid values raise ``ValueError`` naming the key and what is valid; so does an option
+of a component the run does not use when the user set it (``check_unused``). ``config_from_dict`` builds one from a
+nested dict; recipes, ``--set`` overrides and the YAML written to a run directory are ``runs.recipes``.
+
+Importing this module imports no torch (a command's ``--help`` imports it): the components are imported when the
+first section is built.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
-import math
-import types
-import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from diffcurr_fast.options import (
+    DEFAULT_SOURCE,
+    Options,
+    check_value,
+    coerce,
+    filled,
+    hints,
+    is_record,
+    load,
+    new_source,
+    nonneg,
+    option,
+    positive,
+    source_of,
+    sources,
+    unit,
+)
+
 
 def _owned(module: str, name: str, *, before: tuple = ()) -> Callable[[], tuple]:
-    """The valid values of a choice field as its owner defines them (``module.name``, after ``before``), imported
-    on first use so that importing the config (a command's ``--help``) stays light."""
+    """The valid values of a choice field as its owner defines them (``module.name``, after ``before``), read when a
+    value is checked, so that importing the config (a command's ``--help``) stays light and a registry may grow."""
 
-    @functools.cache
     def values() -> tuple:
         return (*before, *getattr(importlib.import_module(module), name))
 
@@ -33,19 +54,13 @@ def _owned(module: str, name: str, *, before: tuple = ()) -> Callable[[], tuple]
 
 # Every choice of a lower layer is defined by the module that implements it; the config only refers to it.
 MODEL_PRESETS = _owned("diffcurr_fast.models.dit", "DIT_PRESETS", before=("custom",))
-ROUTINGS = _owned("diffcurr_fast.models.routing", "ROUTINGS")
-SRA_LOSSES = _owned("diffcurr_fast.terms.sra", "LOSSES")
-NORMS = _owned("diffcurr_fast.models.modern", "NORMS")
-MLPS = _owned("diffcurr_fast.models.modern", "MLPS")
-POSITIONS = _owned("diffcurr_fast.models.modern", "POSITIONS")
-FORMULATIONS = _owned("diffcurr_fast.diffusion", "FORMULATIONS")
+FORMULATIONS = _owned("diffcurr_fast.diffusion.registry", "FORMULATIONS")
 PREDICTIONS = _owned("diffcurr_fast.diffusion", "ALL_PREDICTIONS", before=("auto",))
-BETA_SCHEDULES = _owned("diffcurr_fast.diffusion.ddpm", "BETA_SCHEDULES")
 WEIGHTINGS = _owned("diffcurr_fast.diffusion.weights", "WEIGHTINGS", before=("auto",))
 OPS_BACKENDS = _owned("diffcurr_fast.ops._backend", "BACKENDS", before=("auto",))
 PACINGS = _owned("diffcurr_fast.curriculum.pacing", "PACINGS")
 ORDERS = _owned("diffcurr_fast.curriculum.pacing", "ORDERS")
-TIMESTEP_SAMPLERS = _owned("diffcurr_fast.timesteps.registry", "SAMPLERS")
+TIMESTEP_SAMPLERS = _owned("diffcurr_fast.timesteps.registry", "STRATEGIES")
 CLUSTER_METHODS = _owned("diffcurr_fast.curriculum.clustering", "CLUSTER_METHODS")
 DATA_BACKENDS = _owned("diffcurr_fast.data.pipeline", "BACKENDS")
 ON_BAD = _owned("diffcurr_fast.data.errors", "ON_BAD")
@@ -67,8 +82,6 @@ LR_SCHEDULES = ("constant", "cosine")  # ``train.loop.lr_at``
 # (gamma ~ -0.382), but between the two every sigma_rel has two exponents < 0, which weigh early weights more.
 PHEMA_SIGMA_REL_MAX = 12**-0.5
 
-INF = math.inf
-
 
 def with_article(word: str) -> str:
     """``word`` with its indefinite article (``an edm``, ``a flow``)."""
@@ -76,99 +89,36 @@ def with_article(word: str) -> str:
 
 
 def resolve_sampler(sampler: str, formulation: str) -> str:
-    """``sampler``, or for ``auto`` the formulation's own (``diffusion.FORMULATION_DEFAULTS``: ddim for ddpm, heun for
-    flow and edm), as ``logging.sampler`` and ``eval.sampler`` resolve; the commands that sample a checkpoint
-    (``sample``, ``eval --ckpt``) resolve their ``--sampler`` with it."""
+    """``sampler``, or for ``auto`` the formulation's own (its ``defaults["sampler"]``), as ``logging.sampler`` and
+    ``eval.sampler`` resolve; the commands that sample a checkpoint (``sample``, ``eval --ckpt``) resolve their
+    ``--sampler`` with it."""
     if sampler != "auto":
         return sampler
-    from diffcurr_fast.diffusion import FORMULATION_DEFAULTS  # here: importing the config stays free of torch
+    from diffcurr_fast.diffusion.registry import formulation_class  # here: importing the config stays free of torch
 
-    return FORMULATION_DEFAULTS[formulation]["sampler"]
-
-
-def _field(
-    default: Any,
-    doc: str,
-    choices: tuple | Callable[[], tuple] | None = None,
-    *,
-    lo: float | None = None,
-    hi: float = INF,
-    lo_open: bool = False,
-    hi_open: bool = False,
-) -> Any:
-    """A config field: its default, one-line doc, and its valid values (``choices``, or the range [lo, hi] with
-    open ends as flagged). ``_check_field`` is the one place these are checked."""
-    meta: dict[str, Any] = {"doc": doc}
-    if choices is not None:
-        meta["choices"] = choices
-    if lo is not None:
-        meta["range"] = (lo, hi, lo_open, hi_open)
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
-    return field(default=default, metadata=meta)
+    return formulation_class(formulation).defaults["sampler"]
 
 
-def _pos(default: int, doc: str) -> Any:
-    """An int field >= 1."""
-    return _field(default, doc, lo=1)
-
-
-def _nonneg(default: float, doc: str, **kw: Any) -> Any:
-    """A field >= 0 (``hi`` etc. as in ``_field``)."""
-    return _field(default, doc, lo=0, **kw)
-
-
-def _unit(default: float, doc: str, **kw: Any) -> Any:
-    """A float field in [0, 1] (ends open as flagged)."""
-    return _field(default, doc, lo=0.0, hi=1.0, **kw)
-
-
+# ---- the sections' own fields ----------------------------------------------------------------------------------
 @dataclass
-class ModelConfig:
+class _ModelCore:
     """The network (a DiT)."""
 
-    preset: str = _field("custom", "DiT preset name, or 'custom' to use the dimensions below", MODEL_PRESETS)
-    input_size: int = _pos(8, "spatial size of the (latent) images the model sees")
-    in_channels: int = _pos(1, "channels of the (latent) images")
-    num_classes: int = _pos(10, "number of class labels (the null label for guidance is num_classes)")
-    patch_size: int | None = _field(None, "patch size (a preset fills it; custom default 2)", lo=1)
-    hidden_size: int | None = _field(None, "transformer width (a preset fills it; custom default 128)", lo=1)
-    depth: int | None = _field(None, "number of DiT blocks (a preset fills it; custom default 6)", lo=1)
-    num_heads: int | None = _field(None, "attention heads (a preset fills it; custom default 4)", lo=1)
-    mlp_ratio: float = _field(4.0, "MLP width / hidden_size", lo=0.0, lo_open=True)
-    class_dropout_prob: float = _unit(0.1, "label dropout probability (enables classifier-free guidance)", hi_open=True)
-    attn_backend: str = _field("auto", "attention backend", ATTN_BACKENDS)
-    fused_adaln: bool = _field(
+    preset: str = option("custom", "DiT preset name, or 'custom' to use the dimensions below", MODEL_PRESETS)
+    input_size: int = positive(8, "spatial size of the (latent) images the model sees")
+    in_channels: int = positive(1, "channels of the (latent) images")
+    num_classes: int = positive(10, "number of class labels (the null label for guidance is num_classes)")
+    patch_size: int | None = option(None, "patch size (a preset fills it; custom default 2)", lo=1)
+    hidden_size: int | None = option(None, "transformer width (a preset fills it; custom default 128)", lo=1)
+    depth: int | None = option(None, "number of DiT blocks (a preset fills it; custom default 6)", lo=1)
+    num_heads: int | None = option(None, "attention heads (a preset fills it; custom default 4)", lo=1)
+    mlp_ratio: float = option(4.0, "MLP width / hidden_size", lo=0.0, lo_open=True)
+    class_dropout_prob: float = unit(0.1, "label dropout probability (enables classifier-free guidance)", hi_open=True)
+    attn_backend: str = option("auto", "attention backend", ATTN_BACKENDS)
+    fused_adaln: bool = option(
         False, "run the blocks' elementwise ops fused (adaLN modulate, gated residual, tanh-GELU)"
     )
-    dtr: bool = _field(False, "Denoising Task Routing (timestep-dependent channel masks)")
-    routing: str = _field(
-        "none",
-        "token routing in training: tread (a share of the tokens skips a span) or sprint (the span runs on the kept "
-        "tokens alone, its output fused with the tokens before it; adds a [MASK] token and a fusion layer)",
-        ROUTINGS,
-    )
-    routing_keep: float = _unit(
-        0.5,
-        "routing: share of each sample's tokens that the span's blocks process (SPRINT's paper: 0.25)",
-        lo_open=True,
-    )
-    routing_start: int = _nonneg(2, "routing: the span's first block (0-based; sprint: the dense encoder's depth)")
-    routing_end: int | None = _field(None, "routing: the block after the span (exclusive; None: depth - 2)", lo=1)
-    routing_until: int = _nonneg(0, "routing: the step from which every token runs every block again (0: never)")
-    norm: str = _field(
-        "layernorm", "the blocks' pre-norms and final norm: layernorm (DiT) or rmsnorm (LightningDiT; no affine)", NORMS
-    )
-    qk_norm: bool = _field(False, "RMSNorm of q and k per head over head_dim, with a learnable weight (LightningDiT)")
-    mlp: str = _field(
-        "gelu", "the blocks' MLP: gelu (DiT) or swiglu (w3(silu(w1 x) * w2 x), 2/3 the width; LightningDiT)", MLPS
-    )
-    pos: str = _field(
-        "sincos",
-        "positions: sincos (the fixed embedding added to the tokens, DiT) or rope2d (2-D rotary q and k; LightningDiT)",
-        POSITIONS,
-    )
-    init_from: str = _field(
+    init_from: str = option(
         "",
         "fine-tune: initial weights (.pt state dict such as DiT-XL-2-256x256.pt, one of our "
         "checkpoints, a .safetensors export, or a diffusers DiTTransformer2DModel / DiTPipeline directory); "
@@ -181,91 +131,65 @@ class ModelConfig:
         is an error, and so are dimensions the DiT cannot take (``models.dit.check_dims``)."""
         # imported here, not at the top: keeps --help free of torch
         from diffcurr_fast.models.dit import DIT_PRESETS, check_dims
-        from diffcurr_fast.models.modern import check_modern
 
         dims = DIT_PRESETS.get(self.preset, CUSTOM_DIMS)
-        filled = _filled(self)
-        rank, where = _source_of(self, "preset")
+        done = filled(self)
+        rank, where = source_of(self, "preset")
         by = f"model.preset {self.preset!r} ({where})" if self.preset != "custom" else "custom default"
         for name, value in dims.items():
             have = getattr(self, name)
-            earlier = self.preset != "custom" and _source_of(self, name)[0] < rank
-            if have is None or name in filled or earlier:  # a later preset takes every dimension, equal ones too
+            earlier = self.preset != "custom" and source_of(self, name)[0] < rank
+            if have is None or name in done or earlier:  # a later preset takes every dimension, equal ones too
                 setattr(self, name, value)
-                filled.add(name)
-                _sources(self)[name] = (rank, by)
+                done.add(name)
+                sources(self)[name] = (rank, by)
             elif self.preset != "custom" and have != value:
                 raise ValueError(
                     f"model.{name}={have!r} contradicts model.preset {self.preset!r} ({name} {value}) in the same "
-                    f"or a later source ({_source_of(self, name)[1]}); unset it (model.{name}=null) to take the "
+                    f"or a later source ({source_of(self, name)[1]}); unset it (model.{name}=null) to take the "
                     "preset's value, or use model.preset=custom"
                 )
         try:
             check_dims(self.input_size, self.patch_size, self.hidden_size, self.num_heads)
         except ValueError as exc:
             raise ValueError(f"model: {exc}") from None
-        try:  # the choices are checked with the fields; what is left is rope2d's head dim
-            check_modern(self.norm, self.qk_norm, self.mlp, self.pos, self.hidden_size // self.num_heads)
-        except ValueError as exc:
-            raise ValueError(f"model.{exc}") from None
-        if self.routing != "none":
-            start, end = self.routing_span()
-            if not start < end <= self.depth:
-                raise ValueError(
-                    f"model.routing spans blocks [{start}, {end}) (model.routing_start, model.routing_end), which must "
-                    f"hold at least one of the {self.depth} blocks (0 <= start < end <= depth)"
-                )
-
-    def routing_span(self) -> tuple[int, int]:
-        """The blocks [start, end) that token routing spans (``routing_end`` None: depth - 2)."""
-        return self.routing_start, self.routing_end if self.routing_end is not None else self.depth - 2
+        if int(self.hidden_size * self.mlp_ratio) < 1:
+            raise ValueError(
+                f"model.mlp_ratio {self.mlp_ratio!r} gives the MLP int({self.hidden_size} x {self.mlp_ratio!r}) = "
+                f"{int(self.hidden_size * self.mlp_ratio)} hidden units; it needs at least 1 (DiT: 4.0)"
+            )
 
 
 CUSTOM_DIMS = {"patch_size": 2, "hidden_size": 128, "depth": 6, "num_heads": 4}
 
 
 @dataclass
-class DiffusionConfig:
+class _DiffusionCore:
     """The diffusion formulation and its training objective."""
 
-    formulation: str = _field(
-        "ddpm", "ddpm (discrete t), flow (linear interpolant, SiT) or edm (Karras et al.)", FORMULATIONS
+    formulation: str = option("ddpm", "the formulation (diffusion/registry.py)", FORMULATIONS)
+    num_timesteps: int = positive(
+        1000, "T: the timesteps of a discrete formulation, or the number of cells of a continuous one's axis"
     )
-    num_timesteps: int = _pos(1000, "T: DDPM timesteps, or the number of flow-t / EDM-sigma cells for the curriculum")
-    beta_schedule: str = _field("linear", "beta schedule", BETA_SCHEDULES)
-    prediction: str = _field(
-        "auto",
-        "network target: eps, x0 or v (ddpm); velocity (flow); x0 (edm denoiser); auto: eps "
-        "(ddpm), velocity (flow), x0 (edm)",
-        PREDICTIONS,
+    prediction: str = option(
+        "auto", "network target (auto: the formulation's own; each formulation trains its own set)", PREDICTIONS
     )
-    learn_sigma: bool | str = _field(
+    learn_sigma: bool | str = option(
         "auto",
-        "learn the variance with the IDDPM hybrid loss (network outputs 2C channels); "
-        "auto: true for ddpm, false for flow and edm",
+        "learn the variance with the IDDPM hybrid loss (network outputs 2C channels; auto: the formulation's own)",
         LEARN_SIGMA,
     )
-    weighting: str = _field("auto", "per-timestep loss weighting of the MSE term (ddpm; auto: none)", WEIGHTINGS)
-    min_snr_gamma: float = _field(5.0, "gamma of the MinSNR weighting", lo=0.0, lo_open=True)
-    ops_backend: str = _field("auto", "backend of the fused ops (reference: the pure-torch definition)", OPS_BACKENDS)
-    sigma_data: float = _field(0.5, "EDM: standard deviation of the data", lo=0.0, lo_open=True)
-    P_mean: float = _field(-1.2, "EDM: mean of ln(sigma) during training", lo=-INF)
-    P_std: float = _field(1.2, "EDM: standard deviation of ln(sigma) during training", lo=0.0, lo_open=True)
-    sigma_min: float = _field(0.002, "EDM: smallest sigma (training range and sampling grid)", lo=0.0, lo_open=True)
-    sigma_max: float = _field(80.0, "EDM: largest sigma (training range and sampling grid)", lo=0.0, lo_open=True)
+    weighting: str = option(
+        "auto", "per-timestep loss weighting of the MSE term (auto: the formulation's own)", WEIGHTINGS
+    )
+    min_snr_gamma: float = option(5.0, "gamma of the MinSNR weighting", lo=0.0, lo_open=True)
+    ops_backend: str = option("auto", "backend of the fused ops (reference: the pure-torch definition)", OPS_BACKENDS)
 
     def validate(self) -> None:
-        if not self.sigma_min < self.sigma_max:
-            raise ValueError(f"diffusion.sigma_min {self.sigma_min} must be < diffusion.sigma_max {self.sigma_max}")
-        if self.formulation == "ddpm" and self.beta_schedule == "linear" and self.num_timesteps < 20:
-            raise ValueError(  # its last beta, 0.02 x 1000 / T, would pass 1
-                "diffusion.beta_schedule 'linear' needs diffusion.num_timesteps >= 20 (its betas scale with 1000 / T), "
-                f"got {self.num_timesteps}; give more timesteps or diffusion.beta_schedule=cosine"
-            )
         # imported here, not at the top: keeps --help free of torch
-        from diffcurr_fast.diffusion import TRAIN_PREDICTIONS
+        from diffcurr_fast.diffusion.registry import formulation_class
 
-        preds = TRAIN_PREDICTIONS[self.formulation]
+        preds = formulation_class(self.formulation).limits["prediction"]
         if self.prediction not in preds:
             raise ValueError(
                 f"diffusion.prediction {self.prediction!r} is not {with_article(self.formulation)} target; valid "
@@ -274,19 +198,50 @@ class DiffusionConfig:
 
 
 @dataclass
+class _TimestepsCore:
+    """Timestep sampling: the strategy multiplied with the curriculum's unlock mask (docs/training.md)."""
+
+    sampler: str = option(
+        "uniform", "timestep strategy (times the curriculum's mask and the formulation's prior)", TIMESTEP_SAMPLERS
+    )
+
+
+@dataclass
+class _TermsCore:
+    """Training terms beyond the regression loss (``diffcurr_fast.terms``), each added with its weight."""
+
+    use: list[str] = option([], "the terms the step adds, in order (terms/registry.py)")
+
+    def validate(self) -> None:
+        # imported here, not at the top: keeps --help free of torch
+        from diffcurr_fast.terms.registry import SWITCHES, names
+
+        valid = names()
+        switch = next((u for u in self.use if u in SWITCHES), None)
+        if switch is not None:
+            key = load(SWITCHES[switch]).SWITCH
+            raise ValueError(
+                f"terms.use lists {switch!r}, which adds no loss and is not a term: it is the switch "
+                f"terms.{key}=true; drop it from terms.use"
+            )
+        if any(u not in valid for u in self.use) or len(set(self.use)) != len(self.use):
+            raise ValueError(f"terms.use {self.use!r}: each term once, from {', '.join(valid)}")
+
+
+@dataclass
 class CurriculumConfig:
     """Difficulty curriculum over timestep clusters (Kim et al., ICLR 2025)."""
 
-    pacing: str = _field("patience", "patience (the paper), fixed (NaiveCL), none (vanilla) or adaptive", PACINGS)
-    num_clusters: int = _pos(20, "N, the number of timestep clusters")
-    method: str = _field("snr", "clustering rule", CLUSTER_METHODS)
-    order: str = _field("easy_to_hard", "unlock order (hard_to_easy = anti-curriculum)", ORDERS)
-    patience: int = _nonneg(20, "evaluations without improvement before the next unlock")
-    ema: float = _unit(0.9, "decay of the monitored-loss EMA per evaluation, in [0, 1)", hi_open=True)
-    min_delta: float = _nonneg(1e-3, "relative decrease of the monitored loss that counts as an improvement")
-    stage_iters: int = _nonneg(0, "steps per stage for fixed pacing (0 = unset)")
-    eval_every: int = _pos(10, "steps per evaluation window")
-    adaptive_floor: float = _unit(0.5, "share of uniform sampling kept by adaptive pacing, in [0, 1]")
+    pacing: str = option("patience", "patience (the paper), fixed (NaiveCL), none (vanilla) or adaptive", PACINGS)
+    num_clusters: int = positive(20, "N, the number of timestep clusters")
+    method: str = option("snr", "clustering rule", CLUSTER_METHODS)
+    order: str = option("easy_to_hard", "unlock order (hard_to_easy = anti-curriculum)", ORDERS)
+    patience: int = nonneg(20, "evaluations without improvement before the next unlock")
+    ema: float = unit(0.9, "decay of the monitored-loss EMA per evaluation, in [0, 1)", hi_open=True)
+    min_delta: float = nonneg(1e-3, "relative decrease of the monitored loss that counts as an improvement")
+    stage_iters: int = nonneg(0, "steps per stage for fixed pacing (0 = unset)")
+    eval_every: int = positive(10, "steps per evaluation window")
+    adaptive_floor: float = unit(0.5, "share of uniform sampling kept by adaptive pacing, in [0, 1]")
 
     def validate(self) -> None:
         if self.pacing == "fixed" and self.stage_iters < 1:
@@ -294,135 +249,33 @@ class CurriculumConfig:
 
 
 @dataclass
-class TimestepsConfig:
-    """Timestep sampling: the strategy multiplied with the curriculum's unlock mask (docs/training.md)."""
-
-    sampler: str = _field(
-        "uniform", "timestep strategy (times the curriculum's mask and the formulation's prior)", TIMESTEP_SAMPLERS
-    )
-    lognormal_mean: float = _field(0.0, "lognormal: mean of log SNR (flow: -2 x the logit-normal mean)", lo=-INF)
-    lognormal_std: float = _field(
-        2.0, "lognormal: std of log SNR (2 = SD3's logit-normal(0, 1) t for flow)", lo=0.0, lo_open=True
-    )
-    importance_history: int = _pos(10, "importance: losses kept per cell (IDDPM: 10); uniform until all are full")
-    importance_floor: float = _unit(1e-3, "importance: uniform share mixed into the distribution (IDDPM: 1e-3)")
-    speed_k: float = _field(5.0, "speed: how many times as likely a cell before the convergence area is", lo=1.0)
-    speed_threshold: float = _field(
-        1e-4,
-        "speed: increment of sqrt(1 - abar) per 1/1000 of the axis where the convergence area begins",
-        lo=0.0,
-        lo_open=True,
-    )
-    anuts_every: int = _pos(20, "anuts: steps between policy updates (each probes the loss before and after)")
-    anuts_candidates: int = _pos(16, "anuts: cells, evenly spaced, whose loss decrease is measured")
-    anuts_probes: int = _pos(3, "anuts: size of the subset S whose decrease is the reward")
-    anuts_probe_batch: int = _pos(4, "anuts: samples of the batch the probes are measured on")
-    anuts_buffer: int = _field(10, "anuts: updates kept to choose S by correlation with the total decrease", lo=2)
-    anuts_lr: float = _field(0.02, "anuts: Adam learning rate of the policy's log a, log b", lo=0.0, lo_open=True)
-    anuts_entropy: float = _nonneg(0.0, "anuts: weight of the policy's entropy bonus")
-
-    def validate(self) -> None:
-        if self.sampler == "anuts" and self.anuts_probes > self.anuts_candidates:
-            raise ValueError(
-                f"timesteps.anuts_probes {self.anuts_probes} must be <= timesteps.anuts_candidates "
-                f"{self.anuts_candidates}"
-            )
-
-
-@dataclass
-class TermsConfig:
-    """Training terms beyond the regression loss (``diffcurr_fast.terms``), each added with its weight."""
-
-    use: list[str] = _field([], "the terms the step adds (terms/registry.py): contrastive, dispersive, sra, repa")
-    contrastive_weight: float = _field(
-        0.05, "contrastive (DeltaFM, arXiv 2506.05350): lambda of its negative pair", lo=0.0, lo_open=True
-    )
-
-    dispersive_weight: float = _field(
-        0.5, "dispersive (Wang and He, arXiv 2506.09027): its weight", lo=0.0, lo_open=True
-    )
-    dispersive_block: int | None = _field(
-        None, "dispersive: the block whose output tokens it disperses (None: depth // 4)", lo=0
-    )
-    dispersive_tau: float = _field(1.0, "dispersive: the temperature tau", lo=0.0, lo_open=True)
-    sra_weight: float = _field(
-        0.5, "sra (self-representation alignment, arXiv 2505.02831): its weight", lo=0.0, lo_open=True
-    )
-    sra_student_block: int | None = _field(
-        None, "sra: the block whose output tokens are aligned, through the projector (None: depth // 4 - 1)", lo=0
-    )
-    sra_teacher_block: int | None = _field(
-        None, "sra: the EMA model's block whose output tokens are the target (None: 3 depth // 4 - 1)", lo=0
-    )
-    sra_gap: float = _field(
-        0.2, "sra: the teacher's largest noise-level gap below the student, a fraction of the cells", lo=0.0, hi=1.0
-    )
-    sra_projector_dim: int | None = _field(None, "sra: the projector MLP's hidden width (None: 2 x hidden_size)", lo=1)
-    sra_loss: str = _field("cosine", "sra: cosine (1 - cos per token) or smooth_l1 (beta 0.05)", SRA_LOSSES)
-    repa_weight: float = _field(
-        0.5, "repa (representation alignment, arXiv 2410.06940): its weight (the official 0.5)", lo=0.0, lo_open=True
-    )
-    repa_block: int | None = _field(
-        None, "repa: the block whose output tokens are aligned, through the projector (None: depth // 3 - 1)", lo=0
-    )
-    repa_encoder: str = _field(
-        "",
-        "repa: the frozen encoder, a local file (required with repa): a TorchScript module (torch.jit.save) "
-        "returning patch tokens (B, N, D), or a safetensors state dict of a DINOv2-style ViT; no torch.save pickles",
-    )
-    repa_encoder_size: int = _field(
-        224, "repa: the encoder's input size (images resized to it bicubically; DINOv2: 224 for 16x16 tokens)", lo=1
-    )
-    repa_projector_dim: int = _field(2048, "repa: the projector MLP's hidden width (the official 2048)", lo=1)
-
-    immiscible: bool = _field(
-        False,
-        "immiscible diffusion (Li et al., arXiv 2406.12303): each (micro-)batch's noise assigned to its images by "
-        "a linear assignment of least total distance (terms/immiscible.py; no loss of its own, needs scipy)",
-    )
-
-    def validate(self) -> None:
-        # imported here, not at the top: keeps --help free of torch
-        from diffcurr_fast.terms.registry import NAMES
-
-        bad = [u for u in self.use if u not in NAMES]
-        if bad or len(set(self.use)) != len(self.use):
-            raise ValueError(f"terms.use {self.use!r}: each term once, from {', '.join(NAMES)}")
-        if "repa" in self.use and not self.repa_encoder:
-            raise ValueError(
-                "terms.repa_encoder is required with terms.use repa: a local TorchScript file (torch.jit.save) or "
-                "a safetensors file of a DINOv2-style ViT (docs/training.md, REPA from a local encoder)"
-            )
-
-
-@dataclass
 class DataConfig:
     """Training data."""
 
-    dataset: str = _field(
+    dataset: str = option(
         "digits",
         "digits (built in, 8x8), mnist5k (built in, 28x28, the mnist extra), npz (arrays x (N, C, H, W) and y "
         "(N,)), latents (a fast-DiT or sharded latent directory) or images (an ImageNet-layout folder)",
         DATASETS,
     )
-    path: str = _field("", "npz: a .npz file or a directory of x.npy and y.npy; latents / images: the directory")
-    scale: float = _field(
+    path: str = option("", "npz: a .npz file or a directory of x.npy and y.npy; latents / images: the directory")
+    scale: float = option(
         1.0,
         "the model trains on scale * data (0.18215 for Stable Diffusion VAE latents; see docs)",
         lo=0.0,
         lo_open=True,
     )
-    batch_size: int = _pos(128, "global batch size (split evenly across ranks)")
-    num_workers: int = _nonneg(0, "DataLoader worker processes (0 = load in the training process); DALI CPU threads")
-    image_size: int = _nonneg(0, "images: ADM centre-crop size (0 = model.input_size)")
-    hflip: bool = _field(True, "images: random horizontal flips (decided per sample and epoch)")
-    backend: str = _field(
+    batch_size: int = positive(128, "global batch size (split evenly across ranks)")
+    num_workers: int = nonneg(0, "DataLoader worker processes (0 = load in the training process); DALI CPU threads")
+    image_size: int = nonneg(0, "images: ADM centre-crop size (0 = model.input_size)")
+    hflip: bool = option(True, "images: random horizontal flips (decided per sample and epoch)")
+    backend: str = option(
         "auto", "latents / images loader: auto (DALI on a GPU when importable), dali or torch", DATA_BACKENDS
     )
-    dali_py_workers: int = _nonneg(
+    dali_py_workers: int = nonneg(
         0, "images with DALI: forked Python workers reading the files (0: read in the pipeline's thread)"
     )
-    on_bad: str = _field("stop", "latents / images: a corrupt or unreadable file stops the run or is skipped", ON_BAD)
+    on_bad: str = option("stop", "latents / images: a corrupt or unreadable file stops the run or is skipped", ON_BAD)
 
     def validate(self) -> None:
         if self.dataset in ("npz", "latents", "images") and not self.path:
@@ -439,29 +292,29 @@ class DataConfig:
 class OptimConfig:
     """AdamW, learning-rate schedule, clipping and EMA."""
 
-    lr: float = _field(1e-4, "peak learning rate", lo=0.0, lo_open=True)
-    weight_decay: float = _nonneg(0.0, "AdamW weight decay")
-    beta1: float = _unit(0.9, "AdamW beta1", hi_open=True)
-    beta2: float = _unit(0.999, "AdamW beta2", hi_open=True)
-    eps: float = _field(1e-8, "AdamW epsilon", lo=0.0, lo_open=True)
-    impl: str = _field(
+    lr: float = option(1e-4, "peak learning rate", lo=0.0, lo_open=True)
+    weight_decay: float = nonneg(0.0, "AdamW weight decay")
+    beta1: float = unit(0.9, "AdamW beta1", hi_open=True)
+    beta2: float = unit(0.999, "AdamW beta2", hi_open=True)
+    eps: float = option(1e-8, "AdamW epsilon", lo=0.0, lo_open=True)
+    impl: str = option(
         "auto",
         "AdamW kernels: auto / torch (torch's fused kernel, CUDA and CPU) or apex (NVIDIA apex FusedAdam)",
         OPTIM_IMPLS,
     )
-    warmup_steps: int = _nonneg(0, "linear warmup steps from 0 to lr")
-    schedule: str = _field("constant", "learning-rate schedule after warmup", LR_SCHEDULES)
-    min_lr: float = _nonneg(0.0, "final learning rate of the cosine schedule (<= lr)")
-    grad_clip: float = _nonneg(0.0, "clip the global gradient norm to this (0 = off)")
-    grad_accum_steps: int = _pos(1, "micro-batches per optimizer step (data.batch_size is split into them)")
-    ema_decay: float = _unit(0.9999, "EMA decay of the weights (DiT: 0.9999)")
-    ema_warmup: bool = _field(True, "use decay min(ema_decay, (1 + n) / (10 + n)) at update n")
-    phema_every: int = _nonneg(
+    warmup_steps: int = nonneg(0, "linear warmup steps from 0 to lr")
+    schedule: str = option("constant", "learning-rate schedule after warmup", LR_SCHEDULES)
+    min_lr: float = nonneg(0.0, "final learning rate of the cosine schedule (<= lr)")
+    grad_clip: float = nonneg(0.0, "clip the global gradient norm to this (0 = off)")
+    grad_accum_steps: int = positive(1, "micro-batches per optimizer step (data.batch_size is split into them)")
+    ema_decay: float = unit(0.9999, "EMA decay of the weights (DiT: 0.9999)")
+    ema_warmup: bool = option(True, "use decay min(ema_decay, (1 + n) / (10 + n)) at update n")
+    phema_every: int = nonneg(
         0,
         "post-hoc EMA (EDM2): steps between snapshots of the power-function averages under phema/, and one at "
         "the end; `sample` / `eval --ema-length` reconstruct any EMA length from them (0 = off)",
     )
-    phema_sigma_rels: list[float] = _field(
+    phema_sigma_rels: list[float] = option(
         [0.05, 0.10],
         "post-hoc EMA: the EMA lengths tracked (EDM2 sigma_rel, the profile's width relative to the training time; "
         "each in (0, 12^-1/2]; 12^-1/2 is the plain running mean)",
@@ -484,29 +337,29 @@ class OptimConfig:
 class EngineConfig:
     """Where and how the step runs."""
 
-    kind: str = _field("auto", "auto (ddp under torchrun, else single), single, ddp or deepspeed (ZeRO)", ENGINE_KINDS)
-    deepspeed_config: str = _field("", "deepspeed: DeepSpeed JSON (ZeRO stage, offload); batch, clip, bf16 filled in")
-    device: str = _field("auto", "auto (cuda when available), cpu or cuda", DEVICES)
-    max_steps: int = _pos(1000, "total optimizer steps (attempted steps, skipped ones included)")
-    seed: int = _field(0, "global seed (each rank adds its rank)", lo=0, hi=2**63 - 1)
-    precision: str = _field("fp32", "fp32, bf16 autocast, or auto (bf16 on a GPU that has it, fp32 on CPU)", PRECISIONS)
-    tf32: bool = _field(True, "allow TF32 matmuls on GPU")
-    compile: bool = _field(False, "torch.compile the model")
-    grad_checkpointing: bool = _field(False, "recompute each DiT block in the backward pass")
-    nan_policy: str = _field("skip", "on a non-finite loss: skip the step and count it, or stop", NAN_POLICIES)
-    max_nan_skips: int = _pos(100, "stop after more than this many skipped steps in a row (skip policy)")
-    max_skip_share: float = _unit(
+    kind: str = option("auto", "auto (ddp under torchrun, else single), single, ddp or deepspeed (ZeRO)", ENGINE_KINDS)
+    deepspeed_config: str = option("", "deepspeed: DeepSpeed JSON (ZeRO stage, offload); batch, clip, bf16 filled in")
+    device: str = option("auto", "auto (cuda when available), cpu or cuda", DEVICES)
+    max_steps: int = positive(1000, "total optimizer steps (attempted steps, skipped ones included)")
+    seed: int = option(0, "global seed (each rank adds its rank)", lo=0, hi=2**63 - 1)
+    precision: str = option("fp32", "fp32, bf16 autocast, or auto (bf16 on a GPU that has it, fp32 on CPU)", PRECISIONS)
+    tf32: bool = option(True, "allow TF32 matmuls on GPU")
+    compile: bool = option(False, "torch.compile the model")
+    grad_checkpointing: bool = option(False, "recompute each DiT block in the backward pass")
+    nan_policy: str = option("skip", "on a non-finite loss: skip the step and count it, or stop", NAN_POLICIES)
+    max_nan_skips: int = positive(100, "stop after more than this many skipped steps in a row (skip policy)")
+    max_skip_share: float = unit(
         0.05,
         "stop once more than this share of engine.max_steps was skipped (skip "
         "policy; the error names the first skipped step)",
     )
-    cpu_threads: int = _field(0, "torch intra-op threads on CPU (0 = torch's default)", lo=0, hi=4096)
-    retain_host_memory: bool = _field(
+    cpu_threads: int = option(0, "torch intra-op threads on CPU (0 = torch's default)", lo=0, hi=4096)
+    retain_host_memory: bool = option(
         True,
         "CPU: keep freed host memory in the process (glibc mallopt) so each step's "
         "large tensors reuse mapped pages instead of page-faulting new ones",
     )
-    cuda_graphs: bool = _field(
+    cuda_graphs: bool = option(
         False,
         "a training step that reads nothing back to the host, as CUDA graph capture needs: a non-finite step is "
         "skipped on the device (optimizer, EMA and sampler statistics masked), the skip counts and stop rules are "
@@ -528,36 +381,34 @@ class EngineConfig:
 class LoggingConfig:
     """Progress, metrics and the end-of-run report."""
 
-    log_every: int = _pos(10, "steps between metrics.jsonl records")
-    progress: bool = _field(True, "show a tqdm progress bar")
-    tensorboard: bool = _field(False, "also write TensorBoard scalars to tb/ (needs the tensorboard package)")
-    wandb: bool = _field(
+    log_every: int = positive(10, "steps between metrics.jsonl records")
+    progress: bool = option(True, "show a tqdm progress bar")
+    tensorboard: bool = option(False, "also write TensorBoard scalars to tb/ (needs the tensorboard package)")
+    wandb: bool = option(
         False,
         "also log the scalars to Weights & Biases (extra 'wandb'; the run id is kept in "
         "wandb_id.txt, so a resume continues the same run)",
     )
-    wandb_project: str = _field("diffcurr-fast", "wandb project")
-    wandb_mode: str = _field(
+    wandb_project: str = option("diffcurr-fast", "wandb project")
+    wandb_mode: str = option(
         "offline", "wandb offline (files under wandb/, upload later with `wandb sync`) or online", ("offline", "online")
     )
-    num_samples: int = _nonneg(64, "images in the end-of-run sample grid (0 = no grid)")
-    sampler: str = _field(
-        "auto", "sampler of the end-of-run grid (auto: ddim for ddpm, heun for flow and edm)", SAMPLERS
-    )
-    sample_steps: int = _pos(50, "sampling steps of the end-of-run grid")
-    cfg_scale: float = _nonneg(1.0, "classifier-free guidance scale of the end-of-run grid")
-    plots: bool = _field(True, "write the per-cluster loss and curriculum timeline plots at the end")
-    eval_every: int = _nonneg(0, "steps between evaluations of the EMA weights (FD etc., the eval section; 0 = off)")
+    num_samples: int = nonneg(64, "images in the end-of-run sample grid (0 = no grid)")
+    sampler: str = option("auto", "sampler of the end-of-run grid (auto: the formulation's own)", SAMPLERS)
+    sample_steps: int = positive(50, "sampling steps of the end-of-run grid")
+    cfg_scale: float = nonneg(1.0, "classifier-free guidance scale of the end-of-run grid")
+    plots: bool = option(True, "write the per-cluster loss and curriculum timeline plots at the end")
+    eval_every: int = nonneg(0, "steps between evaluations of the EMA weights (FD etc., the eval section; 0 = off)")
 
 
 @dataclass
 class CheckpointConfig:
     """Run directory and checkpoints."""
 
-    run_dir: str = _field("runs/demo", "output directory of the run")
-    every: int = _pos(1000, "steps between checkpoints (a final one is always written)")
-    keep_last: int = _pos(3, "checkpoints kept (older ones are deleted)")
-    export_ema: bool = _field(True, "write the EMA weights as ema.safetensors at the end")
+    run_dir: str = option("runs/demo", "output directory of the run")
+    every: int = positive(1000, "steps between checkpoints (a final one is always written)")
+    keep_last: int = positive(3, "checkpoints kept (older ones are deleted)")
+    export_ema: bool = option(True, "write the EMA weights as ema.safetensors at the end")
 
     def validate(self) -> None:
         if not self.run_dir:
@@ -574,23 +425,23 @@ EVAL_SHAPES = {"digits": (1, 8, 8), "mnist5k": (1, 28, 28)}
 class EvalConfig:
     """Evaluation during training (every ``logging.eval_every`` steps, rank 0, EMA weights, its own RNG)."""
 
-    num_samples: int = _field(500, "images sampled per evaluation (labels cycle through the classes)", lo=2)
-    steps: int = _pos(50, "sampling steps")
-    sampler: str = _field("auto", "sampler (auto: ddim for ddpm, heun for flow and edm)", SAMPLERS)
-    cfg_scale: float = _nonneg(1.0, "classifier-free guidance scale")
-    features: str = _field(
+    num_samples: int = option(500, "images sampled per evaluation (labels cycle through the classes)", lo=2)
+    steps: int = positive(50, "sampling steps")
+    sampler: str = option("auto", "sampler (auto: the formulation's own)", SAMPLERS)
+    cfg_scale: float = nonneg(1.0, "classifier-free guidance scale")
+    features: str = option(
         "digits",
         "feature extractor: digits / mnist5k (classifiers of those built-in data) or inception (FID)",
         EVAL_FEATURES,
     )
-    inception_weights: str = _field("", "inception: local pytorch-fid weights file (never downloaded)")
-    reference: str = _field(
+    inception_weights: str = option("", "inception: local pytorch-fid weights file (never downloaded)")
+    reference: str = option(
         "",
         "reference statistics or images .npz ('' = the training data; digits / mnist5k "
         "data: all digits / mnist5k's held-out split)",
     )
-    num_reference: int = _field(10000, "'' reference: training images used (at most)", lo=2)
-    seed: int = _field(0, "seed of the evaluation samples (the same noise at every evaluation)", lo=0, hi=2**63 - 1)
+    num_reference: int = option(10000, "'' reference: training images used (at most)", lo=2)
+    seed: int = option(0, "seed of the evaluation samples (the same noise at every evaluation)", lo=0, hi=2**63 - 1)
 
     def validate(self) -> None:
         if self.features == "inception" and not self.inception_weights:
@@ -614,60 +465,185 @@ LLM_FALLBACKS = ("none", "local")
 class TDCConfig:
     """TDC training (diffcurr-fast tdc): stage 2 after stage 1, which is the rest of this config."""
 
-    num_groups: int = _pos(3, "N, the number of timestep groups (one expert each)")
-    budget_floor: float = _field(
+    num_groups: int = positive(3, "N, the number of timestep groups (one expert each)")
+    budget_floor: float = option(
         0.5,
         "k of TDC Eq. 2, in (0, 1]: group i of N gets FLOPs(i) = (i/N + (N-i)/N k) F, so no expert falls below k F",
         lo=0.0,
         hi=1.0,
         lo_open=True,
     )
-    group_method: str = _field("db", "grouping rule on the SNR axis", GROUP_METHODS)
-    full_budget: str = _field("hardest", "which end of t gets the full budget F", FULL_BUDGET_ENDS)
-    base_weights: str = _field("ema", "stage-1 weights that stage 2 prunes", BASE_WEIGHTS)
-    importance: str = _field("taylor", "unit importance for pruning", IMPORTANCE_METHODS)
-    importance_batches: int = _pos(2, "batches of the Taylor importance (diffusion-loss gradients)")
-    proposer: str = _field("local", "candidate proposer of the proxy search", PROPOSERS)
-    rounds: int = _pos(2, "proxy-search rounds")
-    candidates: int = _pos(3, "candidates per round")
-    recover_steps: int = _nonneg(10, "AdamW steps that recover each candidate before it is scored")
-    recover_lr: float = _field(1e-4, "learning rate of the recovery steps", lo=0.0, lo_open=True)
-    search_batches: int = _pos(4, "training batches cycled by the recovery steps")
-    heldout_batches: int = _pos(2, "held-out batches of the proxy score (disjoint from the search batches)")
-    search_batch_size: int = _nonneg(0, "batch size of importance, recovery and proxy (0 = data.batch_size)")
-    drop_empty_blocks: bool = _field(False, "remove blocks left with no head and no channel")
-    finetune_steps: int = _pos(200, "stage-2 fine-tuning steps of every expert")
-    finetune_lr: float = _nonneg(0.0, "stage-2 peak learning rate (0 = optim.lr)")
-    expert_parallel: bool = _field(
+    group_method: str = option("db", "grouping rule on the SNR axis", GROUP_METHODS)
+    full_budget: str = option("hardest", "which end of t gets the full budget F", FULL_BUDGET_ENDS)
+    base_weights: str = option("ema", "stage-1 weights that stage 2 prunes", BASE_WEIGHTS)
+    importance: str = option("taylor", "unit importance for pruning", IMPORTANCE_METHODS)
+    importance_batches: int = positive(2, "batches of the Taylor importance (diffusion-loss gradients)")
+    proposer: str = option("local", "candidate proposer of the proxy search", PROPOSERS)
+    rounds: int = positive(2, "proxy-search rounds")
+    candidates: int = positive(3, "candidates per round")
+    recover_steps: int = nonneg(10, "AdamW steps that recover each candidate before it is scored")
+    recover_lr: float = option(1e-4, "learning rate of the recovery steps", lo=0.0, lo_open=True)
+    search_batches: int = positive(4, "training batches cycled by the recovery steps")
+    heldout_batches: int = positive(2, "held-out batches of the proxy score (disjoint from the search batches)")
+    search_batch_size: int = nonneg(0, "batch size of importance, recovery and proxy (0 = data.batch_size)")
+    drop_empty_blocks: bool = option(False, "remove blocks left with no head and no channel")
+    finetune_steps: int = positive(200, "stage-2 fine-tuning steps of every expert")
+    finetune_lr: float = nonneg(0.0, "stage-2 peak learning rate (0 = optim.lr)")
+    expert_parallel: bool = option(
         False,
         "stage 2 with the ranks split into min(N, world) parts, each searching and "
         "fine-tuning its own groups (DDP; false: every expert over all ranks)",
     )
-    llm_url: str = _field("", "llm proposer: OpenAI-compatible endpoint (https://host/v1)")
-    llm_model: str = _field("", "llm proposer: model name")
-    llm_api_key_env: str = _field("", "llm proposer: NAME of the environment variable holding the API key")
-    llm_fallback: str = _field(
+    llm_url: str = option("", "llm proposer: OpenAI-compatible endpoint (https://host/v1)")
+    llm_model: str = option("", "llm proposer: model name")
+    llm_api_key_env: str = option("", "llm proposer: NAME of the environment variable holding the API key")
+    llm_fallback: str = option(
         "none",
         "llm proposer whose endpoint gives no reply: none (stop with an error) or "
         "local (the local proposer fills the round, said on the console)",
         LLM_FALLBACKS,
     )
-    seed: int = _nonneg(0, "seed of the data split, importance and search")
+    seed: int = nonneg(0, "seed of the data split, importance and search")
 
     def validate(self) -> None:
         if self.proposer == "llm" and not (self.llm_url and self.llm_model):
             raise ValueError("tdc.proposer 'llm' needs tdc.llm_url and tdc.llm_model")
 
 
+# ---- components ---------------------------------------------------------------------------------------------------
+# The sections whose keys include their components' options: section -> (the field that selects among them, or None
+# where each is turned on by its own field; the registry module; its table of name -> ``module:Class``). A table's
+# entry is the component's class (whose ``Options`` are its options) or its ``Options`` class itself.
+COMPONENTS: dict[str, tuple[tuple[str | None, str, str], ...]] = {
+    "model": ((None, "diffcurr_fast.models.registry", "OPTIONS"),),
+    "diffusion": (("formulation", "diffcurr_fast.diffusion.registry", "FORMULATIONS"),),
+    "timesteps": (("sampler", "diffcurr_fast.timesteps.registry", "STRATEGIES"),),
+    "terms": (("use", "diffcurr_fast.terms.registry", "TERMS"), (None, "diffcurr_fast.terms.registry", "SWITCHES")),
+}
+_CORES: dict[str, type] = {
+    "model": _ModelCore,
+    "diffusion": _DiffusionCore,
+    "curriculum": CurriculumConfig,
+    "timesteps": _TimestepsCore,
+    "terms": _TermsCore,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "engine": EngineConfig,
+    "logging": LoggingConfig,
+    "checkpoint": CheckpointConfig,
+    "eval": EvalConfig,
+    "tdc": TDCConfig,
+}
+SECTION_NAMES = tuple(_CORES)
+
+
+@dataclass(frozen=True)
+class Component:
+    """One registered component of a section: its name, the field that selects it (None: its own ``SWITCH``) and
+    its options class."""
+
+    section: str
+    name: str
+    selector: str | None
+    options: type[Options]
+
+    def used(self, section: Any) -> bool:
+        """Whether the run whose section is ``section`` uses it."""
+        if self.selector is None:
+            return self.options.of(section).active()
+        chosen = getattr(section, self.selector)
+        return self.name in chosen if isinstance(chosen, list) else self.name == chosen
+
+    @property
+    def label(self) -> str:
+        """How errors name it: ``terms.use sra``, ``timesteps.sampler 'anuts'``, ``model.routing``."""
+        if self.selector is None:
+            return f"{self.section}.{self.options.SWITCH or self.name}"
+        if self.selector == "use":
+            return f"{self.section}.{self.selector} {self.name}"
+        return f"{self.section}.{self.selector} {self.name!r}"
+
+    def how_to_use(self, section: Any) -> str:
+        """How a user turns it on, for the error naming one of its options that is set while it is off."""
+        if self.selector is None:
+            key = f"{self.section}.{self.options.SWITCH}"
+            return f"it applies only when {key} turns it on ({key} is {getattr(section, self.options.SWITCH)!r})"
+        key, chosen = f"{self.section}.{self.selector}", getattr(section, self.selector)
+        if isinstance(chosen, list):
+            return f"{key} {chosen!r} does not list {self.name!r}; add it to {key}"
+        return f"{key} is {chosen!r}; set {key}={self.name}"
+
+
+def components(section: str) -> list[Component]:
+    """The components registered for ``section`` now (a test may register one), in registry order."""
+    out = []
+    for selector, module, table in COMPONENTS.get(section, ()):
+        for name, target in getattr(importlib.import_module(module), table).items():
+            obj = load(target)
+            out.append(Component(section, name, selector, getattr(obj, "Options", obj)))
+    return out
+
+
+_TYPES: dict[tuple, type] = {}
+
+
+def section_type(name: str) -> type:
+    """The dataclass of section ``name``: its own fields, then each component's options under their keys (a
+    component's field's metadata names it: ``component``). Built on first use and again when a registry grew."""
+    comps = components(name)
+    key = (name, tuple((c.name, c.options) for c in comps))
+    if key not in _TYPES:
+        core, extra, seen = _CORES[name], [], {f.name for f in dataclasses.fields(_CORES[name])}
+        for c in comps:
+            for f in dataclasses.fields(c.options):
+                k = c.options.PREFIX + f.name
+                if k in seen:
+                    raise ValueError(f"{name}.{k}: the options of {c.name!r} repeat a key of the section")
+                seen.add(k)
+                new = field(
+                    default=f.default,
+                    default_factory=f.default_factory,
+                    metadata={**f.metadata, "component": c.name},
+                )
+                extra.append((k, hints(c.options)[f.name], new))
+        cls_name = core.__name__.strip("_").replace("Core", "") + ("Config" if core.__name__.startswith("_") else "")
+        _TYPES[key] = dataclasses.make_dataclass(
+            cls_name, extra, bases=(core,), namespace={"__doc__": core.__doc__, "__module__": __name__}
+        )
+    return _TYPES[key]
+
+
+def __getattr__(name: str) -> Any:
+    """``ModelConfig``, ``DiffusionConfig``, ``TimestepsConfig``, ``TermsConfig``: the composed section types
+    (``section_type``); ``SECTIONS``: every section's type."""
+    composed = {"ModelConfig": "model", "DiffusionConfig": "diffusion", "TimestepsConfig": "timesteps"}
+    if name in composed or name == "TermsConfig":
+        return section_type(composed.get(name, "terms"))
+    if name == "SECTIONS":
+        return {sec: section_type(sec) for sec in SECTION_NAMES}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# The fields whose ``auto`` follows diffusion.formulation -> their key in the formulation's ``defaults`` (and in its
+# ``limits``, where it limits their values).
+FORMULATION_FIELDS = {
+    ("diffusion", "prediction"): "prediction",
+    ("diffusion", "learn_sigma"): "learn_sigma",
+    ("diffusion", "weighting"): "weighting",
+    ("logging", "sampler"): "sampler",
+    ("eval", "sampler"): "sampler",
+}
+
+
 @dataclass
 class TrainConfig:
-    """The whole training configuration."""
+    """The whole training configuration (module doc)."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
-    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
+    model: Any = field(default_factory=lambda: section_type("model")())
+    diffusion: Any = field(default_factory=lambda: section_type("diffusion")())
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
-    timesteps: TimestepsConfig = field(default_factory=TimestepsConfig)
-    terms: TermsConfig = field(default_factory=TermsConfig)
+    timesteps: Any = field(default_factory=lambda: section_type("timesteps")())
+    terms: Any = field(default_factory=lambda: section_type("terms")())
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -677,29 +653,34 @@ class TrainConfig:
     tdc: TDCConfig = field(default_factory=TDCConfig)
 
     def validate(self) -> TrainConfig:
-        """Resolve ``auto`` (``resolve_auto``), check every field (types, choices, ranges) and the cross-section
-        rules; returns self."""
+        """Resolve ``auto`` (``resolve_auto``), check every field (types, choices, ranges), the sections' own rules,
+        the rules of each component the run uses and the options of those it does not (``check_unused``), then the
+        cross-section rules; returns self."""
         self.resolve_auto()
-        for sec in dataclasses.fields(self):
-            section = getattr(self, sec.name)
+        for sec in SECTION_NAMES:
+            section = getattr(self, sec)
             for f in dataclasses.fields(section):
-                _check_field(f"{sec.name}.{f.name}", f, getattr(section, f.name), _hints(type(section))[f.name])
+                check_value(f"{sec}.{f.name}", f, getattr(section, f.name), hints(type(section))[f.name])
             if hasattr(section, "validate"):  # the section's own cross-field rules, where it has any
                 section.validate()
         self._check_formulation_fields()
+        for comp, opts, used in self.components():
+            if used:
+                opts.validate(self)
+            else:
+                self.check_unused(comp)
         if self.curriculum.num_clusters > self.diffusion.num_timesteps:
             raise ValueError(
                 f"curriculum.num_clusters ({self.curriculum.num_clusters}) must be <= diffusion.num_timesteps "
                 f"({self.diffusion.num_timesteps})"
             )
-        host_only = {
-            "timesteps.sampler 'anuts'": (self.timesteps.sampler == "anuts", "its policy update reads losses back"),
-            "optim.impl 'apex'": (self.optim.impl == "apex", "its FusedAdam cannot skip an update on the device"),
-            "terms.immiscible": (self.terms.immiscible, "its assignment runs on the host"),
-        }
-        for what, (used, why) in host_only.items():
-            if self.engine.cuda_graphs and used:
-                raise ValueError(f"engine.cuda_graphs does not work with {what} ({why}); set engine.cuda_graphs=false")
+        if self.engine.cuda_graphs:
+            if self.optim.impl == "apex":
+                raise ValueError(
+                    "engine.cuda_graphs does not work with optim.impl 'apex' (its FusedAdam cannot skip an update on "
+                    "the device); set engine.cuda_graphs=false"
+                )
+            self.check_refusals("cuda_graphs")
         if self.tdc.num_groups > self.diffusion.num_timesteps:
             raise ValueError(
                 f"tdc.num_groups ({self.tdc.num_groups}) must be <= diffusion.num_timesteps "
@@ -710,16 +691,6 @@ class TrainConfig:
             raise ValueError(
                 f"logging.eval_every needs images (model.in_channels 1 or 3), got {m.in_channels} "
                 "channels (latents would need the VAE decoder); set logging.eval_every=0"
-            )
-        blocks = (("dispersive", "dispersive_block"), ("sra", "sra_student_block"), ("sra", "sra_teacher_block"))
-        for name, key in (*blocks, ("repa", "repa_block")):
-            block = getattr(self.terms, key)
-            if name in self.terms.use and block is not None and block >= m.depth:
-                raise ValueError(f"terms.{key} {block} must be a block of the model: 0 to {m.depth - 1}")
-        if "repa" in self.terms.use and m.in_channels not in (1, 3):
-            raise ValueError(
-                f"terms.use repa needs images (model.in_channels 1 or 3), got {m.in_channels} channels: its encoder "
-                "sees the clean image (latents would need the VAE decoder); drop repa from terms.use"
             )
         shape = (m.in_channels, m.input_size, m.input_size)
         takes = EVAL_SHAPES.get(self.eval.features, shape)
@@ -739,15 +710,54 @@ class TrainConfig:
                 )
         return self
 
+    def components(self) -> Iterator[tuple[Component, Options, bool]]:
+        """(component, its options as this config holds them, whether the run uses it) of every section."""
+        for sec in COMPONENTS:
+            section = getattr(self, sec)
+            for comp in components(sec):
+                yield comp, comp.options.of(section), comp.used(section)
+
+    def used(self) -> list[tuple[Component, Options]]:
+        """(component, its options) of each component this run uses, in section and registry order."""
+        return [(comp, opts) for comp, opts, used in self.components() if used]
+
+    def check_refusals(self, use: str) -> None:
+        """ValueError with the first refusal of ``use`` by a component the run uses (``Options.refusal``)."""
+        for _, opts in self.used():
+            reason = opts.refusal(self, use)
+            if reason:
+                raise ValueError(reason)
+
+    def check_unused(self, comp: Component) -> None:
+        """An option of ``comp``, which the run does not use, that the user set to another value than its default,
+        in the same source as what turns the component off or a later one, is an error naming how to use it. Set in
+        an earlier source (the recipe's, when a --set turns the component off) it yields; a record's (a saved
+        config, which holds every key) is not a request."""
+        section = getattr(self, comp.section)
+        switch = comp.selector or comp.options.SWITCH
+        off_rank = source_of(section, switch)[0]
+        defaults = comp.options()
+        for key, name in comp.options.keys().items():
+            rank, label = source_of(section, key)
+            if key == switch or getattr(section, key) == getattr(defaults, name):
+                continue
+            if rank == 0 or is_record(self, rank) or rank < off_rank:
+                continue
+            raise ValueError(
+                f"{comp.section}.{key} ({label}) is an option of {comp.name!r}, which this run does not use: "
+                f"{comp.how_to_use(section)}, or drop {comp.section}.{key}"
+            )
+
     def _check_formulation_fields(self) -> None:
-        """The fields of ``FORMULATION_FIELDS`` hold values the formulation allows (``diffusion.FORMULATION_LIMITS``;
-        the prediction is ``DiffusionConfig.validate``'s, the evaluation sampler counts only when evaluations run)."""
+        """The fields of ``FORMULATION_FIELDS`` hold values the formulation allows (its ``limits``; the prediction is
+        the diffusion section's own check, the evaluation sampler counts only when evaluations run)."""
         # imported here, not at the top: keeps --help free of torch
-        from diffcurr_fast.diffusion import FORMULATION_LIMITS
+        from diffcurr_fast.diffusion.registry import formulation_class
 
         form = self.diffusion.formulation
+        limits = formulation_class(form).limits
         for (sec, key), name in FORMULATION_FIELDS.items():
-            valid, value = FORMULATION_LIMITS[form].get(name), getattr(getattr(self, sec), key)
+            valid, value = limits.get(name), getattr(getattr(self, sec), key)
             if valid is None or value in valid or name == "prediction":
                 continue
             if name != "sampler":
@@ -760,26 +770,34 @@ class TrainConfig:
                 )
 
     def resolve_auto(self) -> None:
-        """The fields of ``FORMULATION_FIELDS`` that are ``auto`` take the formulation's own choice
-        (``diffusion.FORMULATION_DEFAULTS``). One set by an earlier source than ``diffusion.formulation`` (the recipe
-        when the formulation is an override) that does not apply to that formulation yields to it as well; set in
-        the same source or a later one, it stays, and ``validate`` says why it cannot be used."""
+        """The fields of ``FORMULATION_FIELDS`` that are ``auto`` take the formulation's own choice (its
+        ``defaults``). One set by an earlier source than ``diffusion.formulation`` (the recipe when the formulation is
+        an override) that does not apply to that formulation yields to it as well; set in the same source or a later
+        one, it stays, and ``validate`` says why it cannot be used."""
         # imported here, not at the top: keeps --help free of torch
-        from diffcurr_fast.diffusion import FORMULATION_DEFAULTS, FORMULATION_LIMITS
+        from diffcurr_fast.diffusion.registry import formulation_class
 
         form = self.diffusion.formulation
-        rank, where = _source_of(self.diffusion, "formulation")
-        own, limits = FORMULATION_DEFAULTS[form], FORMULATION_LIMITS[form]
+        rank, where = source_of(self.diffusion, "formulation")
+        cls = formulation_class(form)
+        own, limits = cls.defaults, cls.limits
         for (sec, key), default_key in FORMULATION_FIELDS.items():
             section = getattr(self, sec)
-            value, filled = getattr(section, key), _filled(section)
+            value, done = getattr(section, key), filled(section)
             fits = default_key not in limits or value in limits[default_key]
-            yields = not fits and _source_of(section, key)[0] < rank and value != "auto" and key not in filled
-            if value == "auto" or key in filled or yields:
-                note = f"; {value!r} ({_source_of(section, key)[1]}) does not apply to {form}" if yields else ""
+            yields = not fits and source_of(section, key)[0] < rank and value != "auto" and key not in done
+            if value == "auto" or key in done or yields:
+                note = f"; {value!r} ({source_of(section, key)[1]}) does not apply to {form}" if yields else ""
                 setattr(section, key, own[default_key])
-                filled.add(key)
-                _sources(section)[key] = (rank, f"auto: diffusion.formulation {form!r} ({where}){note}")
+                done.add(key)
+                sources(section)[key] = (rank, f"auto: diffusion.formulation {form!r} ({where}){note}")
+        for comp, opts, used in self.components():  # a component a later choice rules out turns off
+            overruled = opts.overruled(self) if used and comp.selector is None else None
+            if overruled is not None:
+                section = getattr(self, comp.section)
+                setattr(section, comp.options.SWITCH, getattr(comp.options(), comp.options.SWITCH))
+                filled(section).add(comp.options.SWITCH)
+                sources(section)[comp.options.SWITCH] = overruled
 
     def sources(self) -> dict[str, str]:
         """``section.field`` -> the source that set it (a recipe, the demo, --set, a preset, auto), for the fields
@@ -787,146 +805,43 @@ class TrainConfig:
         return {
             f"{sec.name}.{k}": label
             for sec in dataclasses.fields(self)
-            for k, (_, label) in _sources(getattr(self, sec.name)).items()
+            for k, (_, label) in sources(getattr(self, sec.name)).items()
         }
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        """Plain nested dict (YAML/JSON-serialisable)."""
-        return dataclasses.asdict(self)
-
-
-SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(TrainConfig)}  # type: ignore
-# The fields whose ``auto`` follows diffusion.formulation -> their key in ``diffusion.FORMULATION_DEFAULTS`` (and in
-# ``FORMULATION_LIMITS``, where the formulation limits their values).
-FORMULATION_FIELDS = {
-    ("diffusion", "prediction"): "prediction",
-    ("diffusion", "learn_sigma"): "learn_sigma",
-    ("diffusion", "weighting"): "weighting",
-    ("model", "dtr"): "dtr",
-    ("logging", "sampler"): "sampler",
-    ("eval", "sampler"): "sampler",
-}
-
-
-# ---- sources: which part of the command line set a field --------------------------------------------------------
-# Each section records, per field, (rank, label) of the source that set it: rank 0 the defaults, then one rank per
-# source in the order they were applied (the demo or a recipe, then the --set list), so that a later source can
-# win over an earlier one (a preset override replaces the recipe's dimensions, a formulation override the recipe's
-# formulation-specific choices). Values filled in by ``validate`` (a preset's dimensions, auto) are kept in
-# ``_filled`` so that they are filled again when what they follow changes.
-DEFAULT_SOURCE = (0, "default")
-
-
-def _sources(section: Any) -> dict[str, tuple[int, str]]:
-    return section.__dict__.setdefault("_sources", {})
-
-
-def _filled(section: Any) -> set[str]:
-    return section.__dict__.setdefault("_filled", set())
-
-
-def _source_of(section: Any, key: str) -> tuple[int, str]:
-    return _sources(section).get(key, DEFAULT_SOURCE)
-
-
-def _new_source(cfg: TrainConfig, label: str) -> tuple[int, str]:
-    """The next source applied to ``cfg``: (its rank, ``label``)."""
-    rank = cfg.__dict__.get("_rank", 0) + 1
-    cfg.__dict__["_rank"] = rank
-    return rank, label
-
-
-# ---- checks -------------------------------------------------------------------------------------------
-_HINTS: dict[type, dict[str, Any]] = {}
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    if cls not in _HINTS:
-        _HINTS[cls] = typing.get_type_hints(cls)
-    return _HINTS[cls]
-
-
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", str(tp))
-
-
-def _coerce(key: str, value: Any, tp: Any) -> Any:
-    """Return ``value`` as type ``tp`` (int -> float widening only); ValueError naming ``key`` otherwise."""
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str) and value.strip().lower() in ("inf", "+inf", "-inf", "nan"):
-        return float(value)
-    if typing.get_origin(tp) is list:  # a list field: each item as the item type
-        (item,) = typing.get_args(tp)
-        if not isinstance(value, (list, tuple)):
-            raise ValueError(f"{key} must be a list of {_type_name(item)} ([a, b, ...]), got {value!r}")
-        return [_coerce(key, v, item) for v in value]
-    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
-        for arg in typing.get_args(tp):
-            if arg is type(None) and value is None:
-                return None
-            if arg is not type(None):
-                try:
-                    return _coerce(key, value, arg)
-                except ValueError:
-                    pass
-        raise ValueError(f"{key} must be {tp}, got {value!r}")
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif isinstance(tp, type) and isinstance(value, tp) and not isinstance(value, bool):
-        return value
-    raise ValueError(f"{key} must be of type {_type_name(tp)}, got {value!r} ({type(value).__name__})")
-
-
-def _choices(f: dataclasses.Field) -> tuple | None:
-    """The valid values of a choice field (resolved from their owner), or None."""
-    choices = f.metadata.get("choices")
-    return choices() if callable(choices) else choices
-
-
-def _check_field(key: str, f: dataclasses.Field, value: Any, tp: Any) -> None:
-    """The one check of a field's value: its type, then its choices or its range; every float must be finite."""
-    value = _coerce(key, value, tp)
-    choices = _choices(f)
-    if choices is not None and value not in choices:
-        raise ValueError(f"invalid value {value!r} for {key}; valid choices: {', '.join(map(str, choices))}")
-    for item in value if isinstance(value, list) else [value]:  # a list field: the range holds for each item
-        if isinstance(item, float) and not math.isfinite(item):
-            raise ValueError(f"{key} must be a finite number, got {item!r}")
-        rng = f.metadata.get("range")
-        if rng is not None and item is not None:
-            lo, hi, lo_open, hi_open = rng
-            if not ((item > lo if lo_open else item >= lo) and (item < hi if hi_open else item <= hi)):
-                if hi == INF:
-                    raise ValueError(f"{key} must be {'>' if lo_open else '>='} {lo}, got {item!r}")
-                lb, rb = "(" if lo_open else "[", ")" if hi_open else "]"
-                raise ValueError(f"{key} must lie in {lb}{lo}, {hi}{rb}, got {item!r}")
+        """Plain nested dict (YAML/JSON-serialisable): every key, but the options of the components the run does
+        not use (they take their defaults when it is read back)."""
+        out = dataclasses.asdict(self)
+        for comp, _, used in self.components():
+            if not used:
+                switch = comp.selector or comp.options.SWITCH
+                for key in comp.options.keys():
+                    if key != switch:
+                        out[comp.section].pop(key, None)
+        return out
 
 
 # ---- building ------------------------------------------------------------------------------------------
 def config_from_dict(
-    data: dict[str, Any] | None, base: TrainConfig | None = None, source: str = "config"
+    data: dict[str, Any] | None, base: TrainConfig | None = None, source: str = "config", *, record: bool = False
 ) -> TrainConfig:
     """Build (and validate) a config from a nested dict over ``base`` (defaults); unknown keys are errors. The dict
-    is one source, named ``source`` in the recorded provenance (``TrainConfig.sources``)."""
+    is one source, named ``source`` in the recorded provenance (``TrainConfig.sources``); ``record``: a saved config
+    (a run's ``config.yaml``, a checkpoint's), which holds the options of the components it did not use too."""
     cfg = base if base is not None else TrainConfig()
-    src = _new_source(cfg, source)
+    src = new_source(cfg, source, record=record)
     data = data or {}
     if not isinstance(data, dict):
         raise ValueError(f"a config must be a mapping of sections, got {type(data).__name__}")
     for sec_name, values in data.items():
-        if sec_name not in SECTIONS:
-            raise ValueError(f"unknown config section {sec_name!r}; valid sections: {', '.join(SECTIONS)}")
+        if sec_name not in SECTION_NAMES:
+            raise ValueError(f"unknown config section {sec_name!r}; valid sections: {', '.join(SECTION_NAMES)}")
         if values is None:
             continue
         if not isinstance(values, dict):
             raise ValueError(f"config section {sec_name!r} must be a mapping, got {values!r}")
         for key, value in values.items():
-            _set_field(cfg, f"{sec_name}.{key}", value, src)
+            set_key(cfg, f"{sec_name}.{key}", value, src)
     return cfg.validate()
 
 
@@ -938,7 +853,8 @@ LEGACY_KEYS = {("diffusion", "fused_ops"): None, ("tdc", "k"): "budget_floor"}
 
 def upgrade_saved(data: dict[str, Any]) -> dict[str, Any]:
     """A saved config (``TrainConfig.to_dict`` of this or an earlier version) in today's keys: its ``LEGACY_KEYS``
-    dropped or renamed. A new dict; ``data`` is not changed."""
+    dropped or renamed. A new dict; ``data`` is not changed. (A key an earlier version did not have takes its
+    default.)"""
     out = {sec: dict(values) if isinstance(values, dict) else values for sec, values in data.items()}
     for (sec, old), new in LEGACY_KEYS.items():
         if isinstance(out.get(sec), dict) and old in out[sec]:
@@ -948,34 +864,41 @@ def upgrade_saved(data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _set_field(cfg: TrainConfig, dotted: str, value: Any, source: tuple[int, str] = DEFAULT_SOURCE) -> None:
+def key_type(dotted: str) -> Any:
+    """The type of the config key ``section.field``; None for an unknown key."""
+    sec, _, name = dotted.partition(".")
+    return hints(section_type(sec)).get(name) if sec in SECTION_NAMES else None
+
+
+def set_key(cfg: TrainConfig, dotted: str, value: Any, source: tuple[int, str] = DEFAULT_SOURCE) -> None:
+    """Set ``section.field`` of ``cfg`` to ``value`` (checked: ``options.check_value``) as set by ``source``
+    (``options.new_source``); ValueError naming the key for an unknown one (and what a renamed key became)."""
     parts = dotted.split(".")
     if len(parts) != 2 or not all(parts):
-        raise ValueError(f"config keys look like section.field, got {dotted!r}; sections: {', '.join(SECTIONS)}")
+        raise ValueError(f"config keys look like section.field, got {dotted!r}; sections: {', '.join(SECTION_NAMES)}")
     sec_name, key = parts
-    if sec_name not in SECTIONS:
-        raise ValueError(f"unknown config section {sec_name!r} in {dotted!r}; valid sections: {', '.join(SECTIONS)}")
+    if sec_name not in SECTION_NAMES:
+        raise ValueError(
+            f"unknown config section {sec_name!r} in {dotted!r}; valid sections: {', '.join(SECTION_NAMES)}"
+        )
     section = getattr(cfg, sec_name)
-    names = [f.name for f in dataclasses.fields(section)]
-    if key not in names:
+    fields = {f.name: f for f in dataclasses.fields(section)}
+    if key not in fields:
         renamed = f" (renamed {sec_name}.{LEGACY_KEYS[sec_name, key]})" if LEGACY_KEYS.get((sec_name, key)) else ""
-        raise ValueError(f"unknown config key {dotted!r}{renamed}; valid keys of {sec_name}: {', '.join(names)}")
-    f = next(f for f in dataclasses.fields(section) if f.name == key)
-    value = _coerce(dotted, value, _hints(type(section))[key])
-    _check_field(dotted, f, value, _hints(type(section))[key])
+        raise ValueError(f"unknown config key {dotted!r}{renamed}; valid keys of {sec_name}: {', '.join(fields)}")
+    tp = hints(type(section))[key]
+    value = check_value(dotted, fields[key], coerce(dotted, value, tp), tp)
     setattr(section, key, value)
-    _filled(section).discard(key)  # set by the user now, not filled from a preset or auto
+    filled(section).discard(key)  # set by the user now, not filled from a preset or auto
     if value is None or value == "auto":  # back to what validate fills in
-        _sources(section).pop(key, None)
+        sources(section).pop(key, None)
     else:
-        _sources(section)[key] = source
+        sources(section)[key] = source
 
 
 # Sections whose values must match between a checkpoint and the run resuming from it (they define the model,
 # the objective and the curriculum's state); the others (steps, LR, logging, ...) may change on resume.
 RESUME_LOCKED = ("model", "diffusion", "curriculum", "timesteps", "terms")
-# A checkpoint written before a section or a key existed has its defaults.
-_DEFAULTS = {sec: dataclasses.asdict(SECTIONS[sec]()) for sec in RESUME_LOCKED}
 # Keys of other sections that must match too: the batches (their size and order) and every RNG stream derive from
 # them, so a resume with another value could not continue the run it names.
 RESUME_LOCKED_KEYS = (("data", "batch_size"), ("engine", "seed"))
@@ -985,15 +908,16 @@ RESUME_FREE = {("model", "init_from")}
 
 def resume_mismatches(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
     """Keys of the locked sections whose values differ between ``saved`` (a ``to_dict``) and ``cfg``; a key the
-    saved config predates counts as its default."""
+    saved config predates counts as its default (a checkpoint written before a section or a key existed)."""
     now = cfg.to_dict()
     diffs = []
     for sec in RESUME_LOCKED:
-        a, b = saved.get(sec, _DEFAULTS.get(sec, {})), now[sec]
+        defaults = dataclasses.asdict(section_type(sec)())
+        a, b = saved.get(sec, defaults), {**defaults, **now[sec]}
         for key in sorted(set(a) | set(b)):
             if (sec, key) in RESUME_FREE:
                 continue
-            was = a[key] if key in a else _DEFAULTS.get(sec, {}).get(key)  # a key newer than the checkpoint
+            was = a[key] if key in a else defaults.get(key)  # a key newer than the checkpoint
             if was != b.get(key):
                 diffs.append(f"{sec}.{key}: checkpoint {was!r} vs now {b.get(key)!r}")
     for sec, key in RESUME_LOCKED_KEYS:

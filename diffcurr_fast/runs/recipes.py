@@ -16,18 +16,15 @@ from typing import Any
 
 import yaml
 
+from diffcurr_fast.options import choices_of, filled, hints, new_source, source_of, sources, type_name
 from diffcurr_fast.runs.config import (
-    SECTIONS,
+    SECTION_NAMES,
     TrainConfig,
-    _choices,
-    _filled,
-    _hints,
-    _new_source,
-    _set_field,
-    _source_of,
-    _sources,
-    _type_name,
+    components,
     config_from_dict,
+    key_type,
+    section_type,
+    set_key,
     upgrade_saved,
 )
 
@@ -171,7 +168,7 @@ def load_run_config(path: str | Path, overrides: list[str] | None = None) -> Tra
         raise ValueError(f"{str(path)!r} is not valid YAML ({str(exc).splitlines()[0]})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{str(path)!r} holds no config (a mapping of sections)")
-    cfg = config_from_dict(_fix_floats(upgrade_saved(data)), source=f"{path.parent.name}/config.yaml")
+    cfg = config_from_dict(_fix_floats(upgrade_saved(data)), source=f"{path.parent.name}/config.yaml", record=True)
     return take_export_dims(apply_overrides(cfg, overrides))
 
 
@@ -187,39 +184,43 @@ def take_export_dims(cfg: TrainConfig) -> TrainConfig:
 
     if not m.init_from or not is_diffusers_dir(m.init_from):
         return cfg
-    rank, _ = _source_of(m, "init_from")
+    rank, _ = source_of(m, "init_from")
     by = f"model.init_from {m.init_from!r} (its config.json)"
     for name, value in export_dims(m.init_from).items():
-        have, (set_rank, where) = getattr(m, name), _source_of(m, name)
+        have, (set_rank, where) = getattr(m, name), source_of(m, name)
         if have == value:
             continue
-        if set_rank >= rank and name not in _filled(m):
+        if set_rank >= rank and name not in filled(m):
             raise ValueError(
                 f"model.{name}={have!r} ({where}) contradicts model.init_from {m.init_from!r}, whose config.json "
                 f"has {name} {value}; unset it (model.{name}=null) to take the export's value"
             )
         setattr(m, name, value)
-        _filled(m).discard(name)
-        _sources(m)[name] = (rank, by)
+        filled(m).discard(name)
+        sources(m)[name] = (rank, by)
     return cfg.validate()
 
 
 def apply_overrides(cfg: TrainConfig, overrides: list[str] | None) -> TrainConfig:
     """``cfg`` with the ``a.b=value`` overrides applied in order (one source, later than the recipe); validated.
     A text field (a path, a name) takes the value as written: ``checkpoint.run_dir=2024`` is the folder "2024",
-    ``=on`` the folder "on", not an int or a bool (``null`` still clears an optional one)."""
-    src = _new_source(cfg, "--set")
+    ``=on`` the folder "on", not an int or a bool (``null`` still clears an optional one). A key given twice is
+    refused, as a recipe's is (only one would count)."""
+    src = new_source(cfg, "--set")
+    seen: dict[str, str] = {}
     for text in overrides or []:
         key, value = parse_override(text)
-        _set_field(cfg, key, _as_written(key, text.split("=", 1)[1], value), src)
+        if key in seen:
+            raise ValueError(f"--set {seen[key]!r} and --set {text!r} set {key} twice (only one would count); keep one")
+        seen[key] = text
+        set_key(cfg, key, _as_written(key, text.split("=", 1)[1], value), src)
     return cfg.validate()
 
 
 def _as_written(key: str, raw: str, value: Any) -> Any:
     """The override's text for a field typed ``str`` or ``str | None`` (YAML's reading for the other fields, a quoted
     text, and ``null`` / ``~`` of an optional field)."""
-    sec, _, name = key.partition(".")
-    tp = _hints(SECTIONS[sec]).get(name) if sec in SECTIONS else None
+    tp = key_type(key)
     text = raw.strip()
     quoted = len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
     if tp not in (str, str | None) or quoted or (tp is not str and text in ("null", "~")):
@@ -259,14 +260,21 @@ def config_to_yaml(cfg: TrainConfig) -> str:
 
 
 def describe_config() -> str:
-    """Every key with its type, default, choices and doc (for ``--help-config``)."""
+    """Every key with its type, default, choices and doc (for ``--help-config``): each section's own keys, then each
+    component's options under a line naming it and what turns it on."""
     lines = []
-    for sec_name, cls in SECTIONS.items():
+    for sec_name in SECTION_NAMES:
+        cls = section_type(sec_name)
+        inst, owner = cls(), {f.name: f.metadata.get("component") for f in dataclasses.fields(cls)}
+        comps = {c.name: c for c in components(sec_name)}
         lines.append(f"{sec_name}:  # {cls.__doc__}")
-        inst = cls()
+        shown = None
         for f in dataclasses.fields(inst):
-            choices = _choices(f)
+            if owner[f.name] != shown and owner[f.name] is not None:
+                shown, comp = owner[f.name], comps[owner[f.name]]
+                lines.append(f"  # {comp.name}: {(comp.options.__doc__ or '').strip().splitlines()[0]}")
+            choices = choices_of(f)
             extra = f" (one of {', '.join(map(str, choices))})" if choices else ""
-            tp = _type_name(_hints(cls)[f.name])
+            tp = type_name(hints(cls)[f.name])
             lines.append(f"  {f.name}: {getattr(inst, f.name)!r}  # {tp}; {f.metadata.get('doc', '')}{extra}")
     return "\n".join(lines)

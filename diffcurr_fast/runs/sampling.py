@@ -21,7 +21,6 @@ from tqdm.auto import tqdm
 
 from diffcurr_fast._lazy import pyplot
 from diffcurr_fast.diffusion import (
-    FORMULATION_LIMITS,
     DDPMSchedule,
     EDMDenoiser,
     EDMFormulation,
@@ -32,15 +31,16 @@ from diffcurr_fast.diffusion import (
     ddpm_sample,
     edm_heun_sample,
     flow_sample,
+    formulation_class,
     guided_model_output,
     karras_sigmas,
     make_generator,
     respace,
 )
-from diffcurr_fast.models import DiT, DTRConfig
+from diffcurr_fast.models import DiT
 from diffcurr_fast.models.dit import LabelEmbedder
 from diffcurr_fast.runs.checkpoint import load_weights
-from diffcurr_fast.runs.config import resolve_sampler, with_article
+from diffcurr_fast.runs.config import components, resolve_sampler, with_article
 
 if TYPE_CHECKING:
     from diffcurr_fast.runs.config import TrainConfig
@@ -61,7 +61,8 @@ def set_cpu_threads(threads: int | None, cfg: TrainConfig | None = None) -> int:
 
 
 def build_model(cfg: TrainConfig) -> DiT:
-    """The DiT described by ``cfg.model`` (+ learn_sigma and T from ``cfg.diffusion``)."""
+    """The DiT described by ``cfg.model`` (+ learn_sigma and T from ``cfg.diffusion``): its dimensions, then the
+    keywords each model option sets (``dit_kwargs`` of its options, ``models.registry``)."""
     m = cfg.model
     kw: dict[str, Any] = dict(
         input_size=m.input_size,
@@ -72,15 +73,10 @@ def build_model(cfg: TrainConfig) -> DiT:
         attn_backend=m.attn_backend,
         grad_checkpointing=cfg.engine.grad_checkpointing,
         fused_adaln=m.fused_adaln,
-        dtr=DTRConfig() if m.dtr else None,
         num_timesteps=cfg.diffusion.num_timesteps,
-        routing=m.routing_span() if m.routing != "none" else None,
-        sprint=m.routing == "sprint",
-        norm=m.norm,
-        qk_norm=m.qk_norm,
-        mlp=m.mlp,
-        pos=m.pos,
     )
+    for comp in components("model"):
+        kw.update(comp.options.of(m).dit_kwargs(cfg))
     # the config has resolved a preset into its dimensions (``ModelConfig.validate``)
     return DiT(
         patch_size=m.patch_size,
@@ -107,14 +103,14 @@ def check_sampler(sampler: str, steps: int, cfg: TrainConfig) -> str:
     for a DDPM model. The commands check this right after reading a checkpoint's config, before building its model."""
     form = cfg.diffusion.formulation
     sampler = resolve_sampler(sampler, form)
-    valid = FORMULATION_LIMITS[form].get("sampler", SAMPLERS)
+    valid = formulation_class(form).limits.get("sampler", SAMPLERS)
     if sampler not in valid:
         raise ValueError(
             f"--sampler {sampler!r} cannot sample {with_article(form)} model; valid choices: {', '.join(valid)}"
         )
     if steps < 1:
         raise ValueError(f"--steps must be >= 1, got {steps}")
-    if form == "ddpm" and steps > cfg.diffusion.num_timesteps:
+    if formulation_class(form).discrete and steps > cfg.diffusion.num_timesteps:  # t is the timestep index
         top = cfg.diffusion.num_timesteps
         raise ValueError(f"--steps must be an int in [1, {top}] (the model's diffusion.num_timesteps), got {steps}")
     return sampler

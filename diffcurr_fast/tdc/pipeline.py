@@ -107,7 +107,7 @@ def stage2_config(cfg: TrainConfig, run_dir: Path) -> TrainConfig:
     if cfg.tdc.finetune_lr > 0:
         d["optim"]["lr"] = cfg.tdc.finetune_lr
     d["optim"]["min_lr"] = min(d["optim"]["min_lr"], d["optim"]["lr"])
-    return config_from_dict(d).validate()
+    return config_from_dict(d, record=True).validate()
 
 
 def _search_batch_size(cfg: TrainConfig) -> int:
@@ -589,5 +589,5 @@ def load_bundle_with_config(
     cfg_path = path / "train_config.json"
     if not cfg_path.is_file():
         raise ValueError(f"{str(path)!r} has no train_config.json; it is not a bundle written by `diffcurr-fast tdc`")
-    cfg = config_from_dict(upgrade_saved(json.loads(cfg_path.read_text())))
+    cfg = config_from_dict(upgrade_saved(json.loads(cfg_path.read_text())), record=True)
     return load_bundle(path, device=device).eval(), cfg

@@ -48,22 +48,7 @@ def check_tdc_run(
     check_inputs(cfg)
     check_guidance(cfg)
     check_groups(cfg, opts.num_groups, opts.group_method)
-    for term in ("sra", "repa"):  # a projector attached to the model (model.term_heads); an expert has none
-        if term in cfg.terms.use:
-            raise ValueError(
-                f"terms.use {term!r} trains a projector attached to the model, which TDC's pruned experts do not "
-                "carry; drop it from terms.use for a TDC run"
-            )
-    if cfg.model.routing == "sprint":  # tdc/prune.py prunes the blocks and knows nothing of the fusion layer
-        raise ValueError(
-            "model.routing 'sprint': TDC's pruning does not know SPRINT's fusion layer and [MASK] token; use "
-            "model.routing=tread or none for a TDC run"
-        )
-    if cfg.model.mlp != "gelu":  # tdc/prune.py prunes the hidden units of fc1 / fc2
-        raise ValueError(
-            f"model.mlp {cfg.model.mlp!r}: TDC's pruning removes hidden units of the GELU MLP (fc1, fc2) only; "
-            "use model.mlp=gelu for a TDC run"
-        )
+    cfg.check_refusals("tdc")  # what a pruned expert cannot carry (a term's projector, a layer pruning skips)
     if resume:
         if overwrite:
             raise ValueError("--resume and --overwrite exclude each other")

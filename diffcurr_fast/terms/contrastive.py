@@ -11,7 +11,7 @@ probability), and lambda = 0.05 (the paper's and the code's ``--contrastive-weig
 regression loss the objective already has; this term is the second, -|| pred - target~ ||^2 per sample, and the
 objective adds it with weight ``terms.contrastive_weight`` (lambda).
 
-Defined here for every formulation: the target is the formulation's p x0 + q eps (``TrainingTerms``), so the
+Defined here for every formulation: the target is the formulation's p x0 + q eps (``TrainingDraw``), so the
 negative of sample i is p_i x0_j + q_i eps_j at sample i's own noise level: DeltaFM's (alpha'_t x~ + sigma'_t eps~)
 for flow with v prediction, and the same construction for DDPM (eps, x0 or v targets) and EDM. Choices made here:
 
@@ -26,11 +26,26 @@ for flow with v prediction, and the same construction for DDPM (eps, x0 or v tar
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from diffcurr_fast.options import Options, option
 from diffcurr_fast.terms.base import TermInputs, TrainingTerm
+
+
+@dataclass
+class ContrastiveOptions(Options):
+    """contrastive's options in the ``terms`` section (keys ``terms.contrastive_*``)."""
+
+    PREFIX = "contrastive_"
+    weight: float = option(
+        0.05, "contrastive (DeltaFM, arXiv 2506.05350): lambda of its negative pair", lo=0.0, lo_open=True
+    )
+
+    def min_micro_batch(self, cfg: Any) -> int:
+        return 2  # a negative pair
 
 
 class Contrastive(TrainingTerm):
@@ -38,13 +53,14 @@ class Contrastive(TrainingTerm):
 
     features = ()
     needs_noise = True
+    Options = ContrastiveOptions
 
     @classmethod
     def from_config(cls, cfg: Any) -> Contrastive:
         return cls()
 
     def forward(self, inputs: TermInputs) -> torch.Tensor:
-        x0, d = inputs.x0, inputs.terms
+        x0, d = inputs.x0, inputs.draw
         if x0.shape[0] < 2:
             raise ValueError("terms.use contrastive needs at least 2 samples per (micro-)batch: a negative pair")
         eps = inputs.noise.to(x0.dtype)  # (B, C, H, W): the step's noise

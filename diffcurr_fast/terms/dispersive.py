@@ -18,11 +18,13 @@ official code).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from diffcurr_fast.terms.base import TermInputs, TrainingTerm
+from diffcurr_fast.options import Options, option
+from diffcurr_fast.terms.base import TermInputs, TrainingTerm, check_block
 
 
 def dispersive_loss(z: torch.Tensor, tau: float = 1.0) -> torch.Tensor:
@@ -32,8 +34,26 @@ def dispersive_loss(z: torch.Tensor, tau: float = 1.0) -> torch.Tensor:
     return torch.logsumexp(-d.flatten(), dim=0) - 2.0 * torch.log(torch.tensor(float(z.shape[0])))
 
 
+@dataclass
+class DispersiveOptions(Options):
+    """dispersive's options in the ``terms`` section (keys ``terms.dispersive_*``)."""
+
+    PREFIX = "dispersive_"
+    weight: float = option(0.5, "dispersive (Wang and He, arXiv 2506.09027): its weight", lo=0.0, lo_open=True)
+    block: int | None = option(None, "dispersive: the block whose output tokens it disperses (None: depth // 4)", lo=0)
+    tau: float = option(1.0, "dispersive: the temperature tau", lo=0.0, lo_open=True)
+
+    def validate(self, cfg: Any) -> None:
+        check_block("dispersive_block", self.block, cfg)
+
+    def min_micro_batch(self, cfg: Any) -> int:
+        return 2  # it compares the samples of the batch
+
+
 class Dispersive(TrainingTerm):
     """The dispersive loss of block ``block``'s output tokens, the batch's value for every sample (module doc)."""
+
+    Options = DispersiveOptions
 
     def __init__(self, block: int, tau: float = 1.0):
         super().__init__()

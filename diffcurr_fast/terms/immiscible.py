@@ -55,9 +55,42 @@ ranks or accumulation steps our pool is smaller, and so is the effect (the dista
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
+from diffcurr_fast.options import Options, option
+
 SCIPY_MISSING = "terms.immiscible needs scipy (its linear assignment): pip install scipy, or set terms.immiscible=false"
+
+
+@dataclass
+class ImmiscibleOptions(Options):
+    """The switch ``terms.immiscible`` (module doc: where it lives)."""
+
+    SWITCH = "immiscible"
+    immiscible: bool = option(
+        False,
+        "immiscible diffusion (Li et al., arXiv 2406.12303): each (micro-)batch's noise assigned to its images by "
+        "a linear assignment of least total distance (terms/immiscible.py; no loss of its own, needs scipy)",
+    )
+
+    def active(self) -> bool:
+        return self.immiscible
+
+    def refusal(self, cfg: Any, use: str) -> str | None:
+        if use == "cuda_graphs":
+            return (
+                "engine.cuda_graphs does not work with terms.immiscible (its assignment runs on the host); set "
+                "engine.cuda_graphs=false"
+            )
+        return None
+
+    def pairing(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """What the objective does to the step's draw: noise stream b trains on image ``assign_noise(x0, noise)[b]``."""
+        return assign_noise
 
 
 def pair_costs(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

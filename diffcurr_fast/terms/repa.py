@@ -46,6 +46,7 @@ import contextlib
 import math
 import re
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffcurr_fast._files import read_safetensors
-from diffcurr_fast.terms.base import TermInputs, TrainingTerm
+from diffcurr_fast.options import Options, option
+from diffcurr_fast.terms.base import TermInputs, TrainingTerm, check_block
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -363,8 +365,61 @@ class _Frozen:
         return self.module
 
 
+@dataclass
+class REPAOptions(Options):
+    """repa's options in the ``terms`` section (keys ``terms.repa_*``)."""
+
+    PREFIX = "repa_"
+    weight: float = option(
+        0.5, "repa (representation alignment, arXiv 2410.06940): its weight (the official 0.5)", lo=0.0, lo_open=True
+    )
+    block: int | None = option(
+        None, "repa: the block whose output tokens are aligned, through the projector (None: depth // 3 - 1)", lo=0
+    )
+    encoder: str = option(
+        "",
+        "repa: the frozen encoder, a local file (required with repa): a TorchScript module (torch.jit.save) "
+        "returning patch tokens (B, N, D), or a safetensors state dict of a DINOv2-style ViT; no torch.save pickles",
+    )
+    encoder_size: int = option(
+        224, "repa: the encoder's input size (images resized to it bicubically; DINOv2: 224 for 16x16 tokens)", lo=1
+    )
+    projector_dim: int = option(2048, "repa: the projector MLP's hidden width (the official 2048)", lo=1)
+
+    def validate(self, cfg: Any) -> None:
+        if not self.encoder:
+            raise ValueError(
+                "terms.repa_encoder is required with terms.use repa: a local TorchScript file (torch.jit.save) or "
+                "a safetensors file of a DINOv2-style ViT (docs/training.md, REPA from a local encoder)"
+            )
+        check_block("repa_block", self.block, cfg)
+        if cfg.model.in_channels not in (1, 3):
+            raise ValueError(
+                f"terms.use repa needs images (model.in_channels 1 or 3), got {cfg.model.in_channels} channels: its "
+                "encoder sees the clean image (latents would need the VAE decoder); drop repa from terms.use"
+            )
+
+    def refusal(self, cfg: Any, use: str) -> str | None:
+        if use == "tdc":  # a projector attached to the model (model.term_heads); an expert has none
+            return (
+                "terms.use 'repa' trains a projector attached to the model, which TDC's pruned experts do not "
+                "carry; drop it from terms.use for a TDC run"
+            )
+        return None
+
+    def check_inputs(self, cfg: Any, read: bool) -> None:
+        """The encoder file is TorchScript or safetensors, not a pickle; ``read``: it loads as the start loads it
+        and its patch tokens at ``encoder_size`` match the model's grid (``check_encoder``)."""
+        encoder_format(self.encoder)
+        if read:
+            m = cfg.model
+            check_encoder(self.encoder, self.encoder_size, m.input_size // m.patch_size)
+
+
 class REPA(TrainingTerm):
     """-(1/N) sum_n cos(h(f_j(x_t))_n, f_enc(x0)_n), the encoder frozen, the tokens averaged (module doc)."""
+
+    Options = REPAOptions
 
     def __init__(
         self,

@@ -45,6 +45,7 @@ Choices made here, each with its source:
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -52,7 +53,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffcurr_fast.diffusion.axis import t_trusted
-from diffcurr_fast.terms.base import TermInputs, TrainingTerm
+from diffcurr_fast.options import Options, option
+from diffcurr_fast.terms.base import TermInputs, TrainingTerm, check_block
 
 LOSSES = ("cosine", "smooth_l1")
 
@@ -72,6 +74,39 @@ def alignment_loss(student: torch.Tensor, teacher: torch.Tensor, loss: str = "co
     raise ValueError(f"terms.sra_loss {loss!r}; valid choices: {', '.join(LOSSES)}")
 
 
+@dataclass
+class SRAOptions(Options):
+    """sra's options in the ``terms`` section (keys ``terms.sra_*``)."""
+
+    PREFIX = "sra_"
+    weight: float = option(
+        0.5, "sra (self-representation alignment, arXiv 2505.02831): its weight", lo=0.0, lo_open=True
+    )
+    student_block: int | None = option(
+        None, "sra: the block whose output tokens are aligned, through the projector (None: depth // 4 - 1)", lo=0
+    )
+    teacher_block: int | None = option(
+        None, "sra: the EMA model's block whose output tokens are the target (None: 3 depth // 4 - 1)", lo=0
+    )
+    gap: float = option(
+        0.2, "sra: the teacher's largest noise-level gap below the student, a fraction of the cells", lo=0.0, hi=1.0
+    )
+    projector_dim: int | None = option(None, "sra: the projector MLP's hidden width (None: 2 x hidden_size)", lo=1)
+    loss: str = option("cosine", "sra: cosine (1 - cos per token) or smooth_l1 (beta 0.05)", LOSSES)
+
+    def validate(self, cfg: Any) -> None:
+        check_block("sra_student_block", self.student_block, cfg)
+        check_block("sra_teacher_block", self.teacher_block, cfg)
+
+    def refusal(self, cfg: Any, use: str) -> str | None:
+        if use == "tdc":  # a projector attached to the model (model.term_heads); an expert has none
+            return (
+                "terms.use 'sra' trains a projector attached to the model, which TDC's pruned experts do not "
+                "carry; drop it from terms.use for a TDC run"
+            )
+        return None
+
+
 class _Reference:
     """A reference to the teacher that is neither a submodule (its weights stay out of the term's state dict and
     parameters) nor copied with the term (``copy.deepcopy`` of the model keeps pointing at the same EMA)."""
@@ -85,6 +120,8 @@ class _Reference:
 
 class SRA(TrainingTerm):
     """1 - cos(h(f_student(x_t)), sg f_teacher^EMA(x_t')) per token, averaged over the tokens (module doc)."""
+
+    Options = SRAOptions
 
     needs_noise = True
 
@@ -135,11 +172,11 @@ class SRA(TrainingTerm):
         """The attached teacher (the run's EMA model), or None."""
         return self._teacher.module
 
-    def teacher_terms(self, inputs: TermInputs) -> Any:
+    def teacher_draw(self, inputs: TermInputs) -> Any:
         """The formulation's terms at the teacher's cells k' = max(k - d, 0), d ~ U{0, ..., D - 1}, D = max(1,
         floor(gap G)), from a generator seeded with the step's noise seed; per sample, the student's own terms
         where the redrawn point lies above its level (module doc)."""
-        k, own = inputs.cells, inputs.terms
+        k, own = inputs.cells, inputs.draw
         if k is None or inputs.redraw is None or inputs.num_cells < 1:
             raise ValueError("terms.use sra needs the cells of the draw and the formulation's redraw (the Objective)")
         gen = torch.Generator().manual_seed(int(inputs.seed))
@@ -160,7 +197,7 @@ class SRA(TrainingTerm):
         if lin.dim() != 2:  # DeepSpeed ZeRO-3 partitions it outside the model's forward
             raise ValueError("terms.use sra: its projector is partitioned (ZeRO stage 3); use ZeRO stage 0 to 2")
         x0, eps = inputs.x0, inputs.noise.to(inputs.x0.dtype)  # (B, C, H, W)
-        d = self.teacher_terms(inputs)
+        d = self.teacher_draw(inputs)
         shape = (-1,) + (1,) * (x0.dim() - 1)
         x_t = d.a.to(x0.dtype).view(shape) * x0 + d.c.to(x0.dtype).view(shape) * eps  # (B, C, H, W) at t' <= t
         t_in = d.t_in.to(x0.dtype) if d.t_in.is_floating_point() else d.t_in  # (B,)

@@ -32,17 +32,48 @@ probe samples are the batch's first ``probe_batch``. The policy is updated on th
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from diffcurr_fast.options import Options, nonneg, option, positive
 from diffcurr_fast.timesteps.base import TimestepSampler, all_reduce_mean
+
+
+@dataclass
+class ANUTSOptions(Options):
+    """anuts's options in the ``timesteps`` section (keys ``timesteps.anuts_*``)."""
+
+    PREFIX = "anuts_"
+    every: int = positive(20, "anuts: steps between policy updates (each probes the loss before and after)")
+    candidates: int = positive(16, "anuts: cells, evenly spaced, whose loss decrease is measured")
+    probes: int = positive(3, "anuts: size of the subset S whose decrease is the reward")
+    probe_batch: int = positive(4, "anuts: samples of the batch the probes are measured on")
+    buffer: int = option(10, "anuts: updates kept to choose S by correlation with the total decrease", lo=2)
+    lr: float = option(0.02, "anuts: Adam learning rate of the policy's log a, log b", lo=0.0, lo_open=True)
+    entropy: float = nonneg(0.0, "anuts: weight of the policy's entropy bonus")
+
+    def validate(self, cfg: Any) -> None:
+        if self.probes > self.candidates:
+            raise ValueError(
+                f"timesteps.anuts_probes {self.probes} must be <= timesteps.anuts_candidates {self.candidates}"
+            )
+
+    def refusal(self, cfg: Any, use: str) -> str | None:
+        if use == "cuda_graphs":
+            return (
+                "engine.cuda_graphs does not work with timesteps.sampler 'anuts' (its policy update reads losses "
+                "back); set engine.cuda_graphs=false"
+            )
+        return None
 
 
 class ANUTS(TimestepSampler):
     """The adaptive sampler of Kim et al. (CVPR 2025) on ``num_cells`` cells (module doc)."""
 
     name = "anuts"
+    Options = ANUTSOptions
 
     def __init__(
         self,

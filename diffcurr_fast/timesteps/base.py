@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from diffcurr_fast.curriculum.pacing import collective_device, dist_active
+from diffcurr_fast.options import Options
 
 
 def all_reduce_mean(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -53,6 +54,7 @@ class TimestepSampler:
 
     name = "uniform"
     unbiased = False  # its draws are importance-corrected by ``Product.loss_weights``
+    Options: type[Options] = Options  # its fields in the ``timesteps`` section (``options.Options``), if any
     process_group: Any = None
 
     def __init__(self, num_cells: int):

@@ -15,17 +15,29 @@ losses are kept); non-finite losses are not folded (the trainer skips such a ste
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from diffcurr_fast.options import Options, positive, unit
 from diffcurr_fast.timesteps.base import TimestepSampler, all_gather_cat
+
+
+@dataclass
+class ImportanceOptions(Options):
+    """importance's options in the ``timesteps`` section (keys ``timesteps.importance_*``)."""
+
+    PREFIX = "importance_"
+    history: int = positive(10, "importance: losses kept per cell (IDDPM: 10); uniform until all are full")
+    floor: float = unit(1e-3, "importance: uniform share mixed into the distribution (IDDPM: 1e-3)")
 
 
 class LossSecondMoment(TimestepSampler):
     """IDDPM's loss-second-moment resampler on ``num_cells`` cells (module doc)."""
 
     name = "importance"
+    Options = ImportanceOptions
     unbiased = True
 
     def __init__(self, num_cells: int, history: int = 10, uniform_floor: float = 1e-3):

@@ -12,10 +12,12 @@ a tail keeps a positive weight and the product with another factor is never all 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from diffcurr_fast.options import INF, Options, option
 from diffcurr_fast.timesteps.base import TimestepSampler
 
 
@@ -36,10 +38,22 @@ def lognormal_cell_mass(log_snr: torch.Tensor, mean: float, std: float) -> torch
     return (cdf[:-1] - cdf[1:]).abs().clamp(min=1e-30)
 
 
+@dataclass
+class LogNormalOptions(Options):
+    """lognormal's options in the ``timesteps`` section (keys ``timesteps.lognormal_*``)."""
+
+    PREFIX = "lognormal_"
+    mean: float = option(0.0, "lognormal: mean of log SNR (flow: -2 x the logit-normal mean)", lo=-INF)
+    std: float = option(
+        2.0, "lognormal: std of log SNR (2 = SD3's logit-normal(0, 1) t for flow)", lo=0.0, lo_open=True
+    )
+
+
 class LogNormal(TimestepSampler):
     """p_k ∝ the N(mean, std^2) mass of cell k's log-SNR interval (module doc)."""
 
     name = "lognormal"
+    Options = LogNormalOptions
 
     def __init__(self, log_snr: torch.Tensor, mean: float = 0.0, std: float = 2.0):
         super().__init__(log_snr.numel())

@@ -16,10 +16,12 @@ asymmetric draw is then uniform, and the dual half, clamped to the last cell, st
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from diffcurr_fast.options import Options, option
 from diffcurr_fast.timesteps.base import TimestepSampler
 from diffcurr_fast.timesteps.lognormal import cell_log_snr
 
@@ -44,10 +46,25 @@ def speed_weights(num_cells: int, tau: int, k: float) -> torch.Tensor:
     return 0.5 * (p + p_dual)
 
 
+@dataclass
+class SpeeDOptions(Options):
+    """speed's options in the ``timesteps`` section (keys ``timesteps.speed_*``)."""
+
+    PREFIX = "speed_"
+    k: float = option(5.0, "speed: how many times as likely a cell before the convergence area is", lo=1.0)
+    threshold: float = option(
+        1e-4,
+        "speed: increment of sqrt(1 - abar) per 1/1000 of the axis where the convergence area begins",
+        lo=0.0,
+        lo_open=True,
+    )
+
+
 class SpeeD(TimestepSampler):
     """SpeeD's asymmetric sampling: cells below the convergence boundary tau drawn ``k`` times as often (module doc)."""
 
     name = "speed"
+    Options = SpeeDOptions
 
     def __init__(self, log_snr: torch.Tensor, k: float = 5.0, threshold: float = 1e-4):
         super().__init__(log_snr.numel())

@@ -1,8 +1,8 @@
 """Everything about a training run that can be checked before its directory is touched (``train --dry-run`` runs
 exactly this): the config, the guidance it will sample with, the device, launcher, optimizer and backends asked
 for, the input files, the evaluation's reference, the DeepSpeed JSON, optional packages that were asked for, the
-batch split, the run directory (``rundir.check_run_dir``), and the data, initial weights and REPA's encoder, opened
-and read as the start reads them (``train.data``, ``terms.repa.check_encoder``).
+batch split, the run directory (``rundir.check_run_dir``), and the data, initial weights and the components' own input
+files, opened and read as the start reads them (``train.data``, ``Options.check_inputs``).
 
 ``check_run(cfg, resume=..., overwrite=...)`` raises ValueError / FileNotFoundError / FileExistsError /
 ImportError with one line naming the key and what to do, and returns the ``RunStart``.
@@ -22,13 +22,19 @@ from diffcurr_fast.models.diffusers_dit import is_diffusers_dir
 from diffcurr_fast.ops._backend import CHOICES, unavailable_reason
 from diffcurr_fast.runs.config import TrainConfig
 from diffcurr_fast.runs.sampling import build_model
-from diffcurr_fast.terms.repa import check_encoder, encoder_format
 from diffcurr_fast.train.data import check_data, fitting_init_state
 from diffcurr_fast.train.engine import check_launcher, check_optimizer, load_deepspeed_config
 from diffcurr_fast.train.evaluation import check_reference
 from diffcurr_fast.train.rundir import TRAIN_LAYOUT, RunLayout, RunStart, check_run_dir
 
-__all__ = ["check_backends", "check_guidance", "check_init_from", "check_inputs", "check_repa_encoder", "check_run"]
+__all__ = [
+    "check_backends",
+    "check_component_inputs",
+    "check_guidance",
+    "check_init_from",
+    "check_inputs",
+    "check_run",
+]
 
 
 def _device_type(cfg: TrainConfig):
@@ -98,7 +104,7 @@ def check_backends(cfg: TrainConfig) -> None:
 
 def check_inputs(cfg: TrainConfig) -> None:
     """The data, initial weights, DeepSpeed JSON and REPA encoder named by ``cfg`` exist and are readable (the
-    encoder's format from its first bytes: ``check_repa_encoder`` reads it whole)."""
+    encoder's format from its first bytes: ``check_component_inputs`` reads it whole)."""
     d = cfg.data
     p = Path(d.path) if d.path else None
     if d.dataset == "npz" and p is not None:
@@ -126,8 +132,8 @@ def check_inputs(cfg: TrainConfig) -> None:
         raise FileNotFoundError(
             f"model.init_from {init!r} does not exist (a weights file or a diffusers DiT directory)"
         )
-    if "repa" in cfg.terms.use:
-        encoder_format(cfg.terms.repa_encoder)  # exists, TorchScript or safetensors, not a pickle
+    for _, opts in cfg.used():  # the components' own files (REPA's encoder: exists, not a pickle)
+        opts.check_inputs(cfg, read=False)
     if cfg.engine.kind == "deepspeed":
         ds = load_deepspeed_config(cfg.engine.deepspeed_config)
         if not isinstance(ds, dict):
@@ -169,13 +175,11 @@ def check_init_from(cfg: TrainConfig) -> None:
     fitting_init_state(model.state_dict(), cfg.model.init_from)
 
 
-def check_repa_encoder(cfg: TrainConfig) -> None:
-    """``terms.repa_encoder`` loads as the start loads it (``REPA.from_config``) and its patch tokens at
-    ``terms.repa_encoder_size`` can be matched to the model's grid: one line naming the file or the size to set."""
-    if "repa" not in cfg.terms.use:
-        return
-    m, t = cfg.model, cfg.terms
-    check_encoder(t.repa_encoder, t.repa_encoder_size, m.input_size // m.patch_size)
+def check_component_inputs(cfg: TrainConfig) -> None:
+    """The input files of the components the run uses are read as the start reads them (REPA's encoder: it loads,
+    and its patch tokens match the model's grid), in one line naming the file or the key to set."""
+    for _, opts in cfg.used():
+        opts.check_inputs(cfg, read=True)
 
 
 def check_run(
@@ -203,12 +207,13 @@ def check_run(
             f"optim.grad_accum_steps {acc}"
         )
     micro = cfg.data.batch_size // (world * acc)
-    batch_terms = [t for t in cfg.terms.use if t in ("contrastive", "dispersive")]  # they compare samples
-    if batch_terms and micro < 2:
-        raise ValueError(
-            f"terms.use {batch_terms[0]} needs at least 2 samples per micro-batch, got {micro} (data.batch_size "
-            f"{cfg.data.batch_size} over {world} rank(s) x optim.grad_accum_steps {acc})"
-        )
+    for comp, opts in cfg.used():  # a component that compares the samples of a batch
+        need = opts.min_micro_batch(cfg)
+        if micro < need:
+            raise ValueError(
+                f"{comp.label} needs at least {need} samples per micro-batch, got {micro} (data.batch_size "
+                f"{cfg.data.batch_size} over {world} rank(s) x optim.grad_accum_steps {acc})"
+            )
     start = check_run_dir(
         cfg.checkpoint.run_dir, layout, resume=resume, overwrite=overwrite, max_steps=cfg.engine.max_steps
     )
@@ -216,5 +221,5 @@ def check_run(
         check_data(cfg, world)
         if start.checkpoint is None:  # a resumed run takes its checkpoint's weights
             check_init_from(cfg)
-        check_repa_encoder(cfg)
+        check_component_inputs(cfg)
     return start

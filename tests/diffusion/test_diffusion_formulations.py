@@ -179,7 +179,7 @@ def test_common_axis(idx):
         assert not bool(torch.isnan(w).any())
     g = form.num_timesteps if form.discrete else 50  # the trainer's draws: cells from the timesteps component
     k = sample_timesteps(64, build_timesteps(None, form, g).weights(), generator=torch.Generator().manual_seed(0))
-    n = form.training_terms(k, g, generator=torch.Generator().manual_seed(1)).t
+    n = form.training_draw(k, g, generator=torch.Generator().manual_seed(1)).t
     assert n.shape == (64,)
     form.check_t(n)
     lo, hi = form.t_range()

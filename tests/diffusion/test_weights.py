@@ -121,5 +121,5 @@ def test_speed_change_aware_weighting(beta, prediction):
     assert float(got.min()) >= 0 if prediction != "eps" else 0.5 - 1e-12 <= float(got.min()) < float(got.max()) <= 1.5
     with pytest.raises(ValueError, match="the speed weighting is a function of the whole schedule"):
         loss_weights(s.snr(torch.tensor([3, 7])), prediction, "speed")
-    terms = s.training_terms(torch.tensor([0, 500, 999]), 1000, prediction, "speed")  # the trainer's path
+    terms = s.training_draw(torch.tensor([0, 500, 999]), 1000, prediction, "speed")  # the trainer's path
     torch.testing.assert_close(terms.w, got[[0, 500, 999]])

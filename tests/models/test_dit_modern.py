@@ -19,7 +19,7 @@ from diffcurr_fast.models.modern import (
     rope2d_tables,
     swiglu_hidden,
 )
-from diffcurr_fast.ops.token_gather import draw_route
+from diffcurr_fast.models.routing import draw_route
 
 ALL = dict(norm="rmsnorm", qk_norm=True, mlp="swiglu", pos="rope2d")
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from diffcurr_fast.models.dit import DiT
-from diffcurr_fast.ops.token_gather import draw_route
+from diffcurr_fast.models.routing import draw_route
 
 T = 16  # tokens of the 8x8 inputs at patch 2
 

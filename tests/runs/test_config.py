@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from diffcurr_fast.models.routing import RoutingOptions
 from diffcurr_fast.runs.config import (
     SECTIONS,
     TrainConfig,
@@ -156,7 +157,7 @@ def test_there_are_recipes():
 def test_fast_dit_b2_routes_as_tread_at_that_size():
     cfg = load_config(ROOT / "recipes" / "fast_dit_b2.yaml")
     assert (cfg.model.preset, cfg.model.routing, cfg.model.routing_keep) == ("DiT-B/2", "tread", 0.5)
-    assert cfg.model.routing_span() == (2, 10) and cfg.model.depth == 12  # 2nd to second-to-last of 12 blocks
+    assert RoutingOptions.of(cfg.model).span(cfg.model.depth) == (2, 10) and cfg.model.depth == 12  # 2nd to second-to-last of 12 blocks
     assert (cfg.diffusion.weighting, cfg.diffusion.min_snr_gamma, cfg.optim.lr) == ("min_snr", 5.0, 1e-4)
 
 
@@ -254,7 +255,7 @@ def test_resume_mismatches_lists_locked_keys():
     # a checkpoint written before a key existed (model.routing*) holds its default
     saved = a.to_dict()
     for key in ("routing", "routing_keep", "routing_start", "routing_end", "routing_until"):
-        del saved["model"][key]
+        saved["model"].pop(key, None)  # the unused options are not written (to_dict); the switch is
     assert resume_mismatches(saved, a) == []
     routed = config_from_dict({"model": {"routing": "tread", "depth": 6}}, base=load_config(None))
     assert "model.routing: checkpoint 'none' vs now 'tread'" in resume_mismatches(saved, routed)
@@ -333,9 +334,9 @@ def test_preset_fills_dimensions_and_a_contradiction_is_an_error(tmp_path):
     with pytest.raises(ValueError, match=r"model.depth=1 contradicts model.preset 'DiT-S/8' \(depth 12\)"):
         config_from_dict({"model": {"preset": "DiT-S/8", "depth": 1, "input_size": 16}})
     swapped = config_from_dict({"model": {"preset": "DiT-L/2"}})  # another preset over a resolved one
-    from diffcurr_fast.runs.config import _set_field
+    from diffcurr_fast.runs.config import set_key
 
-    _set_field(swapped, "model.preset", "DiT-B/4")
+    set_key(swapped, "model.preset", "DiT-B/4")
     assert swapped.validate().model.hidden_size == 768 and swapped.model.patch_size == 4
     dims = load_config(
         None,

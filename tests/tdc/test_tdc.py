@@ -155,7 +155,7 @@ def test_flops_match_flop_counter(kw, batch):
 def test_routed_flops_match_flop_counter():
     """Token routing: the span's blocks on the K kept tokens, the others on all T (``dit_flops(route=)``), as
     counted on the routed forward."""
-    from diffcurr_fast.ops.token_gather import draw_route
+    from diffcurr_fast.models.routing import draw_route
 
     m = tiny_dit(depth=4, routing=(1, 3)).train()
     tokens = (m.input_size // m.patch_size) ** 2

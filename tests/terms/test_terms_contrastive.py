@@ -27,7 +27,7 @@ def test_contrastive_is_minus_the_weighted_distance_to_the_previous_samples_targ
     g = torch.Generator().manual_seed(b)
     x0 = torch.randn(b, 3, 4, 4, generator=g, dtype=torch.float64)
     pred = torch.randn(b, 3, 4, 4, generator=g, dtype=torch.float64)
-    terms = form.training_terms(torch.randint(0, 50, (b,), generator=g), 50, prediction, weighting, 5.0, g)
+    terms = form.training_draw(torch.randint(0, 50, (b,), generator=g), 50, prediction, weighting, 5.0, g)
     seed = 1234
     eps = philox_randn(seed, (b, 3, 4, 4)).double()
     got = Contrastive()(TermInputs(x0, torch.zeros(b, dtype=torch.long), terms, x0, seed, pred, {}, eps))

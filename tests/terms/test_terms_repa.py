@@ -176,7 +176,7 @@ def _inputs(b, model, block, seed=1234):
     g = torch.Generator().manual_seed(b)
     k = torch.randint(0, G, (b,), generator=g)
     x0 = torch.rand(b, 1, 8, 8, generator=g) * 2 - 1
-    draw = form.training_terms(k, G, "velocity", "none", 5.0, g)
+    draw = form.training_draw(k, G, "velocity", "none", 5.0, g)
     y = torch.arange(b) % 10
     x_in = draw.a.view(-1, 1, 1, 1) * x0 + draw.c.view(-1, 1, 1, 1) * torch.randn(x0.shape, generator=g)
     x_in, t_in = x_in.float(), draw.t_in.float()  # the draw's coefficients are float64

@@ -47,8 +47,8 @@ def _inputs(formulation, prediction, b, seed=1234, dtype=torch.float64):
     g = torch.Generator().manual_seed(b)
     k = torch.randint(0, G, (b,), generator=g)
     x0 = torch.randn(b, 1, 8, 8, generator=g, dtype=dtype)
-    draw = form.training_terms(k, G, prediction, "none", 5.0, g)
-    redraw = lambda kk, gen: form.training_terms(kk, G, prediction, "none", 5.0, gen)  # noqa: E731
+    draw = form.training_draw(k, G, prediction, "none", 5.0, g)
+    redraw = lambda kk, gen: form.training_draw(kk, G, prediction, "none", 5.0, gen)  # noqa: E731
     eps = philox_randn(seed, tuple(x0.shape)).to(dtype)
     y = torch.arange(b) % 10
     inputs = TermInputs(x0, y, draw, x0, seed, x0, {}, eps, cells=k, num_cells=G, redraw=redraw)
@@ -64,8 +64,8 @@ def test_default_blocks_are_the_quarter_and_three_quarters_of_the_depth():
 def test_the_teacher_is_never_noisier_and_at_most_the_gap_below(formulation, prediction):
     term = SRA(32, 0, 2, gap=0.2)
     inputs = _inputs(formulation, prediction, 301)
-    d = term.teacher_terms(inputs)
-    own = inputs.terms
+    d = term.teacher_draw(inputs)
+    own = inputs.draw
     assert bool((d.t <= own.t).all())  # t increases with the noise in every formulation
     assert bool((d.t < own.t).float().mean() > 0.5)  # mostly strictly lower
     if formulation == "ddpm":  # t is the cell: d in {0, ..., floor(0.2 G) - 1}, clamped at 0
@@ -80,7 +80,7 @@ def test_the_teacher_is_never_noisier_and_at_most_the_gap_below(formulation, pre
         torch.testing.assert_close(d.c, c.to(d.c.dtype))
     else:
         torch.testing.assert_close(d.c / d.a, d.t)
-    again = term.teacher_terms(inputs)  # drawn from the step's seed: repeatable
+    again = term.teacher_draw(inputs)  # drawn from the step's seed: repeatable
     assert torch.equal(again.t, d.t)
 
 
@@ -91,12 +91,12 @@ def test_the_loss_is_the_per_token_distance_to_the_teachers_later_block_by_hand(
     term = SRA(32, 0, 2, gap=0.2, loss=loss).double()
     term.attach_teacher(teacher)
     inputs = _inputs("ddpm", "eps", b)
-    _, feats = student(inputs.x0, inputs.terms.t_in, inputs.y, features=(0,))
+    _, feats = student(inputs.x0, inputs.draw.t_in, inputs.y, features=(0,))
     inputs.features = feats
     got = term(inputs)
     assert got.shape == (b,) and got.dtype == torch.float32
     # by hand: the teacher at its own level, its block 2; the projector on the student's block 0
-    d = term.teacher_terms(inputs)
+    d = term.teacher_draw(inputs)
     x_t = d.a.view(-1, 1, 1, 1) * inputs.x0 + d.c.view(-1, 1, 1, 1) * inputs.noise
     with torch.no_grad():
         _, tf = teacher(x_t, d.t_in, inputs.y, features=(2,))
