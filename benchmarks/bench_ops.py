@@ -54,8 +54,8 @@ import common  # noqa: E402
 
 import diffcurr_fast.ops as ops  # noqa: E402
 from diffcurr_fast.diffusion import DDPMSchedule  # noqa: E402
-from diffcurr_fast.ops import _backend  # noqa: E402
 from diffcurr_fast.models.routing import draw_route  # noqa: E402
+from diffcurr_fast.ops import _backend  # noqa: E402
 from diffcurr_fast.train.host_memory import retain_host_memory  # noqa: E402
 
 SEED = 20250101

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from diffcurr_fast.runs import config as config_mod
 from diffcurr_fast.options import INF, hints
+from diffcurr_fast.runs import config as config_mod
 from diffcurr_fast.runs.config import TrainConfig
 from diffcurr_fast.runs.recipes import load_config
 

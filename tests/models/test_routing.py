@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from diffcurr_fast.models.dit import DiT
-from diffcurr_fast.ops import token_gather, token_gather_ref, token_scatter, token_scatter_ref
 from diffcurr_fast.models.routing import draw_route, kept_tokens
+from diffcurr_fast.ops import token_gather, token_gather_ref, token_scatter, token_scatter_ref
 
 
 def _idx(b, t, k, seed=0):

@@ -15,8 +15,8 @@ import torch
 from conftest import op_backends
 
 import diffcurr_fast.models.dit as dit
-from diffcurr_fast.ops import _backend, token_gather, token_gather_ref, token_scatter, token_scatter_ref
 from diffcurr_fast.models.routing import draw_route
+from diffcurr_fast.ops import _backend, token_gather, token_gather_ref, token_scatter, token_scatter_ref
 
 # the modules (the package's names token_gather / token_scatter are the public functions)
 gather_mod = importlib.import_module("diffcurr_fast.ops.token_gather")

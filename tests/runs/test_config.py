@@ -157,7 +157,7 @@ def test_there_are_recipes():
 def test_fast_dit_b2_routes_as_tread_at_that_size():
     cfg = load_config(ROOT / "recipes" / "fast_dit_b2.yaml")
     assert (cfg.model.preset, cfg.model.routing, cfg.model.routing_keep) == ("DiT-B/2", "tread", 0.5)
-    assert RoutingOptions.of(cfg.model).span(cfg.model.depth) == (2, 10) and cfg.model.depth == 12  # 2nd to second-to-last of 12 blocks
+    assert RoutingOptions.of(cfg.model).span(cfg.model.depth) == (2, 10) and cfg.model.depth == 12
     assert (cfg.diffusion.weighting, cfg.diffusion.min_snr_gamma, cfg.optim.lr) == ("min_snr", 5.0, 1e-4)
 
 
