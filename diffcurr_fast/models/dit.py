@@ -29,13 +29,13 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 from diffcurr_fast.diffusion.samplers import guided_forward
 from diffcurr_fast.models.attention import ATTENTION_BACKENDS, attention, prepare
 from diffcurr_fast.models.dtr import DTRConfig, dtr_mask
 from diffcurr_fast.models.modern import RMS_EPS, RMSNorm, apply_rope2d, check_modern, rope2d_tables, swiglu_hidden
-from diffcurr_fast.ops import adaln_modulate, gated_residual, gelu_tanh, token_gather, token_scatter
+from diffcurr_fast.models.routing import Routing
+from diffcurr_fast.ops import adaln_modulate, gated_residual, gelu_tanh
 
 __all__ = [
     "DiT",
@@ -464,8 +464,7 @@ class DiT(nn.Module):
                 raise ValueError(
                     f"routing must be (start, end) blocks with 0 <= start < end <= depth {depth}, got {routing}"
                 )
-        if sprint and routing is None:
-            raise ValueError("sprint needs the routing span: DiT(routing=(start, end), sprint=True)")
+        router = Routing(None if routing is None else (routing[0], routing[1]), sprint)
         block_num_heads = _block_list("block_num_heads", block_num_heads, depth)
         block_mlp_hidden = _block_list("block_mlp_hidden", block_mlp_hidden, depth)
 
@@ -505,8 +504,8 @@ class DiT(nn.Module):
         self.num_timesteps = num_timesteps
         self.grad_checkpointing = bool(grad_checkpointing)
         self.dtr = dtr
-        self.routing = None if routing is None else (routing[0], routing[1])
-        self.sprint = bool(sprint)
+        self.router = router  # token routing's span and SPRINT's fusion (``models.routing``)
+        self.routing, self.sprint = router.span, router.sprint
         self.pos = pos
         self.norm = norm
         # The range checks of t and y read values back to the host (a device sync); a trainer whose t come from
@@ -543,10 +542,7 @@ class DiT(nn.Module):
             ]
         )
         self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels, norm=norm)
-        if self.sprint:  # absent otherwise: the state dict of a model without SPRINT is the release's
-            # the [MASK] token of the dropped positions, frozen as in the official code (``models.routing``)
-            self.sprint_mask_token = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
-            self.sprint_fusion = nn.Linear(2 * hidden_size, hidden_size, bias=True)  # W [h_deep ; h_enc] + b
+        router.add_parameters(self, hidden_size)  # SPRINT's [MASK] token and fusion layer
         self.initialize_weights()
 
     # ------------------------------------------------------------------ config
@@ -615,10 +611,7 @@ class DiT(nn.Module):
         nn.init.constant_(self.final_layer.linear.weight, 0)
         nn.init.constant_(self.final_layer.linear.bias, 0)
 
-        # SPRINT: the fusion keeps _basic_init's xavier-uniform and zero bias; the [MASK] token is N(0, 0.02), as in
-        # the official code
-        if self.sprint:
-            nn.init.normal_(self.sprint_mask_token, std=0.02)
+        self.router.init_parameters(self)  # SPRINT's [MASK] token
 
     # ------------------------------------------------------------------ forward
 
@@ -715,49 +708,10 @@ class DiT(nn.Module):
         t = self.t_embedder(t)  # (N, D)
         y = self.y_embedder(y, self.training, force_drop_ids)  # (N, D)
         c = t + y  # (N, D)
-        if route is not None and self.routing is None:
-            raise ValueError("route given to a DiT built without routing (DiT(routing=(start, end)))")
-        # SPRINT splits the blocks at the span with or without a route (the fusion always runs); TREAD without one
-        # is the plain model
-        start, end = self.routing if route is not None or self.sprint else (-1, -1)
-        inside = end if self.sprint else end - 1  # blocks [start, inside) whose features are put back by hand
-        kept: dict[int, torch.Tensor] = {}
-        all_rope = rope
-        for j, block in enumerate(self.blocks):
-            if j == start:
-                before = x  # (N, T, D): the value the routed tokens keep (TREAD's x_D_last); SPRINT's dense path
-                if route is None:  # SPRINT unrouted: a node of its own, so that the middle blocks' gradient is summed
-                    x = x.view_as(x)  # before it meets the fusion's, as through token_gather (keep 1.0 is bitwise)
-                else:
-                    x = token_gather(x, route)  # (N, K, D)
-                    if rope is not None:  # the kept tokens rotate with their original positions
-                        rope = tuple(r[route].unsqueeze(1) for r in rope)  # (N, 1, K, Dh / 2) cos and sin
-            if self.grad_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, c, mask, rope, use_reentrant=False)  # (N, T or K, D)
-            else:
-                x = block(x, c, mask, rope)  # (N, T or K, D)
-            if j == end - 1 and not self.sprint:
-                x = token_scatter(before, route, x)  # (N, T, D)
-                rope = all_rope  # (T, Dh / 2) cos and sin
-            if j in features:
-                put_back = route is not None and start <= j < inside
-                kept[j] = token_scatter(before, route, x) if put_back else x  # (N, T, D)
-            if j == end - 1 and self.sprint:
-                x = self._sprint_fuse(x, before, route)  # (N, T, D)
-                rope = all_rope  # (T, Dh / 2) cos and sin
+        x, kept = self.router.blocks(self, x, c, mask, rope, route, features)  # (N, T, D), {j: (N, T, D)}
         x = self.final_layer(x, c)  # (N, T, patch_size ** 2 * out_channels)
         out = self.unpatchify(x)  # (N, out_channels, H, W)
         return (out, kept) if features else out
-
-    def _sprint_fuse(self, deep: torch.Tensor, shallow: torch.Tensor, route: torch.Tensor | None) -> torch.Tensor:
-        """SPRINT's sparse-dense residual fusion (``models.routing``): the deep path (N, K, D) back among the [MASK]
-        token at the dropped positions (N, T, D) when routed, then W [h_deep ; h_enc] + b (N, T, D)."""
-        if route is not None:
-            n, tokens, width = shallow.shape
-            masks = self.sprint_mask_token.to(deep.dtype).expand(n, tokens, width)  # (N, T, D): [MASK] everywhere
-            deep = token_scatter(masks, route, deep)  # (N, T, D): the kept tokens at their positions
-        fused = self.sprint_fusion(torch.cat([deep, shallow], dim=-1))  # (N, T, D): concat_linear
-        return fused.to(shallow.dtype)  # (N, T, D): the residual stream's dtype (float32 under bf16 autocast)
 
     def _rope_tables(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The 2-D rotary (cos, sin) tables of the token grid, (T, head_dim / 2) each (``modern.rope2d_tables``), in

@@ -78,10 +78,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
+from diffcurr_fast.ops import token_gather, token_scatter
 from diffcurr_fast.options import Options, option, unit
 
-__all__ = ["ROUTINGS", "Route", "RoutingOptions", "draw_route", "kept_tokens"]
+__all__ = ["ROUTINGS", "Route", "Routing", "RoutingOptions", "draw_route", "kept_tokens"]
 
 ROUTINGS = ("none", "tread", "sprint")
 
@@ -180,3 +183,83 @@ class Route:
         if self.kept >= self.tokens:
             return None
         return draw_route(batch, self.tokens, self.kept, generator, device)
+
+
+class Routing:
+    """One DiT's token routing (module doc): the span [start, end) of its blocks and whether SPRINT fuses the span's
+    output with the dense path. ``DiT.forward`` runs its blocks through ``blocks``; the plain model is
+    ``Routing(None)``. SPRINT's two parameters are the DiT's own (``add_parameters``: the state dict keeps the names
+    ``sprint_mask_token``, ``sprint_fusion``)."""
+
+    def __init__(self, span: tuple[int, int] | None, sprint: bool = False):
+        if sprint and span is None:
+            raise ValueError("sprint needs the routing span: DiT(routing=(start, end), sprint=True)")
+        self.span, self.sprint = span, bool(sprint)
+
+    def add_parameters(self, dit: nn.Module, hidden_size: int) -> None:
+        """SPRINT's [MASK] token (D,), frozen as in the official code, and its fusion W [h_deep ; h_enc] + b."""
+        if self.sprint:  # absent otherwise: the state dict of a model without SPRINT is the release's
+            dit.sprint_mask_token = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+            dit.sprint_fusion = nn.Linear(2 * hidden_size, hidden_size, bias=True)
+
+    def init_parameters(self, dit: nn.Module) -> None:
+        """After the DiT's initialisation (the fusion keeps its xavier-uniform and zero bias): the [MASK] token
+        N(0, 0.02), as in the official code."""
+        if self.sprint:
+            nn.init.normal_(dit.sprint_mask_token, std=0.02)
+
+    def blocks(
+        self,
+        dit: nn.Module,
+        x: torch.Tensor,
+        c: torch.Tensor,
+        mask: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        route: torch.Tensor | None,
+        features: tuple[int, ...] | list[int],
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """x (N, T, D) through ``dit.blocks`` with the kept tokens ``route`` (N, K) running the span alone (TREAD:
+        the others keep their value from before it; SPRINT: they come back as the [MASK] token and the two paths are
+        fused); returns (N, T, D) and {j: (N, T, D) tokens after block j} for ``features``."""
+        if route is not None and self.span is None:
+            raise ValueError("route given to a DiT built without routing (DiT(routing=(start, end)))")
+        # SPRINT splits the blocks at the span with or without a route (the fusion always runs); TREAD without one
+        # is the plain model
+        start, end = self.span if route is not None or self.sprint else (-1, -1)
+        inside = end if self.sprint else end - 1  # blocks [start, inside) whose features are put back by hand
+        kept: dict[int, torch.Tensor] = {}
+        all_rope = rope
+        for j, block in enumerate(dit.blocks):
+            if j == start:
+                before = x  # (N, T, D): the value the routed tokens keep (TREAD's x_D_last); SPRINT's dense path
+                if route is None:  # SPRINT unrouted: a node of its own, so that the middle blocks' gradient is summed
+                    x = x.view_as(x)  # before it meets the fusion's, as through token_gather (keep 1.0 is bitwise)
+                else:
+                    x = token_gather(x, route)  # (N, K, D)
+                    if rope is not None:  # the kept tokens rotate with their original positions
+                        rope = tuple(r[route].unsqueeze(1) for r in rope)  # (N, 1, K, Dh / 2) cos and sin
+            if dit.grad_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, c, mask, rope, use_reentrant=False)  # (N, T or K, D)
+            else:
+                x = block(x, c, mask, rope)  # (N, T or K, D)
+            if j == end - 1 and not self.sprint:
+                x = token_scatter(before, route, x)  # (N, T, D)
+                rope = all_rope  # (T, Dh / 2) cos and sin
+            if j in features:
+                put_back = route is not None and start <= j < inside
+                kept[j] = token_scatter(before, route, x) if put_back else x  # (N, T, D)
+            if j == end - 1 and self.sprint:
+                x = self.fuse(dit, x, before, route)  # (N, T, D)
+                rope = all_rope  # (T, Dh / 2) cos and sin
+        return x, kept
+
+    @staticmethod
+    def fuse(dit: nn.Module, deep: torch.Tensor, shallow: torch.Tensor, route: torch.Tensor | None) -> torch.Tensor:
+        """SPRINT's sparse-dense residual fusion: the deep path (N, K, D) back among the [MASK] token at the dropped
+        positions (N, T, D) when routed, then W [h_deep ; h_enc] + b (N, T, D)."""
+        if route is not None:
+            n, tokens, width = shallow.shape
+            masks = dit.sprint_mask_token.to(deep.dtype).expand(n, tokens, width)  # (N, T, D): [MASK] everywhere
+            deep = token_scatter(masks, route, deep)  # (N, T, D): the kept tokens at their positions
+        fused = dit.sprint_fusion(torch.cat([deep, shallow], dim=-1))  # (N, T, D): concat_linear
+        return fused.to(shallow.dtype)  # (N, T, D): the residual stream's dtype (float32 under bf16 autocast)

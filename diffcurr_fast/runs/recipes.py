@@ -204,15 +204,12 @@ def take_export_dims(cfg: TrainConfig) -> TrainConfig:
 def apply_overrides(cfg: TrainConfig, overrides: list[str] | None) -> TrainConfig:
     """``cfg`` with the ``a.b=value`` overrides applied in order (one source, later than the recipe); validated.
     A text field (a path, a name) takes the value as written: ``checkpoint.run_dir=2024`` is the folder "2024",
-    ``=on`` the folder "on", not an int or a bool (``null`` still clears an optional one). A key given twice is
-    refused, as a recipe's is (only one would count)."""
+    ``=on`` the folder "on", not an int or a bool (``null`` still clears an optional one). A key given again takes
+    the later value (a caller's base settings, then its changes); the command line refuses that
+    (``run_dir_overrides``)."""
     src = new_source(cfg, "--set")
-    seen: dict[str, str] = {}
     for text in overrides or []:
         key, value = parse_override(text)
-        if key in seen:
-            raise ValueError(f"--set {seen[key]!r} and --set {text!r} set {key} twice (only one would count); keep one")
-        seen[key] = text
         set_key(cfg, key, _as_written(key, text.split("=", 1)[1], value), src)
     return cfg.validate()
 
@@ -229,9 +226,16 @@ def _as_written(key: str, raw: str, value: Any) -> Any:
 
 
 def run_dir_overrides(overrides: list[str], run_dir: str | None) -> list[str]:
-    """``overrides`` with ``--run-dir PATH`` as ``checkpoint.run_dir=PATH`` (the commands' shorthand). ValueError
-    for an empty ``--run-dir`` (an unset shell variable would otherwise fall back to the recipe's folder) and for a
-    ``--set checkpoint.run_dir`` that names another folder."""
+    """The command line's ``--set`` list, with ``--run-dir PATH`` as ``checkpoint.run_dir=PATH`` (the commands'
+    shorthand). ValueError for a key given twice (only one would count, as in a recipe), for an empty ``--run-dir``
+    (an unset shell variable would otherwise fall back to the recipe's folder) and for a ``--set checkpoint.run_dir``
+    that names another folder."""
+    seen: dict[str, str] = {}
+    for text in overrides:
+        key = text.partition("=")[0].strip()
+        if key in seen:
+            raise ValueError(f"--set {seen[key]!r} and --set {text!r} set {key} twice (only one would count); keep one")
+        seen[key] = text
     if run_dir is None:
         return list(overrides)
     if not run_dir.strip():

@@ -120,14 +120,12 @@ class StudySpec:
 
     def overrides(self, arm: Arm, seed: int, run_dir: str | Path, cpu_threads: int = 0) -> list[str]:
         """The ``--set`` overrides of run (``arm``, ``seed``): shared ones, evaluation, the arm's, then the seed,
-        run directory and thread count (which no arm may set); a key set again by a later one takes its value (an
-        arm's over the shared ones), each key once."""
+        run directory and thread count (which no arm may set)."""
         out = [*self.set, f"logging.eval_every={self.eval_every}", *(f"eval.{k}={v}" for k, v in self.eval.items())]
         out += [*arm.set, f"engine.seed={seed}", f"checkpoint.run_dir={run_dir}", "logging.progress=false"]
         if cpu_threads:
             out.append(f"engine.cpu_threads={cpu_threads}")
-        last = {o.partition("=")[0].strip(): o for o in out}
-        return list(last.values())
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

@@ -196,7 +196,7 @@ def test_the_loss_covers_every_token(tmp_path):
     for p in model.parameters():
         p.data.add_(0.05 * torch.randn_like(p))
     objective = Objective.from_config(cfg)
-    assert objective.route == (16, 4)
+    assert (objective.route.tokens, objective.route.kept) == (16, 4)
     grads, routes = [], []
 
     def net(*a, **kw):

@@ -15,35 +15,28 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(run_dir, *extra):
-    """The tiny run's overrides, ``extra`` replacing the keys it sets again."""
     return load_config(
         None,
-        _last_wins(
-            [
-                f"checkpoint.run_dir={run_dir}",
-                "model.hidden_size=32",
-                "model.depth=1",
-                "model.num_heads=2",
-                "diffusion.num_timesteps=60",
-                "curriculum.num_clusters=4",
-                "curriculum.patience=1",
-                "curriculum.eval_every=2",
-                "data.batch_size=17",
-                "engine.max_steps=6",
-                "logging.progress=false",
-                "logging.num_samples=0",
-                "logging.plots=false",
-                "checkpoint.export_ema=false",
-                "optim.warmup_steps=2",
-                "checkpoint.keep_last=5",
-                *extra,
-            ]
-        ),
+        [
+            f"checkpoint.run_dir={run_dir}",
+            "model.hidden_size=32",
+            "model.depth=1",
+            "model.num_heads=2",
+            "diffusion.num_timesteps=60",
+            "curriculum.num_clusters=4",
+            "curriculum.patience=1",
+            "curriculum.eval_every=2",
+            "data.batch_size=17",
+            "engine.max_steps=6",
+            "logging.progress=false",
+            "logging.num_samples=0",
+            "logging.plots=false",
+            "checkpoint.export_ema=false",
+            "optim.warmup_steps=2",
+            "checkpoint.keep_last=5",
+            *extra,
+        ],
     )
-
-
-def _last_wins(overrides: list[str]) -> list[str]:
-    return list({o.split("=", 1)[0]: o for o in overrides}.values())
 
 
 def test_atomic_save_and_keep_last(tmp_path):

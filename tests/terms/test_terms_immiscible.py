@@ -56,7 +56,7 @@ def test_the_assignment_is_the_least_total_distance_of_all_pairings(trial):
 def test_objective_equals_the_float64_loss_with_the_noise_assigned_to_the_images(formulation, prediction, weighting, b):
     d = DiffusionConfig(formulation=formulation, prediction=prediction, num_timesteps=50, weighting=weighting)
     obj = Objective(build_formulation(d), num_cells=50, prediction=prediction, weighting=weighting,
-                    backend="reference", immiscible=True)  # fmt: skip
+                    backend="reference", pairing=assign_noise)  # fmt: skip
     g = torch.Generator().manual_seed(100 + b)
     x0 = torch.randn(b, *SHAPE, generator=g) * 1.5
     y = torch.randint(0, 10, (b,), generator=g)
@@ -94,7 +94,9 @@ def test_per_sample_losses_are_the_assigned_pairs_and_terms_see_the_permuted_bat
     form = build_formulation(DiffusionConfig(num_timesteps=50))
     g = torch.Generator().manual_seed(0)
     x0, y, k = torch.randn(b, *SHAPE, generator=g) * 2, torch.arange(b), torch.randint(0, 50, (b,), generator=g)
-    on = Objective(form, num_cells=50, prediction="eps", backend="reference", immiscible=True, terms=[(1.0, Spy())])
+    on = Objective(
+        form, num_cells=50, prediction="eps", backend="reference", pairing=assign_noise, terms=[(1.0, Spy())]
+    )
     off = Objective(form, num_cells=50, prediction="eps", backend="reference")
     noise = philox_randn(seed, (b, *SHAPE))
     pi = assign_noise(x0, noise)
@@ -118,11 +120,11 @@ def test_off_leaves_the_loss_bitwise_unchanged_and_an_identity_assignment_change
     plain = diffusion_loss_coef(_model(x_in, draw.t_in, y), x0, None, draw.p, draw.q, draw.w, reduction="none",
                                 seed=seed, backend="reference")  # fmt: skip
     assert torch.equal(off, plain)
-    assert torch.equal(Objective(form, **kw, immiscible=False)(_model, x0, y, k, seed=seed), off)
+    assert torch.equal(Objective(form, **kw, pairing=None)(_model, x0, y, k, seed=seed), off)
     # data next to their own noise: the assignment is the identity, and the loss is the plain one bit for bit
     near = philox_randn(seed, (b, *SHAPE)) + 0.01 * x0
     assert torch.equal(assign_noise(near, philox_randn(seed, (b, *SHAPE))), torch.arange(b))
-    on = Objective(form, **kw, immiscible=True)(_model, near, y, k, seed=seed)
+    on = Objective(form, **kw, pairing=assign_noise)(_model, near, y, k, seed=seed)
     assert torch.equal(on, Objective(form, **kw)(_model, near, y, k, seed=seed))
 
 
@@ -131,7 +133,10 @@ def test_a_run_with_immiscible_noise_is_deterministic_resumes_exactly_and_change
 
     sets = ["model.depth=2", "checkpoint.every=2", "terms.immiscible=true", "optim.grad_accum_steps=2"]
     cfg = tiny(tmp_path / "a", *sets, "engine.max_steps=4")
-    assert Objective.from_config(cfg).immiscible and not Objective.from_config(tiny(tmp_path / "p")).immiscible
+    assert (
+        Objective.from_config(cfg).pairing is assign_noise
+        and Objective.from_config(tiny(tmp_path / "p")).pairing is None
+    )
     whole = Trainer(cfg)
     whole.fit()
     again = Trainer(tiny(tmp_path / "a2", *sets, "engine.max_steps=4"))
