@@ -245,7 +245,6 @@ class Submitted:
     """A run's job as the study follows it: done when ``done`` (its status file) exists, or it ended otherwise."""
 
     job_id: str
-    result: Path  # submitit's result file of task 0, written when the job's function returned or raised
     done: Path
     since: float  # when it was submitted or found queued
     job: Any = None  # submitit's Job (the local executor's jobs are asked directly)
@@ -308,7 +307,7 @@ class SubmititPool:
             self._check.write_text(text)
         return text
 
-    def prepare(self, say: Any) -> None:
+    def prepare(self, verbose: bool) -> None:
         """Before the first submission from this folder: a check job on a compute node reads the check file and
         answers; ValueError (one line) when it ended without answering (the nodes do not see the folder)."""
         text, seen = self._check_text(), self._check.with_name("folder_seen")
@@ -316,8 +315,9 @@ class SubmititPool:
             return  # checked from this folder before
         self._params(f"{self.spec.name}-folder-check", 1, 1, CHECK_TIME_MIN)
         job = self.executor.submit(confirm_folder, str(self._check), text, str(seen))
-        say(f"  check that the compute nodes see the study folder (job {job.job_id})")
-        handle = Submitted(job.job_id, job.paths.result_pickle, seen, time.time(), job)
+        if verbose:
+            print(f"  check that the compute nodes see the study folder (job {job.job_id})", flush=True)
+        handle = Submitted(job.job_id, seen, time.time(), job)
         while not self.ended(handle):
             time.sleep(self.poll_s)
         if not (seen.is_file() and seen.read_text().split("\n")[0] == text):
@@ -334,20 +334,21 @@ class SubmititPool:
         log.parent.mkdir(parents=True, exist_ok=True)
         job = self.executor.submit(RunJob(cmd, str(log), str(self._check), self._check_text(), self.threads))
         write_job(self.study_dir, arm, seed, self.scheduler, str(job.job_id))
-        return Submitted(str(job.job_id), job.paths.result_pickle, done, time.time(), job)
+        return Submitted(str(job.job_id), done, time.time(), job)
 
     def follow(self, record: dict[str, Any], done: Path) -> Submitted:
         """A job of an earlier sitting still queued or running (``active_jobs``)."""
-        job = _submitit().SlurmJob(folder=self.study_dir / "slurm", job_id=record["job_id"])
-        return Submitted(record["job_id"], job.paths.result_pickle, done, time.time())
+        return Submitted(record["job_id"], done, time.time())
 
     def label(self, handle: Submitted) -> str:
         return f"job {handle.job_id}"
 
     def ended(self, handle: Submitted) -> bool:
-        if handle.done.is_file() or handle.result.exists():
+        """The run finished (its status file), or its job is no longer queued or running: on Slurm, as squeue last
+        listed it (a job that Slurm requeued after it stopped, e.g. preempted, is followed on)."""
+        if handle.done.is_file():
             return True
-        if handle.job is not None and self.cluster != "slurm":
+        if self.cluster != "slurm":
             return handle.job.done()
         now = time.time()
         if now - self._asked_at > SQUEUE_EVERY_S:

@@ -145,6 +145,11 @@ def run_study(
         )
     measure = bool(spec.speedrun) and not (study_dir / STEP_TIME_FILE).is_file()
     queue = [STEPTIME] * measure + [run for run in todo if run not in {r for r, _ in running}]
+    for (arm, seed), handle in running:
+        if verbose:
+            print(f"  follow {arm} seed {seed} ({pool.label(handle)}, queued or running)", flush=True)
+    if queue:
+        pool.prepare(verbose)
     bar = tqdm(
         total=kept + len(todo),
         initial=kept,
@@ -171,11 +176,7 @@ def run_study(
     def done_file(job: tuple[str, int]) -> Path:  # the file a job writes once it succeeded
         return study_dir / STEP_TIME_FILE if job == STEPTIME else status_path(study_dir, *job)
 
-    for (arm, seed), handle in running:
-        say(f"  follow {arm} seed {seed} ({pool.label(handle)}, queued or running)")
     try:
-        if queue:
-            pool.prepare(say)
         while queue or running:
             while queue and (pool.workers is None or len(running) < pool.workers):
                 job = next((j for j in queue if ready(j)), None)
@@ -264,7 +265,7 @@ class LocalPool:
     def describe(self) -> str:
         return f"{self.workers} workers x {self.threads} threads"
 
-    def prepare(self, say: Any) -> None:
+    def prepare(self, verbose: bool) -> None:
         pass
 
     def start(self, arm: str, seed: int, cmd: list[str], done: Path) -> tuple[subprocess.Popen, Any, int]:

@@ -154,11 +154,12 @@ def _job_id(out, arm):
     return json.loads((out / "jobs" / f"{arm}-seed0.json").read_text())["job_id"]
 
 
-def test_fake_slurm_submits_follows_cancels_and_resumes(local_study, fake_slurm, tmp_path, capsys):
-    """On a fake Slurm: a study submits a job per run (ids in jobs/); a job preempted mid-run (submitit's signal) is
-    checkpointed, requeued and resumes; an interrupted study leaves its jobs queued and a rerun follows them instead
-    of submitting them again; status and cancel; the rerun after a cancel resubmits only the unfinished run, which
-    resumes from its checkpoint. Every run ends with the local launcher's weights, and the report is its report."""
+def test_fake_slurm_submits_follows_cancels_and_resumes(local_study, fake_slurm, tmp_path, capsys, monkeypatch):
+    """On a fake Slurm: a study submits a job per run (ids in jobs/); a job signalled mid-run as before its time
+    limit (USR2) is checkpointed, requeued by submitit and resumes; an interrupted study leaves its jobs queued and a
+    rerun follows them instead of submitting them again; status and cancel; the rerun after a cancel resubmits only
+    the unfinished run, which resumes from its checkpoint. Every run ends with the local launcher's weights, and the
+    report is its report."""
     spec_file, out = tmp_path / "spec.yaml", tmp_path / "study"
     spec_file.write_text(yaml.safe_dump(SPEC))
     (fake_slurm / "hold").write_text("cl-seed0\n")  # cl stays queued
@@ -178,7 +179,7 @@ def test_fake_slurm_submits_follows_cancels_and_resumes(local_study, fake_slurm,
     assert "start vanilla seed 0 (job 102)" in stdout and "start cl seed 0 (job 103)" in stdout, stdout
     assert (fake_slurm / "last").read_text().strip() == "103"  # the folder check, vanilla, cl
     assert read_status(out, "vanilla", 0)["resumed"] is True  # requeued by submitit after its checkpoint
-    assert (fake_slurm / "102.state").read_text().strip() == "COMPLETED"
+    _wait(lambda: (fake_slurm / "102.state").read_text() == "COMPLETED\n", "vanilla's job to end")
     text = _status(capsys, out)
     assert "2 runs: 1 finished, 0 running, 1 queued, 0 failed, 0 not started" in text, text
     assert "vanilla seed 0  finished (fd " in text and "cl seed 0       queued (job 103)" in text, text
@@ -193,6 +194,7 @@ def test_fake_slurm_submits_follows_cancels_and_resumes(local_study, fake_slurm,
         states.append(launch.run_states(out))
         cancelled.extend(launch.cancel_study(out))
 
+    monkeypatch.setattr(launch, "SQUEUE_EVERY_S", 0.5)  # the cancelled job's end is seen sooner
     states, cancelled = [], []
     helper = threading.Thread(target=release_then_cancel)
     helper.start()
