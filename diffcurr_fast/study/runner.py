@@ -135,7 +135,12 @@ def run_study(
     study_dir = prepare_study(spec, study_dir)
     todo = pending(spec, study_dir)
     kept = len(jobs(spec)) - len(todo)
-    running = _follow(pool, study_dir, todo)
+    measure = bool(spec.speedrun) and not (study_dir / STEP_TIME_FILE).is_file()
+
+    def done_file(job: tuple[str, int]) -> Path:  # the file a job writes once it succeeded
+        return study_dir / STEP_TIME_FILE if job == STEPTIME else status_path(study_dir, *job)
+
+    running = _follow(pool, study_dir, [STEPTIME] * measure + todo, done_file)
     _prepare_features(spec)
     ran, failed = [], []
     if verbose:
@@ -143,11 +148,11 @@ def run_study(
             f"study {spec.name}: {len(todo)} runs to do, {kept} finished kept, {pool.describe()}; folder {study_dir}",
             flush=True,
         )
-    measure = bool(spec.speedrun) and not (study_dir / STEP_TIME_FILE).is_file()
-    queue = [STEPTIME] * measure + [run for run in todo if run not in {r for r, _ in running}]
+    queue = [job for job in [STEPTIME] * measure + todo if job not in {r for r, _ in running}]
     for (arm, seed), handle in running:
         if verbose:
-            print(f"  follow {arm} seed {seed} ({pool.label(handle)}, queued or running)", flush=True)
+            what = "step times" if seed < 0 else f"{arm} seed {seed}"
+            print(f"  follow {what} ({pool.label(handle)}, queued or running)", flush=True)
     if queue:
         pool.prepare(verbose)
     bar = tqdm(
@@ -172,9 +177,6 @@ def run_study(
         if verbose:
             bar.write(line, file=sys.stdout)
             sys.stdout.flush()
-
-    def done_file(job: tuple[str, int]) -> Path:  # the file a job writes once it succeeded
-        return study_dir / STEP_TIME_FILE if job == STEPTIME else status_path(study_dir, *job)
 
     try:
         while queue or running:
@@ -226,10 +228,12 @@ def run_study(
     return {"ran": ran, "failed": failed, "kept": kept}
 
 
-def _follow(pool: Any, study_dir: Path, todo: list[tuple[str, int]]) -> list[tuple[tuple[str, int], Any]]:
-    """The unfinished runs whose job of an earlier sitting is still queued or running, each with the handle that
-    ``pool`` follows it by; ValueError when ``pool`` cannot follow it (a job of the other launcher, a worker of
-    another study process)."""
+def _follow(
+    pool: Any, study_dir: Path, todo: list[tuple[str, int]], done_file: Any
+) -> list[tuple[tuple[str, int], Any]]:
+    """The jobs of ``todo`` whose job of an earlier sitting is still queued or running, each with the handle that
+    ``pool`` follows it by (done once ``done_file(job)`` exists); ValueError when ``pool`` cannot follow it (a job of
+    the other launcher, a worker of another study process)."""
     active = active_jobs(study_dir, todo, need_slurm=pool.scheduler == "slurm")
     out = []
     for run, rec in active.items():
@@ -244,7 +248,7 @@ def _follow(pool: Any, study_dir: Path, todo: list[tuple[str, int]]) -> list[tup
                 f"{len(active)} runs of {str(study_dir)!r} have Slurm jobs queued or running ({ids}): follow them "
                 f"with --launcher slurm, or cancel them first (diffcurr-fast study cancel {study_dir})"
             )
-        out.append((run, pool.follow(rec, status_path(study_dir, *run))))
+        out.append((run, pool.follow(rec, done_file(run))))
     return out
 
 

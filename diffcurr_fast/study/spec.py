@@ -265,7 +265,7 @@ def _speedrun(data: Any, arms: list[str], source: str) -> dict[str, Any]:
 def _slurm(data: Any, source: str) -> dict[str, Any]:
     """The checked ``slurm`` mapping with its defaults filled ({} when absent). The names under ``sbatch`` are
     checked against submitit's when the study is launched (``launch.check_sbatch``)."""
-    if data is None:
+    if data is None or data == {}:
         return {}
     if not isinstance(data, dict):
         raise ValueError(f"{source}: slurm must be a mapping, e.g. slurm: {{nodes: 1, gpus_per_node: 8}}, got {data!r}")
