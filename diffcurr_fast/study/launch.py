@@ -446,6 +446,12 @@ def cancel_study(study_dir: str | Path) -> list[str]:
     spec = load_study(study_dir)
     active = active_jobs(study_dir, [run for run in jobs(spec) if read_status(study_dir, *run) is None], True)
     ids = [rec["job_id"] for rec in active.values() if rec["scheduler"] == "slurm"]
-    for job_id in ids:
-        _submitit().SlurmJob(folder=study_dir / "slurm", job_id=job_id).cancel(check=True)
+    for i, job_id in enumerate(ids):
+        try:
+            _submitit().SlurmJob(folder=study_dir / "slurm", job_id=job_id).cancel(check=True)
+        except subprocess.CalledProcessError as exc:
+            done = f"jobs {', '.join(ids[:i])} were cancelled" if i else "no job was cancelled"
+            raise ValueError(
+                f"scancel {job_id} failed (exit status {exc.returncode}); {done}: run study cancel again"
+            ) from None
     return ids

@@ -4,6 +4,7 @@ folder that cannot be written, Ctrl-C during a study and its progress bar (runne
 each input gets."""
 
 import json
+import os
 import subprocess
 import sys
 import types
@@ -278,6 +279,23 @@ def test_study_refuses_runs_that_another_launcher_or_study_process_runs(tmp_path
     with pytest.raises(ValueError, match=r"^squeue failed: .*: cannot tell which of the study's jobs are queued"):
         runner.run_study(spec, out, verbose=False, launcher="slurm")
     assert (fake_slurm / "last").exists() is False  # nothing submitted
+
+
+def test_study_cancel_that_scancel_refuses_says_so_in_one_line(tmp_path, capsys, fake_slurm, monkeypatch):
+    from diffcurr_fast.study import launch, runner
+    from diffcurr_fast.study.spec import spec_from_dict
+
+    out, bin_dir = tmp_path / "s", tmp_path / "bin"
+    runner.prepare_study(spec_from_dict(SPEC), out)
+    (fake_slurm / "555.state").write_text("RUNNING\n")
+    launch.write_job(out, "a", 0, "slurm", "555")
+    bin_dir.mkdir()
+    (bin_dir / "scancel").write_text("#!/bin/sh\necho 'scancel: error: Access/permission denied' >&2\nexit 1\n")
+    (bin_dir / "scancel").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    rc, err = _main(capsys, "study", "cancel", str(out))
+    line = "scancel 555 failed (exit status 1); no job was cancelled: run study cancel again"
+    assert rc == 2 and err == f"diffcurr-fast study: error: {line}\n", err
 
 
 def test_a_job_on_a_node_that_sees_another_study_folder_stops_in_one_line(tmp_path):

@@ -95,6 +95,7 @@ def test_study_help_lists_the_launcher_options_without_importing_submitit():
     assert "--time-min M" in text and "--sbatch KEY=VALUE" in text and "'status' / 'cancel'" in text, text
 
 
+@pytest.mark.slow
 def test_submitit_local_executor_gives_the_local_launchers_report(local_study, tmp_path):
     """submitit's LocalExecutor (real processes, the same jobs as on Slurm) runs the study: the folder check, one job
     per run (its id kept in jobs/), the same weights and the same report as the local launcher."""
@@ -110,6 +111,7 @@ def test_submitit_local_executor_gives_the_local_launchers_report(local_study, t
     assert _report(out) == _report(local_study)
 
 
+@pytest.mark.slow
 def test_a_job_of_two_gpus_runs_its_run_as_two_ranks(cache, tmp_path):
     """slurm.gpus_per_node 2: the job's two tasks are the two ranks of one data-parallel run (gloo here)."""
     data = {
@@ -154,6 +156,7 @@ def _job_id(out, arm):
     return json.loads((out / "jobs" / f"{arm}-seed0.json").read_text())["job_id"]
 
 
+@pytest.mark.slow
 def test_fake_slurm_submits_follows_cancels_and_resumes(local_study, fake_slurm, tmp_path, capsys, monkeypatch):
     """On a fake Slurm: a study submits a job per run (ids in jobs/); a job signalled mid-run as before its time
     limit (USR2) is checkpointed, requeued by submitit and resumes; an interrupted study leaves its jobs queued and a
