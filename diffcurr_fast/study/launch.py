@@ -428,15 +428,15 @@ def run_states(study_dir: str | Path) -> list[tuple[str, int, str, str]]:
             out.append((arm, seed, "queued", job))
         else:
             line = last_line(log_path(study_dir, arm, seed)) or _job_error(study_dir, rec)
-            out.append((arm, seed, "failed", f"{job}: {line or 'no output'}"))
+            out.append((arm, seed, "failed", f"{job}: {line}"))
     return out
 
 
 def _job_error(study_dir: Path, record: dict[str, Any]) -> str:
-    """The last line of a Slurm job's own error log (the worker never wrote to its log)."""
-    if record["scheduler"] != "slurm":
-        return ""
-    return last_line(Path(study_dir) / "slurm" / f"{record['job_id']}_0_log.err")
+    """Why a job whose worker wrote nothing ended: the last line of a Slurm job's own error log, if any."""
+    err = Path(study_dir) / "slurm" / f"{record['job_id']}_0_log.err"
+    line = last_line(err) if record["scheduler"] == "slurm" else ""
+    return f"{line} (slurm/{err.name})" if line else "its worker wrote nothing (cancelled while queued, or the job failed before starting it)"
 
 
 def cancel_study(study_dir: str | Path) -> list[str]:
