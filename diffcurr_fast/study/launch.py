@@ -194,15 +194,18 @@ class RunJob:
     """What each task of a run's submitit job executes: the worker command ``cmd`` (with the CPU thread count last)
     as a child process, torchrun's environment when the job has several tasks, rank 0's output appended to ``log``
     (the other ranks': the task's own log under ``slurm/``). The child ignores submitit's signal (Slurm sends it to
-    every process of the job), which ``checkpoint`` handles. ``threads`` 0: the CPUs Slurm gave the task."""
+    every process of the job), which ``checkpoint`` handles. ``threads`` 0: the CPUs Slurm gave the task. A job that
+    starts again once its run has finished (``done`` exists: requeued as it ended) does nothing."""
 
-    def __init__(self, cmd: list[str], log: str, check: str, text: str, threads: int):
-        self.cmd, self.log, self.check, self.text, self.threads = cmd, log, check, text, threads
+    def __init__(self, cmd: list[str], log: str, check: str, text: str, threads: int, done: str):
+        self.cmd, self.log, self.check, self.text, self.threads, self.done = cmd, log, check, text, threads, done
         self._proc: subprocess.Popen | None = None
 
     def __call__(self) -> int:
         env = _submitit().JobEnvironment()
         read_check(self.check, self.text)
+        if Path(self.done).is_file():
+            return 0
         threads = self.threads or max(1, len(os.sched_getaffinity(0)))
         child = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
         if env.num_tasks > 1:
@@ -236,7 +239,8 @@ class RunJob:
                 os.waitpid(proc.pid, 0)  # not proc.wait(): the interrupted poll may hold its lock
             except (ProcessLookupError, ChildProcessError):  # it had ended
                 pass
-        return _submitit().helpers.DelayedSubmission(RunJob(self.cmd, self.log, self.check, self.text, self.threads))
+        again = RunJob(self.cmd, self.log, self.check, self.text, self.threads, self.done)
+        return _submitit().helpers.DelayedSubmission(again)
 
 
 # ---- launching on Slurm --------------------------------------------------------------------------------------------
@@ -332,7 +336,7 @@ class SubmititPool:
         self._params(f"{self.spec.name}-{run_name(arm, seed)}", nodes, tasks)
         log = log_path(self.study_dir, arm, seed)
         log.parent.mkdir(parents=True, exist_ok=True)
-        job = self.executor.submit(RunJob(cmd, str(log), str(self._check), self._check_text(), self.threads))
+        job = self.executor.submit(RunJob(cmd, str(log), str(self._check), self._check_text(), self.threads, str(done)))
         write_job(self.study_dir, arm, seed, self.scheduler, str(job.job_id))
         return Submitted(str(job.job_id), done, time.time(), job)
 
@@ -436,7 +440,11 @@ def _job_error(study_dir: Path, record: dict[str, Any]) -> str:
     """Why a job whose worker wrote nothing ended: the last line of a Slurm job's own error log, if any."""
     err = Path(study_dir) / "slurm" / f"{record['job_id']}_0_log.err"
     line = last_line(err) if record["scheduler"] == "slurm" else ""
-    return f"{line} (slurm/{err.name})" if line else "its worker wrote nothing (cancelled while queued, or the job failed before starting it)"
+    return (
+        f"{line} (slurm/{err.name})"
+        if line
+        else "its worker wrote nothing (cancelled while queued, or the job failed before starting it)"
+    )
 
 
 def cancel_study(study_dir: str | Path) -> list[str]:
