@@ -168,7 +168,9 @@ def test_fake_slurm_submits_follows_cancels_and_resumes(local_study, fake_slurm,
     (fake_slurm / "hold").write_text("cl-seed0\n")  # cl stays queued
     cmd = [sys.executable, "-m", "diffcurr_fast.cli", "study", str(spec_file), "--launcher", "slurm"]
     cmd += ["--out", str(out), "--threads", "1", "--no-report"]
-    driver = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT as in a terminal, also when the tests run in the background (which ignores it, and children inherit that)
+    default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    driver = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     try:
         _wait(lambda: _checkpointed(out, "vanilla"), "vanilla's first checkpoint")
         vanilla = _job_id(out, "vanilla")
@@ -191,18 +193,25 @@ def test_fake_slurm_submits_follows_cancels_and_resumes(local_study, fake_slurm,
     asked = _squeue_calls(fake_slurm)
 
     def release_then_cancel():
-        _wait(lambda: _squeue_calls(fake_slurm) > asked, "the rerun's look at the queue")
-        (fake_slurm / "hold").unlink()
-        _wait(lambda: _checkpointed(out, "cl"), "cl's first checkpoint")
-        states.append(launch.run_states(out))
-        cancelled.extend(launch.cancel_study(out))
+        try:
+            _wait(lambda: _squeue_calls(fake_slurm) > asked, "the rerun's look at the queue")
+            (fake_slurm / "hold").unlink()
+            _wait(lambda: _checkpointed(out, "cl"), "cl's first checkpoint")
+            states.append(launch.run_states(out))
+            cancelled.extend(launch.cancel_study(out))
+        except BaseException as exc:  # the study in the main thread must end all the same
+            errors.append(exc)
+            (fake_slurm / "hold").unlink(missing_ok=True)
+            launch.cancel_study(out)
 
     monkeypatch.setattr(launch, "SQUEUE_EVERY_S", 0.5)  # the cancelled job's end is seen sooner
-    states, cancelled = [], []
+    states, cancelled, errors = [], [], []
     helper = threading.Thread(target=release_then_cancel)
     helper.start()
     res = run_study(spec_from_dict({**SPEC, "launcher": "slurm"}), out, threads=1, verbose=False)
     helper.join()
+    if errors:
+        raise errors[0]
     assert res == {"ran": [], "failed": [("cl", 0)], "kept": 1} and cancelled == ["103"]
     assert (fake_slurm / "last").read_text().strip() == "103"  # nothing submitted again
     assert states[0][1][:2] == ("cl", 0) and states[0][1][2].startswith("running at step "), states
