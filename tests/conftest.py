@@ -1,7 +1,9 @@
 import json
 import os
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 # The Triton kernels run on CPU tensors through the interpreter; the variable must be set before anything
 # imports them. On a CUDA machine the real compiler is used.
@@ -174,6 +176,22 @@ def tiny(run_dir, *extra):
     from diffcurr_fast.runs.recipes import load_config
 
     return load_config(None, [f"checkpoint.run_dir={run_dir}", *TINY_SETS, *extra])
+
+
+@pytest.fixture
+def fake_slurm(tmp_path, monkeypatch):
+    """The fake Slurm of tests/study/fake_slurm/ first on PATH, over the state folder it returns; every job it started
+    is killed at the end."""
+    state = tmp_path / "fake_slurm"
+    state.mkdir()
+    monkeypatch.setenv("FAKE_SLURM", str(state))
+    monkeypatch.setenv("PATH", f"{Path(__file__).parent / 'study' / 'fake_slurm'}{os.pathsep}{os.environ['PATH']}")
+    yield state
+    for pgid in state.glob("*.pgid"):
+        try:
+            os.killpg(int(pgid.read_text()), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
 
 
 def _main(capsys, *argv):

@@ -7,6 +7,8 @@ Study folder::
     status/<arm>-seed<k>.json   written when the run finished: kind, steps, training FLOPs, final metrics and the
                                 wall time of the attempt that finished it (a resumed run: since its resume)
     logs/<arm>-seed<k>.log      the worker's output
+    jobs/<arm>-seed<k>.json     the run's latest worker process or Slurm job (``launch``; ``study status``)
+    slurm/                      launcher slurm: submitit's job files and logs (``launch``)
     step_time.json              a speedrun: every arm's step time and, with ``peer_dit``, the official DiT step's,
                                 measured side by side (a worker measures it first, beside the first runs; kept on
                                 a rerun)
@@ -16,10 +18,11 @@ A run with a status file is finished and kept. Any other run is started again by
 (``python -m diffcurr_fast.study.runner STUDY_DIR ARM SEED``): a train run with checkpoints resumes from the newest
 (the trainer's ``--resume``, which repeats the uninterrupted run exactly), one without starts over; a tdc run
 with its ``tdc.json`` resumes too (``tdc --resume``: stage 1, finished groups and search rounds are kept), one
-without starts over. ``workers`` runs go at once, each with ``cpu_threads`` = cores // workers (or ``--threads``)
-and, on a machine with GPUs, one GPU per worker slot (``CUDA_VISIBLE_DEVICES``).
-A worker launched by hand under ``torchrun`` trains its run data-parallel (``engine.kind`` auto); rank 0 alone
-evaluates a tdc bundle and writes the status.
+without starts over. Launcher ``local`` (``LocalPool``): ``workers`` runs go at once, each with ``cpu_threads`` =
+cores // workers (or ``--threads``) and, on a machine with GPUs, one GPU per worker slot (``CUDA_VISIBLE_DEVICES``).
+Launcher ``slurm`` (``launch.SubmititPool``): each run is a Slurm job whose tasks run the worker as the ranks of one
+data-parallel run. A worker launched under ``torchrun`` (or a job's tasks) trains its run data-parallel
+(``engine.kind`` auto); rank 0 alone evaluates a tdc bundle and writes the status.
 """
 
 from __future__ import annotations
@@ -41,8 +44,20 @@ from diffcurr_fast.eval.features import digits_classifier, mnist5k_classifier
 from diffcurr_fast.runs.checkpoint import latest_checkpoint
 from diffcurr_fast.runs.recipes import apply_overrides
 from diffcurr_fast.runs.sampling import build_model, build_schedule
+from diffcurr_fast.study.launch import SubmititPool, active_jobs, write_job
+from diffcurr_fast.study.layout import STEPTIME, jobs, log_path, read_status, run_dir_of, status_path
 from diffcurr_fast.study.peer_dit import check_checkout
-from diffcurr_fast.study.spec import SPEC_FILE, Arm, StudySpec, arm_config, check_spec, load_study, spec_from_dict
+from diffcurr_fast.study.spec import (
+    LAUNCH_KEYS,
+    LAUNCHERS,
+    SPEC_FILE,
+    Arm,
+    StudySpec,
+    arm_config,
+    check_spec,
+    load_study,
+    spec_from_dict,
+)
 from diffcurr_fast.study.step_time import STEP_TIME_FILE
 from diffcurr_fast.study.tuning import decide, picked, split_trial
 from diffcurr_fast.tdc.flops import dit_flops
@@ -53,70 +68,57 @@ from diffcurr_fast.train.loop import train
 from diffcurr_fast.train.report import read_metrics
 
 
-def run_dir_of(study_dir: Path, arm: str, seed: int) -> Path:
-    return Path(study_dir) / "runs" / arm / f"seed{seed}"
-
-
-def status_path(study_dir: Path, arm: str, seed: int) -> Path:
-    return Path(study_dir) / "status" / f"{arm}-seed{seed}.json"
-
-
-def read_status(study_dir: Path, arm: str, seed: int) -> dict[str, Any] | None:
-    p = status_path(study_dir, arm, seed)
-    return json.loads(p.read_text()) if p.is_file() else None
-
-
 def prepare_study(spec: StudySpec, study_dir: str | Path) -> Path:
-    """Create ``study_dir`` with ``study.yaml``, or check that an existing one holds the same spec. The spec is
+    """Create ``study_dir`` with ``study.yaml``, or check that an existing one holds the same spec (its launch
+    settings aside: a rerun may launch the runs elsewhere, and ``study.yaml`` then records the new ones). The spec is
     written whole or not at all (renamed into place), so a Ctrl-C leaves no half spec for a rerun to misread."""
     study_dir = Path(study_dir)
     path = study_dir / SPEC_FILE
-    text = yaml.safe_dump(spec.to_dict(), sort_keys=False)
     if path.is_file():
-        saved = spec_from_dict(yaml.safe_load(path.read_text()), str(path))
-        if saved.to_dict() != spec.to_dict():
+        saved = spec_from_dict(yaml.safe_load(path.read_text()), str(path)).to_dict()
+        fixed = {k: v for k, v in spec.to_dict().items() if k not in LAUNCH_KEYS}
+        if {k: v for k, v in saved.items() if k not in LAUNCH_KEYS} != fixed:
             raise ValueError(
                 f"{str(path)!r} holds a different spec; a study's settings are fixed when it starts: use "
                 "another --out or the same spec"
             )
-        return study_dir
+        if saved == spec.to_dict():
+            return study_dir
     study_dir.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    tmp.write_text(yaml.safe_dump(spec.to_dict(), sort_keys=False))
     os.replace(tmp, path)
     return study_dir
-
-
-def jobs(spec: StudySpec) -> list[tuple[str, int]]:
-    """Every (arm, seed): the trials of the tuning protocol first, then the seeds, seed-major so a partial study has
-    every arm at its first seeds."""
-    return [*spec.trials(), *((a.name, s) for s in spec.seeds for a in spec.arms)]
 
 
 def pending(spec: StudySpec, study_dir: Path) -> list[tuple[str, int]]:
     return [(a, s) for a, s in jobs(spec) if read_status(study_dir, a, s) is None]
 
 
-STEPTIME = ("step-time", -1)  # the queue's job that measures the official step (not an arm: '-' + seed -1)
-
-
 def run_study(
     spec: StudySpec,
     study_dir: str | Path,
-    workers: int = 1,
+    workers: int | None = None,
     *,
     verbose: bool = True,
     peer_dit: str | Path | None = None,
     threads: int | None = None,
+    launcher: str | None = None,
+    cluster: str = "slurm",
 ) -> dict[str, Any]:
-    """Run every unfinished (arm, seed) of ``spec`` in ``study_dir`` with ``workers`` processes at once; returns
-    {"ran": [...], "failed": [...], "kept": n}. Failed runs are listed, not retried (a rerun resumes them).
-    ``peer_dit`` (a speedrun): a facebookresearch/DiT checkout whose step time is measured first (module doc).
-    ``threads``: CPU threads per worker (default: the cores split between the workers). ``verbose``: a line per
-    started and finished run on stdout, and a progress bar of the runs (done / all, with an ETA) on stderr.
-    Interrupted (Ctrl-C), the running workers are stopped (``_stop``) and the ``KeyboardInterrupt`` propagates; a
-    rerun resumes their runs."""
-    if workers < 1:
+    """Run every unfinished (arm, seed) of ``spec`` in ``study_dir``; returns {"ran": [...], "failed": [...], "kept":
+    n}. Failed runs are listed, not retried (a rerun resumes them). ``launcher`` (default: the spec's): ``local``,
+    ``workers`` processes at once (default 1); ``slurm``, submitit jobs (``launch.SubmititPool``; ``cluster``: its
+    executor), ``workers`` at once (default: all), runs still queued or running from an earlier sitting followed, not
+    submitted again. ``peer_dit`` (a speedrun): a facebookresearch/DiT checkout whose step time is measured first
+    (module doc). ``threads``: CPU threads per run (default: the cores split between the workers; on Slurm, the CPUs
+    of a task). ``verbose``: a line per started and finished run on stdout, and a progress bar of the runs (done /
+    all, with an ETA) on stderr. Interrupted (Ctrl-C), local workers are stopped (``LocalPool.stop``) and the
+    ``KeyboardInterrupt`` propagates; a rerun resumes their runs. Slurm jobs go on."""
+    launcher = launcher or spec.launcher
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"--launcher {launcher!r}; valid launchers: {', '.join(LAUNCHERS)}")
+    if workers is not None and workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
     if threads is not None and threads < 1:
         raise ValueError(f"--threads must be >= 1, got {threads}")
@@ -126,22 +128,33 @@ def run_study(
         check_checkout(peer_dit)
     check_spec(spec)
     check_writable(study_dir, "study folder", "choose another study folder (--out)", directory=True)
+    if launcher == "local":
+        pool: Any = LocalPool(study_dir, workers or 1, threads)
+    else:
+        pool = SubmititPool(spec, study_dir, workers, threads, cluster)
     study_dir = prepare_study(spec, study_dir)
     todo = pending(spec, study_dir)
     kept = len(jobs(spec)) - len(todo)
+    measure = bool(spec.speedrun) and not (study_dir / STEP_TIME_FILE).is_file()
+
+    def done_file(job: tuple[str, int]) -> Path:  # the file a job writes once it succeeded
+        return study_dir / STEP_TIME_FILE if job == STEPTIME else status_path(study_dir, *job)
+
+    running = _follow(pool, study_dir, [STEPTIME] * measure + todo, done_file)
     _prepare_features(spec)
-    threads = threads or max(1, (os.cpu_count() or 1) // workers)
-    gpus = _gpu_count()
-    running: list[tuple[tuple[str, int], subprocess.Popen, Any, int]] = []
     ran, failed = [], []
     if verbose:
         print(
-            f"study {spec.name}: {len(todo)} runs to do, {kept} finished kept, {workers} workers x {threads} "
-            f"threads; folder {study_dir}",
+            f"study {spec.name}: {len(todo)} runs to do, {kept} finished kept, {pool.describe()}; folder {study_dir}",
             flush=True,
         )
-    measure = bool(spec.speedrun) and not (study_dir / STEP_TIME_FILE).is_file()
-    queue = [STEPTIME] * measure + list(todo)
+    queue = [job for job in [STEPTIME] * measure + todo if job not in {r for r, _ in running}]
+    for (arm, seed), handle in running:
+        if verbose:
+            what = "step times" if seed < 0 else f"{arm} seed {seed}"
+            print(f"  follow {what} ({pool.label(handle)}, queued or running)", flush=True)
+    if queue:
+        pool.prepare(verbose)
     bar = tqdm(
         total=kept + len(todo),
         initial=kept,
@@ -167,7 +180,7 @@ def run_study(
 
     try:
         while queue or running:
-            while queue and len(running) < workers:
+            while queue and (pool.workers is None or len(running) < pool.workers):
                 job = next((j for j in queue if ready(j)), None)
                 if job is None:  # every queued run waits for the pick of its arm's trials
                     if not running:  # ... of trials that failed: those runs cannot start
@@ -178,38 +191,31 @@ def run_study(
                     break
                 queue.remove(job)
                 arm, seed = job
-                log = study_dir / "logs" / (f"{arm}.log" if seed < 0 else f"{arm}-seed{seed}.log")
-                log.parent.mkdir(parents=True, exist_ok=True)
-                fh = open(log, "a")
-                cmd = [sys.executable, "-m", "diffcurr_fast.study.runner", str(study_dir), arm, str(seed), str(threads)]
-                if (arm, seed) == STEPTIME:
+                cmd = [sys.executable, "-m", "diffcurr_fast.study.runner", str(study_dir.absolute()), arm, str(seed)]
+                if job == STEPTIME:
                     peer = "-" if peer_dit is None else str(peer_dit)
-                    cmd = [sys.executable, "-m", "diffcurr_fast.study.step_time", str(study_dir), peer, str(threads)]
-                env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-                slot = min(set(range(workers)) - {r[3] for r in running})
-                if gpus:  # one run per GPU: worker slot i sees GPU i mod #GPUs only
-                    env["CUDA_VISIBLE_DEVICES"] = str(slot % gpus)
-                proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
-                running.append(((arm, seed), proc, fh, slot))
-                say("  start step times" if seed < 0 else f"  start {arm} seed {seed}")
-            time.sleep(0.2)
+                    cmd = [sys.executable, "-m", "diffcurr_fast.study.step_time", str(study_dir.absolute()), peer]
+                handle = pool.start(arm, seed, cmd, done_file(job))
+                running.append((job, handle))
+                label = f" ({pool.label(handle)})" if pool.label(handle) else ""
+                say(f"  start step times{label}" if seed < 0 else f"  start {arm} seed {seed}{label}")
+            time.sleep(pool.poll_s)
             for item in list(running):
-                (arm, seed), proc, fh, _ = item
-                if proc.poll() is None:
+                (arm, seed), handle = item
+                if not pool.ended(handle):
                     continue
-                fh.close()
                 running.remove(item)
-                if (arm, seed) != STEPTIME or proc.returncode:  # "ran" lists runs; a failed measurement fails
-                    (ran if proc.returncode == 0 else failed).append((arm, seed))
+                ok = done_file((arm, seed)).is_file()
+                if (arm, seed) != STEPTIME or not ok:  # "ran" lists runs; a failed measurement fails
+                    (ran if ok else failed).append((arm, seed))
                 if (arm, seed) == STEPTIME:
-                    ok = proc.returncode == 0
                     say(f"  done  step times: {'step_time.json' if ok else 'FAILED (logs/step-time.log)'}")
                     continue
                 st = read_status(study_dir, arm, seed)
-                if proc.returncode == 0 and st:
+                if st:
                     msg = f"{spec.metric} {st['final'].get(spec.metric, float('nan')):.4g}, {st['wall_s']:.0f} s"
                 else:
-                    msg = f"FAILED (rc {proc.returncode}; see logs/{arm}-seed{seed}.log)"
+                    msg = f"FAILED ({pool.label(handle)}; see logs/{arm}-seed{seed}.log)"
                 say(f"  done  {arm} seed {seed}: {msg}")
                 bar.update(1)
                 if split_trial(arm)[1] is not None:  # a trial: its arm's pick may be made now
@@ -218,25 +224,94 @@ def run_study(
                     bar.set_postfix(failed=len(failed))
     finally:
         bar.close()
-        _stop(running)
+        pool.stop([handle for _, handle in running])
     return {"ran": ran, "failed": failed, "kept": kept}
 
 
-def _stop(running: list[tuple[tuple[str, int], subprocess.Popen, Any, int]]) -> None:
-    """Stop the workers still running (the study was interrupted): SIGTERM to all of them first (a training run
-    checkpoints on it, as on Ctrl-C), then wait for each; a second Ctrl-C while waiting kills them. A run's
-    status file is written only once it finished, so every stopped run resumes on the next run of the study."""
-    for _, proc, _, _ in running:
-        proc.terminate()
-    try:
-        for _, proc, fh, _ in running:
-            proc.wait()
-            fh.close()
-    except KeyboardInterrupt:
-        for _, proc, fh, _ in running:
-            proc.kill()
-            fh.close()
-        raise
+def _follow(
+    pool: Any, study_dir: Path, todo: list[tuple[str, int]], done_file: Any
+) -> list[tuple[tuple[str, int], Any]]:
+    """The jobs of ``todo`` whose job of an earlier sitting is still queued or running, each with the handle that
+    ``pool`` follows it by (done once ``done_file(job)`` exists); ValueError when ``pool`` cannot follow it (a job of
+    the other launcher, a worker of another study process)."""
+    active = active_jobs(study_dir, todo, need_slurm=pool.scheduler == "slurm")
+    out = []
+    for run, rec in active.items():
+        if rec["scheduler"] == "process":
+            raise ValueError(
+                f"run {run[0]} seed {run[1]} of {str(study_dir)!r} is running in another study process (pid "
+                f"{rec['job_id']}): let it finish, or stop it (Ctrl-C there) before running the study again"
+            )
+        if pool.scheduler != "slurm":
+            ids = ", ".join(r["job_id"] for r in active.values())
+            raise ValueError(
+                f"{len(active)} runs of {str(study_dir)!r} have Slurm jobs queued or running ({ids}): follow them "
+                f"with --launcher slurm, or cancel them first (diffcurr-fast study cancel {study_dir})"
+            )
+        out.append((run, pool.follow(rec, done_file(run))))
+    return out
+
+
+class LocalPool:
+    """The study's runs as worker processes of this machine: ``workers`` at once, each with ``threads`` CPU threads
+    (default: the cores split between them) and, on a machine with GPUs, one GPU per worker slot
+    (``CUDA_VISIBLE_DEVICES``); each worker's pid is kept in ``jobs/`` (``study status``)."""
+
+    scheduler = "process"
+    poll_s = 0.2
+
+    def __init__(self, study_dir: str | Path, workers: int, threads: int | None):
+        self.study_dir, self.workers = Path(study_dir), workers
+        self.threads = threads or max(1, (os.cpu_count() or 1) // workers)
+        self.gpus = _gpu_count()
+        self._slots: set[int] = set()
+
+    def describe(self) -> str:
+        return f"{self.workers} workers x {self.threads} threads"
+
+    def prepare(self, verbose: bool) -> None:
+        pass
+
+    def start(self, arm: str, seed: int, cmd: list[str], done: Path) -> tuple[subprocess.Popen, Any, int]:
+        log = log_path(self.study_dir, arm, seed)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(log, "a")
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads)}
+        slot = min(set(range(self.workers)) - self._slots)
+        if self.gpus:  # one run per GPU: worker slot i sees GPU i mod #GPUs only
+            env["CUDA_VISIBLE_DEVICES"] = str(slot % self.gpus)
+        proc = subprocess.Popen([*cmd, str(self.threads)], stdout=fh, stderr=subprocess.STDOUT, env=env)
+        self._slots.add(slot)
+        write_job(self.study_dir, arm, seed, self.scheduler, str(proc.pid))
+        return proc, fh, slot
+
+    def label(self, handle: tuple[subprocess.Popen, Any, int]) -> str:
+        """'' while the worker runs (the start line names nothing), its exit status once it ended."""
+        return "" if handle[0].returncode is None else f"rc {handle[0].returncode}"
+
+    def ended(self, handle: tuple[subprocess.Popen, Any, int]) -> bool:
+        proc, fh, slot = handle
+        if proc.poll() is None:
+            return False
+        fh.close()
+        self._slots.discard(slot)
+        return True
+
+    def stop(self, handles: list[tuple[subprocess.Popen, Any, int]]) -> None:
+        """Stop the workers still running (the study was interrupted): SIGTERM to all of them first (a training run
+        checkpoints on it, as on Ctrl-C), then wait for each; a second Ctrl-C while waiting kills them. A run's
+        status file is written only once it finished, so every stopped run resumes on the next run of the study."""
+        for proc, _, _ in handles:
+            proc.terminate()
+        try:
+            for proc, fh, _ in handles:
+                proc.wait()
+                fh.close()
+        except KeyboardInterrupt:
+            for proc, fh, _ in handles:
+                proc.kill()
+                fh.close()
+            raise
 
 
 def _gpu_count() -> int:

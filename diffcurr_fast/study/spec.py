@@ -23,6 +23,9 @@ tuned arm gets the same number of trials, and a rule fixed in the spec picks the
 are ``SPEEDRUN_KEYS`` with the defaults of ``SPEEDRUN_DEFAULTS``; ``official_arm`` names the arm whose time axis is
 the official DiT step's (measured with ``study --peer-dit PATH``).
 
+``launcher`` (``local``, the default, or ``slurm``) and ``slurm`` (the jobs' resources, ``SLURM_DEFAULTS``) say where
+the runs go (``diffcurr_fast.study.launch``); unlike every other setting, a rerun may change them.
+
 ``kind`` is ``train`` (an ordinary ``diffcurr-fast train`` run) or ``tdc`` (``diffcurr-fast tdc``: stage 1, experts,
 bundle; its final metric is the bundle's). ``load_spec`` checks every arm's config before anything runs.
 """
@@ -54,6 +57,8 @@ SPEC_KEYS = (
     "notes",
     "speedrun",
     "tuning",
+    "launcher",
+    "slurm",
 )
 # threshold: 'reference' (the worst final smoothed metric over the official arm's seeds) or a number; smooth: the
 # trailing window (evaluations) of the moving average; plateau: the official arm's last plateau_share of evaluations
@@ -67,6 +72,19 @@ SPEEDRUN_DEFAULTS: dict[str, Any] = {
 }
 SPEEDRUN_KEYS = tuple(SPEEDRUN_DEFAULTS)
 ARM_KEYS = ("name", "kind", "set", "reference", "tune")
+# where the runs go (``diffcurr_fast.study.launch``): worker processes on this machine, or submitit jobs on Slurm, each
+# of nodes x gpus_per_node tasks (one per GPU, cpus_per_gpu CPUs each) in a partition (null: the cluster's default)
+# for at most time_min minutes; sbatch: more of submitit's Slurm parameters (account, qos, mem, constraint, setup, ...)
+LAUNCHERS = ("local", "slurm")
+SLURM_DEFAULTS: dict[str, Any] = {
+    "nodes": 1,
+    "gpus_per_node": 1,
+    "cpus_per_gpu": 8,
+    "partition": None,
+    "time_min": 1440,
+    "sbatch": {},
+}
+LAUNCH_KEYS = ("launcher", "slurm")  # how the runs are launched: a rerun may change them (nothing else)
 
 
 @dataclass
@@ -97,6 +115,8 @@ class StudySpec:
     notes: str = ""
     speedrun: dict[str, Any] = field(default_factory=dict)
     tuning: dict[str, Any] = field(default_factory=dict)
+    launcher: str = "local"
+    slurm: dict[str, Any] = field(default_factory=dict)
 
     def arm(self, name: str) -> Arm:
         """The arm called ``name``, or trial i of a tuned arm's grid (``<arm>~t<i>``, ``study.tuning``): the arm with
@@ -134,6 +154,8 @@ class StudySpec:
                 del a["tune"]
         if not out["tuning"]:
             del out["tuning"]
+        if out["launcher"] == "local" and not out["slurm"]:  # a spec without launch settings is written as before
+            del out["launcher"], out["slurm"]
         return out
 
 
@@ -186,7 +208,11 @@ def spec_from_dict(data: dict[str, Any], source: str = "spec") -> StudySpec:
         notes=str(data.get("notes") or ""),
         speedrun=_speedrun(data.get("speedrun"), names, source),
         tuning=check_tuning(data.get("tuning"), {a.name: a.tune for a in arms}, source),
+        launcher=str(data.get("launcher") or "local"),
+        slurm=_slurm(data.get("slurm"), source),
     )
+    if spec.launcher not in LAUNCHERS:
+        raise ValueError(f"{source}: launcher {spec.launcher!r}; valid launchers: {', '.join(LAUNCHERS)}")
     if spec.metric not in METRICS:
         raise ValueError(f"{source}: metric {spec.metric!r}; valid metrics: {', '.join(METRICS)}")
     if spec.tuning and METRICS[spec.metric] != "lower":
@@ -233,6 +259,32 @@ def _speedrun(data: Any, arms: list[str], source: str) -> dict[str, Any]:
         v = out[key]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1:
             raise ValueError(f"{source}: speedrun.{key} must lie in (0, 1), got {v!r}")
+    return out
+
+
+def _slurm(data: Any, source: str) -> dict[str, Any]:
+    """The checked ``slurm`` mapping with its defaults filled ({} when absent). The names under ``sbatch`` are
+    checked against submitit's when the study is launched (``launch.check_sbatch``)."""
+    if data is None or data == {}:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: slurm must be a mapping, e.g. slurm: {{nodes: 1, gpus_per_node: 8}}, got {data!r}")
+    bad = sorted(set(data) - set(SLURM_DEFAULTS))
+    if bad:
+        raise ValueError(f"{source}: unknown slurm keys {bad}; valid keys: {', '.join(SLURM_DEFAULTS)}")
+    out = {**SLURM_DEFAULTS, **data}
+    for key in ("nodes", "gpus_per_node", "cpus_per_gpu", "time_min"):
+        v = out[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            what = " (each task of a job is one GPU's rank)" if key == "gpus_per_node" else ""
+            raise ValueError(f"{source}: slurm.{key} must be an int >= 1{what}, got {v!r}")
+    if out["partition"] is not None and (not isinstance(out["partition"], str) or not out["partition"]):
+        raise ValueError(f"{source}: slurm.partition must be a partition's name or null, got {out['partition']!r}")
+    if not isinstance(out["sbatch"], dict) or not all(isinstance(k, str) for k in out["sbatch"]):
+        raise ValueError(
+            f"{source}: slurm.sbatch must map submitit's Slurm parameters to values (e.g. {{account: lab, "
+            f"qos: high}}), got {out['sbatch']!r}"
+        )
     return out
 
 
@@ -283,8 +335,11 @@ __all__ = [
     "ARM_KEYS",
     "Arm",
     "KINDS",
+    "LAUNCHERS",
+    "LAUNCH_KEYS",
     "METRICS",
     "SPEC_KEYS",
+    "SLURM_DEFAULTS",
     "SPEEDRUN_KEYS",
     "StudySpec",
     "arm_config",

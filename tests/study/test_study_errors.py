@@ -4,6 +4,7 @@ folder that cannot be written, Ctrl-C during a study and its progress bar (runne
 each input gets."""
 
 import json
+import os
 import subprocess
 import sys
 import types
@@ -61,7 +62,7 @@ class _Worker:
         status = {"arm": arm, "seed": seed, "kind": "train", "steps": 1, "train_flops": 1.0, "wall_s": 0.0}
         evals = [{"step": 1, "eval": True, "fd": 1.0}]
         write_json({**status, "final": evals[0], "evals": evals}, status_path(study_dir, arm, seed))
-        self.returncode = 0
+        self.returncode, self.pid = 0, -1  # no process: its job record names none that lives
 
     def poll(self):
         return 0
@@ -182,6 +183,134 @@ def test_study_worker_interrupted_says_so_in_one_line(monkeypatch, capsys):
         "study worker a seed 0: SIGINT received: stopped at step 7, checkpoint "
         "runs/a/seed0/checkpoints/ckpt_00000007.pt; rerun the study to resume it"
     )
+
+
+@pytest.mark.parametrize(
+    "given, line",
+    [
+        ({"slurm": {"gpus_per_node": 0}}, "spec.yaml: slurm.gpus_per_node must be an int >= 1 (each task of a job is"),
+        (["--gpus-per-node", "0"], "the command line: slurm.gpus_per_node must be an int >= 1 (each task of a job"),
+        (["--sbatch", "qos=high", "--sbatch", "nosuch=1"], "slurm.sbatch: submitit has no Slurm parameter 'nosuch';"),
+        (["--sbatch", "time=60"], "slurm.sbatch.time: the study sets it; set slurm.time_min"),
+        ({"slurm": {"sbatch": ["account=lab"]}}, "spec.yaml: slurm.sbatch must map submitit's Slurm parameters to"),
+        ({"slurm": {"gpus": 8}}, "spec.yaml: unknown slurm keys ['gpus']; valid keys: nodes, gpus_per_node,"),
+        ({"slurm": "gpu:8"}, "spec.yaml: slurm must be a mapping, e.g. slurm: {nodes: 1, gpus_per_node: 8}, got"),
+        ({"slurm": {"partition": 3}}, "spec.yaml: slurm.partition must be a partition's name or null, got 3"),
+        ({"launcher": "pbs"}, "spec.yaml: launcher 'pbs'; valid launchers: local, slurm"),
+        (["--sbatch", "account"], "--sbatch 'account': give KEY=VALUE, e.g. --sbatch account=lab"),
+        (["--sbatch", "additional_parameters=5"], "slurm settings refused by submitit: "),
+    ],
+)
+def test_study_slurm_settings_are_refused_in_one_line_before_anything_is_submitted(
+    tmp_path, capsys, fake_slurm, given, line
+):
+    data = {**SPEC, "launcher": "slurm", **(given if isinstance(given, dict) else {})}
+    argv = [
+        "study",
+        _spec_file(tmp_path, data),
+        "--out",
+        str(tmp_path / "s"),
+        *(given if isinstance(given, list) else []),
+    ]
+    rc, err = _main(capsys, *argv)
+    assert rc == 2 and line in err and len(err.strip().splitlines()) == 1, err
+    assert not (fake_slurm / "last").exists() and not (tmp_path / "s").exists()  # nothing submitted, nothing written
+
+
+def test_study_on_slurm_without_slurm_or_submitit_says_so_in_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no srun
+    rc, err = _main(capsys, "study", _spec_file(tmp_path), "--launcher", "slurm", "--out", str(tmp_path / "s"))
+    assert (
+        rc == 2
+        and err.startswith('diffcurr-fast study: error: launcher slurm: Could not detect "srun"')
+        and len(err.splitlines()) == 1
+    ), err
+    assert "run the study on a machine with Slurm's commands" in err and not (tmp_path / "s").exists()
+    monkeypatch.setitem(sys.modules, "submitit", None)  # not installed
+    rc, err = _main(capsys, "study", _spec_file(tmp_path), "--launcher", "slurm", "--out", str(tmp_path / "s"))
+    assert rc == 2 and "launcher slurm needs the submitit package: pip install submitit" in err, err
+
+
+def test_study_folder_the_compute_nodes_cannot_see_is_refused_before_any_run(tmp_path, capsys, fake_slurm, monkeypatch):
+    """The fake's node sees the study folder empty (a disk of this machine only): the check job cannot read the check
+    file, and the study stops in one line before any run is submitted."""
+    from diffcurr_fast.study import launch
+
+    if subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"], capture_output=True).returncode:
+        pytest.skip("unshare (user and mount namespaces) is not allowed here: the fake node cannot hide a folder")
+    out = tmp_path / "s"
+    monkeypatch.setenv("FAKE_SLURM_HIDE", str(out))
+    monkeypatch.setattr(launch, "SQUEUE_EVERY_S", 0.2)  # the failed check job leaves no result: squeue sees it end
+    rc, err = _main(capsys, "study", _spec_file(tmp_path), "--launcher", "slurm", "--out", str(out))
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"the compute nodes do not see the study folder '{out}': check job 101 ended without reading" in err, err
+    assert "put the study folder on a disk the nodes share (--out)" in err
+    assert (fake_slurm / "last").read_text().strip() == "101" and (fake_slurm / "101.state").read_text() == "FAILED\n"
+    assert sorted(p.name for p in (out / "jobs").iterdir()) == ["folder_check"]  # no run submitted
+
+
+def test_study_refuses_runs_that_another_launcher_or_study_process_runs(tmp_path, fake_slurm, no_features, monkeypatch):
+    """A rerun neither starts a run whose Slurm job is still queued or running (unless it follows it on Slurm) nor
+    one that another study process of this host runs; a Slurm study that cannot ask squeue submits nothing."""
+    from diffcurr_fast.study import launch, runner
+    from diffcurr_fast.study.spec import spec_from_dict
+
+    spec, out = spec_from_dict(SPEC), tmp_path / "s"
+    runner.prepare_study(spec, out)
+    (fake_slurm / "555.state").write_text("RUNNING\n")  # b's job, submitted by an earlier sitting
+    launch.write_job(out, "b", 0, "slurm", "555")
+    with pytest.raises(ValueError, match=r"^1 runs of '.*' have Slurm jobs queued or running \(555\): follow them "):
+        runner.run_study(spec, out, verbose=False)
+    (fake_slurm / "555.state").write_text("FAILED\n")
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(out.absolute())])
+    try:  # a worker of another study process of this host (its command line names the study folder)
+        launch.write_job(out, "a", 0, "process", str(other.pid))
+        with pytest.raises(ValueError, match=r"^run a seed 0 of '.*' is running in another study process \(pid "):
+            runner.run_study(spec, out, verbose=False)
+    finally:
+        other.kill()
+        other.wait()
+    launch.write_job(out, "a", 0, "slurm", "556")
+
+    def busy():
+        raise RuntimeError("squeue failed: slurm_load_jobs error: Socket timed out on send/recv operation")
+
+    monkeypatch.setattr(launch, "squeue_states", busy)
+    with pytest.raises(ValueError, match=r"^squeue failed: .*: cannot tell which of the study's jobs are queued"):
+        runner.run_study(spec, out, verbose=False, launcher="slurm")
+    assert (fake_slurm / "last").exists() is False  # nothing submitted
+
+
+def test_study_cancel_that_scancel_refuses_says_so_in_one_line(tmp_path, capsys, fake_slurm, monkeypatch):
+    from diffcurr_fast.study import launch, runner
+    from diffcurr_fast.study.spec import spec_from_dict
+
+    out, bin_dir = tmp_path / "s", tmp_path / "bin"
+    runner.prepare_study(spec_from_dict(SPEC), out)
+    (fake_slurm / "555.state").write_text("RUNNING\n")
+    launch.write_job(out, "a", 0, "slurm", "555")
+    bin_dir.mkdir()
+    (bin_dir / "scancel").write_text("#!/bin/sh\necho 'scancel: error: Access/permission denied' >&2\nexit 1\n")
+    (bin_dir / "scancel").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    rc, err = _main(capsys, "study", "cancel", str(out))
+    line = "scancel 555 failed (exit status 1); no job was cancelled: run study cancel again"
+    assert rc == 2 and err == f"diffcurr-fast study: error: {line}\n", err
+
+
+def test_a_job_on_a_node_that_sees_another_study_folder_stops_in_one_line(tmp_path):
+    from diffcurr_fast.study.launch import read_check
+
+    check = tmp_path / "jobs" / "folder_check"
+    with pytest.raises(
+        ValueError, match=r"does not see the study folder's check file .* as it was written when the job"
+    ):
+        read_check(str(check), "/shared/s 1234")  # no such file on this node
+    check.parent.mkdir()
+    check.write_text("/shared/s 9999")  # another copy of the folder at the same path
+    with pytest.raises(ValueError, match=r"the study folder is not shared with this node; put it on a disk the nodes"):
+        read_check(str(check), "/shared/s 1234")
+    read_check(str(check), "/shared/s 9999")
 
 
 def test_study_shows_its_progress_with_an_eta(tmp_path, capsys, monkeypatch, no_features):
