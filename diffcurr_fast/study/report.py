@@ -36,7 +36,7 @@ from diffcurr_fast.study.posthoc import posthoc_picks, posthoc_rows
 from diffcurr_fast.study.runner import eval_records, read_status, run_dir_of
 from diffcurr_fast.study.spec import METRICS, StudySpec, arm_config, load_study
 from diffcurr_fast.study.step_time import STEP_TIME_FILE
-from diffcurr_fast.study.tuning import decide
+from diffcurr_fast.study.tuning import decide, trial_seeds
 from diffcurr_fast.train.report import read_metrics
 
 METRIC_COLUMNS = ("fd", "is", "is_std", "precision", "recall")
@@ -518,10 +518,16 @@ def tuning_section(spec: StudySpec, study_dir: Path) -> list[str]:
     tu = spec.tuning
     done = decide(spec, study_dir, read_status)
     pick = tu["pick"] if tu["pick"] == "final" else f"fewest steps to {spec.metric} {tu['pick']:g}"
+    seeds = trial_seeds(tu)
+    at = (
+        f"seed {seeds[0]}"
+        if len(seeds) == 1
+        else f"seeds {', '.join(map(str, seeds))}, each point scored by its worse seed (its seeds' values in brackets)"
+    )
     lines = [
         "## Tuning",
         "",
-        f"Every tuned arm ran one trial per point of its grid: {tu['budget']} steps, seed {tu['seed']}; the pick rule, "
+        f"Every tuned arm ran one trial per point of its grid: {tu['budget']} steps, {at}; the pick rule, "
         f"fixed in the spec: {pick} (smoothed over {spec.speedrun.get('smooth', 1) if spec.speedrun else 1} "
         "evaluations; ties keep the grid's order).",
         "",
@@ -529,18 +535,20 @@ def tuning_section(spec: StudySpec, study_dir: Path) -> list[str]:
         "| picked |",
         "|---|---|---|---|---|---|---|",
     ]
+
+    def steps_cell(t: dict[str, Any]) -> str:
+        v = t["steps_to_pick"]
+        return "-" if tu["pick"] == "final" else ("never" if v is None or not math.isfinite(v) else f"{v:g}")
+
+    def final_cell(t: dict[str, Any]) -> str:
+        return "n/a" if t["final"] is None or not math.isfinite(t["final"]) else f"{t['final']:.4g}"
+
     for name, d in done.items():
         for i, t in enumerate(d["trials"]):
-            steps = (
-                "-"
-                if tu["pick"] == "final"
-                else (
-                    "never"
-                    if t["steps_to_pick"] is None or not math.isfinite(t["steps_to_pick"])
-                    else f"{t['steps_to_pick']:g}"
-                )
-            )
-            final = "n/a" if t["final"] is None or not math.isfinite(t["final"]) else f"{t['final']:.4g}"
+            steps, final = steps_cell(t), final_cell(t)
+            if "per_seed" in t:
+                steps += "" if tu["pick"] == "final" else f" ({', '.join(steps_cell(x) for x in t['per_seed'])})"
+                final += f" ({', '.join(final_cell(x) for x in t['per_seed'])})"
             mark = "yes" if t["set"] == d["pick"] else ""
             lines.append(f"| {name} | {i} | {' '.join(t['set'])} | {steps} | {final} | {t['wall_s']:.0f} | {mark} |")
     waiting = [a.name for a in spec.arms if a.tune and a.name not in done]
@@ -556,23 +564,7 @@ def tuning_section(spec: StudySpec, study_dir: Path) -> list[str]:
     res = read_json(path, "speedrun analysis") if path.is_file() else {}
     ref = res.get("reference")
     wall = {n: (a.get("axes") or {}).get("wall_s", [None])[0] for n, a in (res.get("arms") or {}).items()}
-    st = _step_time(study_dir)
-    priced = {a.name: speedrun.arm_step_s(st, a.name, spec.speedrun["official_arm"]) for a in spec.arms}
-    cost = {
-        a.name: (
-            0.0
-            if a.name not in done
-            else len(done[a.name]["trials"]) * tu["budget"] * priced[a.name]
-            if priced[a.name]
-            else done[a.name]["tuning_wall_s"]
-        )
-        for a in spec.arms
-    }
-    how = (
-        "its trials' steps x the arm's side-by-side step time, as the arms' time axes"
-        if all(priced[n] for n in done)
-        else "the trials' own recorded wall time (no side-by-side step times)"
-    )
+    cost, how = tuning_costs(spec, study_dir, done)
     lines += [
         "",
         f"Speed-up over {ref} in wall time to the threshold, tuning excluded and included (the arm's mean wall time "
@@ -590,6 +582,31 @@ def tuning_section(spec: StudySpec, study_dir: Path) -> list[str]:
         incl = (wall[ref] + cost.get(ref, 0.0)) / (w + cost.get(name, 0.0))
         lines.append(f"| {name} | {w:.0f} | {cost.get(name, 0.0):.0f} | x{excl:.3g} | x{incl:.3g} |")
     return lines
+
+
+def tuning_costs(spec: StudySpec, study_dir: Path, done: dict[str, Any]) -> tuple[dict[str, float], str]:
+    """({arm: its tuning wall time}, how it was priced): every trial's steps (each point at each trial seed) x the
+    arm's side-by-side step time, as the arms' time axes; the trials' own recorded wall time without step times. An
+    arm without a finished grid costs 0."""
+    st = _step_time(study_dir)
+    priced = {a.name: speedrun.arm_step_s(st, a.name, spec.speedrun["official_arm"]) for a in spec.arms}
+    runs = len(trial_seeds(spec.tuning)) * spec.tuning["budget"]
+    cost = {
+        a.name: (
+            0.0
+            if a.name not in done
+            else len(done[a.name]["trials"]) * runs * priced[a.name]
+            if priced[a.name]
+            else done[a.name]["tuning_wall_s"]
+        )
+        for a in spec.arms
+    }
+    how = (
+        "its trials' steps x the arm's side-by-side step time, as the arms' time axes"
+        if all(priced[n] for n in done)
+        else "the trials' own recorded wall time (no side-by-side step times)"
+    )
+    return cost, how
 
 
 def write_speedrun(

@@ -36,7 +36,7 @@ from typing import Any
 import yaml
 
 from diffcurr_fast.runs.recipes import duplicate_keys, load_config
-from diffcurr_fast.study.tuning import check_tuning, grid, split_trial, trial_name
+from diffcurr_fast.study.tuning import check_tuning, grid, split_trial, trial_name, trial_seeds
 
 SPEC_FILE = "study.yaml"  # a study folder's spec (``load_study``)
 KINDS = ("train", "tdc")
@@ -111,9 +111,11 @@ class StudySpec:
         raise ValueError(f"no arm {name!r} in study {self.name!r}; arms: {', '.join(a.name for a in self.arms)}")
 
     def trials(self) -> list[tuple[str, int]]:
-        """Every (trial arm, seed) of the tuning protocol, arm by arm."""
-        seed = self.tuning.get("seed", 0)
-        return [(trial_name(a.name, i), seed) for a in self.arms if a.tune for i in range(len(grid(a.tune)))]
+        """Every (trial arm, seed) of the tuning protocol, arm by arm, each point at every trial seed."""
+        seeds = trial_seeds(self.tuning) if self.tuning else []
+        return [
+            (trial_name(a.name, i), s) for a in self.arms if a.tune for i in range(len(grid(a.tune))) for s in seeds
+        ]
 
     def reference_of(self, arm: Arm) -> str:
         return arm.reference or self.reference
