@@ -1,15 +1,18 @@
 """The study's results: results.csv, report.md with error bars and paired comparisons, and the plots.
 
-* ``results.csv``: one row per evaluation: arm, seed, step, every metric (fd, is, is_std, precision, recall), the
-  cumulative training wall time (``train_s``, evaluations excluded; our step's) and training FLOPs (3 x forward
-  FLOPs x batch x step; known once the run finished).
+* ``results.csv``: one row per evaluation: arm, seed, step, every metric (fd, is, is_std, precision, recall and,
+  when the runs recorded it, the conditional accuracy ``cond_acc``), the cumulative training wall time (``train_s``,
+  evaluations excluded; our step's) and training FLOPs (3 x forward FLOPs x batch x step; known once the run
+  finished).
 * a spec with ``speedrun``: the time-to-quality section of ``report.md``, ``speedrun.json``, ``fd_vs_wall.png`` and
   ``fd_vs_step.png`` (the analysis: ``diffcurr_fast.study.speedrun``; its section and plots:
   ``diffcurr_fast.study.speedrun_report``).
 * ``report.md``: per arm the final metrics as mean +- std over seeds (sample std, n - 1) and the per-seed values;
   for the spec's metric, the paired difference arm - reference over the seeds both finished, with a 95%
   confidence interval from the paired t distribution (mean +- t_{0.975, n-1} s_d / sqrt(n)) and how many seeds
-  improved; training FLOPs and wall time per arm (a tdc arm also its sampling FLOPs per image).
+  improved; training FLOPs and wall time per arm (a tdc arm also its sampling FLOPs per image); with the conditional
+  accuracy, its paired difference against the reference arm the same way, naming every arm whose interval lies below
+  0 (``accuracy_section``).
 * ``metric_vs_step.png`` (mean +- std band over seeds per arm), ``curriculum_timelines.png`` (unlocked clusters
   against step, one panel per curriculum arm, one line per seed), ``cluster_loss.png`` (final training loss per
   timestep cluster, mean over seeds, per arm), and ``samples/<arm>.png`` (an end-of-run grid per arm).
@@ -32,7 +35,8 @@ from diffcurr_fast._files import read_json
 from diffcurr_fast._lazy import pyplot
 from diffcurr_fast.runs.sampling import grid_unavailable
 from diffcurr_fast.study import speedrun, speedrun_report
-from diffcurr_fast.study.posthoc import posthoc_picks, posthoc_rows
+from diffcurr_fast.study.long_reference import folder_of, prepare
+from diffcurr_fast.study.posthoc import posthoc_finals, posthoc_picks, posthoc_rows
 from diffcurr_fast.study.runner import eval_records, read_status, run_dir_of
 from diffcurr_fast.study.spec import METRICS, StudySpec, arm_config, load_study
 from diffcurr_fast.study.step_time import STEP_TIME_FILE
@@ -40,6 +44,7 @@ from diffcurr_fast.study.tuning import decide, trial_seeds
 from diffcurr_fast.train.report import read_metrics
 
 METRIC_COLUMNS = ("fd", "is", "is_std", "precision", "recall")
+ACCURACY = "cond_acc"  # a column only when some run recorded it: studies made before it report as they did
 CLOCK_COLUMNS = ("train_s", "train_flops")
 
 
@@ -104,7 +109,7 @@ def collect(study_dir: str | Path) -> tuple[StudySpec, list[dict[str, Any]], dic
                         "arm": arm.name,
                         "seed": seed,
                         "step": int(r["step"]),
-                        **{k: r.get(k) for k in METRIC_COLUMNS},
+                        **{k: r.get(k) for k in (*METRIC_COLUMNS, ACCURACY)},
                         "train_s": r.get("train_s"),
                         "train_flops": flops,
                     }
@@ -114,10 +119,17 @@ def collect(study_dir: str | Path) -> tuple[StudySpec, list[dict[str, Any]], dic
 
 def write_csv(rows: list[dict[str, Any]], path: Path) -> Path:
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["arm", "seed", "step", *METRIC_COLUMNS, *CLOCK_COLUMNS])
+        acc = [ACCURACY] if any(r.get(ACCURACY) is not None for r in rows) else []
+        w = csv.DictWriter(f, fieldnames=["arm", "seed", "step", *METRIC_COLUMNS, *acc, *CLOCK_COLUMNS])
         w.writeheader()
         for r in rows:
-            w.writerow({k: ("" if v is None else (f"{v:.6g}" if isinstance(v, float) else v)) for k, v in r.items()})
+            w.writerow(
+                {
+                    k: ("" if v is None else (f"{v:.6g}" if isinstance(v, float) else v))
+                    for k, v in r.items()
+                    if k in w.fieldnames
+                }
+            )
     return path
 
 
@@ -132,7 +144,7 @@ def summarize(spec: StudySpec, status: dict[tuple[str, int], dict]) -> dict[str,
         done = {s: status[(arm.name, s)] for s in spec.seeds if (arm.name, s) in status}
         per_metric = {
             m: {s: st["final"].get(m) for s, st in done.items() if st["final"].get(m) is not None}
-            for m in ("fd", "is", "precision", "recall")
+            for m in ("fd", "is", "precision", "recall", ACCURACY)
         }
         arms[arm.name] = {
             "kind": arm.kind,
@@ -156,6 +168,50 @@ def summarize(spec: StudySpec, status: dict[tuple[str, int], dict]) -> dict[str,
     return arms
 
 
+def accuracy_section(spec: StudySpec, finals: dict[str, dict[int, float]], title: str) -> list[str]:
+    """The conditional accuracy of each arm's final samples (``finals``: {arm: {seed: accuracy}}) and its paired
+    difference against the arm's reference over the seeds both have, with the 95% paired-t interval; every arm whose
+    interval lies below 0 is named (it draws the wrong class more often than its reference). [] without accuracies."""
+    if not any(finals.values()):
+        return []
+    lines = [
+        f"## {title}",
+        "",
+        "The share of each arm's final samples that the feature classifier assigns to the class they were generated "
+        "for (FD cannot see a recipe that draws good images of the wrong class), and its paired difference arm - "
+        "reference over the seeds both finished, with its 95% paired-t interval.",
+        "",
+        "| arm | reference | accuracy (mean +- std) | n | mean diff | 95% CI (paired t) |",
+        "|---|---|---|---|---|---|",
+    ]
+    lower = []
+    for arm in spec.arms:
+        mine, ref = finals.get(arm.name, {}), finals.get(spec.reference_of(arm), {})
+        if not mine:
+            continue
+        mean, std = mean_std(list(mine.values()))
+        if arm.name == spec.reference_of(arm):
+            lines.append(f"| {arm.name} | - | {_fmt(mean)} +- {_fmt(std, 2)} | {len(mine)} | - | - |")
+            continue
+        common = sorted(set(mine) & set(ref))
+        p = paired_t([mine[s] - ref[s] for s in common], lower_is_better=False)
+        lines.append(
+            f"| {arm.name} | {spec.reference_of(arm)} | {_fmt(mean)} +- {_fmt(std, 2)} | {p.n} | {_fmt(p.mean)} | "
+            f"[{_fmt(p.ci_lo)}, {_fmt(p.ci_hi)}] |"
+        )
+        if p.n > 1 and p.ci_hi < 0:
+            lower.append(
+                f"`{arm.name}` ({_fmt(p.mean)} [{_fmt(p.ci_lo)}, {_fmt(p.ci_hi)}] against `{spec.reference_of(arm)}`)"
+            )
+    lines.append("")
+    lines.append(
+        "**Lower conditional accuracy than its reference** (the interval below 0): " + ", ".join(lower) + "."
+        if lower
+        else "No arm's conditional accuracy is below its reference's by more than its interval."
+    )
+    return lines
+
+
 def write_markdown(spec: StudySpec, arms: dict[str, Any], path: Path, study_dir: Path) -> Path:
     m, lower = spec.metric, METRICS[spec.metric] == "lower"
     lines = [f"# Study `{spec.name}`", ""]
@@ -168,16 +224,17 @@ def write_markdown(spec: StudySpec, arms: dict[str, Any], path: Path, study_dir:
         "under `runs/<arm>/seed<k>/`.",
         "",
     ]
+    acc = any(a["final"][ACCURACY] for a in arms.values())  # a column only for runs that recorded it
+    shown = ("fd", "is", "precision", "recall", *[ACCURACY] * acc)
     lines += [
         "## Final metrics (mean +- std over seeds)",
         "",
-        "| arm | seeds | steps | FD | IS | precision | recall | train FLOPs | wall s per run |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| arm | seeds | steps | FD | IS | precision | recall | " + "cond. accuracy | " * acc + "train FLOPs | "
+        "wall s per run |",
+        "|---|---|---|---|---|---|---|" + "---|" * acc + "---|---|",
     ]
     for name, a in arms.items():
-        cells = [
-            f"{_fmt(a['stats'][k][0])} +- {_fmt(a['stats'][k][1], 2)}" for k in ("fd", "is", "precision", "recall")
-        ]
+        cells = [f"{_fmt(a['stats'][k][0])} +- {_fmt(a['stats'][k][1], 2)}" for k in shown]
         lines.append(
             f"| {name} | {len(a['seeds'])} | {_fmt(a['steps'], 6)} | "
             + " | ".join(cells)
@@ -210,6 +267,8 @@ def write_markdown(spec: StudySpec, arms: dict[str, Any], path: Path, study_dir:
     for name, a in arms.items():
         vals = a["final"][m]
         lines.append(f"| {name} | " + " | ".join(_fmt(vals.get(s)) for s in spec.seeds) + " |")
+    acc_lines = accuracy_section(spec, {n: a["final"][ACCURACY] for n, a in arms.items()}, "Conditional accuracy")
+    lines += ["", *acc_lines] if acc_lines else []
     tdc = {n: a for n, a in arms.items() if a["sampling_flops"]}
     if tdc:
         lines += ["", "## Sampling FLOPs per image (TDC bundle vs the base model)", ""]
@@ -469,6 +528,8 @@ def write_report(
             report.write_text(report.read_text() + "\n" + "\n".join(speedrun_report.references_section(refs)))
     if spec.tuning:
         report.write_text(report.read_text() + "\n" + "\n".join(tuning_section(spec, study_dir)) + "\n")
+    if spec.speedrun and spec.long_reference:
+        report.write_text(report.read_text() + "\n" + "\n".join(readings_lines(spec, study_dir, rows)))
     picks = posthoc_picks(spec, study_dir)
     if picks:
         report.write_text(report.read_text() + "\n" + "\n".join(posthoc_section(spec, study_dir, rows, picks, against)))
@@ -504,11 +565,34 @@ def posthoc_section(
     if missing:
         lines += ["", f"Not evaluated post hoc (no finished runs with every length): {', '.join(missing)}."]
     lines.append("")
+    acc = accuracy_section(spec, posthoc_finals(spec, study_dir, picks), "Conditional accuracy with post-hoc EMA")
+    lines += [*acc, ""] if acc else []
     if spec.speedrun:
         prow = posthoc_rows(spec, study_dir, rows, picks)
         refs = speedrun.against(spec, prow, _step_time(study_dir), list(against))
         lines += speedrun_report.references_section(refs, "Time to quality with post-hoc EMA")
+    if spec.speedrun and spec.long_reference:
+        lines += readings_lines(spec, study_dir, prow, posthoc=True)
     return lines
+
+
+def readings_lines(spec: StudySpec, study_dir: Path, rows: list[dict[str, Any]], posthoc: bool = False) -> list[str]:
+    """Both readings of every arm's speed-up (``speedrun.both_readings``) with the long reference's runs; ``posthoc``:
+    ``rows`` are the post-hoc curves, and the long reference's are its own at its best length."""
+    title = "Both readings of the speed-up" + (" with post-hoc EMA" if posthoc else "")
+    source = spec.long_reference["folder"]
+    long = prepare(spec, study_dir)  # a folder of another reference is refused in one line
+    folder = folder_of(spec, study_dir)
+    _, long_rows, _ = collect(folder) if long is not None and (folder / "study.yaml").is_file() else (None, [], None)
+    if posthoc and long_rows:
+        picks = posthoc_picks(long, folder)
+        long_rows = posthoc_rows(long, folder, long_rows, picks) if picks else []
+    if not long_rows:
+        what = "no post-hoc records (`study posthoc` on this study evaluates it too)" if posthoc else "no finished runs"
+        return [f"## {title}", "", f"The long reference (`{source}`) has {what} yet: only the existing reading.", ""]
+    costs = tuning_costs(spec, study_dir, decide(spec, study_dir, read_status))[0] if spec.tuning else None
+    res = speedrun.both_readings(spec, rows, long_rows, _step_time(study_dir), costs)
+    return speedrun_report.readings_section(res, source, spec.long_reference["factor"], title)
 
 
 def tuning_section(spec: StudySpec, study_dir: Path) -> list[str]:

@@ -23,6 +23,9 @@ tuned arm gets the same number of trials, and a rule fixed in the spec picks the
 are ``SPEEDRUN_KEYS`` with the defaults of ``SPEEDRUN_DEFAULTS``; ``official_arm`` names the arm whose time axis is
 the official DiT step's (measured with ``study --peer-dit PATH``).
 
+``long_reference`` (optional, a speedrun): the official arm trained ``factor`` x the study's budget in another study
+folder, for the field's reading of a speed-up (``diffcurr_fast.study.long_reference``).
+
 ``kind`` is ``train`` (an ordinary ``diffcurr-fast train`` run) or ``tdc`` (``diffcurr-fast tdc``: stage 1, experts,
 bundle; its final metric is the bundle's). ``load_spec`` checks every arm's config before anything runs.
 """
@@ -54,6 +57,7 @@ SPEC_KEYS = (
     "notes",
     "speedrun",
     "tuning",
+    "long_reference",
 )
 # threshold: 'reference' (the worst final smoothed metric over the official arm's seeds) or a number; smooth: the
 # trailing window (evaluations) of the moving average; plateau: the official arm's last plateau_share of evaluations
@@ -66,6 +70,9 @@ SPEEDRUN_DEFAULTS: dict[str, Any] = {
     "plateau_tol": 0.03,
 }
 SPEEDRUN_KEYS = tuple(SPEEDRUN_DEFAULTS)
+# folder: the long reference's study folder (relative to the study folder); factor: its budget over the study's; set:
+# overrides of its own after the official arm's (the EMA scaled to its length)
+LONG_REFERENCE_KEYS = ("folder", "factor", "set")
 ARM_KEYS = ("name", "kind", "set", "reference", "tune")
 
 
@@ -97,6 +104,7 @@ class StudySpec:
     notes: str = ""
     speedrun: dict[str, Any] = field(default_factory=dict)
     tuning: dict[str, Any] = field(default_factory=dict)
+    long_reference: dict[str, Any] = field(default_factory=dict)
 
     def arm(self, name: str) -> Arm:
         """The arm called ``name``, or trial i of a tuned arm's grid (``<arm>~t<i>``, ``study.tuning``): the arm with
@@ -136,6 +144,8 @@ class StudySpec:
                 del a["tune"]
         if not out["tuning"]:
             del out["tuning"]
+        if not out["long_reference"]:
+            del out["long_reference"]
         return out
 
 
@@ -188,6 +198,7 @@ def spec_from_dict(data: dict[str, Any], source: str = "spec") -> StudySpec:
         notes=str(data.get("notes") or ""),
         speedrun=_speedrun(data.get("speedrun"), names, source),
         tuning=check_tuning(data.get("tuning"), {a.name: a.tune for a in arms}, source),
+        long_reference=_long_reference(data.get("long_reference"), data.get("speedrun"), source),
     )
     if spec.metric not in METRICS:
         raise ValueError(f"{source}: metric {spec.metric!r}; valid metrics: {', '.join(METRICS)}")
@@ -238,6 +249,25 @@ def _speedrun(data: Any, arms: list[str], source: str) -> dict[str, Any]:
     return out
 
 
+def _long_reference(data: Any, speedrun: Any, source: str) -> dict[str, Any]:
+    """The checked ``long_reference`` mapping ({} when absent): a folder, a factor >= 2 and a list of overrides."""
+    if not data:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: long_reference must be a mapping (folder, factor, set), got {data!r}")
+    bad = sorted(set(data) - set(LONG_REFERENCE_KEYS))
+    if bad:
+        raise ValueError(f"{source}: unknown long_reference keys {bad}; valid keys: {', '.join(LONG_REFERENCE_KEYS)}")
+    if not speedrun:
+        raise ValueError(f"{source}: long_reference trains the official arm of a speedrun; the spec has no speedrun")
+    if not isinstance(data.get("folder"), str) or not data["folder"]:
+        raise ValueError(f"{source}: long_reference.folder must name a study folder, got {data.get('folder')!r}")
+    factor = data.get("factor", 8)
+    if isinstance(factor, bool) or not isinstance(factor, int) or factor < 2:
+        raise ValueError(f"{source}: long_reference.factor must be an int >= 2 (x the study's budget), got {factor!r}")
+    return {"folder": data["folder"], "factor": factor, "set": _overrides(data.get("set"), f"{source}: long_reference")}
+
+
 def load_spec(path: str | Path) -> StudySpec:
     """The spec in the YAML file ``path``, checked (``check_spec``)."""
     p = Path(path)
@@ -285,6 +315,7 @@ __all__ = [
     "ARM_KEYS",
     "Arm",
     "KINDS",
+    "LONG_REFERENCE_KEYS",
     "METRICS",
     "SPEC_KEYS",
     "SPEEDRUN_KEYS",
