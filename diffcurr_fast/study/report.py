@@ -168,6 +168,19 @@ def summarize(spec: StudySpec, status: dict[tuple[str, int], dict]) -> dict[str,
     return arms
 
 
+def accuracy_difference(mine: dict[int, float], ref: dict[int, float]) -> Paired:
+    """The paired difference of two arms' final conditional accuracies ({seed: accuracy}) over their common seeds."""
+    common = sorted(set(mine) & set(ref))
+    return paired_t([mine[s] - ref[s] for s in common], lower_is_better=False)
+
+
+def lower_accuracy(mine: dict[int, float], ref: dict[int, float]) -> bool:
+    """Whether an arm's conditional accuracy is below the reference's by more than its interval: the 95% paired
+    interval of the difference lies below 0 (two common seeds at least)."""
+    p = accuracy_difference(mine, ref)
+    return p.n > 1 and p.ci_hi < 0
+
+
 def accuracy_section(spec: StudySpec, finals: dict[str, dict[int, float]], title: str) -> list[str]:
     """The conditional accuracy of each arm's final samples (``finals``: {arm: {seed: accuracy}}) and its paired
     difference against the arm's reference over the seeds both have, with the 95% paired-t interval; every arm whose
@@ -193,13 +206,12 @@ def accuracy_section(spec: StudySpec, finals: dict[str, dict[int, float]], title
         if arm.name == spec.reference_of(arm):
             lines.append(f"| {arm.name} | - | {_fmt(mean)} +- {_fmt(std, 2)} | {len(mine)} | - | - |")
             continue
-        common = sorted(set(mine) & set(ref))
-        p = paired_t([mine[s] - ref[s] for s in common], lower_is_better=False)
+        p = accuracy_difference(mine, ref)
         lines.append(
             f"| {arm.name} | {spec.reference_of(arm)} | {_fmt(mean)} +- {_fmt(std, 2)} | {p.n} | {_fmt(p.mean)} | "
             f"[{_fmt(p.ci_lo)}, {_fmt(p.ci_hi)}] |"
         )
-        if p.n > 1 and p.ci_hi < 0:
+        if lower_accuracy(mine, ref):
             lower.append(
                 f"`{arm.name}` ({_fmt(p.mean)} [{_fmt(p.ci_lo)}, {_fmt(p.ci_hi)}] against `{spec.reference_of(arm)}`)"
             )
@@ -524,7 +536,7 @@ def write_report(
     if spec.speedrun:
         out.update(write_speedrun(spec, rows, study_dir, official_from))
         if against:
-            refs = speedrun.against(spec, rows, _step_time(study_dir), list(against))
+            refs = speedrun.against(spec, rows, read_step_time(study_dir), list(against))
             report.write_text(report.read_text() + "\n" + "\n".join(speedrun_report.references_section(refs)))
     if spec.tuning:
         report.write_text(report.read_text() + "\n" + "\n".join(tuning_section(spec, study_dir)) + "\n")
@@ -536,8 +548,9 @@ def write_report(
     return out
 
 
-def _step_time(study_dir: Path) -> dict[str, Any] | None:
-    path = study_dir / STEP_TIME_FILE
+def read_step_time(study_dir: str | Path) -> dict[str, Any] | None:
+    """The study's side-by-side step times (``step_time.json``), or None when they were not measured."""
+    path = Path(study_dir) / STEP_TIME_FILE
     return json.loads(path.read_text()) if path.is_file() else None
 
 
@@ -569,7 +582,7 @@ def posthoc_section(
     lines += [*acc, ""] if acc else []
     if spec.speedrun:
         prow = posthoc_rows(spec, study_dir, rows, picks)
-        refs = speedrun.against(spec, prow, _step_time(study_dir), list(against))
+        refs = speedrun.against(spec, prow, read_step_time(study_dir), list(against))
         lines += speedrun_report.references_section(refs, "Time to quality with post-hoc EMA")
     if spec.speedrun and spec.long_reference:
         lines += readings_lines(spec, study_dir, prow, posthoc=True)
@@ -591,7 +604,7 @@ def readings_lines(spec: StudySpec, study_dir: Path, rows: list[dict[str, Any]],
         what = "no post-hoc records (`study posthoc` on this study evaluates it too)" if posthoc else "no finished runs"
         return [f"## {title}", "", f"The long reference (`{source}`) has {what} yet: only the existing reading.", ""]
     costs = tuning_costs(spec, study_dir, decide(spec, study_dir, read_status))[0] if spec.tuning else None
-    res = speedrun.both_readings(spec, rows, long_rows, _step_time(study_dir), costs)
+    res = speedrun.both_readings(spec, rows, long_rows, read_step_time(study_dir), costs)
     return speedrun_report.readings_section(res, source, spec.long_reference["factor"], title)
 
 
@@ -672,7 +685,7 @@ def tuning_costs(spec: StudySpec, study_dir: Path, done: dict[str, Any]) -> tupl
     """({arm: its tuning wall time}, how it was priced): every trial's steps (each point at each trial seed) x the
     arm's side-by-side step time, as the arms' time axes; the trials' own recorded wall time without step times. An
     arm without a finished grid costs 0."""
-    st = _step_time(study_dir)
+    st = read_step_time(study_dir)
     priced = {a.name: speedrun.arm_step_s(st, a.name, spec.speedrun["official_arm"]) for a in spec.arms}
     runs = len(trial_seeds(spec.tuning)) * spec.tuning["budget"]
     cost = {
@@ -698,8 +711,7 @@ def write_speedrun(
 ) -> dict[str, Path]:
     """The time-to-quality section (appended to report.md), speedrun.json and the two FD plots; with
     ``official_from`` a section against that study's official runs too (``speedrun_official.json``)."""
-    st_path = study_dir / STEP_TIME_FILE
-    st = json.loads(st_path.read_text()) if st_path.is_file() else None
+    st = read_step_time(study_dir)
     res = speedrun.analyse(spec, rows, st)
     eff = speedrun.efficiency(spec, rows, st, res["threshold"])
     text = speedrun_report.markdown(spec, res, eff)
