@@ -605,7 +605,9 @@ def lever_readings(study_dir: str) -> dict[str, dict[str, Any]]:
     }
 
 
-def speedrun_optim_stacked_preset(screen: str | None = None, base: Any = None) -> dict[str, Any]:
+def speedrun_optim_stacked_preset(
+    screen: str | None = None, base: Any = None, name: str = "speedrun_optim_stacked"
+) -> dict[str, Any]:
     """Stage 2 on the digits (``base``: the dataset's stage-1 preset): the reference and ``stacked``, MinSNR with
     the levers of ``stacked_levers`` over the finished stage-1 folders named by ``screen`` ("DIGITS_DIR,MNIST5K_DIR"),
     at stage 1's sizes, trials and seeds; its long reference is stage 1's (the same folder, the same runs)."""
@@ -627,7 +629,7 @@ def speedrun_optim_stacked_preset(screen: str | None = None, base: Any = None) -
     stacked = _arm("stacked", VANILLA, MINSNR, *(OPTIM_LEVERS[a] for a in levers))
     return {
         **data,
-        "name": f"{data['name']}_stacked",
+        "name": name,
         "arms": [a for a in data["arms"] if a["name"] == ref]
         + [{**stacked, "reference": ref, "tune": data["arms"][0]["tune"]}],
         "notes": f"{data['notes']} Stage 2: stacked = MinSNR with {', '.join(levers)}, chosen by the stacked rule from "
@@ -637,7 +639,7 @@ def speedrun_optim_stacked_preset(screen: str | None = None, base: Any = None) -
 
 def speedrun_optim_stacked_mnist5k_preset(screen: str | None = None) -> dict[str, Any]:
     """Stage 2 on mnist5k (``speedrun_optim_stacked_preset`` on ``speedrun_optim_mnist5k``)."""
-    return speedrun_optim_stacked_preset(screen, speedrun_optim_mnist5k_preset())
+    return speedrun_optim_stacked_preset(screen, speedrun_optim_mnist5k_preset(), "speedrun_optim_stacked_mnist5k")
 
 
 PRESETS = {
@@ -685,6 +687,8 @@ def preset_spec(name: str, recipe: str | None = None, screen: str | None = None)
         data["eval"] = {}
         for a in data["arms"]:
             a["set"] = [s for s in a["set"] if not s.startswith("engine.max_steps")]
+        if data.get("long_reference"):  # its EMA was scaled to the digits budget: the recipe's own applies
+            data["long_reference"]["set"] = [s for s in data["long_reference"]["set"] if not s.startswith(DIGITS_ONLY)]
         data["arms"] = [a for a in data["arms"] if not a["name"].endswith("_short")]
     return check_spec(spec_from_dict(data, f"preset {name}"))
 

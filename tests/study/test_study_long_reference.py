@@ -104,7 +104,7 @@ TINY = [
 def _long_spec_dict(**extra):
     return {
         "name": "tl",
-        "set": [*TINY, "engine.max_steps=8", "checkpoint.every=8"],
+        "set": [*TINY, "engine.max_steps=8", "checkpoint.every=8", "optim.phema_every=4"],
         "seeds": [0],
         "metric": "fd",
         "reference": "ref",
@@ -160,3 +160,9 @@ def test_a_tiny_speedrun_trains_its_long_reference_and_reports_both_readings(tmp
 
     assert cli.main(["study", str(tmp_path / "spec.yaml"), "--out", str(out), "--threads", "1"]) == 0
     assert "study ref_x2: 0 runs to do, 1 finished kept" in capsys.readouterr().out  # the long runs are kept
+    # post hoc: the long reference's runs are evaluated too, each side read at its own best length
+    assert _main(capsys, "study", "posthoc", str(out))[0] == 0
+    assert sorted(p.name for p in (tmp_path / "long" / "posthoc").iterdir()) == ["ref-seed0.jsonl"]
+    assert _main(capsys, "study", "report", str(out))[0] == 0
+    text = (out / "report.md").read_text().split("## Both readings of the speed-up with post-hoc EMA")[1]
+    assert "| fast |" in text and "(seeds [0], 16 steps;" in text

@@ -140,7 +140,7 @@ def test_stage_two_is_the_reference_and_the_stacked_levers(monkeypatch):
     monkeypatch.setattr(P, "lever_readings", lambda d: picks[d[0]])
     data = P.speedrun_optim_stacked_mnist5k_preset("a1,a2")
     stage1 = P.speedrun_optim_mnist5k_preset()
-    assert data["name"] == "speedrun_optim_mnist5k_stacked" and data["long_reference"] == stage1["long_reference"]
+    assert data["name"] == "speedrun_optim_stacked_mnist5k" and data["long_reference"] == stage1["long_reference"]
     assert [a["name"] for a in data["arms"]] == ["official_tuned_decay", "stacked"]
     assert data["arms"][0] == stage1["arms"][0] and data["tuning"] == stage1["tuning"]
     stacked = data["arms"][1]
