@@ -77,8 +77,14 @@ def _config(spec: StudySpec) -> dict[str, dict[str, Any]]:
 
 def prepare(spec: StudySpec, study_dir: str | Path) -> StudySpec | None:
     """The spec the long reference's folder runs: the derived one (``long_spec``) for a new folder, the folder's own
-    when it holds the same long reference; None while the pick is not known. ValueError in one line when the folder
-    holds a long reference of other settings, or lacks some of the study's seeds."""
+    when it holds the same long reference; None while the pick is not known. ValueError in one line when its own
+    overrides do not resolve on the official arm, when the folder holds a long reference of other settings, or when
+    it lacks some of the study's seeds."""
+    ref = spec.arm(spec.speedrun["official_arm"])
+    try:  # checked before the pick is known: a typo fails before any run
+        arm_config(spec, Arm(ref.name, ref.kind, [*ref.set, *spec.long_reference["set"]]), spec.seeds[0], "check")
+    except ValueError as exc:
+        raise ValueError(f"long_reference.set: {exc}") from None
     new = long_spec(spec, study_dir)
     folder = folder_of(spec, study_dir)
     if new is None or not (folder / SPEC_FILE).is_file():

@@ -38,7 +38,7 @@ from diffcurr_fast.study import speedrun, speedrun_report
 from diffcurr_fast.study.long_reference import folder_of, prepare
 from diffcurr_fast.study.posthoc import posthoc_finals, posthoc_picks, posthoc_rows
 from diffcurr_fast.study.runner import eval_records, read_status, run_dir_of
-from diffcurr_fast.study.spec import METRICS, StudySpec, arm_config, load_study
+from diffcurr_fast.study.spec import METRICS, SPEC_FILE, StudySpec, arm_config, load_study
 from diffcurr_fast.study.step_time import STEP_TIME_FILE
 from diffcurr_fast.study.tuning import decide, trial_seeds
 from diffcurr_fast.train.report import read_metrics
@@ -596,7 +596,7 @@ def readings_lines(spec: StudySpec, study_dir: Path, rows: list[dict[str, Any]],
     source = spec.long_reference["folder"]
     long = prepare(spec, study_dir)  # a folder of another reference is refused in one line
     folder = folder_of(spec, study_dir)
-    _, long_rows, _ = collect(folder) if long is not None and (folder / "study.yaml").is_file() else (None, [], None)
+    long_rows = collect(folder)[1] if long is not None and (folder / SPEC_FILE).is_file() else []
     if posthoc and long_rows:
         picks = posthoc_picks(long, folder)
         long_rows = posthoc_rows(long, folder, long_rows, picks) if picks else []

@@ -281,3 +281,10 @@ def test_long_reference_folder_of_other_settings_is_refused_before_any_run(tmp_p
         str(tmp_path / "b"),
     )
     assert rc == 2 and "has seeds [0], not this study's [1]; name another long_reference.folder" in err, err
+
+
+def test_long_reference_set_with_a_typo_is_refused_before_any_run(tmp_path, capsys):
+    data = {**LONG, "long_reference": {"folder": "../long", "set": ["optim.ema_decy=0.9"]}}
+    rc, err = _main(capsys, "study", _spec_file(tmp_path, data), "--out", str(tmp_path / "b"))
+    assert rc == 2 and "long_reference.set: study 'l', arm 'ref': unknown config key 'optim.ema_decy'" in err, err
+    assert not (tmp_path / "b").exists()
