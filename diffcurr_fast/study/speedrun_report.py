@@ -231,7 +231,8 @@ def readings_section(res: dict[str, Any], source: str, factor: int, title: str) 
         "(> x).",
         "",
         "Ratios of geometric means over seeds with 95% Welch intervals on the logs; tuning included: each seed's time "
-        f"plus its arm's tuning wall time (`{ref}`'s for the long reference), priced as in the Tuning section. The "
+        f"plus its arm's tuning wall time (`{ref}`'s for the long reference), priced as in the Tuning section (whose "
+        "point estimate is a ratio of mean times, so it can differ a little from this one). The "
         f"long reference's mean smoothed FD over its last {pl.get('evaluations')} evaluations (from step "
         f"{pl['from_step']} to {pl['to_step']}) improved {_num(100 * pl['improvement'], 3)}%: {verdict} by the plateau "
         "rule.",
