@@ -1,4 +1,6 @@
-"""``diffcurr-fast eval``: FD / IS / precision / recall of generated samples against a reference.
+"""``diffcurr-fast eval``: FD / IS / precision / recall of generated samples against a reference, and the conditional
+accuracy when the samples carry the labels they were generated for (``--samples`` with ``y`` or ``arr_1``; ``--ckpt``
+draws its own) and the extractor is the classifier of the model's data (digits, mnist5k).
 
 Examples::
 
@@ -162,17 +164,20 @@ def _ranks(args: argparse.Namespace) -> tuple[int, int]:
 
 def _run(args: argparse.Namespace, rank: int, world: int) -> int:
     # imported here, not at the top: keeps --help free of torch
+    import torch
+
     from diffcurr_fast.eval.evaluate import (
         check_draw,
         checkpoint_model,
         evaluate,
         load_images,
+        load_labels,
         load_latents,
         load_reference,
         samples_from_model,
     )
     from diffcurr_fast.eval.features import get_extractor
-    from diffcurr_fast.runs.config import resolve_sampler
+    from diffcurr_fast.runs.config import EVAL_SHAPES, resolve_sampler
     from diffcurr_fast.runs.sampling import set_cpu_threads
 
     cfg = None
@@ -202,8 +207,10 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> int:
         if args.ckpt is not None:
             draw()
         return 0
+    labels = None
     if args.samples is not None:  # read first: a bad file is named before the extractor and reference are made
         samples = load_latents(args.samples, "--samples") if args.vae else load_images(args.samples, "--samples")
+        labels = load_labels(args.samples, len(samples), "--samples")
     if args.extractor is None:
         args.extractor = args.ref if args.ref in ("digits", "mnist5k") else "inception"
     extractor = get_extractor(
@@ -229,14 +236,33 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> int:
         images = samples
     elif args.ckpt is not None:
         images = draw()
+        labels = torch.arange(args.num) % cfg.model.num_classes  # as samples_from_model cycles them
         ranks = f", {world} ranks" if world > 1 else ""
         phema = f", post-hoc EMA sigma_rel {args.ema_length}" if args.ema_length is not None else ""
         print(f"sampled {len(images)} images from {args.ckpt} ({args.sampler}, {args.steps} steps{ranks}{phema})")
     else:
         return 0
-    result = evaluate(images, reference, extractor, splits=args.splits, k=args.k)
+    why = labels is not None and _no_accuracy(
+        extractor, tuple(images.shape[1:]) == EVAL_SHAPES.get(extractor.classes), cfg
+    )
+    result = evaluate(images, reference, extractor, splits=args.splits, k=args.k, labels=None if why else labels)
     for line in result.lines():
         print(line)
+    if why:
+        print(f"conditional accuracy: n/a ({why})")
     if args.json is not None:
         write_json(result.as_dict(), args.json, indent=1)
     return 0
+
+
+def _no_accuracy(extractor, own_images: bool, cfg) -> str | None:
+    """Why the extractor's classes cannot score the samples' labels (None when they can): its classes are no
+    dataset's labels (inception), the images are not its own (converted to its input), or the model learnt the labels
+    of other data."""
+    if not extractor.classes:
+        return f"the {extractor.name} classifier's classes are not the samples' labels"
+    if not own_images:
+        return f"the images were converted to the {extractor.name} classifier's input; its classes need its own images"
+    if cfg is not None and cfg.data.dataset != extractor.classes:
+        return f"the model learnt the labels of data.dataset {cfg.data.dataset!r}, not the {extractor.classes} classes"
+    return None

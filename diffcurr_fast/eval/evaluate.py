@@ -1,6 +1,8 @@
-"""Evaluation of generated images against reference statistics: FD, IS, precision/recall, extractor named.
+"""Evaluation of generated images against reference statistics: FD, IS, precision/recall, extractor named; with the
+labels the samples were generated for, the conditional accuracy (the extractor's classifier against those labels).
 
-Sample files: ``.npz`` with ``images`` (N, C, H, W) float in [-1, 1], or ADM's ``arr_0`` (N, H, W, C) uint8.
+Sample files: ``.npz`` with ``images`` (N, C, H, W) float in [-1, 1], or ADM's ``arr_0`` (N, H, W, C) uint8; the
+labels, when the file carries them, in ``y`` (beside ``x``, as ``diffcurr-fast sample`` writes them) or ``arr_1``.
 Reference files: ``.npz`` with ``mu``, ``sigma`` and (optional, needed for precision/recall) ``features``,
 plus the ``extractor`` that produced them; or the keyword ``digits`` / ``mnist5k`` for the built-in data (mnist5k:
 its held-out split).
@@ -20,7 +22,13 @@ from tqdm.auto import tqdm
 from diffcurr_fast._files import load_npz, npz_files
 from diffcurr_fast.data.builtin import load_mnist5k_tensors
 from diffcurr_fast.eval.features import FeatureExtractor, load_digits_data
-from diffcurr_fast.eval.metrics import feature_statistics, frechet_distance, inception_score, precision_recall
+from diffcurr_fast.eval.metrics import (
+    conditional_accuracy,
+    feature_statistics,
+    frechet_distance,
+    inception_score,
+    precision_recall,
+)
 from diffcurr_fast.runs.checkpoint import load_checkpoint, resolve_checkpoint
 from diffcurr_fast.runs.config import TrainConfig, config_from_dict, resolve_sampler
 from diffcurr_fast.runs.posthoc_ema import reconstruct
@@ -51,6 +59,24 @@ def _images(path: str | os.PathLike, arrays: dict[str, np.ndarray]) -> torch.Ten
             "--vae DIR to decode them"
         )
     return x.clamp(-1, 1)
+
+
+LABEL_KEYS = {"x": "y", "images": "y", "arr_0": "arr_1"}  # a samples .npz: the labels beside each image array
+
+
+def load_labels(path: str | os.PathLike, num: int, what: str = "samples file") -> torch.Tensor | None:
+    """The labels (N,) int64 the samples of ``path`` were generated for (``LABEL_KEYS``), or None when the file
+    carries none; ValueError naming the file when they are not ``num`` integers >= 0."""
+    arrays = load_npz(path, what)
+    key = next((LABEL_KEYS[k] for k in IMAGE_KEYS if k in arrays), None)
+    if key not in arrays:
+        return None
+    y = arrays[key]
+    if y.shape != (num,) or not np.issubdtype(y.dtype, np.integer) or (y.size and y.min() < 0):
+        raise ValueError(
+            f"{path}: '{key}' must hold one integer label >= 0 per sample ({num},), got {y.dtype} {y.shape}"
+        )
+    return torch.from_numpy(y.astype(np.int64))
 
 
 def load_latents(path: str | os.PathLike, what: str = "samples file") -> torch.Tensor:
@@ -278,6 +304,7 @@ class EvalResult:
     inception_score_std: float
     precision: float | None
     recall: float | None
+    cond_acc: float | None = None  # the classifier's class against the requested label (``evaluate``'s labels)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -295,13 +322,25 @@ class EvalResult:
             out.append("precision/recall: n/a (reference has statistics only, no features)")
         else:
             out.append(f"precision: {self.precision:.4f}, recall: {self.recall:.4f}")
+        if self.cond_acc is not None:
+            out.append(
+                f"conditional accuracy: {self.cond_acc:.4f} (the {self.extractor} classifier's class of each sample "
+                "against the label it was generated for)"
+            )
         return out
 
 
 def evaluate(
-    images: torch.Tensor, reference: Reference, extractor: FeatureExtractor, splits: int = 10, k: int = 3
+    images: torch.Tensor,
+    reference: Reference,
+    extractor: FeatureExtractor,
+    splits: int = 10,
+    k: int = 3,
+    labels: torch.Tensor | None = None,
 ) -> EvalResult:
-    """FD/IS/precision/recall of ``images`` (N, C, H, W) in [-1, 1] against ``reference``."""
+    """FD/IS/precision/recall of ``images`` (N, C, H, W) in [-1, 1] against ``reference``; with ``labels`` (N,), the
+    classes the images were generated for, and an extractor whose classes are a dataset's labels
+    (``FeatureExtractor.classes``), their conditional accuracy too."""
     if reference.extractor != extractor.name:
         raise ValueError(f"reference made with {reference.extractor!r}, extractor is {extractor.name!r}")
     feats, probs = extractor(images)
@@ -315,6 +354,7 @@ def evaluate(
     precision = recall = None
     if reference.features is not None:
         precision, recall = precision_recall(reference.features, feats, k=k)
+    acc = conditional_accuracy(probs, labels) if labels is not None and extractor.classes else None
     return EvalResult(
-        extractor.name, extractor.label, len(feats), reference.count, fd, is_mean, is_std, precision, recall
+        extractor.name, extractor.label, len(feats), reference.count, fd, is_mean, is_std, precision, recall, acc
     )

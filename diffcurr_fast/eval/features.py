@@ -190,11 +190,14 @@ def mnist5k_classifier(cache: str | os.PathLike | None = None, retrain: bool = F
 
 
 class FeatureExtractor(abc.ABC):
-    """Maps images (N, C, H, W) in [-1, 1] to features (N, D) and class probabilities (N, K)."""
+    """Maps images (N, C, H, W) in [-1, 1] to features (N, D) and class probabilities (N, K). ``classes``: the
+    built-in dataset whose labels its classes are ('' when they are no dataset's labels of ours), so that the
+    conditional accuracy of samples generated for those labels can be read from its probabilities."""
 
     name: str
     label: str
     dim: int
+    classes: str = ""
 
     @abc.abstractmethod
     def _forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,7 +223,7 @@ class DigitsExtractor(FeatureExtractor):
     """Digits-classifier features of 1x8x8 images. Other shapes are refused unless ``convert`` (then the channels
     are averaged and the images resized to 8x8: the score is no longer one of digits-like samples)."""
 
-    name, label, dim = "digits", DIGITS_LABEL, 64
+    name, label, dim, classes = "digits", DIGITS_LABEL, 64, "digits"
 
     def __init__(
         self,
@@ -257,7 +260,7 @@ class DigitsExtractor(FeatureExtractor):
 class Mnist5kExtractor(FeatureExtractor):
     """mnist5k-classifier features of 1x28x28 images (other shapes are refused)."""
 
-    name, label, dim = "mnist5k", MNIST5K_LABEL, 64
+    name, label, dim, classes = "mnist5k", MNIST5K_LABEL, 64, "mnist5k"
 
     def __init__(self, cache: str | os.PathLike | None = None, device: str | torch.device = "cpu") -> None:
         self.model, self.accuracy = mnist5k_classifier(cache)
@@ -282,7 +285,8 @@ class Mnist5kExtractor(FeatureExtractor):
 
 
 class InceptionExtractor(FeatureExtractor):
-    """FID Inception pool3 features and 1008-way probabilities from a user-supplied weights file."""
+    """FID Inception pool3 features and 1008-way probabilities from a user-supplied weights file (its classes are
+    not a dataset's labels of ours: no conditional accuracy)."""
 
     name, label, dim = "inception", INCEPTION_LABEL, 2048
 

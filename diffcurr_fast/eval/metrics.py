@@ -7,6 +7,8 @@
 * ``inception_score`` as in Salimans et al. 2016 (``exp E_x KL(p(y|x) || p(y))``), averaged over ``splits``.
 * ``precision_recall``: improved precision and recall, Kynkaanniemi et al. 2019, eqs. (1)-(2), with k-NN
   hyperspheres (k = 3) around each feature of the reference set.
+* ``conditional_accuracy``: the share of generated samples that the feature classifier assigns to the class they
+  were generated for (FD cannot see a model that draws good images of the wrong class).
 """
 
 from __future__ import annotations
@@ -154,3 +156,19 @@ def precision_recall(real: ArrayLike, fake: ArrayLike, k: int = 3) -> tuple[floa
     precision = _coverage(r, knn_radii(r, k), g)
     recall = _coverage(g, knn_radii(g, k), r)
     return precision, recall
+
+
+def conditional_accuracy(probs: ArrayLike, labels: ArrayLike) -> float:
+    """Share of samples whose most probable class under the classifier (``probs`` (N, K)) is the label they were
+    generated for (``labels`` (N,) ints in [0, K)); ties go to the lower class, as ``argmax`` breaks them."""
+    p = _np64(probs, "probs")
+    y = labels.detach().cpu().numpy() if isinstance(labels, torch.Tensor) else np.asarray(labels)
+    if p.ndim != 2 or y.shape != (p.shape[0],):
+        raise ValueError(f"probs (N, K) and labels (N,) must match, got shapes {p.shape} and {y.shape}")
+    if not np.issubdtype(y.dtype, np.integer):
+        raise ValueError(f"labels must be integers, got dtype {y.dtype}")
+    if y.size and (y.min() < 0 or y.max() >= p.shape[1]):
+        raise ValueError(
+            f"labels must be classes of the classifier, 0 to {p.shape[1] - 1}, got {int(y.min())} to {int(y.max())}"
+        )
+    return float((p.argmax(axis=1) == y).mean())

@@ -13,7 +13,9 @@ time) and takes ``--peer-dit PATH``, a local checkout of facebookresearch/DiT wh
 beside ours to give the official arm its time axis (without it the report flags that the official arm keeps our
 step's time); ``--preset speedrun_mnist5k --screen DIR`` picks its arms from the finished digits screening at DIR.
 ``study posthoc DIR`` evaluates every run at one grid of post-hoc EMA lengths and each arm at its best
-(``diffcurr_fast.study.posthoc``); the report then adds that section.
+(``diffcurr_fast.study.posthoc``); the report then adds that section. A speedrun with a ``long_reference`` then
+trains its official arm that many times longer in that folder (``diffcurr_fast.study.long_reference``), and the
+report gives both readings of every speed-up.
 A study folder can be carried to another sitting or machine without its ``runs/``: the status files hold every
 finished run's evaluations, and the rerun resumes the rest.
 ``--launcher slurm`` submits each run as a Slurm job through submitit, with the spec's ``slurm`` resources (the
@@ -199,8 +201,16 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(yaml.safe_dump(spec.to_dict(), sort_keys=False))
         return 0
     out = args.out or Path("studies") / spec.name
+    if spec.long_reference:  # a long reference folder of other settings is refused before any run, where known
+        # imported here, not at the top: keeps --help free of torch
+        from diffcurr_fast.study.long_reference import prepare, run_long_reference
+
+        prepare(spec, out)
     try:
         res = run_study(spec, out, args.workers, peer_dit=args.peer_dit, threads=args.threads)
+        if spec.long_reference:  # the official arm trained longer, once its pick is known
+            long = run_long_reference(spec, out, args.workers, threads=args.threads)
+            res["failed"] += long["failed"] if long else []
     except KeyboardInterrupt:  # the workers are stopped; a finished run has its status file, the others resume
         if spec.launcher == "slurm":
             print(

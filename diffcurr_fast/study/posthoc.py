@@ -14,8 +14,9 @@ study whose runs kept snapshots (``optim.phema_every``, every evaluation step):
 Every evaluation is the run's own (``train.evaluation.Evaluator``: its reference, sampler, seed and sample count),
 so a post-hoc FD compares with the FD the run logged. The records are ``posthoc/<arm>-seed<k>.jsonl`` in the study
 folder (kept when ``runs/`` is not), one JSON line per (step, sigma_rel); a rerun evaluates only what is missing.
-``study report`` adds the grid, the picks and, for a speedrun, the time to quality on these curves
-(``posthoc_rows``).
+``study report`` adds the grid, the picks, the conditional accuracy at the picks and, for a speedrun, the time to
+quality on these curves (``posthoc_rows``). A study with a long reference (``study.long_reference``) has its runs
+evaluated the same way, in their own folder, and both readings of the speed-up read each side at its best length.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from diffcurr_fast.runs.checkpoint import load_weights
 from diffcurr_fast.runs.posthoc_ema import list_snapshots, reconstruct
 from diffcurr_fast.runs.recipes import load_run_config
 from diffcurr_fast.runs.sampling import build_model, build_schedule, set_cpu_threads
+from diffcurr_fast.study.long_reference import folder_of
 from diffcurr_fast.study.runner import read_status, run_dir_of
 from diffcurr_fast.study.spec import load_study
 from diffcurr_fast.train.evaluation import Evaluator
@@ -124,6 +126,9 @@ def run_posthoc(
             run.record(step, picks[arm]["pick"])
             bar.update(1)
     bar.close()
+    long = folder_of(spec, study_dir) if spec.long_reference else None
+    if long is not None and any((long / "status").glob("*.json")):  # the long reference's runs, the same way
+        run_posthoc(long, grid, threads, progress)
     return picks
 
 
@@ -168,7 +173,19 @@ def posthoc_rows(spec: Any, study_dir: Path, rows: list[dict[str, Any]], picks: 
                 base = keep.get((arm, s, step))
                 if sigma != p["pick"] or base is None:
                     continue
-                out.append({**base, **{k: rec.get(k) for k in ("fd", "is", "precision", "recall")}})
+                out.append({**base, **{k: rec.get(k) for k in ("fd", "is", "precision", "recall", "cond_acc")}})
+    return out
+
+
+def posthoc_finals(spec: Any, study_dir: Path, picks: dict[str, Any], key: str = "cond_acc") -> dict[str, Any]:
+    """{arm: {seed: ``key`` of its last post-hoc record at the arm's picked length}} (seeds whose record has it)."""
+    out: dict[str, Any] = {}
+    for arm, p in picks.items():
+        for s in spec.seeds:
+            recs = read_records(records_path(study_dir, arm, s))
+            at = [r for (_, sigma), r in sorted(recs.items()) if sigma == p["pick"]]
+            if at and at[-1].get(key) is not None:
+                out.setdefault(arm, {})[s] = float(at[-1][key])
     return out
 
 
@@ -177,6 +194,7 @@ __all__ = [
     "POSTHOC_DIR",
     "records_path",
     "pick_length",
+    "posthoc_finals",
     "posthoc_picks",
     "posthoc_rows",
     "read_records",

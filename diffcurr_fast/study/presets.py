@@ -1,6 +1,8 @@
 """Built-in studies (``diffcurr-fast study --preset NAME``): ``curriculum`` and ``tdc`` on the built-in digits, and
 the time-to-quality benchmark ``speedrun`` (digits, every arm) with its second stage ``speedrun_mnist5k`` and its
-companions ``speedrun_plateau`` and ``speedrun_tdc``.
+companions ``speedrun_plateau`` and ``speedrun_tdc``; the tuned comparisons (``speedrun_tuned``, ``speedrun_levers``,
+``speedrun_edge``, ``speedrun_tuned_mnist5k``) and ``speedrun_optim`` on both datasets (the optimizer as a lever,
+QK-norm, both readings of a speed-up, 2-seed picks) with its stacked stage (``stacked_levers``).
 
 Each preset's settings, why they were chosen and when they were fixed (before any of their results were seen), and
 what ``--recipe R`` drops, are in docs/study.md ("The presets").
@@ -494,6 +496,152 @@ def speedrun_tuned_mnist5k_preset() -> dict[str, Any]:
     }
 
 
+# ---- speedrun_optim: the optimizer as a lever, QK-norm, both readings and 2-seed picks, on both datasets ----------
+# Every arm tuned over the same grid with 2-seed trials (a rate is scored by its worse seed), 3 seeds at the pick, the
+# reference also trained LONG_FACTOR x the budget (the field's reading, study.long_reference); settings in
+# docs/study.md, fixed before any run. The stacked arm is stage 2 (``speedrun_optim_stacked``): its levers come from
+# the finished stage 1 of both datasets by the rule of ``stacked_levers``.
+OPTIM_TRIAL_SEEDS, LONG_FACTOR = [10, 11], 8
+OPTIM_LEVERS = {  # each on MinSNR: the optimizer (optim.name) and QK-norm
+    "minsnr_muon": ["optim.name=muon"],
+    "minsnr_schedule_free": ["optim.name=schedule_free", "optim.schedule=constant"],  # it refuses a decay
+    "minsnr_qk_norm": ["model.qk_norm=true"],
+}
+OPTIMIZER_ARMS = ("minsnr_muon", "minsnr_schedule_free")  # one optimizer at a time: the stacked arm keeps one
+LEVER_REFERENCE = "minsnr"  # a lever's share: its speed-up over MinSNR with AdamW, at MinSNR's final FD
+
+
+def _optim_preset(name: str, base: dict[str, Any], lr_grid: list[float], long_folder: str, of: str) -> dict[str, Any]:
+    """``base`` (the preset ``of``, a tuned study of the dataset: its sizes, budget and trials' budget) with the
+    stage-1 arms of ``speedrun_optim``, each tuned over ``lr_grid`` on the trial seeds, and the reference's long
+    runs."""
+    tune = {"optim.lr": list(lr_grid)}
+    ref = "official_tuned_decay"
+    arms = [
+        _arm(ref, OFFICIAL, OFFICIAL_DECAY),
+        _arm(LEVER_REFERENCE, VANILLA, MINSNR),
+        *(_arm(arm, VANILLA, MINSNR, sets) for arm, sets in OPTIM_LEVERS.items()),
+    ]
+    steps = int(next(s for s in base["set"] if s.startswith("engine.max_steps=")).split("=")[1])
+    return {
+        **base,
+        "name": name,
+        "reference": ref,
+        "arms": [{**a, "reference": ref, "tune": tune} for a in arms],
+        "tuning": {**base["tuning"], "seeds": list(OPTIM_TRIAL_SEEDS)},
+        "speedrun": {**SPEEDRUN, "official_arm": ref},
+        "long_reference": {
+            "folder": long_folder,
+            "factor": LONG_FACTOR,
+            "set": [f"optim.ema_decay={ema_decay_for(LONG_FACTOR * steps)}"],
+        },
+        "notes": f"The optimizer as a lever and QK-norm, stage 1 of speedrun_optim, at {of}'s sizes, budget and "
+        f"trials' budget: against the tuned reference ({ref}), MinSNR with AdamW, with Muon and with schedule-free "
+        f"AdamW, and MinSNR with QK-norm, every arm tuned over the same grid ({lr_grid[0]:g} to {lr_grid[-1]:g}) on "
+        f"trial seeds {OPTIM_TRIAL_SEEDS}, a rate scored by its worse seed; the reference also trained {LONG_FACTOR}x "
+        f"longer ({long_folder}) for the field's reading (settings: diffcurr_fast.study.presets; definitions: "
+        "diffcurr_fast.study.speedrun). A trial that diverges is a result, not a failure "
+        f"({', '.join(DIVERGED_IS_A_RESULT)}).",
+    }
+
+
+def _seed_of(base: dict[str, Any]) -> dict[str, Any]:
+    """``base`` without its one trial seed (the optim presets give two)."""
+    return {**base, "tuning": {k: v for k, v in base["tuning"].items() if k != "seed"}}
+
+
+def speedrun_optim_preset() -> dict[str, Any]:
+    """Stage 1 on the digits, at ``speedrun_edge``'s sizes, budget, trials' budget and grid (``EDGE_LR_GRID``)."""
+    base = _seed_of(speedrun_edge_preset())
+    return _optim_preset("speedrun_optim", base, EDGE_LR_GRID, "../long_reference_digits", "speedrun_edge")
+
+
+def speedrun_optim_mnist5k_preset() -> dict[str, Any]:
+    """Stage 1 on mnist5k, at ``speedrun_tuned_mnist5k``'s sizes, budget, trials' budget and grid
+    (``SR_TM_LR_GRID``)."""
+    base = _seed_of(speedrun_tuned_mnist5k_preset())
+    return _optim_preset(
+        "speedrun_optim_mnist5k", base, SR_TM_LR_GRID, "../long_reference_mnist5k", "speedrun_tuned_mnist5k"
+    )
+
+
+def stacked_levers(readings: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    """The lever arms the stacked arm combines, by the rule of docs/study.md, from ``readings`` ({dataset: {lever
+    arm: {"wall": (speed-up, lo, hi) over ``LEVER_REFERENCE`` or None, "lowers_accuracy": bool}}}): every lever whose
+    interval's lower end is above 1 on every dataset and whose conditional accuracy is not lower on any; of the
+    optimizers that qualify, the one with the larger lower end on its weaker dataset (ties: the first listed)."""
+    lows: dict[str, float] = {}
+    for arm in OPTIM_LEVERS:
+        per = [readings[d].get(arm) or {} for d in readings]
+        ends = [r["wall"][1] if r.get("wall") and math.isfinite(r["wall"][1]) else -math.inf for r in per]
+        if per and all(lo > 1 for lo in ends) and not any(r.get("lowers_accuracy") for r in per):
+            lows[arm] = min(ends)
+    optimizers = [a for a in OPTIMIZER_ARMS if a in lows]
+    keep = max(optimizers, key=lambda a: (lows[a], -OPTIMIZER_ARMS.index(a)), default=None)
+    return [a for a in OPTIM_LEVERS if a in lows and (a not in OPTIMIZER_ARMS or a == keep)]
+
+
+def lever_readings(study_dir: str) -> dict[str, dict[str, Any]]:
+    """Each lever arm's reading in a finished stage 1 (its folder): its wall-time speed-up over ``LEVER_REFERENCE``
+    at ``LEVER_REFERENCE``'s worst final smoothed FD (the tracked EMA; ``study report DIR --against minsnr``) and
+    whether its final conditional accuracy is below ``LEVER_REFERENCE``'s by more than its 95% paired interval."""
+    # imported here, not at the top: keeps --help free of torch
+    from diffcurr_fast.study.report import collect, lower_accuracy, read_step_time
+    from diffcurr_fast.study.speedrun import analyse
+
+    spec, rows, status = collect(study_dir)
+    res = analyse(spec, rows, read_step_time(study_dir), reference=LEVER_REFERENCE)
+
+    def accuracy(arm: str) -> dict[int, float]:
+        return {s: st["final"]["cond_acc"] for (a, s), st in status.items() if a == arm and "cond_acc" in st["final"]}
+
+    return {
+        arm: {
+            "wall": res["arms"][arm]["speedup"]["wall_s"],
+            "lowers_accuracy": lower_accuracy(accuracy(arm), accuracy(LEVER_REFERENCE)),
+        }
+        for arm in OPTIM_LEVERS
+        if arm in res["arms"]
+    }
+
+
+def speedrun_optim_stacked_preset(
+    screen: str | None = None, base: Any = None, name: str = "speedrun_optim_stacked"
+) -> dict[str, Any]:
+    """Stage 2 on the digits (``base``: the dataset's stage-1 preset): the reference and ``stacked``, MinSNR with
+    the levers of ``stacked_levers`` over the finished stage-1 folders named by ``screen`` ("DIGITS_DIR,MNIST5K_DIR"),
+    at stage 1's sizes, trials and seeds; its long reference is stage 1's (the same folder, the same runs)."""
+    dirs = [d for d in (screen or "").split(",") if d]
+    if len(dirs) != 2:
+        raise ValueError(
+            "the stacked stage takes its levers from the finished speedrun_optim studies of both datasets: pass "
+            "--screen DIGITS_DIR,MNIST5K_DIR (their folders, with their reports)"
+        )
+    levers = stacked_levers({d: lever_readings(d) for d in dirs})
+    if len(levers) < 2:
+        arm = levers[0] if levers else LEVER_REFERENCE
+        raise ValueError(
+            f"the stacked rule chose {levers or 'no lever'} from {', '.join(dirs)}: stacked is arm {arm!r} of stage 1, "
+            "so no stacked stage is run (docs/study.md)"
+        )
+    data = base or speedrun_optim_preset()
+    ref = data["reference"]
+    stacked = _arm("stacked", VANILLA, MINSNR, *(OPTIM_LEVERS[a] for a in levers))
+    return {
+        **data,
+        "name": name,
+        "arms": [a for a in data["arms"] if a["name"] == ref]
+        + [{**stacked, "reference": ref, "tune": data["arms"][0]["tune"]}],
+        "notes": f"{data['notes']} Stage 2: stacked = MinSNR with {', '.join(levers)}, chosen by the stacked rule from "
+        f"{', '.join(dirs)}.",
+    }
+
+
+def speedrun_optim_stacked_mnist5k_preset(screen: str | None = None) -> dict[str, Any]:
+    """Stage 2 on mnist5k (``speedrun_optim_stacked_preset`` on ``speedrun_optim_mnist5k``)."""
+    return speedrun_optim_stacked_preset(screen, speedrun_optim_mnist5k_preset(), "speedrun_optim_stacked_mnist5k")
+
+
 PRESETS = {
     "curriculum": curriculum_preset,
     "tdc": tdc_preset,
@@ -505,7 +653,12 @@ PRESETS = {
     "speedrun_levers": speedrun_levers_preset,
     "speedrun_edge": speedrun_edge_preset,
     "speedrun_tuned_mnist5k": speedrun_tuned_mnist5k_preset,
+    "speedrun_optim": speedrun_optim_preset,
+    "speedrun_optim_mnist5k": speedrun_optim_mnist5k_preset,
+    "speedrun_optim_stacked": speedrun_optim_stacked_preset,
+    "speedrun_optim_stacked_mnist5k": speedrun_optim_stacked_mnist5k_preset,
 }
+SCREENED = ("speedrun_mnist5k", "speedrun_optim_stacked", "speedrun_optim_stacked_mnist5k")  # they take --screen
 DIGITS_ONLY = (
     "diffusion.weighting",
     "optim.lr",
@@ -525,15 +678,17 @@ def preset_spec(name: str, recipe: str | None = None, screen: str | None = None)
     the finished screening a second-stage preset picks its arms from."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
-    if screen is not None and name != "speedrun_mnist5k":
-        raise ValueError(f"--screen picks the arms of preset speedrun_mnist5k, not of {name!r}")
-    data = PRESETS[name](screen) if name == "speedrun_mnist5k" else PRESETS[name]()
+    if screen is not None and name not in SCREENED:
+        raise ValueError(f"--screen picks the arms of presets {', '.join(SCREENED)}, not of {name!r}")
+    data = PRESETS[name](screen) if name in SCREENED else PRESETS[name]()
     if recipe is not None:
         data["recipe"] = recipe
         data["set"] = [s for s in data["set"] if not s.startswith(DIGITS_ONLY)]
         data["eval"] = {}
         for a in data["arms"]:
             a["set"] = [s for s in a["set"] if not s.startswith("engine.max_steps")]
+        if data.get("long_reference"):  # its EMA was scaled to the digits budget: the recipe's own applies
+            data["long_reference"]["set"] = [s for s in data["long_reference"]["set"] if not s.startswith(DIGITS_ONLY)]
         data["arms"] = [a for a in data["arms"] if not a["name"].endswith("_short")]
     return check_spec(spec_from_dict(data, f"preset {name}"))
 

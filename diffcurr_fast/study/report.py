@@ -1,15 +1,18 @@
 """The study's results: results.csv, report.md with error bars and paired comparisons, and the plots.
 
-* ``results.csv``: one row per evaluation: arm, seed, step, every metric (fd, is, is_std, precision, recall), the
-  cumulative training wall time (``train_s``, evaluations excluded; our step's) and training FLOPs (3 x forward
-  FLOPs x batch x step; known once the run finished).
+* ``results.csv``: one row per evaluation: arm, seed, step, every metric (fd, is, is_std, precision, recall and,
+  when the runs recorded it, the conditional accuracy ``cond_acc``), the cumulative training wall time (``train_s``,
+  evaluations excluded; our step's) and training FLOPs (3 x forward FLOPs x batch x step; known once the run
+  finished).
 * a spec with ``speedrun``: the time-to-quality section of ``report.md``, ``speedrun.json``, ``fd_vs_wall.png`` and
   ``fd_vs_step.png`` (the analysis: ``diffcurr_fast.study.speedrun``; its section and plots:
   ``diffcurr_fast.study.speedrun_report``).
 * ``report.md``: per arm the final metrics as mean +- std over seeds (sample std, n - 1) and the per-seed values;
   for the spec's metric, the paired difference arm - reference over the seeds both finished, with a 95%
   confidence interval from the paired t distribution (mean +- t_{0.975, n-1} s_d / sqrt(n)) and how many seeds
-  improved; training FLOPs and wall time per arm (a tdc arm also its sampling FLOPs per image).
+  improved; training FLOPs and wall time per arm (a tdc arm also its sampling FLOPs per image); with the conditional
+  accuracy, its paired difference against the reference arm the same way, naming every arm whose interval lies below
+  0 (``accuracy_section``).
 * ``metric_vs_step.png`` (mean +- std band over seeds per arm), ``curriculum_timelines.png`` (unlocked clusters
   against step, one panel per curriculum arm, one line per seed), ``cluster_loss.png`` (final training loss per
   timestep cluster, mean over seeds, per arm), and ``samples/<arm>.png`` (an end-of-run grid per arm).
@@ -32,14 +35,16 @@ from diffcurr_fast._files import read_json
 from diffcurr_fast._lazy import pyplot
 from diffcurr_fast.runs.sampling import grid_unavailable
 from diffcurr_fast.study import speedrun, speedrun_report
-from diffcurr_fast.study.posthoc import posthoc_picks, posthoc_rows
+from diffcurr_fast.study.long_reference import folder_of, prepare
+from diffcurr_fast.study.posthoc import posthoc_finals, posthoc_picks, posthoc_rows
 from diffcurr_fast.study.runner import eval_records, read_status, run_dir_of
-from diffcurr_fast.study.spec import METRICS, StudySpec, arm_config, load_study
+from diffcurr_fast.study.spec import METRICS, SPEC_FILE, StudySpec, arm_config, load_study
 from diffcurr_fast.study.step_time import STEP_TIME_FILE
-from diffcurr_fast.study.tuning import decide
+from diffcurr_fast.study.tuning import decide, trial_seeds
 from diffcurr_fast.train.report import read_metrics
 
 METRIC_COLUMNS = ("fd", "is", "is_std", "precision", "recall")
+ACCURACY = "cond_acc"  # a column only when some run recorded it: studies made before it report as they did
 CLOCK_COLUMNS = ("train_s", "train_flops")
 
 
@@ -104,7 +109,7 @@ def collect(study_dir: str | Path) -> tuple[StudySpec, list[dict[str, Any]], dic
                         "arm": arm.name,
                         "seed": seed,
                         "step": int(r["step"]),
-                        **{k: r.get(k) for k in METRIC_COLUMNS},
+                        **{k: r.get(k) for k in (*METRIC_COLUMNS, ACCURACY)},
                         "train_s": r.get("train_s"),
                         "train_flops": flops,
                     }
@@ -114,10 +119,17 @@ def collect(study_dir: str | Path) -> tuple[StudySpec, list[dict[str, Any]], dic
 
 def write_csv(rows: list[dict[str, Any]], path: Path) -> Path:
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["arm", "seed", "step", *METRIC_COLUMNS, *CLOCK_COLUMNS])
+        acc = [ACCURACY] if any(r.get(ACCURACY) is not None for r in rows) else []
+        w = csv.DictWriter(f, fieldnames=["arm", "seed", "step", *METRIC_COLUMNS, *acc, *CLOCK_COLUMNS])
         w.writeheader()
         for r in rows:
-            w.writerow({k: ("" if v is None else (f"{v:.6g}" if isinstance(v, float) else v)) for k, v in r.items()})
+            w.writerow(
+                {
+                    k: ("" if v is None else (f"{v:.6g}" if isinstance(v, float) else v))
+                    for k, v in r.items()
+                    if k in w.fieldnames
+                }
+            )
     return path
 
 
@@ -132,7 +144,7 @@ def summarize(spec: StudySpec, status: dict[tuple[str, int], dict]) -> dict[str,
         done = {s: status[(arm.name, s)] for s in spec.seeds if (arm.name, s) in status}
         per_metric = {
             m: {s: st["final"].get(m) for s, st in done.items() if st["final"].get(m) is not None}
-            for m in ("fd", "is", "precision", "recall")
+            for m in ("fd", "is", "precision", "recall", ACCURACY)
         }
         arms[arm.name] = {
             "kind": arm.kind,
@@ -156,6 +168,62 @@ def summarize(spec: StudySpec, status: dict[tuple[str, int], dict]) -> dict[str,
     return arms
 
 
+def accuracy_difference(mine: dict[int, float], ref: dict[int, float]) -> Paired:
+    """The paired difference of two arms' final conditional accuracies ({seed: accuracy}) over their common seeds."""
+    common = sorted(set(mine) & set(ref))
+    return paired_t([mine[s] - ref[s] for s in common], lower_is_better=False)
+
+
+def lower_accuracy(mine: dict[int, float], ref: dict[int, float]) -> bool:
+    """Whether an arm's conditional accuracy is below the reference's by more than its interval: the 95% paired
+    interval of the difference lies below 0 (two common seeds at least)."""
+    p = accuracy_difference(mine, ref)
+    return p.n > 1 and p.ci_hi < 0
+
+
+def accuracy_section(spec: StudySpec, finals: dict[str, dict[int, float]], title: str) -> list[str]:
+    """The conditional accuracy of each arm's final samples (``finals``: {arm: {seed: accuracy}}) and its paired
+    difference against the arm's reference over the seeds both have, with the 95% paired-t interval; every arm whose
+    interval lies below 0 is named (it draws the wrong class more often than its reference). [] without accuracies."""
+    if not any(finals.values()):
+        return []
+    lines = [
+        f"## {title}",
+        "",
+        "The share of each arm's final samples that the feature classifier assigns to the class they were generated "
+        "for (FD cannot see a recipe that draws good images of the wrong class), and its paired difference arm - "
+        "reference over the seeds both finished, with its 95% paired-t interval.",
+        "",
+        "| arm | reference | accuracy (mean +- std) | n | mean diff | 95% CI (paired t) |",
+        "|---|---|---|---|---|---|",
+    ]
+    lower = []
+    for arm in spec.arms:
+        mine, ref = finals.get(arm.name, {}), finals.get(spec.reference_of(arm), {})
+        if not mine:
+            continue
+        mean, std = mean_std(list(mine.values()))
+        if arm.name == spec.reference_of(arm):
+            lines.append(f"| {arm.name} | - | {_fmt(mean)} +- {_fmt(std, 2)} | {len(mine)} | - | - |")
+            continue
+        p = accuracy_difference(mine, ref)
+        lines.append(
+            f"| {arm.name} | {spec.reference_of(arm)} | {_fmt(mean)} +- {_fmt(std, 2)} | {p.n} | {_fmt(p.mean)} | "
+            f"[{_fmt(p.ci_lo)}, {_fmt(p.ci_hi)}] |"
+        )
+        if lower_accuracy(mine, ref):
+            lower.append(
+                f"`{arm.name}` ({_fmt(p.mean)} [{_fmt(p.ci_lo)}, {_fmt(p.ci_hi)}] against `{spec.reference_of(arm)}`)"
+            )
+    lines.append("")
+    lines.append(
+        "**Lower conditional accuracy than its reference** (the interval below 0): " + ", ".join(lower) + "."
+        if lower
+        else "No arm's conditional accuracy is below its reference's by more than its interval."
+    )
+    return lines
+
+
 def write_markdown(spec: StudySpec, arms: dict[str, Any], path: Path, study_dir: Path) -> Path:
     m, lower = spec.metric, METRICS[spec.metric] == "lower"
     lines = [f"# Study `{spec.name}`", ""]
@@ -168,16 +236,17 @@ def write_markdown(spec: StudySpec, arms: dict[str, Any], path: Path, study_dir:
         "under `runs/<arm>/seed<k>/`.",
         "",
     ]
+    acc = any(a["final"][ACCURACY] for a in arms.values())  # a column only for runs that recorded it
+    shown = ("fd", "is", "precision", "recall", *[ACCURACY] * acc)
     lines += [
         "## Final metrics (mean +- std over seeds)",
         "",
-        "| arm | seeds | steps | FD | IS | precision | recall | train FLOPs | wall s per run |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| arm | seeds | steps | FD | IS | precision | recall | " + "cond. accuracy | " * acc + "train FLOPs | "
+        "wall s per run |",
+        "|---|---|---|---|---|---|---|" + "---|" * acc + "---|---|",
     ]
     for name, a in arms.items():
-        cells = [
-            f"{_fmt(a['stats'][k][0])} +- {_fmt(a['stats'][k][1], 2)}" for k in ("fd", "is", "precision", "recall")
-        ]
+        cells = [f"{_fmt(a['stats'][k][0])} +- {_fmt(a['stats'][k][1], 2)}" for k in shown]
         lines.append(
             f"| {name} | {len(a['seeds'])} | {_fmt(a['steps'], 6)} | "
             + " | ".join(cells)
@@ -210,6 +279,8 @@ def write_markdown(spec: StudySpec, arms: dict[str, Any], path: Path, study_dir:
     for name, a in arms.items():
         vals = a["final"][m]
         lines.append(f"| {name} | " + " | ".join(_fmt(vals.get(s)) for s in spec.seeds) + " |")
+    acc_lines = accuracy_section(spec, {n: a["final"][ACCURACY] for n, a in arms.items()}, "Conditional accuracy")
+    lines += ["", *acc_lines] if acc_lines else []
     tdc = {n: a for n, a in arms.items() if a["sampling_flops"]}
     if tdc:
         lines += ["", "## Sampling FLOPs per image (TDC bundle vs the base model)", ""]
@@ -465,18 +536,21 @@ def write_report(
     if spec.speedrun:
         out.update(write_speedrun(spec, rows, study_dir, official_from))
         if against:
-            refs = speedrun.against(spec, rows, _step_time(study_dir), list(against))
+            refs = speedrun.against(spec, rows, read_step_time(study_dir), list(against))
             report.write_text(report.read_text() + "\n" + "\n".join(speedrun_report.references_section(refs)))
     if spec.tuning:
         report.write_text(report.read_text() + "\n" + "\n".join(tuning_section(spec, study_dir)) + "\n")
+    if spec.speedrun and spec.long_reference:
+        report.write_text(report.read_text() + "\n" + "\n".join(readings_lines(spec, study_dir, rows)))
     picks = posthoc_picks(spec, study_dir)
     if picks:
         report.write_text(report.read_text() + "\n" + "\n".join(posthoc_section(spec, study_dir, rows, picks, against)))
     return out
 
 
-def _step_time(study_dir: Path) -> dict[str, Any] | None:
-    path = study_dir / STEP_TIME_FILE
+def read_step_time(study_dir: str | Path) -> dict[str, Any] | None:
+    """The study's side-by-side step times (``step_time.json``), or None when they were not measured."""
+    path = Path(study_dir) / STEP_TIME_FILE
     return json.loads(path.read_text()) if path.is_file() else None
 
 
@@ -504,11 +578,34 @@ def posthoc_section(
     if missing:
         lines += ["", f"Not evaluated post hoc (no finished runs with every length): {', '.join(missing)}."]
     lines.append("")
+    acc = accuracy_section(spec, posthoc_finals(spec, study_dir, picks), "Conditional accuracy with post-hoc EMA")
+    lines += [*acc, ""] if acc else []
     if spec.speedrun:
         prow = posthoc_rows(spec, study_dir, rows, picks)
-        refs = speedrun.against(spec, prow, _step_time(study_dir), list(against))
+        refs = speedrun.against(spec, prow, read_step_time(study_dir), list(against))
         lines += speedrun_report.references_section(refs, "Time to quality with post-hoc EMA")
+    if spec.speedrun and spec.long_reference:
+        lines += readings_lines(spec, study_dir, prow, posthoc=True)
     return lines
+
+
+def readings_lines(spec: StudySpec, study_dir: Path, rows: list[dict[str, Any]], posthoc: bool = False) -> list[str]:
+    """Both readings of every arm's speed-up (``speedrun.both_readings``) with the long reference's runs; ``posthoc``:
+    ``rows`` are the post-hoc curves, and the long reference's are its own at its best length."""
+    title = "Both readings of the speed-up" + (" with post-hoc EMA" if posthoc else "")
+    source = spec.long_reference["folder"]
+    long = prepare(spec, study_dir)  # a folder of another reference is refused in one line
+    folder = folder_of(spec, study_dir)
+    long_rows = collect(folder)[1] if long is not None and (folder / SPEC_FILE).is_file() else []
+    if posthoc and long_rows:
+        picks = posthoc_picks(long, folder)
+        long_rows = posthoc_rows(long, folder, long_rows, picks) if picks else []
+    if not long_rows:
+        what = "no post-hoc records (`study posthoc` on this study evaluates it too)" if posthoc else "no finished runs"
+        return [f"## {title}", "", f"The long reference (`{source}`) has {what} yet: only the existing reading.", ""]
+    costs = tuning_costs(spec, study_dir, decide(spec, study_dir, read_status))[0] if spec.tuning else None
+    res = speedrun.both_readings(spec, rows, long_rows, read_step_time(study_dir), costs)
+    return speedrun_report.readings_section(res, source, spec.long_reference["factor"], title)
 
 
 def tuning_section(spec: StudySpec, study_dir: Path) -> list[str]:
@@ -518,10 +615,16 @@ def tuning_section(spec: StudySpec, study_dir: Path) -> list[str]:
     tu = spec.tuning
     done = decide(spec, study_dir, read_status)
     pick = tu["pick"] if tu["pick"] == "final" else f"fewest steps to {spec.metric} {tu['pick']:g}"
+    seeds = trial_seeds(tu)
+    at = (
+        f"seed {seeds[0]}"
+        if len(seeds) == 1
+        else f"seeds {', '.join(map(str, seeds))}, each point scored by its worse seed (its seeds' values in brackets)"
+    )
     lines = [
         "## Tuning",
         "",
-        f"Every tuned arm ran one trial per point of its grid: {tu['budget']} steps, seed {tu['seed']}; the pick rule, "
+        f"Every tuned arm ran one trial per point of its grid: {tu['budget']} steps, {at}; the pick rule, "
         f"fixed in the spec: {pick} (smoothed over {spec.speedrun.get('smooth', 1) if spec.speedrun else 1} "
         "evaluations; ties keep the grid's order).",
         "",
@@ -529,18 +632,20 @@ def tuning_section(spec: StudySpec, study_dir: Path) -> list[str]:
         "| picked |",
         "|---|---|---|---|---|---|---|",
     ]
+
+    def steps_cell(t: dict[str, Any]) -> str:
+        v = t["steps_to_pick"]
+        return "-" if tu["pick"] == "final" else ("never" if v is None or not math.isfinite(v) else f"{v:g}")
+
+    def final_cell(t: dict[str, Any]) -> str:
+        return "n/a" if t["final"] is None or not math.isfinite(t["final"]) else f"{t['final']:.4g}"
+
     for name, d in done.items():
         for i, t in enumerate(d["trials"]):
-            steps = (
-                "-"
-                if tu["pick"] == "final"
-                else (
-                    "never"
-                    if t["steps_to_pick"] is None or not math.isfinite(t["steps_to_pick"])
-                    else f"{t['steps_to_pick']:g}"
-                )
-            )
-            final = "n/a" if t["final"] is None or not math.isfinite(t["final"]) else f"{t['final']:.4g}"
+            steps, final = steps_cell(t), final_cell(t)
+            if "per_seed" in t:
+                steps += "" if tu["pick"] == "final" else f" ({', '.join(steps_cell(x) for x in t['per_seed'])})"
+                final += f" ({', '.join(final_cell(x) for x in t['per_seed'])})"
             mark = "yes" if t["set"] == d["pick"] else ""
             lines.append(f"| {name} | {i} | {' '.join(t['set'])} | {steps} | {final} | {t['wall_s']:.0f} | {mark} |")
     waiting = [a.name for a in spec.arms if a.tune and a.name not in done]
@@ -556,23 +661,7 @@ def tuning_section(spec: StudySpec, study_dir: Path) -> list[str]:
     res = read_json(path, "speedrun analysis") if path.is_file() else {}
     ref = res.get("reference")
     wall = {n: (a.get("axes") or {}).get("wall_s", [None])[0] for n, a in (res.get("arms") or {}).items()}
-    st = _step_time(study_dir)
-    priced = {a.name: speedrun.arm_step_s(st, a.name, spec.speedrun["official_arm"]) for a in spec.arms}
-    cost = {
-        a.name: (
-            0.0
-            if a.name not in done
-            else len(done[a.name]["trials"]) * tu["budget"] * priced[a.name]
-            if priced[a.name]
-            else done[a.name]["tuning_wall_s"]
-        )
-        for a in spec.arms
-    }
-    how = (
-        "its trials' steps x the arm's side-by-side step time, as the arms' time axes"
-        if all(priced[n] for n in done)
-        else "the trials' own recorded wall time (no side-by-side step times)"
-    )
+    cost, how = tuning_costs(spec, study_dir, done)
     lines += [
         "",
         f"Speed-up over {ref} in wall time to the threshold, tuning excluded and included (the arm's mean wall time "
@@ -592,13 +681,37 @@ def tuning_section(spec: StudySpec, study_dir: Path) -> list[str]:
     return lines
 
 
+def tuning_costs(spec: StudySpec, study_dir: Path, done: dict[str, Any]) -> tuple[dict[str, float], str]:
+    """({arm: its tuning wall time}, how it was priced): every trial's steps (each point at each trial seed) x the
+    arm's side-by-side step time, as the arms' time axes; the trials' own recorded wall time without step times. An
+    arm without a finished grid costs 0."""
+    st = read_step_time(study_dir)
+    priced = {a.name: speedrun.arm_step_s(st, a.name, spec.speedrun["official_arm"]) for a in spec.arms}
+    runs = len(trial_seeds(spec.tuning)) * spec.tuning["budget"]
+    cost = {
+        a.name: (
+            0.0
+            if a.name not in done
+            else len(done[a.name]["trials"]) * runs * priced[a.name]
+            if priced[a.name]
+            else done[a.name]["tuning_wall_s"]
+        )
+        for a in spec.arms
+    }
+    how = (
+        "its trials' steps x the arm's side-by-side step time, as the arms' time axes"
+        if all(priced[n] for n in done)
+        else "the trials' own recorded wall time (no side-by-side step times)"
+    )
+    return cost, how
+
+
 def write_speedrun(
     spec: StudySpec, rows: list[dict[str, Any]], study_dir: Path, official_from: str | Path | None = None
 ) -> dict[str, Path]:
     """The time-to-quality section (appended to report.md), speedrun.json and the two FD plots; with
     ``official_from`` a section against that study's official runs too (``speedrun_official.json``)."""
-    st_path = study_dir / STEP_TIME_FILE
-    st = json.loads(st_path.read_text()) if st_path.is_file() else None
+    st = read_step_time(study_dir)
     res = speedrun.analyse(spec, rows, st)
     eff = speedrun.efficiency(spec, rows, st, res["threshold"])
     text = speedrun_report.markdown(spec, res, eff)

@@ -25,6 +25,8 @@ the official DiT step's (measured with ``study --peer-dit PATH``).
 
 ``launcher`` (``local``, the default, or ``slurm``) and ``slurm`` (the jobs' resources, ``SLURM_DEFAULTS``) say where
 the runs go (``diffcurr_fast.study.launch``); unlike every other setting, a rerun may change them.
+``long_reference`` (optional, a speedrun): the official arm trained ``factor`` x the study's budget in another study
+folder, for the field's reading of a speed-up (``diffcurr_fast.study.long_reference``).
 
 ``kind`` is ``train`` (an ordinary ``diffcurr-fast train`` run) or ``tdc`` (``diffcurr-fast tdc``: stage 1, experts,
 bundle; its final metric is the bundle's). ``load_spec`` checks every arm's config before anything runs.
@@ -39,7 +41,7 @@ from typing import Any
 import yaml
 
 from diffcurr_fast.runs.recipes import duplicate_keys, load_config
-from diffcurr_fast.study.tuning import check_tuning, grid, split_trial, trial_name
+from diffcurr_fast.study.tuning import check_tuning, grid, split_trial, trial_name, trial_seeds
 
 SPEC_FILE = "study.yaml"  # a study folder's spec (``load_study``)
 KINDS = ("train", "tdc")
@@ -59,6 +61,7 @@ SPEC_KEYS = (
     "tuning",
     "launcher",
     "slurm",
+    "long_reference",
 )
 # threshold: 'reference' (the worst final smoothed metric over the official arm's seeds) or a number; smooth: the
 # trailing window (evaluations) of the moving average; plateau: the official arm's last plateau_share of evaluations
@@ -71,6 +74,9 @@ SPEEDRUN_DEFAULTS: dict[str, Any] = {
     "plateau_tol": 0.03,
 }
 SPEEDRUN_KEYS = tuple(SPEEDRUN_DEFAULTS)
+# folder: the long reference's study folder (relative to the study folder); factor: its budget over the study's; set:
+# overrides of its own after the official arm's (the EMA scaled to its length)
+LONG_REFERENCE_KEYS = ("folder", "factor", "set")
 ARM_KEYS = ("name", "kind", "set", "reference", "tune")
 # where the runs go (``diffcurr_fast.study.launch``): worker processes on this machine, or submitit jobs on Slurm, each
 # of nodes x gpus_per_node tasks (one per GPU, cpus_per_gpu CPUs each) in a partition (null: the cluster's default)
@@ -117,6 +123,7 @@ class StudySpec:
     tuning: dict[str, Any] = field(default_factory=dict)
     launcher: str = "local"
     slurm: dict[str, Any] = field(default_factory=dict)
+    long_reference: dict[str, Any] = field(default_factory=dict)
 
     def arm(self, name: str) -> Arm:
         """The arm called ``name``, or trial i of a tuned arm's grid (``<arm>~t<i>``, ``study.tuning``): the arm with
@@ -131,9 +138,11 @@ class StudySpec:
         raise ValueError(f"no arm {name!r} in study {self.name!r}; arms: {', '.join(a.name for a in self.arms)}")
 
     def trials(self) -> list[tuple[str, int]]:
-        """Every (trial arm, seed) of the tuning protocol, arm by arm."""
-        seed = self.tuning.get("seed", 0)
-        return [(trial_name(a.name, i), seed) for a in self.arms if a.tune for i in range(len(grid(a.tune)))]
+        """Every (trial arm, seed) of the tuning protocol, arm by arm, each point at every trial seed."""
+        seeds = trial_seeds(self.tuning) if self.tuning else []
+        return [
+            (trial_name(a.name, i), s) for a in self.arms if a.tune for i in range(len(grid(a.tune))) for s in seeds
+        ]
 
     def reference_of(self, arm: Arm) -> str:
         return arm.reference or self.reference
@@ -156,6 +165,8 @@ class StudySpec:
             del out["tuning"]
         if out["launcher"] == "local" and not out["slurm"]:  # a spec without launch settings is written as before
             del out["launcher"], out["slurm"]
+        if not out["long_reference"]:
+            del out["long_reference"]
         return out
 
 
@@ -210,6 +221,7 @@ def spec_from_dict(data: dict[str, Any], source: str = "spec") -> StudySpec:
         tuning=check_tuning(data.get("tuning"), {a.name: a.tune for a in arms}, source),
         launcher=str(data.get("launcher") or "local"),
         slurm=_slurm(data.get("slurm"), source),
+        long_reference=_long_reference(data.get("long_reference"), data.get("speedrun"), source),
     )
     if spec.launcher not in LAUNCHERS:
         raise ValueError(f"{source}: launcher {spec.launcher!r}; valid launchers: {', '.join(LAUNCHERS)}")
@@ -288,6 +300,25 @@ def _slurm(data: Any, source: str) -> dict[str, Any]:
     return out
 
 
+def _long_reference(data: Any, speedrun: Any, source: str) -> dict[str, Any]:
+    """The checked ``long_reference`` mapping ({} when absent): a folder, a factor >= 2 and a list of overrides."""
+    if not data:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: long_reference must be a mapping (folder, factor, set), got {data!r}")
+    bad = sorted(set(data) - set(LONG_REFERENCE_KEYS))
+    if bad:
+        raise ValueError(f"{source}: unknown long_reference keys {bad}; valid keys: {', '.join(LONG_REFERENCE_KEYS)}")
+    if not speedrun:
+        raise ValueError(f"{source}: long_reference trains the official arm of a speedrun; the spec has no speedrun")
+    if not isinstance(data.get("folder"), str) or not data["folder"]:
+        raise ValueError(f"{source}: long_reference.folder must name a study folder, got {data.get('folder')!r}")
+    factor = data.get("factor", 8)
+    if isinstance(factor, bool) or not isinstance(factor, int) or factor < 2:
+        raise ValueError(f"{source}: long_reference.factor must be an int >= 2 (x the study's budget), got {factor!r}")
+    return {"folder": data["folder"], "factor": factor, "set": _overrides(data.get("set"), f"{source}: long_reference")}
+
+
 def load_spec(path: str | Path) -> StudySpec:
     """The spec in the YAML file ``path``, checked (``check_spec``)."""
     p = Path(path)
@@ -337,6 +368,7 @@ __all__ = [
     "KINDS",
     "LAUNCHERS",
     "LAUNCH_KEYS",
+    "LONG_REFERENCE_KEYS",
     "METRICS",
     "SPEC_KEYS",
     "SLURM_DEFAULTS",

@@ -27,12 +27,28 @@ computation):
   the report says so; without ``step_time.json`` every arm keeps its ``train_s`` and the report says so;
 * **FLOPs**: 3 x forward FLOPs x batch per step (the convention of ``diffcurr_fast.tdc.accounting``), cumulative.
 
+Two readings of a speed-up (``both_readings``; the issue of every claim: REPA's 17.5x and TREAD's numbers are the
+second):
+
+* **the existing reading**: each arm's time to the reference's final FD (the threshold above) over the reference's
+  time to it, at the same budget;
+* **the field's reading**: each arm's own final FD (its worst final smoothed FD over its seeds, which every one of
+  its seeds reaches by its end: the threshold rule applied to the arm), the time the **long reference** (the
+  reference trained ``long_reference.factor`` x the budget, ``diffcurr_fast.study.long_reference``) needs to reach
+  it, over the arm's own time to it. Every seed of the long reference must reach it for a ratio with an interval;
+  where one never does, its run's end is counted as its time and the reading is a lower **bound** (">"). The long
+  reference's time axis is the reference's step time;
+* both as ratios of geometric means with the Welch interval on the logs (``speedup``), in steps and wall time, and
+  in wall time **with the tuning included**: each seed's time plus its arm's tuning wall time (the reference's for
+  the long reference, whose learning rate is the study's pick).
+
 The report's section and plots are ``diffcurr_fast.study.speedrun_report``; the step times are measured by
 ``diffcurr_fast.study.step_time``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -44,6 +60,7 @@ from diffcurr_fast._files import write_json
 
 AXES = ("step", "wall_s", "train_flops")
 UNIFORM_ARM = "vanilla"  # uniform t on our step: the baseline of sample efficiency (``efficiency``)
+LONG_ARM = "long reference"  # the long reference's runs among a study's (no arm of a spec has a space in its name)
 
 
 # ---- the arithmetic ---------------------------------------------------------------------------------------------
@@ -247,6 +264,76 @@ def merged_rows(spec: Any, rows: list[dict[str, Any]], official_rows: list[dict[
     """``rows`` with the official arm's runs taken from ``official_rows`` (``with_official_runs``)."""
     official = spec.speedrun["official_arm"]
     return [r for r in rows if r["arm"] != official] + [r for r in official_rows if r["arm"] == official]
+
+
+# ---- the two readings ------------------------------------------------------------------------------------------
+def _ratio(reference: list[float], arm: list[float], bound: bool) -> dict[str, Any]:
+    """A speed-up (``speedup``) with its interval, or, where the reference's times are censored, its lower bound."""
+    up, lo, hi = speedup(reference, arm)
+    return {"value": up, "bound": True} if bound else {"value": up, "lo": lo, "hi": hi, "bound": False}
+
+
+def _readings(reference: list[dict], arm: list[dict], costs: tuple[float, float], bound: bool) -> dict[str, Any]:
+    """The speed-up in steps and in wall time, tuning excluded and included (``costs``: the reference's and the
+    arm's tuning wall time, added to each seed's time), from the per-seed crossings of each side."""
+    return {
+        "step": _ratio([r["step"] for r in reference], [a["step"] for a in arm], bound),
+        "wall_s": _ratio([r["wall_s"] for r in reference], [a["wall_s"] for a in arm], bound),
+        "wall_tuned": _ratio([r["wall_s"] + costs[0] for r in reference], [a["wall_s"] + costs[1] for a in arm], bound),
+    }
+
+
+def both_readings(
+    spec: Any,
+    rows: list[dict[str, Any]],
+    long_rows: list[dict[str, Any]],
+    step_time: dict[str, Any] | None,
+    costs: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """The existing and the field's reading of every arm's speed-up over the official arm (module doc); ``long_rows``:
+    the evaluations of the long reference's runs (its arm named as the official arm); ``costs``: each arm's tuning
+    wall time (None: no tuning)."""
+    window, ref = int(spec.speedrun["smooth"]), spec.speedrun["official_arm"]
+    costs = costs or {}
+    ext = dataclasses.replace(spec, arms=[*spec.arms, dataclasses.replace(spec.arm(ref), name=LONG_ARM)])
+    st = step_time and {**step_time, "arms": {**step_time.get("arms", {}), LONG_ARM: arm_step_s(step_time, ref, ref)}}
+    every = rows + [{**r, "arm": LONG_ARM} for r in long_rows if r["arm"] == ref]
+    ends = {s: pts[-1] for s in spec.seeds if (pts := run_points(every, LONG_ARM, s, arm_step_s(st, LONG_ARM, ref)))}
+    existing = analyse(spec, rows, step_time)
+    arms: dict[str, Any] = {}
+    for a in spec.arms:
+        runs = [pts for s in spec.seeds if (pts := run_points(rows, a.name, s, 1.0))]
+        if not runs or not ends:
+            continue
+        threshold = max(smooth([p["fd"] for p in pts], window)[-1] for pts in runs)  # every seed of it reaches it
+        res = analyse(ext, every, st, reference=LONG_ARM, threshold=threshold)
+        mine, long = res["arms"][a.name], res["arms"][LONG_ARM]
+        times = [long["per_seed"].get(s, end) for s, end in ends.items()]  # a seed that never got there: its end
+        pair = (costs.get(ref, 0.0), costs.get(a.name, 0.0))
+        ex = existing["arms"][a.name]
+        arms[a.name] = {
+            "threshold": threshold,
+            "axes": mine["axes"],
+            "long_reached": long["reached"],
+            "long_axes": {ax: mean_ci([t[ax] for t in times]) for ax in ("step", "wall_s")},
+            "field": _readings(times, list(mine["per_seed"].values()), pair, len(long["reached"]) < len(ends)),
+            "existing_reached": (len(ex["reached"]), len(ex["seeds"])),
+            "existing": None
+            if a.name == ref or ex["speedup"]["wall_s"] is None
+            else _readings(
+                list(existing["arms"][ref]["per_seed"].values()), list(ex["per_seed"].values()), pair, False
+            ),
+        }
+    long_run = analyse(ext, every, st, reference=LONG_ARM)
+    return {
+        "reference": ref,
+        "threshold": existing["threshold"],
+        "threshold_rule": existing["threshold_rule"],
+        "long_seeds": sorted(ends),
+        "long_steps": int(max(p["step"] for p in ends.values())) if ends else None,
+        "long_plateau": long_run["plateau"],
+        "arms": arms,
+    }
 
 
 # ---- the timestep strategy alone --------------------------------------------------------------------------------

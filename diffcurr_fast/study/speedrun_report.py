@@ -206,6 +206,56 @@ def efficiency_section(eff: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _reading(v: dict[str, Any] | None) -> str:
+    """A speed-up of ``both_readings``: x ratio [95% interval], a bound (> x ratio), or n/a."""
+    if v is None:
+        return "n/a"
+    return f"> x{_num(v['value'])}" if v["bound"] else f"x{_num(v['value'])} [{_num(v['lo'])}, {_num(v['hi'])}]"
+
+
+def readings_section(res: dict[str, Any], source: str, factor: int, title: str) -> list[str]:
+    """Both readings of every arm's speed-up over the reference (``speedrun.both_readings``), with the long
+    reference of ``source`` (its folder), trained ``factor`` x the budget."""
+    ref, pl = res["reference"], res["long_plateau"]
+    verdict = "stopped falling" if pl["plateaued"] else "still falling"
+    lines = [
+        f"## {title}",
+        "",
+        f"- **The existing reading** (the same budget): each arm's time to `{ref}`'s final FD (threshold FD "
+        f"{_num(res['threshold'], 4)}, {res['threshold_rule']}) against `{ref}`'s time to it.",
+        f"- **The field's reading** (as REPA, TREAD and SiT state theirs): each arm's own final FD (its worst final "
+        f"smoothed FD over its seeds, which each of its seeds reaches by its end), the time `{ref}` trained {factor}x "
+        f"longer needs to reach it, over the arm's own time to it. The long reference: `{source}` (seeds "
+        f"{res['long_seeds']}, {res['long_steps']} steps; the study's pick, its schedule and EMA over its own length). "
+        "Where a seed of it never reaches that FD, its run's end counts as its time and the reading is a lower bound "
+        "(> x).",
+        "",
+        "Ratios of geometric means over seeds with 95% Welch intervals on the logs; tuning included: each seed's time "
+        f"plus its arm's tuning wall time (`{ref}`'s for the long reference), priced as in the Tuning section (whose "
+        "point estimate is a ratio of mean times, so it can differ a little from this one). The "
+        f"long reference's mean smoothed FD over its last {pl.get('evaluations')} evaluations (from step "
+        f"{pl['from_step']} to {pl['to_step']}) improved {_num(100 * pl['improvement'], 3)}%: {verdict} by the plateau "
+        "rule.",
+        "",
+        "| arm | its final FD | its steps to it | the long reference's steps to it (reached) | field's reading: steps "
+        "| wall, tuning excluded | wall, tuning included | existing reading: wall, tuning excluded | tuning included |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, a in res["arms"].items():
+        m, lo, hi = a["axes"]["step"]
+        lm, llo, lhi = a["long_axes"]["step"]
+        f, e = a["field"], a["existing"]
+        reached, seeds = a["existing_reached"]
+        missing = "-" if name == ref else f"{reached}/{seeds} seeds reach it"
+        lines.append(
+            f"| {name} | {_num(a['threshold'], 4)} | {_num(m)} [{_num(lo)}, {_num(hi)}] | {_num(lm)} [{_num(llo)}, "
+            f"{_num(lhi)}] ({len(a['long_reached'])}/{len(res['long_seeds'])}) | {_reading(f['step'])} | "
+            f"{_reading(f['wall_s'])} | {_reading(f['wall_tuned'])} | "
+            + (f"{_reading(e['wall_s'])} | {_reading(e['wall_tuned'])} |" if e else f"{missing} | {missing} |")
+        )
+    return [*lines, ""]
+
+
 def _best(res: dict[str, Any], axis: str, skip: tuple[str, ...]) -> tuple[str, tuple[float, float, float]] | None:
     ups = [(n, a["speedup"][axis]) for n, a in res["arms"].items() if n not in skip and a["speedup"][axis]]
     return max(ups, key=lambda t: t[1][0]) if ups else None

@@ -5,19 +5,22 @@ tuning counted; Kaddour et al., "No Train No Gain", arXiv 2307.06440).
 
 In the spec::
 
-    tuning: {budget: 375, pick: final, seed: 0}   # engine.max_steps of a trial; the rule; the trials' seed
+    tuning: {budget: 375, pick: final, seeds: [10, 11]}   # engine.max_steps of a trial; the rule; the trials' seeds
     arms:
       - {name: official_tuned, set: [...], tune: {optim.lr: [1.0e-4, 3.0e-4, 1.0e-3, 3.0e-3]}}
 
 - ``tune`` maps config keys to lists of values; the grid is their product, in the order written (the first key
   varies slowest). Every arm with a grid has the same number of points (``check_tuning``); an arm without one is
   not tuned, and the report says so.
-- A trial is the arm with one grid point and ``engine.max_steps`` = ``budget``, at ``seed``: it runs as the arm
-  ``<arm>~t<i>`` of the study (``runs/<arm>~t<i>/seed<seed>``).
-- ``pick: final``: the point with the lowest smoothed metric (the trailing mean of ``speedrun.smooth`` evaluations,
-  1 without a speedrun) at the trial's last evaluation; ``pick: <number>``: the fewest steps until the smoothed
-  metric reaches that number, ties and points that never reach it then by the final smoothed metric. Ties keep the
-  grid's order. Lower is better (a study's metric for tuning must be ``fd``).
+- A trial is the arm with one grid point and ``engine.max_steps`` = ``budget``, at each of the trial seeds
+  (``seeds``, or the one ``seed``; default 0): it runs as the arm ``<arm>~t<i>`` of the study
+  (``runs/<arm>~t<i>/seed<s>``).
+- A trial seed's score under ``pick: final`` is its smoothed metric (the trailing mean of ``speedrun.smooth``
+  evaluations, 1 without a speedrun) at its last evaluation; under ``pick: <number>``, the steps until the smoothed
+  metric reaches that number (never: infinite), then the final smoothed metric. **A point is scored by its worse
+  seed** (the larger score), so a rate that breaks one seed loses (a diverged seed, its metric non-finite, scores
+  infinite). The pick is the point with the best score; ties keep the grid's order. Lower is better (a study's
+  metric for tuning must be ``fd``).
 - When every trial of an arm has finished, the pick is written to ``tuning.json``; the arm's seeds run with the
   picked point's overrides after the arm's own (``tuned_arm``). A rerun recomputes the same pick from the same
   status files.
@@ -34,7 +37,7 @@ from diffcurr_fast._files import read_json, write_json
 from diffcurr_fast.study.speedrun import smooth
 
 TUNING_FILE = "tuning.json"
-TUNING_KEYS = ("budget", "pick", "seed")
+TUNING_KEYS = ("budget", "pick", "seed", "seeds")
 TRIAL = "~t"  # <arm>~t<i>: trial i of the arm's grid
 
 
@@ -56,7 +59,11 @@ def check_tuning(tuning: Any, tunes: dict[str, dict[str, Any]], source: str) -> 
     bad = sorted(set(tuning) - set(TUNING_KEYS))
     if bad:
         raise ValueError(f"{source}: unknown tuning keys {bad}; valid keys: {', '.join(TUNING_KEYS)}")
-    out = {"pick": "final", "seed": 0, **tuning}
+    out = {"pick": "final", **tuning}
+    if "seeds" not in out:
+        out.setdefault("seed", 0)
+    elif "seed" in out:
+        raise ValueError(f"{source}: give tuning.seed (one trial seed) or tuning.seeds (several), not both")
     if isinstance(out.get("budget"), bool) or not isinstance(out.get("budget"), int) or out["budget"] < 1:
         raise ValueError(
             f"{source}: tuning.budget must be an int >= 1 (the steps of a trial), got {out.get('budget')!r}"
@@ -64,8 +71,16 @@ def check_tuning(tuning: Any, tunes: dict[str, dict[str, Any]], source: str) -> 
     pick = out["pick"]
     if pick != "final" and (isinstance(pick, bool) or not isinstance(pick, (int, float)) or not pick > 0):
         raise ValueError(f"{source}: tuning.pick must be 'final' or a metric value > 0 to reach, got {pick!r}")
-    if isinstance(out["seed"], bool) or not isinstance(out["seed"], int) or out["seed"] < 0:
+    if "seed" in out and (isinstance(out["seed"], bool) or not isinstance(out["seed"], int) or out["seed"] < 0):
         raise ValueError(f"{source}: tuning.seed must be an int >= 0, got {out['seed']!r}")
+    seeds = out.get("seeds", [0])
+    if (
+        not isinstance(seeds, list)
+        or not seeds
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in seeds)
+        or len(set(seeds)) != len(seeds)
+    ):
+        raise ValueError(f"{source}: tuning.seeds must be a non-empty list of distinct ints >= 0, got {seeds!r}")
     sizes = {}
     for arm, tune in tunes.items():
         if not tune:
@@ -80,6 +95,11 @@ def check_tuning(tuning: Any, tunes: dict[str, dict[str, Any]], source: str) -> 
             f"{source}: every tuned arm gets the same number of trials, got {sizes}; give each grid as many points"
         )
     return out
+
+
+def trial_seeds(tuning: dict[str, Any]) -> list[int]:
+    """The seeds every trial runs at: ``tuning.seeds``, or the one ``tuning.seed``."""
+    return list(tuning["seeds"]) if "seeds" in tuning else [tuning["seed"]]
 
 
 def trial_name(arm: str, i: int) -> str:
@@ -105,33 +125,50 @@ def trial_score(evals: list[dict[str, Any]], metric: str, window: int, pick: Any
     return reached, final
 
 
+def worse_seed(scores: list[tuple[float, float]]) -> tuple[float, float]:
+    """The score of a point from its seeds' scores: the worse seed's (more steps, then a higher final metric)."""
+    return max(scores, key=lambda sc: (sc[0], sc[1]))
+
+
 def pick_point(scores: list[tuple[float, float]]) -> int:
     """The index of the best trial score (fewest steps, then lowest final; ties: the first in the grid)."""
     return min(range(len(scores)), key=lambda i: (scores[i][0], scores[i][1], i))
 
 
 def decide(spec: Any, study_dir: Path, read_status) -> dict[str, Any]:
-    """{arm: its grid, each trial's score and wall time, and the pick} for the tuned arms whose trials have all
-    finished (``read_status(study_dir, arm, seed)``); written to ``tuning.json``."""
+    """{arm: its grid, each trial's score (its worse seed's) and wall time (its seeds', summed), and the pick} for the
+    tuned arms whose trials have all finished on every trial seed (``read_status(study_dir, arm, seed)``); written to
+    ``tuning.json``, with each seed's score when the trials run on several."""
     window = int(spec.speedrun.get("smooth", 1)) if spec.speedrun else 1
+    seeds = trial_seeds(spec.tuning)
     out: dict[str, Any] = {}
     for arm in spec.arms:
         if not arm.tune:
             continue
         points = grid(arm.tune)
-        statuses = [read_status(study_dir, trial_name(arm.name, i), spec.tuning["seed"]) for i in range(len(points))]
-        if any(s is None for s in statuses):
+        statuses = [[read_status(study_dir, trial_name(arm.name, i), s) for s in seeds] for i in range(len(points))]
+        if any(st is None for per_point in statuses for st in per_point):
             continue
-        scores = [trial_score(s.get("evals", []), spec.metric, window, spec.tuning["pick"]) for s in statuses]
+        per_seed = [
+            [trial_score(st.get("evals", []), spec.metric, window, spec.tuning["pick"]) for st in per_point]
+            for per_point in statuses
+        ]
+        scores = [worse_seed(sc) for sc in per_seed]
         best = pick_point(scores)
+        trials = []
+        for p, sc, seed_scores, per_point in zip(points, scores, per_seed, statuses):
+            trial = {"set": p, "steps_to_pick": sc[0], "final": sc[1], "wall_s": sum(st["wall_s"] for st in per_point)}
+            if len(seeds) > 1:
+                trial["per_seed"] = [
+                    {"seed": s, "steps_to_pick": x[0], "final": x[1], "wall_s": st["wall_s"]}
+                    for s, x, st in zip(seeds, seed_scores, per_point)
+                ]
+            trials.append(trial)
         out[arm.name] = {
             "grid": points,
-            "trials": [
-                {"set": p, "steps_to_pick": sc[0], "final": sc[1], "wall_s": st["wall_s"]}
-                for p, sc, st in zip(points, scores, statuses)
-            ],
+            "trials": trials,
             "pick": points[best],
-            "tuning_wall_s": sum(float(st["wall_s"]) for st in statuses),
+            "tuning_wall_s": sum(float(st["wall_s"]) for per_point in statuses for st in per_point),
         }
     write_json(_finite(out), Path(study_dir) / TUNING_FILE, indent=1)
     return out
@@ -166,4 +203,6 @@ __all__ = [
     "split_trial",
     "trial_name",
     "trial_score",
+    "trial_seeds",
+    "worse_seed",
 ]

@@ -1,11 +1,14 @@
-"""Evaluation during training: every ``logging.eval_every`` steps, FD (and IS, precision/recall) of the EMA weights.
+"""Evaluation during training: every ``logging.eval_every`` steps, FD (and IS, precision/recall, and the conditional
+accuracy) of the EMA weights.
 
 ``Evaluator(cfg, run_dir, dataset, device)`` (rank 0 only) loads the feature extractor of ``eval.features`` and the
 reference statistics once: from ``eval.reference`` (a statistics or images ``.npz``, or ``digits``), else from
 the training data (at most ``eval.num_reference`` images). They are cached in the run directory as
 ``eval_reference.npz``, so a resumed run reuses them. ``evaluator(step, model, schedule)`` samples
 ``eval.num_samples`` images with ``eval.sampler`` / ``eval.steps`` / ``eval.cfg_scale`` from a fixed seed (the same
-noise at every evaluation) and returns a metrics record (``{"step", "eval": True, "fd", "is", ...}``).
+noise at every evaluation) and returns a metrics record (``{"step", "eval": True, "fd", "is", ...}``). When the
+extractor is the classifier of the run's data (``eval.features`` digits on ``data.dataset`` digits, mnist5k on
+mnist5k), the record has ``cond_acc``: the share of samples it assigns to the label they were generated for.
 
 Sampling draws its noise from an explicit generator and runs inside ``torch.random.fork_rng``, so the global RNG
 the training step uses (label dropout) is the same after an evaluation as before it: a run with evaluation on
@@ -110,6 +113,10 @@ class Evaluator:
             self.reference.save(tmp)
             tmp.replace(path)
 
+    def labels(self) -> torch.Tensor:
+        """The labels the evaluation's samples are generated for (N,): the classes in turn."""
+        return torch.arange(self.cfg.eval.num_samples) % self.cfg.model.num_classes
+
     @torch.no_grad()
     def sample(self, model: torch.nn.Module, schedule: Any) -> torch.Tensor:
         """``eval.num_samples`` images (N, C, H, W) in [-1, 1] from ``model``; the global RNG is left as it was."""
@@ -123,7 +130,7 @@ class Evaluator:
                     schedule,
                     sampler=e.sampler,
                     steps=min(e.steps, cfg.diffusion.num_timesteps),
-                    labels=torch.arange(e.num_samples) % m.num_classes,
+                    labels=self.labels(),
                     channels=m.in_channels,
                     size=m.input_size,
                     num_classes=m.num_classes,
@@ -138,9 +145,11 @@ class Evaluator:
 
     def __call__(self, step: int, model: torch.nn.Module, schedule: Any) -> dict[str, Any]:
         """The metrics record of ``model`` at ``step``: fd, is, is_std, precision, recall (when the reference has
-        features), the extractor and the evaluation's wall time."""
+        features), cond_acc (when the extractor classifies the run's data), the extractor and the evaluation's wall
+        time."""
         t0 = time.perf_counter()
-        res = evaluate(self.sample(model, schedule), self.reference, self.extractor)
+        labels = self.labels() if self.cfg.data.dataset == self.extractor.classes else None
+        res = evaluate(self.sample(model, schedule), self.reference, self.extractor, labels=labels)
         rec: dict[str, Any] = {
             "step": int(step),
             "eval": True,
@@ -151,6 +160,8 @@ class Evaluator:
         }
         if res.precision is not None:
             rec["precision"], rec["recall"] = res.precision, res.recall
+        if res.cond_acc is not None:
+            rec["cond_acc"] = res.cond_acc
         rec["eval_s"] = time.perf_counter() - t0
         return rec
 

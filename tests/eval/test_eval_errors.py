@@ -202,3 +202,22 @@ def test_eval_unwritable_output_is_refused_before_the_work(tmp_path, capsys, mon
     monkeypatch.setattr(_files.tempfile, "mkdtemp", refuse)
     rc, err = _main(capsys, *base, str(tmp_path / "ro" / "out"))
     assert rc == 2 and "cannot be written" in err and "refuses new files (Permission denied)" in err, err
+
+
+@pytest.mark.parametrize(
+    "labels, match",
+    [
+        (np.arange(5), r"'y' must hold one integer label >= 0 per sample \(6,\), got int64 \(5,\)"),
+        (np.arange(6) + 0.5, r"'y' must hold one integer label >= 0 per sample \(6,\), got float64 \(6,\)"),
+        (np.arange(6) - 1, r"'y' must hold one integer label >= 0 per sample"),
+        (np.array([0, 1, 2, 3, 4, 12]), "labels must be classes of the classifier, 0 to 9, got 0 to 12"),
+    ],
+)
+def test_eval_samples_labels_that_do_not_fit_are_named(tmp_path, capsys, digits_cache, labels, match):
+    import re
+
+    np.savez(tmp_path / "s.npz", x=np.zeros((6, 1, 8, 8), np.float32), y=labels)
+    rc, err = _main(
+        capsys, "eval", "--samples", str(tmp_path / "s.npz"), "--ref", "digits", "--digits-cache", digits_cache
+    )
+    assert rc == 2 and re.search(match, err) and len(err.strip().splitlines()) == 1, err

@@ -121,6 +121,54 @@ def test_eval_cli(digits_cache, tmp_path, capsys):
         get_extractor("clip")
 
 
+def test_eval_cli_reads_the_samples_labels_and_scores_the_conditional_accuracy(digits_cache, tmp_path, capsys):
+    """Samples that carry their labels (``y`` beside ``images`` / ``x``, ``arr_1`` beside ``arr_0``) get the
+    classifier's accuracy against them; the digits test images with their true labels score what the classifier
+    scores on them, and shifted labels score what it gives the shifted classes; converted images, or a file without
+    labels, get none."""
+    import argparse
+    import json
+
+    path, model, _ = digits_cache
+    _, _, xte, yte = load_digits_data()
+    x, y = xte[:100], yte[:100]
+    with torch.no_grad(), single_thread():
+        pred = model(x).argmax(1)
+    parser = argparse.ArgumentParser()
+    cli_eval.add_arguments(parser)
+    base = ["--ref", "digits", "--extractor", "digits", "--digits-cache", str(path), "--splits", "2"]
+    for name, labels in (("true", y), ("shifted", (y + 1) % 10)):
+        np.savez(tmp_path / f"{name}.npz", x=x.numpy(), y=labels.numpy())
+        out_json = tmp_path / f"{name}.json"
+        assert (
+            cli_eval.run(
+                parser.parse_args([*base, "--samples", str(tmp_path / f"{name}.npz"), "--json", str(out_json)])
+            )
+            == 0
+        )
+        want = float((pred == labels).double().mean())
+        assert json.loads(out_json.read_text())["cond_acc"] == pytest.approx(want, abs=1e-12)
+        assert f"conditional accuracy: {want:.4f} (the digits classifier's class" in capsys.readouterr().out
+    assert json.loads((tmp_path / "true.json").read_text())["cond_acc"] > 0.9
+    assert json.loads((tmp_path / "shifted.json").read_text())["cond_acc"] < 0.1
+    np.savez(
+        tmp_path / "adm.npz",
+        arr_0=((x.permute(0, 2, 3, 1) + 1) * 127.5).round().numpy().astype(np.uint8),
+        arr_1=y.numpy(),
+    )
+    assert cli_eval.run(parser.parse_args([*base, "--samples", str(tmp_path / "adm.npz")])) == 0
+    assert "conditional accuracy: 0.9" in capsys.readouterr().out
+    np.savez(tmp_path / "big.npz", images=np.zeros((4, 1, 16, 16), np.float32), y=np.arange(4))
+    assert cli_eval.run(parser.parse_args([*base, "--samples", str(tmp_path / "big.npz"), "--convert"])) == 0
+    assert (
+        "conditional accuracy: n/a (the images were converted to the digits classifier's input"
+        in capsys.readouterr().out
+    )
+    np.savez(tmp_path / "plain.npz", images=x.numpy())
+    assert cli_eval.run(parser.parse_args([*base, "--samples", str(tmp_path / "plain.npz")])) == 0
+    assert "conditional accuracy" not in capsys.readouterr().out
+
+
 def test_fid_inception_structure_and_loading(tmp_path):
     net = FIDInceptionV3()
     # torchvision's Inception3 has 27,161,264 parameters; without the auxiliary head (3,326,696) and with a
@@ -202,5 +250,10 @@ def test_eval_cli_from_checkpoint(digits_cache, tmp_path, capsys):
     assert got["fd"] == pytest.approx(want.fd, rel=1e-6) and got["fd"] > 0
     assert got["inception_score"] == pytest.approx(want.inception_score, rel=1e-6) and got["inception_score"] >= 1
     assert f"FD: {want.fd:.4f}" in out
+    # the checkpoint's samples were drawn for the classes in turn, and the model learnt the digits' labels
+    labels = torch.arange(12) % 10
+    assert got["cond_acc"] == pytest.approx(
+        evaluate(images, load_reference("digits", extractor), extractor, splits=2, labels=labels).cond_acc
+    )
     with pytest.raises(SystemExit):
         parser.parse_args(["--ckpt", str(run), "--samples", "x.npz"])

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from diffcurr_fast.eval.metrics import (
+    conditional_accuracy,
     feature_statistics,
     frechet_distance,
     inception_score,
@@ -68,6 +69,21 @@ def test_frechet_bad_input():
         frechet_distance(np.zeros(3), np.eye(3), np.zeros(3), np.eye(2))
     with pytest.raises(ValueError, match="NaN"):
         frechet_distance(np.array([np.nan]), np.eye(1), np.zeros(1), np.eye(1))
+
+
+def test_conditional_accuracy_by_hand():
+    """The share of samples whose most probable class is the label they were generated for: rows 0, 1 and 4 are
+    right, row 2 is a tie that argmax gives to the lower class (0, not the requested 1), row 3 is wrong."""
+    probs = np.array([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8], [0.4, 0.4, 0.2], [0.5, 0.3, 0.2], [0.2, 0.5, 0.3]])
+    labels = np.array([0, 2, 1, 2, 1])
+    assert conditional_accuracy(probs, labels) == 3 / 5
+    assert conditional_accuracy(torch.from_numpy(probs), torch.tensor([0, 2, 0, 0, 1])) == 1.0
+    with pytest.raises(ValueError, match=r"must match, got shapes \(5, 3\) and \(4,\)"):
+        conditional_accuracy(probs, labels[:4])
+    with pytest.raises(ValueError, match="labels must be integers, got dtype float64"):
+        conditional_accuracy(probs, labels.astype(float))
+    with pytest.raises(ValueError, match="labels must be classes of the classifier, 0 to 2, got 0 to 3"):
+        conditional_accuracy(probs, np.array([0, 3, 1, 2, 1]))
 
 
 def test_statistics_roundtrip(tmp_path):

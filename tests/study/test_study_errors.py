@@ -349,3 +349,71 @@ def test_study_report_says_why_finished_runs_have_no_grid(tmp_path):
     assert "No grid for nogrid: its runs finished without drawing one, since logging.num_samples is 0" in text
     assert "No grid for lost: its finished runs wrote no samples.png (see logs/lost-seed0.log)" in text
     assert "No grid for gone: no finished run directory of theirs was here" in text
+
+
+LONG = {  # tiny runs, so that a refusal that failed would cost seconds
+    "name": "l",
+    "set": [
+        "model.hidden_size=32",
+        "model.depth=1",
+        "model.num_heads=2",
+        "engine.max_steps=4",
+        "logging.progress=false",
+    ],
+    "seeds": [0],
+    "eval_every": 4,
+    "reference": "ref",
+    "arms": [{"name": "ref"}, {"name": "fast"}],
+    "speedrun": {"official_arm": "ref"},
+    "long_reference": {"folder": "../long", "factor": 4},
+}
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"speedrun": None}, "long_reference trains the official arm of a speedrun; the spec has no speedrun"),
+        ({"long_reference": {"folder": "../l", "factor": 1}}, r"long_reference.factor must be an int >= 2 .*got 1"),
+        ({"long_reference": {"folder": "../l", "steps": 9}}, r"unknown long_reference keys \['steps'\]"),
+        ({"long_reference": {"factor": 8}}, "long_reference.folder must name a study folder, got None"),
+        ({"long_reference": {"folder": "../l", "set": "optim.lr=1"}}, "long_reference: set must be a list of"),
+        ({"long_reference": "../l"}, "long_reference must be a mapping"),
+    ],
+)
+def test_bad_long_reference_is_refused_in_one_line(change, match):
+    from diffcurr_fast.study.spec import spec_from_dict
+
+    with pytest.raises(ValueError, match=match):
+        spec_from_dict({**LONG, **change})
+
+
+def test_long_reference_folder_of_other_settings_is_refused_before_any_run(tmp_path, capsys):
+    """A study names a long reference folder that holds another reference's runs (other evaluations), or lacks some
+    of its seeds: one line that names what differs, before any run starts."""
+    from diffcurr_fast.study.long_reference import long_spec
+    from diffcurr_fast.study.runner import prepare_study
+    from diffcurr_fast.study.spec import spec_from_dict
+
+    other = spec_from_dict({**LONG, "eval": {"num_samples": 16}})
+    prepare_study(long_spec(other, tmp_path / "a"), tmp_path / "long")
+    rc, err = _main(
+        capsys, "study", _spec_file(tmp_path, {**LONG, "eval": {"num_samples": 32}}), "--out", str(tmp_path / "b")
+    )
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "long reference folder" in err and "holds another reference (eval.num_samples 16 there, 32 here)" in err
+    assert not (tmp_path / "b").exists()
+    rc, err = _main(
+        capsys,
+        "study",
+        _spec_file(tmp_path, {**LONG, "eval": {"num_samples": 16}, "seeds": [0, 1]}),
+        "--out",
+        str(tmp_path / "b"),
+    )
+    assert rc == 2 and "has seeds [0], not this study's [1]; name another long_reference.folder" in err, err
+
+
+def test_long_reference_set_with_a_typo_is_refused_before_any_run(tmp_path, capsys):
+    data = {**LONG, "long_reference": {"folder": "../long", "set": ["optim.ema_decy=0.9"]}}
+    rc, err = _main(capsys, "study", _spec_file(tmp_path, data), "--out", str(tmp_path / "b"))
+    assert rc == 2 and "long_reference.set: study 'l', arm 'ref': unknown config key 'optim.ema_decy'" in err, err
+    assert not (tmp_path / "b").exists()

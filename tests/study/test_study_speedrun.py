@@ -483,6 +483,8 @@ def test_the_presets_reproduce_the_committed_studies():
         "speedrun_levers",
         "speedrun_edge",
         "speedrun_tuned_mnist5k",
+        "speedrun_optim",
+        "speedrun_optim_mnist5k",
     ):
         path = root / name / "study.yaml"
         if path.is_file():

@@ -11,7 +11,7 @@ import yaml
 from diffcurr_fast.study.report import write_report
 from diffcurr_fast.study.runner import read_status, run_dir_of, run_study
 from diffcurr_fast.study.spec import load_spec, spec_from_dict
-from diffcurr_fast.study.tuning import grid, pick_point, trial_score
+from diffcurr_fast.study.tuning import decide, grid, pick_point, trial_score, worse_seed
 
 TINY = [
     "model.hidden_size=32",
@@ -77,6 +77,12 @@ def test_grid_trials_and_their_overrides():
         ({"tuning": {"budget": 5, "every": 2}}, r"unknown tuning keys \['every'\]"),
         ({"arms": [{"name": "a", "tune": {"optim.lr": 3}}]}, "tune must map config keys to non-empty lists"),
         ({"metric": "is"}, "the tuning protocol picks a lower-is-better metric"),
+        ({"tuning": {"budget": 5, "seed": 1, "seeds": [1, 2]}}, "give tuning.seed .* or tuning.seeds .*, not both"),
+        ({"tuning": {"budget": 5, "seeds": [3, 3]}}, r"tuning.seeds must be a non-empty list of distinct ints >= 0"),
+        (
+            {"tuning": {"budget": 5, "seeds": 10}},
+            r"tuning.seeds must be a non-empty list of distinct ints >= 0, got 10",
+        ),
     ],
 )
 def test_bad_tuning_is_refused_in_one_line(change, match):
@@ -155,3 +161,54 @@ def test_speed_up_with_tuning_included_by_hand(tmp_path):
     assert "| minsnr | 100 | 30 | x4 | x3.69 |" in text and "| fixed | 200 | 0 | x2 | x2.4 |" in text
     assert "| plain | 400 | 80 | x1 | x1 |" in text and "Not tuned (no grid; no tuning time): fixed." in text
     assert "| plain | 0 | optim.lr=1e-05 | - | 7 | 30 | yes |" in text  # final 7 < 7.5
+
+
+def test_two_seed_trials_score_a_point_by_its_worse_seed(tmp_path):
+    """A hand-made trial table on seeds 10 and 11 (window 1): 1e-3 ends at 5 and 9 (worse: 9), 2e-3 at 6 and 7
+    (worse: 7), 4e-3 at 4 on seed 10 but diverges on seed 11 (NaN: infinite). Seed 10 alone would pick 4e-3; the
+    worse seed picks 2e-3. The wall time of a point is its seeds', summed; the report shows each seed's value and
+    prices the tuning as 3 points x 2 seeds x 8 steps."""
+    from diffcurr_fast._files import write_json
+    from diffcurr_fast.study.report import tuning_section
+    from diffcurr_fast.study.runner import status_path
+
+    spec = spec_from_dict(
+        _spec(
+            tuning={"budget": 8, "pick": "final", "seeds": [10, 11]},
+            arms=[{"name": "plain", "tune": {"optim.lr": [1.0e-3, 2.0e-3, 4.0e-3]}}],
+            speedrun={"official_arm": "plain", "smooth": 1},
+        )
+    )
+    assert spec.trials() == [(f"plain~t{i}", s) for i in range(3) for s in (10, 11)]
+    finals = {0: (5.0, 9.0), 1: (6.0, 7.0), 2: (4.0, float("nan"))}
+    for i, pair in finals.items():
+        for seed, fd, wall in zip((10, 11), pair, (10.0, 20.0)):
+            write_json(
+                {"wall_s": wall + i, "evals": [{"step": 4, "fd": 50.0}, {"step": 8, "fd": fd}]},
+                status_path(tmp_path, f"plain~t{i}", seed),
+            )
+    done = decide(spec, tmp_path, read_status)["plain"]
+    assert done["pick"] == ["optim.lr=0.002"]
+    assert [t["final"] for t in done["trials"]] == [9.0, 7.0, math.inf]
+    assert [[x["final"] for x in t["per_seed"]] for t in done["trials"]] == [[5.0, 9.0], [6.0, 7.0], [4.0, math.inf]]
+    assert [t["wall_s"] for t in done["trials"]] == [30.0, 32.0, 34.0] and done["tuning_wall_s"] == 96.0
+    saved = json.loads((tmp_path / "tuning.json").read_text())["plain"]
+    assert saved["trials"][2]["final"] is None and saved["trials"][2]["per_seed"][1]["final"] is None
+    write_json({"arms": {"plain": 0.5}, "steps_each": 60, "threads": 1}, tmp_path / "step_time.json")
+    write_json({"reference": "plain", "arms": {"plain": {"axes": {"wall_s": [40.0] * 3}}}}, tmp_path / "speedrun.json")
+    text = "\n".join(tuning_section(spec, tmp_path))
+    assert "seeds 10, 11, each point scored by its worse seed" in text
+    assert "| plain | 1 | optim.lr=0.002 | - | 7 (6, 7) | 32 | yes |" in text
+    assert "| plain | 2 | optim.lr=0.004 | - | n/a (4, n/a) | 34 |  |" in text
+    assert "| plain | 40 | 24 | x1 | x1 |" in text  # 3 points x 2 seeds x 8 steps x 0.5 s
+
+
+def test_worse_seed_by_hand():
+    """More steps to the pick's value is worse, then a higher final; one seed is its own score."""
+    assert worse_seed([(400.0, 9.0), (math.inf, 3.0)]) == (math.inf, 3.0)
+    assert worse_seed([(400.0, 9.0), (400.0, 3.0)]) == (400.0, 9.0)
+    assert worse_seed([(0.0, 5.5)]) == (0.0, 5.5)
+    a = [{"step": 4, "fd": 10.0}, {"step": 8, "fd": 6.0}]
+    b = [{"step": 4, "fd": 6.5}, {"step": 8, "fd": 8.0}]
+    # pick 7 (window 1): seed a reaches it at step 8, seed b at step 4; the point's score is a's (8 steps)
+    assert worse_seed([trial_score(x, "fd", 1, 7.0) for x in (a, b)]) == (8.0, 6.0)
