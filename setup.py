@@ -7,7 +7,7 @@ The extension is compiled against the torch that is already installed (use ``--n
 - ``DIFFCURR_SKIP_EXT=1`` skips the extension (the ops then fall back to Triton / the reference, with a warning);
 - ``DIFFCURR_REQUIRE_CUDA=1`` makes a build without the CUDA kernels an error (no CUDA torch, no nvcc) instead of
   a quiet CPU-only extension (the GPU check sets it).
-The recipes in ``recipes/`` (YAML and their DeepSpeed JSON) are installed as ``diffcurr_fast.recipes``
+The recipes (YAML and their DeepSpeed JSON) are the package data of ``diffcurr_fast.recipes``
 (``diffcurr-fast recipes`` lists them).
 """
 
@@ -72,8 +72,7 @@ setup(
     long_description=open(os.path.join(ROOT, "README.md"), encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["diffcurr_fast", "diffcurr_fast.*"]) + ["diffcurr_fast.recipes"],
-    package_dir={"diffcurr_fast.recipes": "recipes"},
+    packages=find_packages(include=["diffcurr_fast", "diffcurr_fast.*"]),
     package_data={"diffcurr_fast.recipes": ["*.yaml", "ds/*.json"]},
     # torch is required but not pinned: a user's own (CUDA) torch is kept. The Makefile installs a CPU build
     # when no torch is present.

@@ -2,14 +2,13 @@
 writing the resolved configuration back as YAML.
 
 ``load_config(path, overrides)`` builds a ``TrainConfig`` (``runs.config``) from a recipe, or from the demo recipe
-(``recipes/demo.yaml``) when ``path`` is None; ``config_to_yaml`` writes the resolved configuration (the run
-directory keeps it as ``config.yaml``); ``describe_config`` lists every key for ``--help-config``.
+(``diffcurr_fast/recipes/demo.yaml``) when ``path`` is None; ``config_to_yaml`` writes the resolved configuration
+(the run directory keeps it as ``config.yaml``); ``describe_config`` lists every key for ``--help-config``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 from pathlib import Path
 from typing import Any
@@ -71,11 +70,9 @@ RECIPE_PATH_KEYS = (("data", "path"), ("engine", "deepspeed_config"), ("model", 
 
 
 def recipes_dir() -> Path:
-    """The folder of the shipped recipes (package data ``diffcurr_fast.recipes``; a source checkout's recipes/)."""
-    spec = importlib.util.find_spec("diffcurr_fast.recipes")
-    if spec is not None and spec.submodule_search_locations:
-        return Path(list(spec.submodule_search_locations)[0])
-    return Path(__file__).resolve().parents[2] / "recipes"
+    """The folder of the shipped recipes: the package ``diffcurr_fast.recipes`` (its YAML and DeepSpeed JSON are
+    package data)."""
+    return Path(__file__).resolve().parents[1] / "recipes"
 
 
 def list_recipes() -> list[Path]:

@@ -5,7 +5,7 @@ posthoc DIR``, ``diffcurr-fast study status DIR`` and ``diffcurr-fast study canc
 
 Runs every (arm, seed) of a study as an ordinary run directory under ``--out`` (a rerun keeps the finished runs
 and resumes the others), then writes results.csv, report.md and the plots. ``--recipe`` replaces a preset's base
-recipe (e.g. ``recipes/dit_b2_curriculum.yaml`` for the paper's setting on a GPU cluster; the preset's digits
+recipe (e.g. the shipped ``dit_b2_curriculum`` for the paper's setting on a GPU cluster; the preset's digits
 sizes are then dropped, see ``diffcurr_fast.study.presets``). ``--print-spec`` writes the resolved spec and exits.
 
 A speedrun (``--preset speedrun``) first times every arm's training step side by side (its time axis: steps x that

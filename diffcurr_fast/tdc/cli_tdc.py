@@ -30,7 +30,7 @@ from diffcurr_fast.runs.recipes import (
     run_dir_overrides,
 )
 
-# The default run, as changes to the training demo (recipes/demo.yaml), whose model and data it keeps: 800 steps of
+# The default run, as changes to the training demo (recipe demo.yaml), whose model and data it keeps: 800 steps of
 # stage 1 without the curriculum (the TDC paper's stage 1; --curriculum turns it on), then three experts (N = 3,
 # k = 0.5) with 2 x 3 candidate searches and 200 fine-tuning steps each. A faster EMA (0.995) suits runs this short.
 TDC_DEMO: dict[str, dict[str, Any]] = {

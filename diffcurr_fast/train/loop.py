@@ -172,7 +172,7 @@ class Trainer:
         probe = self.timesteps.probe(self.step)  # (cells, n, seed) whose loss decrease the sampler measures, or None
         before = None if probe is None else self._probe_loss(x0, y, *probe)
         seed, acc, pers = draw_seed(self.gen), o.grad_accum_steps, []
-        route = self.objective.route
+        route = getattr(self.objective, "route", None)  # a stand-in objective of a test has none
         routed = route is None or route.routed(self.step)  # token routing's full-token phase (routing_until)
         self.engine.zero_grad(self.opt)
         chunks = zip(x0.chunk(acc), y.chunk(acc), k.chunk(acc), (k if lw is None else lw).chunk(acc))

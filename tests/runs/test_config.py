@@ -21,7 +21,9 @@ from diffcurr_fast.train import cli_train
 ROOT = Path(__file__).resolve().parents[2]
 # the papers' recipes (DiT, EDM, fast_dit_b2); fast_mnist5k is an arm of a committed study and is checked against it
 # below, the demo has its own tests
-RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if p.stem not in ("fast_mnist5k", "demo"))
+RECIPES = sorted(
+    p for p in (ROOT / "diffcurr_fast" / "recipes").glob("*.yaml") if p.stem not in ("fast_mnist5k", "demo")
+)
 
 
 def test_defaults_and_demo_validate():
@@ -29,7 +31,7 @@ def test_defaults_and_demo_validate():
     assert cfg.optim.lr == 1e-4 and cfg.optim.ema_decay == 0.9999 and cfg.curriculum.num_clusters == 20
     demo = load_config(None)
     assert demo.data.dataset == "digits" and demo.model.input_size == 8 and demo.curriculum.method == "snr"
-    # the time-to-quality study's pick (recipes/fast_mnist5k.yaml): uniform t with MinSNR-5, no curriculum
+    # the time-to-quality study's pick (diffcurr_fast/recipes/fast_mnist5k.yaml): uniform t with MinSNR-5, no curriculum
     assert demo.curriculum.pacing == "none" and demo.diffusion.weighting == "min_snr"
     assert demo.timesteps.sampler == "uniform"
     assert load_config("demo").to_dict() == demo.to_dict()  # the shipped recipe, by name
@@ -81,7 +83,7 @@ DEMO_WAS = {
 
 
 def test_the_demo_recipe_is_the_former_embedded_demo():
-    """recipes/demo.yaml resolves to what the embedded dict did: its settings over the defaults, exactly (floats
+    """The demo recipe resolves to what the embedded dict did: its settings over the defaults, exactly (floats
     typed as floats), with the label ``demo`` in config.yaml; its header is what ``recipes`` prints."""
     from diffcurr_fast.train import cli_recipes
 
@@ -93,7 +95,7 @@ def test_the_demo_recipe_is_the_former_embedded_demo():
     assert got == want
     assert all(type(got["optim"][k]) is float for k in ("lr", "min_lr"))
     assert "  lr: 0.001  # demo\n" in config_to_yaml(load_config(None))
-    summary = cli_recipes._summary(ROOT / "recipes" / "demo.yaml")
+    summary = cli_recipes._summary(ROOT / "diffcurr_fast" / "recipes" / "demo.yaml")
     assert summary.startswith("The default run (`diffcurr-fast train` without a recipe") and len(summary) < 250
 
 
@@ -114,13 +116,13 @@ def test_recipes_load(recipe):
 
 
 def test_fast_mnist5k_is_the_minsnr_arm_of_the_mnist5k_study(capsys, tmp_path):
-    """recipes/fast_mnist5k.yaml is the arm the committed speedrun_mnist5k study measured, setting for setting,
+    """The recipe fast_mnist5k is the arm the committed speedrun_mnist5k study measured, setting for setting,
     except what does not change what is trained (threads, progress bar, run dir, the inert curriculum pacing
     settings), and it starts like any recipe."""
     from diffcurr_fast.objective import resolve_precision
     from diffcurr_fast.study.spec import arm_config, load_spec
 
-    recipe = ROOT / "recipes" / "fast_mnist5k.yaml"
+    recipe = ROOT / "diffcurr_fast" / "recipes" / "fast_mnist5k.yaml"
     spec = load_spec(ROOT / "docs" / "results" / "speedrun_mnist5k" / "study.yaml")
     arm = next(a for a in spec.arms if a.name == "minsnr")
     got, want = load_config(recipe).to_dict(), arm_config(spec, arm, 0, "runs/fast_mnist5k").to_dict()
@@ -155,7 +157,7 @@ def test_there_are_recipes():
 
 
 def test_fast_dit_b2_routes_as_tread_at_that_size():
-    cfg = load_config(ROOT / "recipes" / "fast_dit_b2.yaml")
+    cfg = load_config(ROOT / "diffcurr_fast" / "recipes" / "fast_dit_b2.yaml")
     assert (cfg.model.preset, cfg.model.routing, cfg.model.routing_keep) == ("DiT-B/2", "tread", 0.5)
     assert RoutingOptions.of(cfg.model).span(cfg.model.depth) == (2, 10) and cfg.model.depth == 12
     assert (cfg.diffusion.weighting, cfg.diffusion.min_snr_gamma, cfg.optim.lr) == ("min_snr", 5.0, 1e-4)
@@ -349,7 +351,7 @@ def test_preset_fills_dimensions_and_a_contradiction_is_an_error(tmp_path):
         ],
     ).model
     assert (dims.patch_size, dims.hidden_size, dims.depth) == (2, 384, 12)
-    zero2 = load_config("recipes/dit_l2_zero2.yaml").model
+    zero2 = load_config("dit_l2_zero2").model
     assert (zero2.hidden_size, zero2.depth, zero2.num_heads) == (1024, 24, 16)  # DiT-L/2 (was 128, 6)
 
 

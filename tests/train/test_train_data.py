@@ -11,7 +11,7 @@ from diffcurr_fast.data.loader import ArrayDataset, EpochBatchSampler, Resumable
 from diffcurr_fast.runs.recipes import load_config
 from diffcurr_fast.train.loop import train
 
-RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+RECIPES = Path(__file__).resolve().parents[2] / "diffcurr_fast" / "recipes"
 
 
 def test_digits():

@@ -391,7 +391,7 @@ def test_sample_vae_without_diffusers(tmp_path):
 
 
 # ---- recipes ---------------------------------------------------------------------------------------------
-RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+RECIPES = Path(__file__).resolve().parents[2] / "diffcurr_fast" / "recipes"
 SMALL = [
     "model.preset=custom",
     "model.hidden_size=32",

@@ -91,11 +91,11 @@ SCRIPT = textwrap.dedent(
 
 
 def _launch(tmp_path: Path, names: list[str]) -> tuple[dict, dict]:
-    """Run SCRIPT on 2 ranks for the DeepSpeed configs ``names`` (recipes/ds/<name>.json); per-rank results."""
+    """Run SCRIPT on 2 ranks for the DeepSpeed configs ``names`` (the recipes' ds/<name>.json); per-rank results."""
     recipes = tmp_path / "ds"
     recipes.mkdir()
     for name in names:
-        conf = json.loads((ROOT / "recipes" / "ds" / f"{name}.json").read_text())
+        conf = json.loads((ROOT / "diffcurr_fast" / "recipes" / "ds" / f"{name}.json").read_text())
         if conf["zero_optimization"]["stage"] == 3:  # no parameter persistence: even this tiny model is partitioned
             conf["zero_optimization"]["stage3_param_persistence_threshold"] = 0
         (recipes / f"{name}.json").write_text(json.dumps(conf))
@@ -177,7 +177,7 @@ def _cfg(*extra: str):
 
 
 def test_resolve_fills_auto_from_trainer():
-    ds = json.loads((ROOT / "recipes" / "ds" / "zero2.json").read_text())
+    ds = json.loads((ROOT / "diffcurr_fast" / "recipes" / "ds" / "zero2.json").read_text())
     out = resolve_deepspeed_config(ds, _cfg("engine.precision=bf16"), world_size=3, device_type="cpu")
     assert out["train_batch_size"] == 12 and out["gradient_accumulation_steps"] == 2
     assert out["train_micro_batch_size_per_gpu"] == 2 and out["gradient_clipping"] == 1.5
@@ -200,7 +200,7 @@ def test_resolve_fills_auto_from_trainer():
     ],
 )
 def test_resolve_rejects_conflicts(patch, match):
-    ds = {**json.loads((ROOT / "recipes" / "ds" / "zero1.json").read_text()), **patch}
+    ds = {**json.loads((ROOT / "diffcurr_fast" / "recipes" / "ds" / "zero1.json").read_text()), **patch}
     with pytest.raises(ValueError, match=match):
         resolve_deepspeed_config(ds, _cfg(), world_size=2, device_type="cpu")
 
@@ -213,19 +213,20 @@ def test_resolve_rejects_indivisible_batch():
 def test_config_requires_deepspeed_json():
     with pytest.raises(ValueError, match="engine.deepspeed_config is required"):
         load_config(None, ["engine.kind=deepspeed"])
-    cfg = load_config(None, ["engine.kind=deepspeed", "engine.deepspeed_config=recipes/ds/zero2.json"])
+    cfg = load_config(None, ["engine.kind=deepspeed", "engine.deepspeed_config=diffcurr_fast/recipes/ds/zero2.json"])
     assert cfg.engine.kind == "deepspeed"
 
 
 def test_recipes_resolve():
     for name, stage in (("zero1", 1), ("zero2", 2), ("zero3", 3), ("zero2_offload", 2)):
-        ds = json.loads((ROOT / "recipes" / "ds" / f"{name}.json").read_text())
+        ds = json.loads((ROOT / "diffcurr_fast" / "recipes" / "ds" / f"{name}.json").read_text())
         out = resolve_deepspeed_config(ds, _cfg(), world_size=2, device_type="cuda")
         assert out["zero_optimization"]["stage"] == stage
-    cfg = load_config(ROOT / "recipes" / "dit_l2_zero2.yaml")
+    cfg = load_config(ROOT / "diffcurr_fast" / "recipes" / "dit_l2_zero2.yaml")
     # the recipe's relative path is relative to the recipe's folder, wherever the command runs
     assert (
-        cfg.engine.kind == "deepspeed" and Path(cfg.engine.deepspeed_config) == ROOT / "recipes" / "ds" / "zero2.json"
+        cfg.engine.kind == "deepspeed"
+        and Path(cfg.engine.deepspeed_config) == ROOT / "diffcurr_fast" / "recipes" / "ds" / "zero2.json"
     )
     out = resolve_deepspeed_config(json.loads(Path(cfg.engine.deepspeed_config).read_text()), cfg, 8, "cuda")
     assert out["train_micro_batch_size_per_gpu"] * 8 * out["gradient_accumulation_steps"] == cfg.data.batch_size
@@ -236,9 +237,9 @@ def test_train_cli_accepts_launcher_local_rank():
     in the top-level parser; the rank itself is read from LOCAL_RANK)."""
     from diffcurr_fast.cli import build_parser
 
-    argv = ["--local_rank=3", "train", "recipes/dit_l2_zero2.yaml"]
+    argv = ["--local_rank=3", "train", "diffcurr_fast/recipes/dit_l2_zero2.yaml"]
     args = build_parser(argv).parse_args(argv)
-    assert args.local_rank == 3 and args.recipe == "recipes/dit_l2_zero2.yaml"
+    assert args.local_rank == 3 and args.recipe == "diffcurr_fast/recipes/dit_l2_zero2.yaml"
     argv = ["--local-rank", "1", "train"]
     assert build_parser(argv).parse_args(argv).local_rank == 1
 
