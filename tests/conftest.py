@@ -108,6 +108,33 @@ def assert_near_reference(actual: torch.Tensor, ref: torch.Tensor, rel: float, w
     )
 
 
+def assert_same_state(a, b, where: str = "state", skip: tuple = ()) -> None:
+    """``a`` and ``b`` (a checkpoint, or any nesting of dicts, lists, tensors and scalars) hold the same values field
+    by field: the same keys, tensors of one dtype and shape equal bit for bit (NaN where NaN), scalars equal. The
+    keys named in ``skip`` (at any depth) are not compared. A new field of a checkpoint is compared without a
+    change here: a resume test that uses this checks every piece of state, not a list of them."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict), f"{where}: a dict against {type(b).__name__}"
+        assert a.keys() == b.keys(), f"{where}: keys {sorted(map(str, a.keys() ^ b.keys()))} in one only"
+        for key in a:
+            if key not in skip:
+                assert_same_state(a[key], b[key], f"{where}[{key!r}]", skip)
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{where}: {a!r} against {b!r}"
+        for i, (u, v) in enumerate(zip(a, b)):
+            assert_same_state(u, v, f"{where}[{i}]", skip)
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), f"{where}: a tensor against {type(b).__name__}"
+        kind = (a.dtype, tuple(a.shape))
+        assert kind == (b.dtype, tuple(b.shape)), f"{where}: {kind} against {(b.dtype, tuple(b.shape))}"
+        same = torch.equal(a, b) or (a.is_floating_point() and bool(((a == b) | (a.isnan() & b.isnan())).all()))
+        assert same, f"{where}: tensors differ"
+    elif isinstance(a, float) and a != a:
+        assert isinstance(b, float) and b != b, f"{where}: NaN against {b!r}"
+    else:
+        assert type(a) is type(b) and a == b, f"{where}: {a!r} against {b!r}"
+
+
 @pytest.fixture
 def one_thread():
     """One intra-op thread for the test (thousands of small ops: more threads only contend on a 2-core runner)."""

@@ -84,6 +84,22 @@ def test_the_teacher_is_never_noisier_and_at_most_the_gap_below(formulation, pre
     assert torch.equal(again.t, d.t)
 
 
+def test_the_gaps_are_drawn_from_the_steps_noise_seed():
+    """Each step, rank and micro-batch has its own noise seed, so each draws its own gaps; a seed repeats its gaps
+    whatever the global random state."""
+    term = SRA(32, 0, 2, gap=0.2)
+
+    def gaps(seed):
+        inputs = _inputs("ddpm", "eps", 301, seed=seed)  # the same cells and data, the noise of ``seed``
+        return (inputs.terms.t - term.teacher_terms(inputs).t).tolist()
+
+    seeds = (1234, 1235, 2**61 + 7)  # two neighbours (micro-batches i and i + 1) and a far one
+    drawn = [gaps(s) for s in seeds]
+    assert len({tuple(g) for g in drawn}) == 3
+    torch.manual_seed(99)
+    assert [gaps(s) for s in seeds] == drawn
+
+
 @pytest.mark.parametrize("loss", ["cosine", "smooth_l1"])
 @pytest.mark.parametrize("b", [3, 5])
 def test_the_loss_is_the_per_token_distance_to_the_teachers_later_block_by_hand(b, loss):
