@@ -135,6 +135,14 @@ def assert_same_state(a, b, where: str = "state", skip: tuple = ()) -> None:
         assert type(a) is type(b) and a == b, f"{where}: {a!r} against {b!r}"
 
 
+def assert_resumed_state(whole, resumed) -> None:
+    """A resumed run holds the uninterrupted run's state field by field (``assert_same_state`` of their
+    ``Trainer.state_dict()``, everything a checkpoint keeps, or of two checkpoints), but for the two things a resume
+    changes: the training clock (``train_s``, tested on its own) and the run directory in the config."""
+    a, b = (t if isinstance(t, dict) else t.state_dict() for t in (whole, resumed))
+    assert_same_state(a, b, skip=("train_s", "run_dir"))
+
+
 @pytest.fixture
 def one_thread():
     """One intra-op thread for the test (thousands of small ops: more threads only contend on a 2-core runner)."""

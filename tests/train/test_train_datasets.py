@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TORCHRUN2
+from conftest import TORCHRUN2, assert_resumed_state
 from PIL import Image
 from torch import nn
 
@@ -160,10 +160,7 @@ def test_latents_resume_exact(tmp_path, latents, layout):
     pos = resumed.loader.state_dict()
     assert resumed.step == 2 and (pos["epoch"], pos["start"]) == (0, 8)  # the end of epoch 0
     resumed.fit()
-    for (k, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
-        assert torch.equal(a, b), k
-    for a, b in zip(full.ema.module.parameters(), resumed.ema.module.parameters()):
-        assert torch.equal(a, b)
+    assert_resumed_state(full, resumed)
     # an npz run's data position cannot be resumed as latents, nor the other way round
     npz = tmp_path / "arrays"
     npz.mkdir()
