@@ -2,6 +2,7 @@ import json
 import os
 import subprocess
 import sys
+import weakref
 
 # The Triton kernels run on CPU tensors through the interpreter; the variable must be set before anything
 # imports them. On a CUDA machine the real compiler is used.
@@ -16,6 +17,8 @@ if not _cuda:
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_flatten  # noqa: E402
 
 # ``torchrun --standalone --nproc_per_node 2``: two ranks on CPU (gloo), for the multi-process tests
 TORCHRUN2 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -106,6 +109,66 @@ def assert_near_reference(actual: torch.Tensor, ref: torch.Tensor, rel: float, w
     assert err <= rel and worst <= 10 * rel, (
         f"{what}: relative error {err:.2e}, worst element {worst:.2e} of the largest (limit {rel})"
     )
+
+
+aten = torch.ops.aten  # SyncCounter's ops
+_COPIES = {aten._to_copy.default, aten.copy_.default, aten.to.dtype_layout, aten.to.device}
+
+
+class SyncCounter(TorchDispatchMode):
+    """Records host reads of step-computed values (``syncs``: op name and shape) while active: every
+    ``aten._local_scalar_dense`` (``.item()``, ``bool()``, ``int()``, ``float()`` of a tensor), ``.tolist()``,
+    ``.numpy()`` and copy from a device to the CPU, except of values drawn from a CPU generator (or made from such
+    alone). On a CUDA device each is a sync; on the CPU the counter shows the reads a GPU would stall on."""
+
+    def __init__(self):
+        super().__init__()
+        self.syncs: list[tuple[str, tuple[int, ...]]] = []
+        self._host: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> tensor from a CPU generator
+
+    def __enter__(self):
+        # .tolist() and .numpy() read a tensor without dispatching (on CUDA they copy to the CPU first, seen below)
+        self._saved = (torch.Tensor.tolist, torch.Tensor.numpy)
+        for name, fn in zip(("tolist", "numpy"), self._saved):
+            setattr(torch.Tensor, name, self._reader(name, fn))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist, torch.Tensor.numpy = self._saved
+        return super().__exit__(*exc)
+
+    def _reader(self, name, fn):
+        def read(t, *args, **kwargs):
+            if not self._is_host(t):
+                self.syncs.append((name, tuple(t.shape)))
+            return fn(t, *args, **kwargs)
+
+        return read
+
+    def _is_host(self, t: torch.Tensor) -> bool:
+        return self._host.get(id(t)) is t
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat, _ = tree_flatten((args, kwargs))
+        tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+        out = func(*args, **kwargs)
+        if func is aten._local_scalar_dense.default:
+            if not self._is_host(args[0]):
+                self.syncs.append((str(func), tuple(args[0].shape)))
+        elif func in _COPIES:
+            src = args[0]
+            dst = out if func is not aten.copy_.default else args[0]
+            if func is aten.copy_.default:
+                src = args[1]
+            if src.device.type != "cpu" and dst.device.type == "cpu":
+                self.syncs.append((str(func), tuple(src.shape)))
+        host_gen = any(isinstance(a, torch.Generator) and a.device.type == "cpu" for a in flat)
+        if host_gen or (tensors and all(self._is_host(t) for t in tensors)):  # drawn on the host, or made from such
+            for o in tree_flatten(out)[0]:
+                if isinstance(o, torch.Tensor):
+                    self._host[id(o)] = o
+        return out
 
 
 def assert_same_state(a, b, where: str = "state", skip: tuple = ()) -> None:
