@@ -3,6 +3,7 @@ import os
 import signal
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 # The Triton kernels run on CPU tensors through the interpreter; the variable must be set before anything
@@ -18,6 +19,8 @@ if not _cuda:
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_flatten  # noqa: E402
 
 # ``torchrun --standalone --nproc_per_node 2``: two ranks on CPU (gloo), for the multi-process tests
 TORCHRUN2 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -108,6 +111,101 @@ def assert_near_reference(actual: torch.Tensor, ref: torch.Tensor, rel: float, w
     assert err <= rel and worst <= 10 * rel, (
         f"{what}: relative error {err:.2e}, worst element {worst:.2e} of the largest (limit {rel})"
     )
+
+
+aten = torch.ops.aten  # SyncCounter's ops
+_COPIES = {aten._to_copy.default, aten.copy_.default, aten.to.dtype_layout, aten.to.device}
+
+
+class SyncCounter(TorchDispatchMode):
+    """Records host reads of step-computed values (``syncs``: op name and shape) while active: every
+    ``aten._local_scalar_dense`` (``.item()``, ``bool()``, ``int()``, ``float()`` of a tensor), ``.tolist()``,
+    ``.numpy()`` and copy from a device to the CPU, except of values drawn from a CPU generator (or made from such
+    alone). On a CUDA device each is a sync; on the CPU the counter shows the reads a GPU would stall on."""
+
+    def __init__(self):
+        super().__init__()
+        self.syncs: list[tuple[str, tuple[int, ...]]] = []
+        self._host: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> tensor from a CPU generator
+
+    def __enter__(self):
+        # .tolist() and .numpy() read a tensor without dispatching (on CUDA they copy to the CPU first, seen below)
+        self._saved = (torch.Tensor.tolist, torch.Tensor.numpy)
+        for name, fn in zip(("tolist", "numpy"), self._saved):
+            setattr(torch.Tensor, name, self._reader(name, fn))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist, torch.Tensor.numpy = self._saved
+        return super().__exit__(*exc)
+
+    def _reader(self, name, fn):
+        def read(t, *args, **kwargs):
+            if not self._is_host(t):
+                self.syncs.append((name, tuple(t.shape)))
+            return fn(t, *args, **kwargs)
+
+        return read
+
+    def _is_host(self, t: torch.Tensor) -> bool:
+        return self._host.get(id(t)) is t
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat, _ = tree_flatten((args, kwargs))
+        tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+        out = func(*args, **kwargs)
+        if func is aten._local_scalar_dense.default:
+            if not self._is_host(args[0]):
+                self.syncs.append((str(func), tuple(args[0].shape)))
+        elif func in _COPIES:
+            src = args[0]
+            dst = out if func is not aten.copy_.default else args[0]
+            if func is aten.copy_.default:
+                src = args[1]
+            if src.device.type != "cpu" and dst.device.type == "cpu":
+                self.syncs.append((str(func), tuple(src.shape)))
+        host_gen = any(isinstance(a, torch.Generator) and a.device.type == "cpu" for a in flat)
+        if host_gen or (tensors and all(self._is_host(t) for t in tensors)):  # drawn on the host, or made from such
+            for o in tree_flatten(out)[0]:
+                if isinstance(o, torch.Tensor):
+                    self._host[id(o)] = o
+        return out
+
+
+def assert_same_state(a, b, where: str = "state", skip: tuple = ()) -> None:
+    """``a`` and ``b`` (a checkpoint, or any nesting of dicts, lists, tensors and scalars) hold the same values field
+    by field: the same keys, tensors of one dtype and shape equal bit for bit (NaN where NaN), scalars equal. The
+    keys named in ``skip`` (at any depth) are not compared. A new field of a checkpoint is compared without a
+    change here: a resume test that uses this checks every piece of state, not a list of them."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict), f"{where}: a dict against {type(b).__name__}"
+        assert a.keys() == b.keys(), f"{where}: keys {sorted(map(str, a.keys() ^ b.keys()))} in one only"
+        for key in a:
+            if key not in skip:
+                assert_same_state(a[key], b[key], f"{where}[{key!r}]", skip)
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{where}: {a!r} against {b!r}"
+        for i, (u, v) in enumerate(zip(a, b)):
+            assert_same_state(u, v, f"{where}[{i}]", skip)
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), f"{where}: a tensor against {type(b).__name__}"
+        kind = (a.dtype, tuple(a.shape))
+        assert kind == (b.dtype, tuple(b.shape)), f"{where}: {kind} against {(b.dtype, tuple(b.shape))}"
+        same = torch.equal(a, b) or (a.is_floating_point() and bool(((a == b) | (a.isnan() & b.isnan())).all()))
+        assert same, f"{where}: tensors differ"
+    elif isinstance(a, float) and a != a:
+        assert isinstance(b, float) and b != b, f"{where}: NaN against {b!r}"
+    else:
+        assert type(a) is type(b) and a == b, f"{where}: {a!r} against {b!r}"
+
+
+def assert_resumed_state(whole, resumed) -> None:
+    """A resumed run holds the uninterrupted run's state field by field (``assert_same_state`` of their
+    ``Trainer.state_dict()``, everything a checkpoint keeps, or of two checkpoints), but for the two things a resume
+    changes: the training clock (``train_s``, tested on its own) and the run directory in the config."""
+    a, b = (t if isinstance(t, dict) else t.state_dict() for t in (whole, resumed))
+    assert_same_state(a, b, skip=("train_s", "run_dir"))
 
 
 @pytest.fixture

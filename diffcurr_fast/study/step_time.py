@@ -28,13 +28,37 @@ STEP_TIME_FILE = "step_time.json"
 OFFICIAL_CODE = "official code"  # step_time.json's name for the facebookresearch/DiT step
 
 
-def _time_steps(step: Any, reps: int) -> list[float]:
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        step()
-        out.append(time.perf_counter() - t0)
-    return out
+def time_side_by_side(steps: dict[str, Any], batches: list[Any], *, rounds: int, reps: int, warmup: int) -> dict:
+    """{name: seconds of each timed call} of every step ``steps[name](x, y)``, measured side by side: ``rounds``
+    rounds in which each step in turn makes ``warmup`` untimed calls, then ``reps`` timed ones; call i of the whole
+    sequence trains on ``batches[i % len(batches)]``."""
+    calls = 0
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            for i in range(warmup + reps):
+                x, y = batches[calls % len(batches)]
+                calls += 1
+                t0 = time.perf_counter()
+                step(x, y)
+                if i >= warmup:
+                    times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def step_time_summary(times: dict[str, list[float]], official_arm: str) -> dict[str, Any]:
+    """``step_time.json``'s times from ``time_side_by_side``'s: each arm's median step (``arms``; the official
+    DiT step, ``OFFICIAL_CODE``, as ``official_s``), its 20th and 80th percentiles (numpy's linear interpolation)
+    and ``official_arm``'s median as ``ours_s``."""
+    med = {n: float(np.median(t)) for n, t in times.items()}
+    res: dict[str, Any] = {
+        "arms": {n: v for n, v in med.items() if n != OFFICIAL_CODE},
+        "arms_p20_p80": {n: [float(np.percentile(t, q)) for q in (20, 80)] for n, t in times.items()},
+        "ours_s": med[official_arm],
+    }
+    if OFFICIAL_CODE in med:
+        res["official_s"] = med[OFFICIAL_CODE]
+    return res
 
 
 def measure_step_times(
@@ -49,8 +73,8 @@ def measure_step_times(
     """Median step time of our trainer at every arm's config ``cfgs`` (arm name -> config) and, with ``peer_dit``,
     of the official DiT step (that checkout) at ``cfgs[official_arm]``'s model, batch and threads, on the training
     data, measured side by side in one process in alternating blocks of ``reps`` steps (after ``warmup`` steps per
-    block). Measured together, the arms' times compare whatever the load and the machine were when each run
-    trained."""
+    block; ``time_side_by_side``, ``step_time_summary``). Measured together, the arms' times compare whatever the
+    load and the machine were when each run trained."""
     ref = cfgs[official_arm]
     if ref.engine.cpu_threads:
         torch.set_num_threads(ref.engine.cpu_threads)
@@ -75,33 +99,11 @@ def measure_step_times(
                 dims=official_dims(m) if m.preset == "custom" else None,
                 ema_decay=ref.optim.ema_decay,
             )
-        state = {"i": 0}
-
-        def block(fn: Any, n: int) -> list[float]:
-            def one() -> None:
-                x, y = batches[state["i"] % 4]
-                state["i"] += 1
-                fn(x, y)
-
-            return _time_steps(one, n)
-
-        times: dict[str, list[float]] = {name: [] for name in steps}
-        for _ in range(rounds):
-            for name, fn in steps.items():
-                block(fn, warmup)
-                times[name] += block(fn, reps)
-    med = {n: float(np.median(t)) for n, t in times.items()}
-    res: dict[str, Any] = {
-        "arms": {n: v for n, v in med.items() if n != OFFICIAL_CODE},
-        "arms_p20_p80": {n: [float(np.percentile(t, q)) for q in (20, 80)] for n, t in times.items()},
-        "ours_s": med[official_arm],
-        "steps_each": rounds * reps,
-        "batch": ref.data.batch_size,
-        "threads": torch.get_num_threads(),
-    }
+        times = time_side_by_side(steps, batches, rounds=rounds, reps=reps, warmup=warmup)
+    res = step_time_summary(times, official_arm)
+    res |= {"steps_each": rounds * reps, "batch": ref.data.batch_size, "threads": torch.get_num_threads()}
     if peer_dit is not None:
         res |= {
-            "official_s": med[OFFICIAL_CODE],
             "checkout": Path(peer_dit).resolve().name,
             "commit": _git_commit(peer_dit),
             "timm_stubbed": bool(info["timm_stubbed"]),

@@ -235,8 +235,9 @@ class Trainer:
         # at its first evaluation with hours of training and no checkpoint behind it
         evaluator = Evaluator(cfg, self.run_dir, self.dataset, self.device) if main and cfg.logging.eval_every else None
         self.model.train()
-        with StopRequest() as stop, LogWindow(cfg, self.run_dir, self.device, main, self.step, resumed) as log:
-            self._clock = time.perf_counter()
+        carried = self.checkpointer.window_state
+        with StopRequest() as stop, LogWindow(cfg, self.run_dir, self.device, main, self.step, resumed, carried) as log:
+            self._clock, self.checkpointer.window = time.perf_counter(), log
             try:
                 while self.step < cfg.engine.max_steps:
                     x0, y = (t.to(self.device, non_blocking=True) for t in next(self.loader))
@@ -259,6 +260,7 @@ class Trainer:
                 self.save()
             finally:
                 self.train_s, self._clock = self.train_time(), None
+                self.checkpointer.window = None
         summary = self._summary(log.last_loss)
         if main:
             summary.update(self.finish())

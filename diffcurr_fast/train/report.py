@@ -98,9 +98,19 @@ class LogWindow:
     """The training log between two log steps (``logging.log_every``, and the last step): the mean loss over the
     window's applied steps and the images per second, written as one record to metrics.jsonl (``MetricsWriter``,
     rank 0) and shown on the progress bar. Losses are summed on the device: the window is read once, at its end.
-    A context manager: the bar and the writer close on exit."""
+    A context manager: the bar and the writer close on exit. ``carried``: the ``state_dict`` of the window that a
+    resumed run's checkpoint was written in, so that the window's record is the uninterrupted run's."""
 
-    def __init__(self, cfg: TrainConfig, run_dir: Path, device: torch.device, main: bool, step: int, resumed: bool):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        run_dir: Path,
+        device: torch.device,
+        main: bool,
+        step: int,
+        resumed: bool,
+        carried: dict[str, Any] | None = None,
+    ):
         lg = cfg.logging
         wandb = dict(project=lg.wandb_project, mode=lg.wandb_mode, config=cfg.to_dict()) if lg.wandb else None
         resume_step = step if resumed else None
@@ -112,6 +122,9 @@ class LogWindow:
         self.curriculum_shown = cfg.curriculum.pacing != "none"
         self.device = device
         self.loss, self.applied, self.images = torch.zeros((), device=device), 0, 0
+        if carried:  # the images and time before the checkpoint are not: the rate is of the steps since the resume
+            self.loss.fill_(carried["loss"])
+            self.applied = int(carried["applied"])
         self.t0, self.last_loss = time.perf_counter(), math.nan
 
     def __enter__(self) -> LogWindow:
@@ -129,6 +142,10 @@ class LogWindow:
             self.loss += stats["loss"]
             self.applied += stats.get("applied", 1)
         self.bar.update(1)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The window's loss sum and applied steps so far, as a checkpoint keeps them (one host read)."""
+        return {"loss": float(self.loss), "applied": int(self.applied)}
 
     def due(self, step: int) -> bool:
         return step % self.log_every == 0 or step == self.max_steps

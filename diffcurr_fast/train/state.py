@@ -4,7 +4,8 @@ A checkpoint holds everything a resumed run needs to repeat the uninterrupted on
 (``resume_mismatches`` refuses a resume that changes the model, the objective or the timestep draws), the model
 (``model_config`` for a heterogeneous DiT), the EMA and the post-hoc EMA's averages, the optimizer (through the
 engine: DeepSpeed keeps its own shards), the curriculum and the timestep sampler, the data position and every rank's
-RNG streams (gathered: each rank continues its own), the skipped-step counts and the training wall time. Rank 0
+RNG streams (gathered: each rank continues its own), the skipped-step counts, the log window's loss so far and the
+training wall time. Rank 0
 writes it (``runs.checkpoint.save_checkpoint``: atomic, the last ``checkpoint.keep_last`` kept); every rank takes part.
 """
 
@@ -46,6 +47,8 @@ class Checkpointer:
         self.model, self.ema, self.opt = model, ema, opt
         self.curriculum, self.timesteps, self.loader = curriculum, timesteps, loader
         self.gen, self.skips, self.phema = gen, skips, phema
+        self.window: Any = None  # the open log window (train.report.LogWindow), set by the loop while it trains
+        self.window_state: dict[str, Any] = {}  # the checkpoint's window, for the resumed run's first one
 
     def state_dict(self, step: int, train_s: float) -> dict[str, Any]:
         """The state of step ``step`` (every rank calls it: the engine may write its own optimizer shards, and the
@@ -65,6 +68,7 @@ class Checkpointer:
             "data": self._data_state(),
             "rng": self.engine.gather_objects(self._rng_state()),
             **self.skips.state_dict(),
+            "log_window": self.window.state_dict() if self.window is not None else {},
             "train_s": train_s,
             "world_size": self.engine.world_size,
         }
@@ -91,6 +95,7 @@ class Checkpointer:
         step = int(state["step"])
         self.skips.load_state_dict(state, step)
         self._load_rng_state(state["rng"][self.engine.rank])
+        self.window_state = state.get("log_window", {})  # checkpoints from before it was kept: none
         return step, float(state.get("train_s", 0.0))  # checkpoints from before it was kept: 0
 
     def save(self, step: int, train_s: float) -> Path | None:

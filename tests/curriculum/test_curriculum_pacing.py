@@ -3,6 +3,7 @@ import math
 
 import pytest
 import torch
+from conftest import SyncCounter
 
 from diffcurr_fast.curriculum.clustering import cluster_timesteps, uniform_clusters
 from diffcurr_fast.curriculum.pacing import Curriculum
@@ -277,6 +278,25 @@ def test_paper_defaults():
     assert cur.clusters == uniform_clusters(1000, 20)
     assert cur.patience * cur.eval_every == 200  # the paper's maximum patience tau in iterations
     assert cur.unlocked_clusters == [19] and cur.timestep_weights()[950:].sum() == pytest.approx(1.0)
+
+
+def test_observe_reads_nothing_back_between_evaluations():
+    """The accumulators stay on the device: a read (a sync on a GPU) only at the evaluation steps, counted on the
+    CPU (the GPU test below runs the same steps under CUDA's sync debug mode)."""
+    cur = Curriculum(CLUSTERS, T, patience=2, eval_every=5)
+    gen = torch.Generator().manual_seed(0)
+    t = torch.randint(0, T, (64,), generator=gen)
+    cur.observe_per_timestep(t, torch.rand(64, generator=gen))
+    cur.observe(0, torch.tensor(1.0))
+    read_at = []
+    for step in range(1, 40):
+        per_sample, loss = torch.rand(64, generator=gen), torch.tensor(1.0)  # made outside the counter: a read counts
+        with SyncCounter() as counter:
+            cur.observe_per_timestep(t, per_sample)
+            cur.observe(step, loss)
+        if counter.syncs:
+            read_at.append(step)
+    assert read_at == [4, 9, 14, 19, 24, 29, 34, 39] and cur.history == [14, 29]
 
 
 @pytest.mark.gpu

@@ -1,6 +1,7 @@
 import argparse
 import importlib.util
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -114,8 +115,8 @@ def test_extract_errors(folder, tmp_path):
         extract_latents(TinyVAE(), empty.parent, tmp_path / "o", progress=False)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("diffusers") is not None, reason="diffusers is installed")
-def test_cli_without_diffusers(folder, tmp_path, capsys):
+def test_cli_without_diffusers(folder, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "diffusers", None)  # import diffusers raises ImportError, installed or not
     parser = argparse.ArgumentParser()
     cli_extract.add_arguments(parser)
     args = parser.parse_args(["--vae", str(tmp_path), "--data", str(folder), "--out", str(tmp_path / "o")])

@@ -152,7 +152,7 @@ def test_the_routed_model_compiles_with_fullgraph():
 
 
 def test_a_resumed_routed_run_is_bit_identical_and_the_full_token_phase_is_taken(tmp_path):
-    from conftest import tiny
+    from conftest import assert_resumed_state, tiny
 
     from diffcurr_fast.train.loop import Trainer
 
@@ -174,8 +174,7 @@ def test_a_resumed_routed_run_is_bit_identical_and_the_full_token_phase_is_taken
     first.fit()
     resumed = Trainer(tiny(tmp_path / "b", *sets, "engine.max_steps=4"), resume=True)
     resumed.fit()
-    for (k, u), v in zip(whole.model.state_dict().items(), resumed.model.state_dict().values()):
-        assert torch.equal(u, v), k
+    assert_resumed_state(whole, resumed)
     plain = Trainer(tiny(tmp_path / "c", "model.depth=3", "engine.max_steps=2"))
     plain.fit()
     keep_all = Trainer(

@@ -215,7 +215,7 @@ def test_the_loss_covers_every_token(tmp_path):
 
 
 def test_a_resumed_sprint_run_is_bit_identical_and_the_full_token_phase_is_taken(tmp_path):
-    from conftest import tiny
+    from conftest import assert_resumed_state, tiny
 
     from diffcurr_fast.train.loop import Trainer
 
@@ -241,7 +241,5 @@ def test_a_resumed_sprint_run_is_bit_identical_and_the_full_token_phase_is_taken
     first.fit()
     resumed = Trainer(tiny(tmp_path / "b", *sets, "engine.max_steps=4"), resume=True)
     resumed.fit()
-    assert whole.model.state_dict().keys() == resumed.model.state_dict().keys()
-    for (k, u), v in zip(whole.model.state_dict().items(), resumed.model.state_dict().values()):
-        assert torch.equal(u, v), k
+    assert_resumed_state(whole, resumed)
     assert resumed.model.config()["sprint"] and resumed.model.config()["routing"] == [1, 2]

@@ -38,6 +38,28 @@ def test_fallback_warns_once(monkeypatch):
         assert _backend.resolve("q_sample", CPU) == "reference"
 
 
+def test_auto_on_a_cuda_device_prefers_cuda_then_triton_then_reference(monkeypatch):
+    """The order that tests/ops/test_ops_gpu.py sees on a GPU, with what is available set by hand."""
+    monkeypatch.delenv(_backend.ENV_VAR, raising=False)
+    monkeypatch.setattr(_backend, "_warned", set())
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(_backend, "_ext_error", lambda: None)
+    monkeypatch.setattr(_backend, "_ext_has", lambda op, key: True)
+    monkeypatch.setattr(_backend, "_triton_error", lambda: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _backend.resolve("q_sample", cuda) == "cuda"
+    monkeypatch.setattr(_backend, "_ext_has", lambda op, key: key != "CUDA")  # an extension built for the CPU only
+    with pytest.warns(
+        RuntimeWarning, match=r"falling back to the 'triton' backend on cuda \(diffcurr_fast._C was built"
+    ):
+        assert _backend.resolve("q_sample", cuda) == "triton"
+    monkeypatch.setattr(_backend, "_triton_error", lambda: "triton is not installed")
+    with pytest.warns(RuntimeWarning, match=r"'reference' backend on cuda \(.*; triton is not installed\)"):
+        assert _backend.resolve("adaln_modulate_fwd", cuda) == "reference"
+    assert _backend.resolve("q_sample", torch.device("meta")) == "reference"
+
+
 def test_explicit_backend_unavailable_raises(monkeypatch):
     monkeypatch.setattr(_backend, "_ext_has", lambda op, key: False)
     with pytest.raises(RuntimeError, match="'cpu' requested"):

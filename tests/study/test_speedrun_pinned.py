@@ -254,3 +254,24 @@ def test_best_arms_puts_an_arm_without_a_finished_run_last_through_the_analysis_
     assert math.isnan(saved["ghost"]["axes"]["wall_s"][0]) and saved["partial"]["axes"]["wall_s"][0] == 2.0
     assert sr.best_arms(tmp_path, 1) == ["partial"]
     assert sr.best_arms(tmp_path, 5) == ["partial", "ghost"]
+
+
+# ---- the time axis: steps x each arm's side-by-side step time -------------------------------------------------
+def test_each_arms_time_axis_is_its_steps_times_its_own_step_time():
+    """The official arm is priced by the official code's step when it was measured, by our step at its recipe
+    otherwise; every other arm by its own; without step_time.json every run keeps its recorded train_s; an
+    evaluation without FD or FLOPs is left out."""
+    st = {"arms": {"official": 0.02, "fast": 0.03}, "official_s": 0.05}
+    assert sr.arm_step_s(st, "official", "official") == 0.05 and sr.arm_step_s(st, "fast", "official") == 0.03
+    assert sr.arm_step_s({"arms": {"official": 0.02}}, "official", "official") == 0.02
+    assert sr.arm_step_s(st, "other", "official") is None and sr.arm_step_s(None, "fast", "official") is None
+    rows = _rows("fast", 0, [9.0, 7.0, 5.0]) + _rows("fast", 1, [8.0]) + _rows("slow", 0, [6.0])
+    rows[1] = {**rows[1], "fd": None}  # an evaluation without FD (step 200)
+    priced = sr.run_points(rows[::-1], "fast", 0, sr.arm_step_s(st, "fast", "official"))
+    assert priced == [
+        {"fd": 9.0, "step": 100.0, "wall_s": 3.0, "train_flops": 200.0},
+        {"fd": 5.0, "step": 300.0, "wall_s": 9.0, "train_flops": 600.0},
+    ]
+    recorded = sr.run_points(rows, "fast", 0, None)
+    assert [(p["step"], p["wall_s"]) for p in recorded] == [(100.0, 1.0), (300.0, 3.0)]  # train_s: 0.01 s per step
+    assert [p["wall_s"] for p in sr.run_points(rows, "fast", 0, 0.5)] == [50.0, 150.0]

@@ -105,6 +105,51 @@ def test_pick_length_by_hand():
     assert posthoc.pick_length({0.05: [float("nan")], 0.1: [9.0]}) == 0.1  # non-finite ranks last
 
 
+def _write_records(study_dir, arm, seed, fds):
+    """The post-hoc records of run (arm, seed): ``fds`` maps (step, sigma_rel) to the FD (IS 100 x it)."""
+    path = posthoc.records_path(study_dir, arm, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"step": st, "sigma_rel": s, "fd": f, "is": 100.0 * f}) for (st, s), f in fds.items()]
+    path.write_text("\n".join(lines) + "\n")
+    write_json({"steps": 8}, status_path(study_dir, arm, seed))
+
+
+def test_posthoc_picks_and_rows_by_hand(tmp_path):
+    """Two arms of two seeds, records at steps 4 and 8 for lengths 0.05 and 0.1 (and 0.2 for one run only): the
+    grid is the lengths every run has, the finals are the step-8 records, the pick the lower mean final, and the
+    curve rows hold the picked length's metrics alone, on the collected rows' clocks."""
+    spec = spec_from_dict({"name": "h", "seeds": [0, 1], "eval_every": 4, "arms": [{"name": "a"}, {"name": "b"}]})
+    fds = {
+        ("a", 0): {(4, 0.05): 9.0, (4, 0.1): 8.0, (8, 0.05): 5.0, (8, 0.1): 6.0, (8, 0.2): 1.0},
+        ("a", 1): {(4, 0.05): 9.5, (4, 0.1): 8.5, (8, 0.05): 4.0, (8, 0.1): 4.5},  # means 4.5, 5.25: a picks 0.05
+        ("b", 0): {(4, 0.05): 7.0, (4, 0.1): 6.0, (8, 0.05): 3.0, (8, 0.1): 2.0},
+        ("b", 1): {(4, 0.05): 7.5, (4, 0.1): 6.5, (8, 0.05): 3.0, (8, 0.1): 3.0},  # means 3, 2.5: b picks 0.1
+    }
+    for (arm, seed), recs in fds.items():
+        _write_records(tmp_path, arm, seed, recs)
+    picks = posthoc.posthoc_picks(spec, tmp_path)
+    assert picks == {
+        "a": {"finals": {0.05: [5.0, 4.0], 0.1: [6.0, 4.5]}, "pick": 0.05},
+        "b": {"finals": {0.05: [3.0, 3.0], 0.1: [2.0, 3.0]}, "pick": 0.1},
+    }
+    rows = [r for arm in "ab" for seed in (0, 1) for r in _rows(arm, seed, [99.0, 98.0], every=4)]
+    out = posthoc.posthoc_rows(spec, tmp_path, rows, picks)
+    got = sorted((r["arm"], r["seed"], r["step"], r["fd"], r["is"], r["train_s"]) for r in out)
+    assert got == [
+        ("a", 0, 4, 9.0, 900.0, 0.04),
+        ("a", 0, 8, 5.0, 500.0, 0.08),
+        ("a", 1, 4, 9.5, 950.0, 0.04),
+        ("a", 1, 8, 4.0, 400.0, 0.08),
+        ("b", 0, 4, 6.0, 600.0, 0.04),
+        ("b", 0, 8, 2.0, 200.0, 0.08),
+        ("b", 1, 4, 6.5, 650.0, 0.04),
+        ("b", 1, 8, 3.0, 300.0, 0.08),
+    ]
+    # an arm without a pick has no rows; a collected row missing for a step leaves that step out
+    only_b = posthoc.posthoc_rows(spec, tmp_path, [r for r in rows if r["step"] == 8], {"b": picks["b"]})
+    assert sorted((r["arm"], r["seed"], r["step"], r["fd"]) for r in only_b) == [("b", 0, 8, 2.0), ("b", 1, 8, 3.0)]
+
+
 TINY = [
     "model.hidden_size=32",
     "model.depth=1",

@@ -3,7 +3,6 @@ speedrun end to end (with a stand-in DiT checkout for the official step), and th
 
 import json
 import math
-import os
 import shutil
 import textwrap
 import time
@@ -18,7 +17,6 @@ from diffcurr_fast.study.presets import ema_decay_for, preset_spec, speedrun_arm
 from diffcurr_fast.study.report import collect, write_report
 from diffcurr_fast.study.runner import run_study
 from diffcurr_fast.study.spec import check_spec, load_spec, spec_from_dict
-from diffcurr_fast.study.step_time import measure_step_times
 
 
 @pytest.fixture(autouse=True)
@@ -292,7 +290,7 @@ def test_eval_records_carry_the_training_time_without_evaluations(tmp_path, monk
 
 # ---- a tiny speedrun end to end ---------------------------------------------------------------------------------
 # A stand-in for a facebookresearch/DiT checkout (models.DiT, diffusion.create_diffusion): the real one is not
-# available offline; test_official_step_time_with_a_real_checkout runs it when DIFFCURR_FAST_PEER_DIT names one.
+# available offline; tests/study/test_study_step_time.py times it when DIFFCURR_FAST_PEER_DIT names one.
 FAKE_MODELS = """
 import torch
 from torch import nn
@@ -400,20 +398,6 @@ def test_tiny_speedrun_end_to_end(tmp_path):
     with pytest.warns(UserWarning, match="kept as they were"):  # drawn from the run folders: kept
         write_report(out)
     assert json.loads((out / "speedrun.json").read_text()) == data
-
-
-@pytest.mark.skipif(
-    not os.environ.get("DIFFCURR_FAST_PEER_DIT"),
-    reason="set DIFFCURR_FAST_PEER_DIT to a facebookresearch/DiT checkout to time its own step",
-)
-def test_official_step_time_with_a_real_checkout(tmp_path):
-    from diffcurr_fast.runs.recipes import load_config
-
-    cfg = load_config(None, [*TINY, f"checkpoint.run_dir={tmp_path / 'r'}", "diffusion.num_timesteps=1000"])
-    res = measure_step_times(
-        {"official": cfg}, os.environ["DIFFCURR_FAST_PEER_DIT"], "official", rounds=1, reps=5, warmup=2
-    )
-    assert res["official_s"] > 0 and res["ours_s"] > 0
 
 
 # ---- the presets ------------------------------------------------------------------------------------------------

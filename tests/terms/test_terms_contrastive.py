@@ -4,7 +4,7 @@ bit for bit, and a batch of one is refused."""
 
 import pytest
 import torch
-from conftest import tiny
+from conftest import assert_resumed_state, tiny
 
 from diffcurr_fast.diffusion import build_formulation
 from diffcurr_fast.objective import Objective
@@ -53,8 +53,7 @@ def test_a_run_with_the_contrastive_term_changes_the_loss_resumes_exactly_and_we
     half.fit()
     resumed = Trainer(tiny(tmp_path / "b", *sets, "engine.max_steps=4"), resume=True)
     resumed.fit()
-    for u, v in zip(whole.model.state_dict().values(), resumed.model.state_dict().values()):
-        assert torch.equal(u, v)
+    assert_resumed_state(whole, resumed)
     plain = Trainer(tiny(tmp_path / "c", "model.depth=2", "engine.max_steps=4"))
     plain.fit()
     assert any(

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import tiny
+from conftest import assert_resumed_state, tiny
 
 from diffcurr_fast.objective import Objective
 from diffcurr_fast.terms.dispersive import Dispersive, dispersive_loss
@@ -49,8 +49,7 @@ def test_the_term_reads_its_block_from_the_same_pass_and_a_run_resumes_exactly(t
     half.fit()
     resumed = Trainer(tiny(tmp_path / "b", *sets, "engine.max_steps=4"), resume=True)
     resumed.fit()
-    for u, v in zip(whole.model.state_dict().values(), resumed.model.state_dict().values()):
-        assert torch.equal(u, v)
+    assert_resumed_state(whole, resumed)
 
 
 def test_a_block_outside_the_model_is_refused():

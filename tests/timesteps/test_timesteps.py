@@ -235,6 +235,21 @@ def test_anuts_selects_probes_that_predict_the_total():
     assert p[0].tolist() == a.candidates.tolist() and p[1] == 1
 
 
+def test_anuts_probe_noise_is_new_at_each_update_and_draws_from_no_stream():
+    """The probe's noise seed is a function of the update count: one noise before and after a step, a new one at
+    the next update, and no random stream is read (the same on every rank and for every engine.seed)."""
+    a = ANUTS(30, every=2, candidates=6, probes=2, probe_batch=1)
+    state = torch.get_rng_state()
+    assert a.probe(0) is None and a.probe(2) is None
+    seeds = []
+    for step in (1, 3, 5):
+        seeds.append(a.probe(step)[2])
+        assert a.probe(step)[2] == seeds[-1]
+        a.observe(torch.arange(3), torch.ones(3))
+        a.observe_probe(torch.ones(6, 1), torch.zeros(6, 1))
+    assert len(set(seeds)) == 3 and torch.equal(torch.get_rng_state(), state)
+
+
 # ---- compositions: a locked cluster gets probability 0 ------------------------------------------------------------
 @pytest.mark.parametrize("sampler", list(SAMPLERS))
 @pytest.mark.parametrize("name", list(FORMS))

@@ -1,7 +1,9 @@
 """Logs stay true after a resume: TensorBoard events (read back with TensorBoard's own reader) hold each step once,
 as metrics.jsonl does; wandb continues the same run (offline mode), and a missing package is a clean error."""
 
+import importlib.machinery
 import sys
+import types
 
 import pytest
 import torch
@@ -80,7 +82,57 @@ def test_missing_wandb_is_a_clean_error_naming_the_extra(tmp_path, monkeypatch):
         train(_cfg(tmp_path / "run", "logging.wandb=true"))
 
 
+class _StandInWandb(types.ModuleType):
+    """A ``wandb`` module that records what the trainer asks of it: ``init``'s arguments, ``log``'s scalars and
+    steps, ``finish``."""
+
+    def __init__(self):
+        super().__init__("wandb")
+        self.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+        self.inits, self.logged, self.finished = [], [], 0
+
+    def init(self, **kw):
+        self.inits.append(kw)
+        return self
+
+    def log(self, scalars, step):
+        self.logged.append((step, scalars))
+
+    def finish(self):
+        self.finished += 1
+
+
+def test_a_resumed_run_continues_the_same_wandb_run_and_logs_each_step_once(tmp_path, monkeypatch):
+    """What the trainer asks of wandb (a stand-in module): the resumed run initialises the run of the id kept in
+    the run directory, with resume allowed and the config's project and mode, and logs the steps after its
+    checkpoint; every record's finite scalars, nothing else."""
+    wandb = _StandInWandb()
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    run = tmp_path / "run"
+    sets = ("logging.wandb=true", "logging.wandb_project=p")
+    train(_cfg(run, *sets))
+    run_id = (run / WANDB_ID).read_text().strip()
+    _crash_after_step_6(run)
+    train(_cfg(run, *sets), resume=True)
+    assert [kw["id"] for kw in wandb.inits] == [run_id, run_id] and wandb.finished == 2
+    for kw in wandb.inits:
+        assert (kw["dir"], kw["resume"], kw["name"], kw["project"], kw["mode"]) == (
+            str(run),
+            "allow",
+            "run",
+            "p",
+            "offline",
+        )
+        assert kw["config"]["logging"]["wandb"] is True
+    assert [step for step, _ in wandb.logged] == [1, 2, 3, 4, 5, 6, 5, 6]
+    jsonl = {r["step"]: r for r in read_metrics(run / "metrics.jsonl")}
+    for step, scalars in wandb.logged[-2:]:  # the resumed run's records
+        want = {k: v for k, v in jsonl[step].items() if k != "step" and type(v) in (int, float)}
+        assert scalars == want and "loss" in scalars and "cluster_loss" not in scalars
+
+
 def test_wandb_offline_resume_continues_the_same_run(tmp_path, monkeypatch):
+    """The same with wandb itself: each attempt's offline files, for ``wandb sync``, under the run's id."""
     pytest.importorskip("wandb", reason="wandb is not installed (pip install 'diffcurr-fast[wandb]')")
     for k in ("WANDB_API_KEY", "WANDB_BASE_URL", "WANDB_MODE", "WANDB_RUN_ID", "WANDB_RESUME"):
         monkeypatch.delenv(k, raising=False)

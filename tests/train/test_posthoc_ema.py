@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import _main, _sample_args, tiny
+from conftest import _main, _sample_args, assert_resumed_state, tiny
 from safetensors.torch import load_file
 
 from diffcurr_fast import cli_sample
@@ -22,6 +22,7 @@ from diffcurr_fast.runs.posthoc_ema import (
     list_snapshots,
     power_beta,
     reconstruct,
+    remove_snapshots_after,
     sigma_rel_to_gamma,
     snapshot_path,
     solve_coefficients,
@@ -316,14 +317,27 @@ def test_resume_continues_the_averages_exactly(runs, tmp_path):
     torch.manual_seed(12345)
     tr = Trainer(tiny(half, *SETS, "optim.phema_every=3"), resume=True)
     assert tr.step == 3 and not stale.exists()
+    assert [(s.step, s.sigma_rel) for s in list_snapshots(half)] == [(3, 0.05), (3, 0.1)]  # the resumed step's stay
     tr.fit()
-    for step in (6, 7):
+    assert [(s.path.name, s.t) for s in list_snapshots(half)] == [(s.path.name, s.t) for s in list_snapshots(phema)]
+    for step in (3, 6, 7):
         for s in (0.05, 0.1):
             a, b = (load_file(str(snapshot_path(r, step, s))) for r in (phema, half))
             assert all(torch.equal(v, b[k]) for k, v in a.items()), (step, s)
-    a, b = (ck.load_checkpoint(ck.latest_checkpoint(r))["phema"] for r in (phema, half))
-    assert a["num_updates"] == b["num_updates"] == 7
-    assert all(torch.equal(v, y[k]) for x, y in zip(a["modules"], b["modules"]) for k, v in x.items())
+    a, b = (ck.load_checkpoint(ck.latest_checkpoint(r)) for r in (phema, half))
+    assert a["phema"]["num_updates"] == b["phema"]["num_updates"] == 7
+    assert_resumed_state(a, b)
+
+
+def test_remove_snapshots_after_keeps_the_step_itself_and_other_files(tmp_path):
+    meta = {"config": {}}
+    for step in (2, 3, 4, 10):
+        write_snapshot(tmp_path, step, 0.05, step, {"w": torch.zeros(2)}, [], meta)
+    (tmp_path / "phema" / "phema-notes.txt").write_text("mine")
+    gone = remove_snapshots_after(tmp_path, 3)
+    assert sorted(p.name for p in gone) == [snapshot_path(tmp_path, s, 0.05).name for s in (4, 10)]
+    assert [s.step for s in list_snapshots(tmp_path)] == [2, 3] and (tmp_path / "phema" / "phema-notes.txt").is_file()
+    assert remove_snapshots_after(tmp_path, 3) == [] and remove_snapshots_after(tmp_path / "none", 0) == []
 
 
 def test_resume_refuses_to_start_tracking_midway(runs, tmp_path):

@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import run_torchrun2
+from conftest import assert_resumed_state, run_torchrun2
 
 from diffcurr_fast.runs.recipes import load_config
 from diffcurr_fast.train.loop import Trainer
@@ -218,6 +218,8 @@ def test_a_resumed_device_side_run_continues_its_counts(tmp_path):
     for _ in range(4):
         dev.train_step(*next(dev.loader))
     assert_same(_state(host), _state(dev))
+    whole = _run(tmp_path / "dev_whole", 8, "engine.cuda_graphs=true", **bad)
+    assert_resumed_state(whole, dev)  # every field of the state, the device-side path's against itself
 
 
 @pytest.mark.parametrize(

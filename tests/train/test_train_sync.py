@@ -1,7 +1,7 @@
 """Host syncs inside the training step, the fused AdamW against the per-parameter loop, the host allocator setting.
 
 A training step may read a value back to the host only where it means to: the finiteness vote of ``Engine.step``
-(every rank steps or every rank skips). ``SyncCounter`` is a ``TorchDispatchMode`` that records every
+(every rank steps or every rank skips). ``SyncCounter`` (conftest) is a ``TorchDispatchMode`` that records every
 ``aten._local_scalar_dense`` (``.item()``, ``bool()``, ``int()``, ``float()`` of a tensor) and every copy from a
 device to the CPU. On a CUDA device any such read is a sync. On the CPU, where everything lives on the host, the
 counter keeps apart what the host draws from its own CPU generator (the per-step noise seed: on CUDA too this is a
@@ -11,73 +11,15 @@ CPU tensor, no sync) from what the step computes on the batch: a read of the lat
 from __future__ import annotations
 
 import sys
-import weakref
 
 import pytest
 import torch
-from conftest import assert_near_reference
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten
+from conftest import SyncCounter, assert_near_reference
+from torch.utils._python_dispatch import _disable_current_modes
 
 from diffcurr_fast.runs.recipes import load_config
 from diffcurr_fast.train.engine import build_optimizer
 from diffcurr_fast.train.loop import Trainer
-
-aten = torch.ops.aten
-_COPIES = {aten._to_copy.default, aten.copy_.default, aten.to.dtype_layout, aten.to.device}
-
-
-class SyncCounter(TorchDispatchMode):
-    """Records host reads of step-computed values (``syncs``: op name and shape) while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.syncs: list[tuple[str, tuple[int, ...]]] = []
-        self._host: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> tensor from a CPU generator
-
-    def __enter__(self):
-        # .tolist() and .numpy() read a tensor without dispatching (on CUDA they copy to the CPU first, seen below)
-        self._saved = (torch.Tensor.tolist, torch.Tensor.numpy)
-        for name, fn in zip(("tolist", "numpy"), self._saved):
-            setattr(torch.Tensor, name, self._reader(name, fn))
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.Tensor.tolist, torch.Tensor.numpy = self._saved
-        return super().__exit__(*exc)
-
-    def _reader(self, name, fn):
-        def read(t, *args, **kwargs):
-            if not self._is_host(t):
-                self.syncs.append((name, tuple(t.shape)))
-            return fn(t, *args, **kwargs)
-
-        return read
-
-    def _is_host(self, t: torch.Tensor) -> bool:
-        return self._host.get(id(t)) is t
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        flat, _ = tree_flatten((args, kwargs))
-        tensors = [a for a in flat if isinstance(a, torch.Tensor)]
-        out = func(*args, **kwargs)
-        if func is aten._local_scalar_dense.default:
-            if not self._is_host(args[0]):
-                self.syncs.append((str(func), tuple(args[0].shape)))
-        elif func in _COPIES:
-            src = args[0]
-            dst = out if func is not aten.copy_.default else args[0]
-            if func is aten.copy_.default:
-                src = args[1]
-            if src.device.type != "cpu" and dst.device.type == "cpu":
-                self.syncs.append((str(func), tuple(src.shape)))
-        host_gen = any(isinstance(a, torch.Generator) and a.device.type == "cpu" for a in flat)
-        if host_gen or (tensors and all(self._is_host(t) for t in tensors)):  # drawn on the host, or made from such
-            for o in tree_flatten(out)[0]:
-                if isinstance(o, torch.Tensor):
-                    self._host[id(o)] = o
-        return out
 
 
 def _cfg(run_dir, *extra):
