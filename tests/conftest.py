@@ -196,6 +196,23 @@ def _sample_args(*argv):
     return p.parse_args(list(argv))
 
 
+def resume_in_copy(full, half, step: int, cfg):
+    """A Trainer of ``cfg`` (run dir ``half``) resumed from the checkpoint of ``step`` of the run in ``full``, copied
+    alone into ``half``; the global RNG reseeded first, as a new process would have it."""
+    import shutil
+
+    from diffcurr_fast.runs import checkpoint as ck
+    from diffcurr_fast.train.loop import Trainer
+
+    (half / ck.CKPT_DIR).mkdir(parents=True)
+    name = ck.ckpt_name(step)
+    shutil.copy(full / ck.CKPT_DIR / name, half / ck.CKPT_DIR / name)
+    torch.manual_seed(999)
+    tr = Trainer(cfg, resume=True)
+    assert tr.step == step
+    return tr
+
+
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory):
     """A tiny run trained for 2 steps, a checkpoint at each (read only: tests copy it before changing it)."""

@@ -59,7 +59,8 @@ DATASETS = ("digits", "mnist5k", "npz", *SHARDED_DATASETS)  # data.dataset: buil
 PIXEL_DATASETS = ("digits", "mnist5k", "images")  # images in [-1, 1]; npz and latents may hold latents
 ENGINE_KINDS = ("auto", "single", "ddp", "deepspeed")
 DEVICES = ("auto", "cpu", "cuda")
-OPTIM_IMPLS = ("auto", "torch", "apex")  # AdamW kernels (``train.engine.build_optimizer``)
+OPTIMIZERS = ("adamw", "muon", "schedule_free")  # optim.name (``train.optimizers.build_optimizer``)
+OPTIM_IMPLS = ("auto", "torch", "apex")  # AdamW kernels (``train.optimizers.build_optimizer``)
 NAN_POLICIES = ("skip", "stop")
 LR_SCHEDULES = ("constant", "cosine")  # ``train.loop.lr_at``
 # The largest EMA length of a post-hoc EMA profile (``runs.posthoc_ema``): exponent gamma = 0, the running mean, whose
@@ -437,7 +438,7 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW, learning-rate schedule, clipping and EMA."""
+    """The optimizer, learning-rate schedule, clipping and EMA."""
 
     lr: float = _field(1e-4, "peak learning rate", lo=0.0, lo_open=True)
     weight_decay: float = _nonneg(0.0, "AdamW weight decay")
@@ -449,6 +450,13 @@ class OptimConfig:
         "AdamW kernels: auto / torch (torch's fused kernel, CUDA and CPU) or apex (NVIDIA apex FusedAdam)",
         OPTIM_IMPLS,
     )
+    name: str = _field(
+        "adamw",
+        "optimizer: adamw; muon (torch.optim.Muon on the blocks' attention and MLP matrices, AdamW on the rest, at "
+        "one optim.lr); schedule_free (schedule-free AdamW, the schedulefree extra; optim.schedule constant)",
+        OPTIMIZERS,
+    )
+    muon_momentum: float = _unit(0.95, "muon: momentum of the Muon matrices (Nesterov)", hi_open=True)
     warmup_steps: int = _nonneg(0, "linear warmup steps from 0 to lr")
     schedule: str = _field("constant", "learning-rate schedule after warmup", LR_SCHEDULES)
     min_lr: float = _nonneg(0.0, "final learning rate of the cosine schedule (<= lr)")
@@ -977,8 +985,9 @@ RESUME_LOCKED = ("model", "diffusion", "curriculum", "timesteps", "terms")
 # A checkpoint written before a section or a key existed has its defaults.
 _DEFAULTS = {sec: dataclasses.asdict(SECTIONS[sec]()) for sec in RESUME_LOCKED}
 # Keys of other sections that must match too: the batches (their size and order) and every RNG stream derive from
-# them, so a resume with another value could not continue the run it names.
-RESUME_LOCKED_KEYS = (("data", "batch_size"), ("engine", "seed"))
+# them, and the optimizer's state is of the kind optim.name names, so a resume with another value could not continue
+# the run it names.
+RESUME_LOCKED_KEYS = (("data", "batch_size"), ("engine", "seed"), ("optim", "name"))
 # Keys of the locked sections that may differ: the initial weights only matter for a fresh start.
 RESUME_FREE = {("model", "init_from")}
 
@@ -996,8 +1005,8 @@ def resume_mismatches(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
             was = a[key] if key in a else _DEFAULTS.get(sec, {}).get(key)  # a key newer than the checkpoint
             if was != b.get(key):
                 diffs.append(f"{sec}.{key}: checkpoint {was!r} vs now {b.get(key)!r}")
-    for sec, key in RESUME_LOCKED_KEYS:
-        a, b = saved.get(sec, {}).get(key), now[sec][key]
+    for sec, key in RESUME_LOCKED_KEYS:  # a key newer than the checkpoint: its default
+        a, b = saved.get(sec, {}).get(key, getattr(SECTIONS[sec](), key)), now[sec][key]
         if a != b:
             diffs.append(f"{sec}.{key}: checkpoint {a!r} vs now {b!r}")
     return diffs

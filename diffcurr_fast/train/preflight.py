@@ -24,8 +24,9 @@ from diffcurr_fast.runs.config import TrainConfig
 from diffcurr_fast.runs.sampling import build_model
 from diffcurr_fast.terms.repa import check_encoder, encoder_format
 from diffcurr_fast.train.data import check_data, fitting_init_state
-from diffcurr_fast.train.engine import check_launcher, check_optimizer, load_deepspeed_config
+from diffcurr_fast.train.engine import check_launcher, load_deepspeed_config
 from diffcurr_fast.train.evaluation import check_reference
+from diffcurr_fast.train.optimizers import check_optimizer
 from diffcurr_fast.train.rundir import TRAIN_LAYOUT, RunLayout, RunStart, check_run_dir
 
 __all__ = ["check_backends", "check_guidance", "check_init_from", "check_inputs", "check_repa_encoder", "check_run"]
@@ -58,7 +59,7 @@ def check_backends(cfg: TrainConfig) -> None:
     if e.kind == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         raise ImportError("engine.kind 'deepspeed' needs the deepspeed package: pip install deepspeed")
     check_launcher(e.kind)
-    check_optimizer(cfg.optim, dev)
+    check_optimizer(cfg, dev)
     if m.attn_backend == "flash_attn":
         reason = flash_attn_reason()
         if reason is not None:

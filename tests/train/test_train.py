@@ -494,15 +494,17 @@ def test_optim_impl_apex_is_a_clear_error_without_nvidia_apex_and_uses_adamw_mod
     import sys
     import types
 
-    from diffcurr_fast.runs.config import OptimConfig
-    from diffcurr_fast.train.engine import build_optimizer
+    from diffcurr_fast.runs.config import OptimConfig, TrainConfig
+    from diffcurr_fast.train.optimizers import build_optimizer
 
-    params = [torch.nn.Parameter(torch.zeros(3))]
-    assert isinstance(build_optimizer(params, OptimConfig(impl="auto"), torch.device("cpu")), torch.optim.AdamW)
+    params = torch.nn.Linear(3, 1)
+    assert isinstance(
+        build_optimizer(params, TrainConfig(optim=OptimConfig(impl="auto")), torch.device("cpu")), torch.optim.AdamW
+    )
     monkeypatch.setitem(sys.modules, "apex", None)  # not importable
     monkeypatch.setitem(sys.modules, "apex.optimizers", None)
     with pytest.raises(ValueError, match="NVIDIA apex"):
-        build_optimizer(params, OptimConfig(impl="apex"), torch.device("cpu"))
+        build_optimizer(params, TrainConfig(optim=OptimConfig(impl="apex")), torch.device("cpu"))
     seen = {}
 
     class FusedAdam(torch.optim.AdamW):  # stands in for apex.optimizers.FusedAdam
@@ -515,8 +517,8 @@ def test_optim_impl_apex_is_a_clear_error_without_nvidia_apex_and_uses_adamw_mod
     monkeypatch.setitem(sys.modules, "apex", types.ModuleType("apex"))
     monkeypatch.setitem(sys.modules, "apex.optimizers", fake)
     with pytest.raises(ValueError, match="CUDA only"):
-        build_optimizer(params, OptimConfig(impl="apex"), torch.device("cpu"))
-    opt = build_optimizer(params, OptimConfig(impl="apex", lr=3e-4), torch.device("cuda"))
+        build_optimizer(params, TrainConfig(optim=OptimConfig(impl="apex")), torch.device("cpu"))
+    opt = build_optimizer(params, TrainConfig(optim=OptimConfig(impl="apex", lr=3e-4)), torch.device("cuda"))
     assert isinstance(opt, FusedAdam) and seen["adam_w_mode"] is True and opt.defaults["lr"] == 3e-4
     with pytest.raises(ValueError, match="impl"):
         load_config(None, ["optim.impl=fast"])

@@ -466,3 +466,67 @@ def test_dry_run_refuses_what_the_start_refuses(tmp_path, capsys, monkeypatch, c
         assert rc == 2 and err.count("\n") == 1, err
         assert re.search(line, err), err
         assert not run.exists()
+
+
+@pytest.mark.parametrize(
+    "sets, match",
+    [
+        (
+            ["optim.name=schedule_free", "optim.schedule=cosine"],
+            r"^optim.name=schedule_free replaces the learning-rate decay by its average of the iterates; "
+            r"optim.schedule=cosine would decay it too: set optim.schedule=constant",
+        ),
+        (["optim.name=muon", "optim.impl=apex"], r"^optim.impl=apex picks AdamW's kernel .*optim.name=muon steps with"),
+        (["optim.name=schedule_free", "optim.schedule=constant", "optim.impl=apex"], r"^optim.impl=apex picks"),
+        (
+            ["optim.name=muon", "engine.kind=deepspeed", "engine.deepspeed_config=ds.json"],
+            r"^optim.name=muon does not run under engine.kind=deepspeed: DeepSpeed hands the optimizer flat partitions",
+        ),
+        (
+            [
+                "optim.name=schedule_free",
+                "optim.schedule=constant",
+                "engine.kind=deepspeed",
+                "engine.deepspeed_config=x",
+            ],
+            r"^optim.name=schedule_free does not run under engine.kind=deepspeed",
+        ),
+        (
+            ["optim.name=muon", "engine.cuda_graphs=true"],
+            r"^engine.cuda_graphs skips a non-finite step on the device through torch's fused AdamW, which "
+            r"optim.name=muon does not step with",
+        ),
+    ],
+    ids=["schedule_free-cosine", "muon-apex", "schedule_free-apex", "muon-zero", "schedule_free-zero", "muon-graphs"],
+)
+def test_optimizer_combinations_that_cannot_run_are_refused_before_the_run(tmp_path, capsys, sets, match):
+    """The start's checks refuse them (``train.optimizers.check_optimizer``): one line, nothing written; the DeepSpeed
+    cases were tried on 2 gloo ranks (ZeRO-1/2: Muon raises on the flat partitions, schedule-free's switch to x leaves
+    the model's weights as they were)."""
+    with pytest.raises(ValueError, match=match):
+        check_run(tiny(tmp_path / "run", *sets))
+    argv = [a for s in [*TINY_SETS, *sets] for a in ("--set", s)]
+    rc, err = _main(capsys, "train", "--run-dir", str(tmp_path / "run"), *argv)
+    assert rc == 2 and err.count("\n") == 1 and re.search(match[1:], err), err
+    if "engine.kind=deepspeed" not in sets:  # a DeepSpeed engine needs its launcher before the trainer checks
+        with pytest.raises(ValueError, match=match):
+            Trainer(tiny(tmp_path / "run", *sets))
+    assert not (tmp_path / "run").exists()
+
+
+def test_schedule_free_without_its_package_names_the_extra(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "schedulefree", None)  # not importable
+    sets = ["optim.name=schedule_free", "optim.schedule=constant"]
+    with pytest.raises(ImportError, match=r"^optim.name=schedule_free needs the schedulefree package: pip install"):
+        check_run(tiny(tmp_path / "run", *sets))
+    argv = [a for s in [*TINY_SETS, *sets] for a in ("--set", s)]
+    rc, err = _main(capsys, "train", "--run-dir", str(tmp_path / "run"), "--dry-run", *argv)
+    assert rc == 2 and err.count("\n") == 1 and "'diffcurr-fast[schedulefree]'" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_muon_needs_the_blocks_of_a_dit():
+    from diffcurr_fast.train.optimizers import build_optimizer
+
+    with pytest.raises(ValueError, match=r"^optim.name=muon found no block matrices in the Linear \(model.blocks\)"):
+        build_optimizer(torch.nn.Linear(3, 2), tiny("unused", "optim.name=muon"), torch.device("cpu"))

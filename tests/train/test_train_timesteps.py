@@ -2,11 +2,11 @@
 a resumed run (mid-warm-up, mid-curriculum) is bit-identical for importance and anuts; two gloo ranks hold the same
 sampling weights at every step."""
 
-import shutil
 import textwrap
 
 import pytest
 import torch
+from conftest import resume_in_copy
 
 from diffcurr_fast.objective import Objective
 from diffcurr_fast.runs import checkpoint as ck
@@ -126,12 +126,7 @@ def test_resume_mid_warm_up_and_mid_curriculum_is_bit_identical(tmp_path, sample
     else:
         assert state4["timesteps"]["anuts"]["updates"] == 1  # between two policy updates
     half = tmp_path / "half"
-    (half / ck.CKPT_DIR).mkdir(parents=True)
-    shutil.copy(full / ck.CKPT_DIR / "ckpt_00000004.pt", half / ck.CKPT_DIR / "ckpt_00000004.pt")
-    torch.manual_seed(999)
-    tr = Trainer(tiny(half, *extra), resume=True)
-    assert tr.step == 4
-    tr.fit()
+    resume_in_copy(full, half, 4, tiny(half, *extra)).fit()
     a, b = (ck.load_checkpoint(ck.latest_checkpoint(d)) for d in (full, half))
     assert a["step"] == b["step"] == 9
     for name, v in a["model"].items():
