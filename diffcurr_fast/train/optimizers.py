@@ -12,7 +12,8 @@
   terms' heads, takes torch's fused AdamW. ``MuonAdamW`` steps both as one optimizer, at one learning rate: Muon
   scales each matrix's orthogonalised update by 0.2 sqrt(max(A, B)) (``adjust_lr_fn="match_rms_adamw"``, Moonlight),
   which gives it the update RMS of AdamW (about 0.2), so the ``optim.lr`` and ``optim.weight_decay`` tuned for AdamW
-  serve both groups.
+  serve both groups. torch's Muon runs its Newton-Schulz products in bfloat16, as the reference code does: native
+  on a GPU, emulated (slow) on a CPU without bf16 arithmetic.
 - ``schedule_free``: ``schedulefree.AdamWScheduleFree`` (Defazio et al., "The Road Less Scheduled", arXiv
   2405.15682; the ``schedulefree`` extra). It keeps z (the base sequence of AdamW steps) in its state and two points
   on the parameters: the gradient is taken at y = (1 - beta1) z + beta1 x, and x, the average of the z with weights
