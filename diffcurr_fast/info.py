@@ -23,7 +23,7 @@ import torch
 from diffcurr_fast import __version__, ops
 from diffcurr_fast.models.attention import available_backends, flash_attn_reason
 from diffcurr_fast.ops import _backend
-from diffcurr_fast.train.engine import apex_fused_adam
+from diffcurr_fast.optim.adamw import apex_fused_adam
 
 # public op -> the name its backends are registered under (diffcurr_fast.ops._backend)
 OPS = {
@@ -44,6 +44,7 @@ PACKAGES = {  # name shown -> distribution names tried
     "deepspeed": ("deepspeed",),
     "numpy": ("numpy",),
     "nvidia-ml-py": ("nvidia-ml-py",),
+    "schedulefree": ("schedulefree",),
 }
 
 

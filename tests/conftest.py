@@ -269,6 +269,13 @@ def run_torchrun2(tmp_path, script_text: str, *args, timeout: int = 300) -> list
 # ---- the bad-input tests (tests/<unit>/test_<unit>_errors.py): a tiny run's config, the command line, trained runs
 
 
+def set_args(*overrides: str) -> list[str]:
+    """The command line's ``--set`` arguments of ``overrides``, a key given again taking the later value (a test's
+    base settings, then what it changes; the command line itself refuses a key given twice)."""
+    last = {o.partition("=")[0].strip(): o for o in overrides}
+    return [a for s in last.values() for a in ("--set", s)]
+
+
 def tiny(run_dir, *extra):
     """The config of a tiny digits run (TINY_SETS) in ``run_dir``, with the ``extra`` overrides."""
     from diffcurr_fast.runs.recipes import load_config
@@ -310,6 +317,23 @@ def _sample_args(*argv):
     p = argparse.ArgumentParser()
     cli_sample.add_arguments(p)
     return p.parse_args(list(argv))
+
+
+def resume_in_copy(full, half, step: int, cfg):
+    """A Trainer of ``cfg`` (run dir ``half``) resumed from the checkpoint of ``step`` of the run in ``full``, copied
+    alone into ``half``; the global RNG reseeded first, as a new process would have it."""
+    import shutil
+
+    from diffcurr_fast.runs import checkpoint as ck
+    from diffcurr_fast.train.loop import Trainer
+
+    (half / ck.CKPT_DIR).mkdir(parents=True)
+    name = ck.ckpt_name(step)
+    shutil.copy(full / ck.CKPT_DIR / name, half / ck.CKPT_DIR / name)
+    torch.manual_seed(999)
+    tr = Trainer(cfg, resume=True)
+    assert tr.step == step
+    return tr
 
 
 @pytest.fixture(scope="session")

@@ -69,6 +69,10 @@ def test_bench_train_variants_are_labelled_and_divided_by_the_plain_step(tmp_pat
             "model.routing=sprint;model.routing_keep=0.5;model.routing_start=1;model.routing_end=3",
             "--variant",
             "model.norm=rmsnorm;terms.use=[dispersive]",
+            "--variant",
+            "optim.name=muon",
+            "--variant",
+            "optim.name=schedule_free;optim.schedule=constant",
             "--out",
             str(tmp_path / "train.csv"),
         ],
@@ -76,6 +80,7 @@ def test_bench_train_variants_are_labelled_and_divided_by_the_plain_step(tmp_pat
     )
     assert "custom-64x4/2 on 1x8x8 sprint keep 0.5 blocks [1,3): " in out
     assert "custom-64x4/2 on 1x8x8 rmsnorm +dispersive: " in out
+    assert "custom-64x4/2 on 1x8x8 optim muon: " in out and "custom-64x4/2 on 1x8x8 optim schedule_free: " in out
     import csv
 
     rows = list(csv.DictReader(open(tmp_path / "step_options.csv")))
@@ -83,6 +88,8 @@ def test_bench_train_variants_are_labelled_and_divided_by_the_plain_step(tmp_pat
         "none (the plain step again)",
         "model.routing=sprint model.routing_keep=0.5 model.routing_start=1 model.routing_end=3",
         "model.norm=rmsnorm terms.use=[dispersive]",
+        "optim.name=muon",
+        "optim.name=schedule_free optim.schedule=constant",
     ]
     assert len({r["ms_plain"] for r in rows}) == 1 and all(float(r["x_plain"]) > 0 for r in rows)
     assert (tmp_path / "step_options.md").exists() and not (tmp_path / "train.csv").exists()

@@ -18,7 +18,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("", "_C", "_files", "_lazy", "kernels", "options", "recipes"),  # the face, the C++ extension, JSON files, lazy
     # exports, Triton kernels, the options schema, YAML recipes
     ("diffusion", "data", "curriculum"),  # schedules and formulations; datasets and loaders; clustering and pacing
-    ("ops", "terms"),  # fused ops and their backend dispatch; the training-term interface
+    ("ops", "terms", "optim"),  # fused ops and their backend dispatch; the training terms; the optimizers
     ("models", "timesteps"),  # the DiT and its options; timestep strategies
     ("objective",),  # the training objective
     ("runs",),  # the run config, model building and sampling, checkpoints

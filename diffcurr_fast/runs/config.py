@@ -74,7 +74,8 @@ DATASETS = ("digits", "mnist5k", "npz", *SHARDED_DATASETS)  # data.dataset: buil
 PIXEL_DATASETS = ("digits", "mnist5k", "images")  # images in [-1, 1]; npz and latents may hold latents
 ENGINE_KINDS = ("auto", "single", "ddp", "deepspeed")
 DEVICES = ("auto", "cpu", "cuda")
-OPTIM_IMPLS = ("auto", "torch", "apex")  # AdamW kernels (``train.engine.build_optimizer``)
+OPTIMIZERS = _owned("diffcurr_fast.optim.registry", "OPTIMIZERS")
+OPTIM_IMPLS = ("auto", "torch", "apex")  # AdamW kernels (``optim.adamw``)
 NAN_POLICIES = ("skip", "stop")
 LR_SCHEDULES = ("constant", "cosine")  # ``train.loop.lr_at``
 # The largest EMA length of a post-hoc EMA profile (``runs.posthoc_ema``): exponent gamma = 0, the running mean, whose
@@ -289,8 +290,8 @@ class DataConfig:
 
 
 @dataclass
-class OptimConfig:
-    """AdamW, learning-rate schedule, clipping and EMA."""
+class _OptimCore:
+    """The optimizer, learning-rate schedule, clipping and EMA."""
 
     lr: float = option(1e-4, "peak learning rate", lo=0.0, lo_open=True)
     weight_decay: float = nonneg(0.0, "AdamW weight decay")
@@ -301,6 +302,9 @@ class OptimConfig:
         "auto",
         "AdamW kernels: auto / torch (torch's fused kernel, CUDA and CPU) or apex (NVIDIA apex FusedAdam)",
         OPTIM_IMPLS,
+    )
+    name: str = option(
+        "adamw", "the optimizer (optim/registry.py; each takes lr, betas, eps, weight_decay)", OPTIMIZERS
     )
     warmup_steps: int = nonneg(0, "linear warmup steps from 0 to lr")
     schedule: str = option("constant", "learning-rate schedule after warmup", LR_SCHEDULES)
@@ -519,6 +523,7 @@ COMPONENTS: dict[str, tuple[tuple[str | None, str, str], ...]] = {
     "diffusion": (("formulation", "diffcurr_fast.diffusion.registry", "FORMULATIONS"),),
     "timesteps": (("sampler", "diffcurr_fast.timesteps.registry", "STRATEGIES"),),
     "terms": (("use", "diffcurr_fast.terms.registry", "TERMS"), (None, "diffcurr_fast.terms.registry", "SWITCHES")),
+    "optim": (("name", "diffcurr_fast.optim.registry", "OPTIMIZERS"),),
 }
 _CORES: dict[str, type] = {
     "model": _ModelCore,
@@ -527,7 +532,7 @@ _CORES: dict[str, type] = {
     "timesteps": _TimestepsCore,
     "terms": _TermsCore,
     "data": DataConfig,
-    "optim": OptimConfig,
+    "optim": _OptimCore,
     "engine": EngineConfig,
     "logging": LoggingConfig,
     "checkpoint": CheckpointConfig,
@@ -614,11 +619,11 @@ def section_type(name: str) -> type:
 
 
 def __getattr__(name: str) -> Any:
-    """``ModelConfig``, ``DiffusionConfig``, ``TimestepsConfig``, ``TermsConfig``: the composed section types
-    (``section_type``); ``SECTIONS``: every section's type."""
-    composed = {"ModelConfig": "model", "DiffusionConfig": "diffusion", "TimestepsConfig": "timesteps"}
-    if name in composed or name == "TermsConfig":
-        return section_type(composed.get(name, "terms"))
+    """The composed section types of the sections with components (``ModelConfig``, ``DiffusionConfig``,
+    ``TimestepsConfig``, ``TermsConfig``, ``OptimConfig``: ``section_type``); ``SECTIONS``: every section's type."""
+    composed = {f"{sec.capitalize()}Config": sec for sec in COMPONENTS}
+    if name in composed:
+        return section_type(composed[name])
     if name == "SECTIONS":
         return {sec: section_type(sec) for sec in SECTION_NAMES}
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -645,7 +650,7 @@ class TrainConfig:
     timesteps: Any = field(default_factory=lambda: section_type("timesteps")())
     terms: Any = field(default_factory=lambda: section_type("terms")())
     data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    optim: Any = field(default_factory=lambda: section_type("optim")())
     engine: EngineConfig = field(default_factory=EngineConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -900,8 +905,9 @@ def set_key(cfg: TrainConfig, dotted: str, value: Any, source: tuple[int, str] =
 # the objective and the curriculum's state); the others (steps, LR, logging, ...) may change on resume.
 RESUME_LOCKED = ("model", "diffusion", "curriculum", "timesteps", "terms")
 # Keys of other sections that must match too: the batches (their size and order) and every RNG stream derive from
-# them, so a resume with another value could not continue the run it names.
-RESUME_LOCKED_KEYS = (("data", "batch_size"), ("engine", "seed"))
+# them, and the optimizer's state is of the kind optim.name names, so a resume with another value could not continue
+# the run it names.
+RESUME_LOCKED_KEYS = (("data", "batch_size"), ("engine", "seed"), ("optim", "name"))
 # Keys of the locked sections that may differ: the initial weights only matter for a fresh start.
 RESUME_FREE = {("model", "init_from")}
 
@@ -920,8 +926,8 @@ def resume_mismatches(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
             was = a[key] if key in a else defaults.get(key)  # a key newer than the checkpoint
             if was != b.get(key):
                 diffs.append(f"{sec}.{key}: checkpoint {was!r} vs now {b.get(key)!r}")
-    for sec, key in RESUME_LOCKED_KEYS:
-        a, b = saved.get(sec, {}).get(key), now[sec][key]
+    for sec, key in RESUME_LOCKED_KEYS:  # a key newer than the checkpoint: its default
+        a, b = saved.get(sec, {}).get(key, getattr(section_type(sec)(), key)), now[sec][key]
         if a != b:
             diffs.append(f"{sec}.{key}: checkpoint {a!r} vs now {b!r}")
     return diffs

@@ -41,28 +41,6 @@ from diffcurr_fast.runs.checkpoint import list_checkpoints
 from diffcurr_fast.runs.config import DEVICES, ENGINE_KINDS, TrainConfig
 
 
-def apex_fused_adam():
-    """NVIDIA apex's ``FusedAdam`` class, or None (apex absent, or the unrelated PyPI package of that name)."""
-    try:
-        from apex.optimizers import FusedAdam  # optional dependency (NVIDIA apex, CUDA builds only)
-    except Exception:  # ImportError, or a broken apex build
-        return None
-    return FusedAdam
-
-
-def check_optimizer(optim, device: torch.device) -> None:
-    """ValueError unless the optimizer ``optim.impl`` names can run on ``device`` (the preflight runs it too)."""
-    if optim.impl != "apex":
-        return
-    if apex_fused_adam() is None:
-        raise ValueError(
-            "optim.impl=apex needs NVIDIA apex (apex.optimizers.FusedAdam, built from NVIDIA's "
-            "sources; the PyPI package 'apex' is unrelated); use optim.impl=auto"
-        )
-    if device.type != "cuda":
-        raise ValueError(f"optim.impl=apex runs on CUDA only, the trainer's device is {device}")
-
-
 def check_launcher(kind: str) -> None:
     """ValueError when ``engine.kind`` ``ddp`` runs outside torchrun (its environment variables are missing)."""
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
@@ -71,19 +49,6 @@ def check_launcher(kind: str) -> None:
             f"engine.kind 'ddp' needs the torchrun environment (missing {', '.join(missing)}); launch with "
             "torchrun --nproc_per_node N -m diffcurr_fast.cli train ..., or set engine.kind=single"
         )
-
-
-def build_optimizer(params, optim, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW from ``optim.*``: torch's (``fused=True`` on CUDA and CPU) for ``impl`` auto / torch; NVIDIA apex's
-    FusedAdam in AdamW mode for ``impl=apex`` (CUDA only; ValueError when apex or CUDA is missing)."""
-    kw = dict(lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, weight_decay=optim.weight_decay)
-    check_optimizer(optim, device)
-    if optim.impl == "apex":
-        return apex_fused_adam()(params, adam_w_mode=True, **kw)
-    # torch's fused AdamW (one kernel over all parameters) runs on CUDA and on CPU; it matches the per-parameter
-    # loop to float32 rounding (tests/train/test_train_sync.py), and a resumed run repeats the uninterrupted one
-    # exactly.
-    return torch.optim.AdamW(params, fused=device.type in ("cuda", "cpu"), **kw)
 
 
 def compile_mode(cfg: TrainConfig, device: torch.device, world_size: int) -> str | None:

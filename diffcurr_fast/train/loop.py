@@ -1,11 +1,12 @@
-"""The training loop: sampled timesteps, fused forward process and loss, AdamW, EMA, checkpoints.
+"""The training loop: sampled timesteps, fused forward process and loss, the optimizer, EMA, checkpoints.
 
 One step (``Trainer.train_step``): cells k ~ the composed timestep sampler's weights (``timesteps.Product``: the
 formulation's cell prior x the strategy of ``timesteps.sampler`` x the curriculum's unlock mask x a TDC range;
 drawn by ``ops.sample_timesteps``), the per-sample loss of the ``Objective`` at k (the formulation's x_in = a x0 +
 c eps with Philox noise from a per-step seed, the network output, the regression target p x0 + q eps with its
 weight, plus IDDPM's variational term when the variance is learned; ``objective.py``), times the sampler's
-importance correction when it has one, backward, a finiteness vote across ranks, clip, AdamW step, EMA update (and
+importance correction when it has one, backward, a finiteness vote across ranks, clip, the optimizer's step
+(``optim.name``: AdamW, Muon, schedule-free AdamW, whose step runs at its gradient point), EMA update (and
 the post-hoc EMA's power-function averages, snapshot every ``optim.phema_every`` steps and at the end under
 ``phema/``), and the sampler observing the per-sample losses. Everything random comes from one per-rank generator
 and torch's global RNG (label dropout), both checkpointed, so a resumed run repeats the uninterrupted one exactly.
@@ -34,6 +35,7 @@ from diffcurr_fast.diffusion import build_formulation
 from diffcurr_fast.diffusion.axis import trusted_t
 from diffcurr_fast.objective import Objective, draw_seed
 from diffcurr_fast.ops import sample_timesteps
+from diffcurr_fast.optim.registry import at_train_point, build_optimizer
 from diffcurr_fast.runs import checkpoint as ckpt_io
 from diffcurr_fast.runs.config import TrainConfig, config_from_dict
 from diffcurr_fast.runs.posthoc_ema import remove_snapshots_after, write_snapshot
@@ -42,7 +44,7 @@ from diffcurr_fast.runs.sampling import SamplingInterrupted, build_model, grid_u
 from diffcurr_fast.timesteps.build import build_curriculum, build_timesteps
 from diffcurr_fast.train.data import build_loader, load_init_weights
 from diffcurr_fast.train.ema import EMA, PowerEMA
-from diffcurr_fast.train.engine import Engine, build_optimizer, compile_mode, create_engine, unwrap
+from diffcurr_fast.train.engine import Engine, compile_mode, create_engine, unwrap
 from diffcurr_fast.train.evaluation import Evaluator, eval_due
 from diffcurr_fast.train.host_memory import retain_host_memory
 from diffcurr_fast.train.interrupt import GridInterrupted, StopRequest, TrainingInterrupted
@@ -116,8 +118,7 @@ class Trainer:
         self.phema = PowerEMA(self.model, o.phema_sigma_rels) if o.phema_every else None  # post-hoc EMA (EDM2)
         if hasattr(self.model, "check_values"):  # t from the sampler, labels checked at load: no per-step host sync
             self.model.check_values = False
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = build_optimizer(params, o, self.device)  # torch's fused AdamW (CUDA, CPU) or apex FusedAdam
+        self.opt = build_optimizer(self.model, cfg, self.device)  # optim.name: AdamW, Muon + AdamW, schedule-free
         self.net, self.opt = self.engine.setup(self.model, self.opt, cfg)  # DeepSpeed: its engine, ZeRO optimizer
         mode = compile_mode(cfg, self.device, world)
         if mode is not None:
@@ -174,22 +175,23 @@ class Trainer:
         seed, acc, pers = draw_seed(self.gen), o.grad_accum_steps, []
         route = getattr(self.objective, "route", None)  # a stand-in objective of a test has none
         routed = route is None or route.routed(self.step)  # token routing's full-token phase (routing_until)
-        self.engine.zero_grad(self.opt)
-        chunks = zip(x0.chunk(acc), y.chunk(acc), k.chunk(acc), (k if lw is None else lw).chunk(acc))
-        for i, (xi, yi, ki, wi) in enumerate(chunks):  # micro-batches
-            with self.engine.accumulate(self.net, boundary=i == acc - 1), trusted_t():  # t from the sampler
-                per = self.objective(self.net, xi, yi, ki, seed=seed + i, generator=self.gen, routed=routed)  # (m,)
-                self.engine.backward(Objective.mean(per, None if lw is None else wi), acc)
-            pers.append(per.detach())
-        per = torch.cat(pers)  # (b,)
-        loss = per.mean()
-        stats: dict[str, Any] = {"k": k}
-        ok = torch.isfinite(loss)
-        grad_norm = self.engine.clip_grad_norm(self.model, o.grad_clip)  # None: the engine clips in its step
-        if grad_norm is not None:  # a finite loss can still overflow a gradient: the norm votes too
-            stats["grad_norm"] = grad_norm
-            ok = ok & torch.isfinite(grad_norm)
-        applied = self.engine.step(self.opt, lr_at(self.step, self.cfg), ok)  # every rank steps, or every rank skips
+        with at_train_point(self.opt):  # schedule-free: its gradient point y here, the averaged point x after
+            self.engine.zero_grad(self.opt)
+            chunks = zip(x0.chunk(acc), y.chunk(acc), k.chunk(acc), (k if lw is None else lw).chunk(acc))
+            for i, (xi, yi, ki, wi) in enumerate(chunks):  # micro-batches
+                with self.engine.accumulate(self.net, boundary=i == acc - 1), trusted_t():  # t from the sampler
+                    per = self.objective(self.net, xi, yi, ki, seed=seed + i, generator=self.gen, routed=routed)
+                    self.engine.backward(Objective.mean(per, None if lw is None else wi), acc)
+                pers.append(per.detach())  # (m,)
+            per = torch.cat(pers)  # (b,)
+            loss = per.mean()
+            stats: dict[str, Any] = {"k": k}
+            ok = torch.isfinite(loss)
+            grad_norm = self.engine.clip_grad_norm(self.model, o.grad_clip)  # None: the engine clips in its step
+            if grad_norm is not None:  # a finite loss can still overflow a gradient: the norm votes too
+                stats["grad_norm"] = grad_norm
+                ok = ok & torch.isfinite(grad_norm)
+            applied = self.engine.step(self.opt, lr_at(self.step, self.cfg), ok)  # every rank steps, or none
         mask = applied if isinstance(applied, torch.Tensor) else None  # engine.cuda_graphs: the vote, on the device
         if mask is not None or applied:  # the updates below are masked by it (no host read)
             with self.engine.full_params(self.model):  # ZeRO-3: gathered for the EMA

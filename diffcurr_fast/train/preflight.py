@@ -20,10 +20,11 @@ import torch
 from diffcurr_fast.models.attention import flash_attn_reason
 from diffcurr_fast.models.diffusers_dit import is_diffusers_dir
 from diffcurr_fast.ops._backend import CHOICES, unavailable_reason
+from diffcurr_fast.optim.registry import check_optimizer
 from diffcurr_fast.runs.config import TrainConfig
 from diffcurr_fast.runs.sampling import build_model
 from diffcurr_fast.train.data import check_data, fitting_init_state
-from diffcurr_fast.train.engine import check_launcher, check_optimizer, load_deepspeed_config
+from diffcurr_fast.train.engine import check_launcher, load_deepspeed_config
 from diffcurr_fast.train.evaluation import check_reference
 from diffcurr_fast.train.rundir import TRAIN_LAYOUT, RunLayout, RunStart, check_run_dir
 
@@ -64,7 +65,7 @@ def check_backends(cfg: TrainConfig) -> None:
     if e.kind == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         raise ImportError("engine.kind 'deepspeed' needs the deepspeed package: pip install deepspeed")
     check_launcher(e.kind)
-    check_optimizer(cfg.optim, dev)
+    check_optimizer(cfg, dev)
     if m.attn_backend == "flash_attn":
         reason = flash_attn_reason()
         if reason is not None:

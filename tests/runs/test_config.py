@@ -261,6 +261,11 @@ def test_resume_mismatches_lists_locked_keys():
     assert resume_mismatches(saved, a) == []
     routed = config_from_dict({"model": {"routing": "tread", "depth": 6}}, base=load_config(None))
     assert "model.routing: checkpoint 'none' vs now 'tread'" in resume_mismatches(saved, routed)
+    # the optimizer's state is of its kind: a resume keeps optim.name (a checkpoint from before it: adamw)
+    muon = config_from_dict({"optim": {"name": "muon"}}, base=load_config(None))
+    assert resume_mismatches(a.to_dict(), muon) == ["optim.name: checkpoint 'adamw' vs now 'muon'"]
+    del saved["optim"]["name"]
+    assert resume_mismatches(saved, a) == [] and resume_mismatches(saved, muon) != []
 
 
 def _parse(argv):

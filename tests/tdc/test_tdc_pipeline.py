@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 import yaml
+from conftest import set_args
 from safetensors.torch import load_file
 
 from diffcurr_fast import cli_sample
@@ -393,7 +394,7 @@ def test_cli_refuses_existing_run_dir(tmp_path):
     run.mkdir()
     (run / "tdc.json").write_text("{}")
     with pytest.raises(FileExistsError, match="not empty; pass .*--overwrite"):
-        tdc_cli.run(_tdc_args("--run-dir", str(run), *[a for s in TINY for a in ("--set", s)]))
+        tdc_cli.run(_tdc_args("--run-dir", str(run), *set_args(*TINY)))
 
 
 def test_curriculum_stage1_llm_proposer_and_overwrite(tmp_path):
@@ -430,7 +431,7 @@ def test_unreachable_llm_stops_the_command_with_one_line(tmp_path, capsys):
     tdc = {**TINY_TDC, **llm, "rounds": 1, "finetune_steps": 1}
     sets = [*TINY, "logging.num_samples=0", *(f"tdc.{k}={v}" for k, v in tdc.items())]
     capsys.readouterr()
-    rc = cli.main(["tdc", "--run-dir", str(tmp_path / "run"), *[a for s in sets for a in ("--set", s)]])
+    rc = cli.main(["tdc", "--run-dir", str(tmp_path / "run"), *set_args(*sets)])
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
     assert rc == 2 and len(errors) == 1, errors
     assert errors[0].startswith(

@@ -91,7 +91,7 @@ def test_the_gaps_are_drawn_from_the_steps_noise_seed():
 
     def gaps(seed):
         inputs = _inputs("ddpm", "eps", 301, seed=seed)  # the same cells and data, the noise of ``seed``
-        return (inputs.terms.t - term.teacher_terms(inputs).t).tolist()
+        return (inputs.draw.t - term.teacher_draw(inputs).t).tolist()
 
     seeds = (1234, 1235, 2**61 + 7)  # two neighbours (micro-batches i and i + 1) and a far one
     drawn = [gaps(s) for s in seeds]

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from conftest import set_args
 
 from diffcurr_fast import cli
 from diffcurr_fast.runs.recipes import load_config
@@ -51,7 +52,7 @@ def tiny(run_dir, *extra):
 def _cli(*argv):
     p = argparse.ArgumentParser()
     cli_train.add_arguments(p)
-    return cli_train.run(p.parse_args([a for s in SETS for a in ("--set", s)] + list(argv)))
+    return cli_train.run(p.parse_args(set_args(*SETS) + list(argv)))
 
 
 def _touch(root: Path, *names: str) -> None:
@@ -189,7 +190,7 @@ def test_start_failing_on_its_first_batch_does_not_block_the_rerun(tmp_path):
 )
 def test_dry_run_is_full_validation(tmp_path, sets, match, capsys):
     with pytest.raises((FileNotFoundError, ValueError, ImportError), match=match):
-        _cli("--dry-run", "--run-dir", str(tmp_path / "run"), *[a for s in sets for a in ("--set", s)])
+        _cli("--dry-run", "--run-dir", str(tmp_path / "run"), *set_args(*sets))
     assert not (tmp_path / "run").exists()
 
 
@@ -279,7 +280,7 @@ def test_signal_checkpoints_and_prints_resume_command(tmp_path, sig, repeat):
         "train",
         "--run-dir",
         str(run),
-        *[a for s in SETS for a in ("--set", s)],
+        *set_args(*SETS),
         "--set",
         "engine.max_steps=100000",
         "--set",
@@ -341,7 +342,7 @@ def test_resume_starts_from_the_runs_own_config_and_keeps_the_one_it_changes(tmp
     from conftest import TINY_SETS, _main
 
     run = tmp_path / "run"
-    sets = [a for s in [*TINY_SETS, "engine.max_steps=2", "optim.lr=1e-3"] for a in ("--set", s)]
+    sets = set_args(*TINY_SETS, "engine.max_steps=2", "optim.lr=1e-3")
     assert _main(capsys, "train", "--run-dir", str(run), *sets)[0] == 0
     first = (run / "config.yaml").read_text()
     capsys.readouterr()

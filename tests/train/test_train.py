@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from conftest import set_args
 
 from diffcurr_fast.runs.recipes import load_config
 from diffcurr_fast.train.ema import EMA
@@ -298,7 +299,7 @@ def test_cli_train_prints_where_outputs_are(tmp_path, capsys):
         "logging.progress=false",
         "logging.plots=false",
     ]
-    argv = ["--run-dir", str(run)] + [a for s in sets for a in ("--set", s)]
+    argv = ["--run-dir", str(run)] + set_args(*sets)
     assert cli_train.run(p.parse_args(argv)) == 0
     out = capsys.readouterr()
     assert f"sample grid: {run / 'samples.png'}" in out.out and "done: 2 steps" in out.out
@@ -312,7 +313,8 @@ def test_cli_train_prints_where_outputs_are(tmp_path, capsys):
     )
     with pytest.raises(FileExistsError):
         cli_train.run(p.parse_args(argv))
-    assert cli_train.run(p.parse_args(argv + ["--resume", "--set", "engine.max_steps=3"])) == 0
+    resume = ["--run-dir", str(run), *set_args(*sets, "engine.max_steps=3"), "--resume"]
+    assert cli_train.run(p.parse_args(resume)) == 0
     assert "resuming from" in capsys.readouterr().err
     paced = ["--set", "curriculum.pacing=fixed", "--set", "curriculum.stage_iters=1", "--run-dir", str(tmp_path / "cl")]
     assert cli_train.run(p.parse_args(argv + paced)) == 0
@@ -494,15 +496,17 @@ def test_optim_impl_apex_is_a_clear_error_without_nvidia_apex_and_uses_adamw_mod
     import sys
     import types
 
-    from diffcurr_fast.runs.config import OptimConfig
-    from diffcurr_fast.train.engine import build_optimizer
+    from diffcurr_fast.optim.registry import build_optimizer
+    from diffcurr_fast.runs.config import OptimConfig, TrainConfig
 
-    params = [torch.nn.Parameter(torch.zeros(3))]
-    assert isinstance(build_optimizer(params, OptimConfig(impl="auto"), torch.device("cpu")), torch.optim.AdamW)
+    params = torch.nn.Linear(3, 1)
+    assert isinstance(
+        build_optimizer(params, TrainConfig(optim=OptimConfig(impl="auto")), torch.device("cpu")), torch.optim.AdamW
+    )
     monkeypatch.setitem(sys.modules, "apex", None)  # not importable
     monkeypatch.setitem(sys.modules, "apex.optimizers", None)
     with pytest.raises(ValueError, match="NVIDIA apex"):
-        build_optimizer(params, OptimConfig(impl="apex"), torch.device("cpu"))
+        build_optimizer(params, TrainConfig(optim=OptimConfig(impl="apex")), torch.device("cpu"))
     seen = {}
 
     class FusedAdam(torch.optim.AdamW):  # stands in for apex.optimizers.FusedAdam
@@ -515,8 +519,8 @@ def test_optim_impl_apex_is_a_clear_error_without_nvidia_apex_and_uses_adamw_mod
     monkeypatch.setitem(sys.modules, "apex", types.ModuleType("apex"))
     monkeypatch.setitem(sys.modules, "apex.optimizers", fake)
     with pytest.raises(ValueError, match="CUDA only"):
-        build_optimizer(params, OptimConfig(impl="apex"), torch.device("cpu"))
-    opt = build_optimizer(params, OptimConfig(impl="apex", lr=3e-4), torch.device("cuda"))
+        build_optimizer(params, TrainConfig(optim=OptimConfig(impl="apex")), torch.device("cpu"))
+    opt = build_optimizer(params, TrainConfig(optim=OptimConfig(impl="apex", lr=3e-4)), torch.device("cuda"))
     assert isinstance(opt, FusedAdam) and seen["adam_w_mode"] is True and opt.defaults["lr"] == 3e-4
     with pytest.raises(ValueError, match="impl"):
         load_config(None, ["optim.impl=fast"])

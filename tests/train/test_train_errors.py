@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_SETS, _main, tiny
+from conftest import TINY_SETS, _main, set_args, tiny
 
 from diffcurr_fast import cli
 from diffcurr_fast.runs.recipes import load_config
@@ -129,7 +129,7 @@ def test_mostly_skipped_run_stops_with_the_first_bad_step(tmp_path, capsys):
         "train",
         "--run-dir",
         str(run),
-        *(a for s in TINY_SETS for a in ("--set", s)),
+        *set_args(*TINY_SETS),
         "--set",
         "engine.max_steps=15",
         "--set",
@@ -148,7 +148,7 @@ def test_a_run_that_fails_at_its_first_step_blames_the_data_not_the_learning_rat
     """data.scale=1e30: the initial model's loss is already non-finite, so no learning rate could cause it; the line
     names the data and data.scale, not optim.lr."""
     sets = [*TINY_SETS, "engine.max_steps=15", "data.scale=1e30"]
-    rc, err = _main(capsys, "train", "--run-dir", str(tmp_path / "run"), *(a for s in sets for a in ("--set", s)))
+    rc, err = _main(capsys, "train", "--run-dir", str(tmp_path / "run"), *set_args(*sets))
     line = next(v for v in err.splitlines() if "error:" in v)
     assert rc == 2 and "the first at step 1 " in line, err
     assert line.endswith("check the data and data.scale (now 1e+30; the model sees data.scale x the data)")
@@ -207,7 +207,7 @@ def test_skip_share_and_first_bad_step_are_counted(tmp_path):
 
 
 def _sets(*extra):
-    return [a for s in (*TINY_SETS, *extra) for a in ("--set", s)]
+    return set_args(*TINY_SETS, *extra)
 
 
 @pytest.mark.parametrize(
@@ -460,9 +460,73 @@ def test_dry_run_refuses_what_the_start_refuses(tmp_path, capsys, monkeypatch, c
     monkeypatch.chdir(tmp_path)
     sets, line = _late_inputs(tmp_path)[case]
     run = tmp_path / "run"
-    argv = [a for s in [*TINY_SETS, *sets] for a in ("--set", s)]
+    argv = set_args(*TINY_SETS, *sets)
     for extra in (["--dry-run"], []):
         rc, err = _main(capsys, "train", "--run-dir", str(run), *extra, *argv)
         assert rc == 2 and err.count("\n") == 1, err
         assert re.search(line, err), err
         assert not run.exists()
+
+
+@pytest.mark.parametrize(
+    "sets, match",
+    [
+        (
+            ["optim.name=schedule_free", "optim.schedule=cosine"],
+            r"^optim.name=schedule_free replaces the learning-rate decay by its average of the iterates; "
+            r"optim.schedule=cosine would decay it too: set optim.schedule=constant",
+        ),
+        (["optim.name=muon", "optim.impl=apex"], r"^optim.impl=apex picks AdamW's kernel .*optim.name=muon steps with"),
+        (["optim.name=schedule_free", "optim.schedule=constant", "optim.impl=apex"], r"^optim.impl=apex picks"),
+        (
+            ["optim.name=muon", "engine.kind=deepspeed", "engine.deepspeed_config=ds.json"],
+            r"^optim.name=muon does not run under engine.kind=deepspeed: DeepSpeed hands the optimizer flat partitions",
+        ),
+        (
+            [
+                "optim.name=schedule_free",
+                "optim.schedule=constant",
+                "engine.kind=deepspeed",
+                "engine.deepspeed_config=x",
+            ],
+            r"^optim.name=schedule_free does not run under engine.kind=deepspeed",
+        ),
+        (
+            ["optim.name=muon", "engine.cuda_graphs=true"],
+            r"^engine.cuda_graphs skips a non-finite step on the device through torch's fused AdamW, which "
+            r"optim.name=muon does not step with",
+        ),
+    ],
+    ids=["schedule_free-cosine", "muon-apex", "schedule_free-apex", "muon-zero", "schedule_free-zero", "muon-graphs"],
+)
+def test_optimizer_combinations_that_cannot_run_are_refused_before_the_run(tmp_path, capsys, sets, match):
+    """The start's checks refuse them (the optimizers' rules, ``optim/``): one line, nothing written; the DeepSpeed
+    cases were tried on 2 gloo ranks (ZeRO-1/2: Muon raises on the flat partitions, schedule-free's switch to x leaves
+    the model's weights as they were)."""
+    with pytest.raises(ValueError, match=match):
+        check_run(tiny(tmp_path / "run", *sets))
+    argv = set_args(*TINY_SETS, *sets)
+    rc, err = _main(capsys, "train", "--run-dir", str(tmp_path / "run"), *argv)
+    assert rc == 2 and err.count("\n") == 1 and re.search(match[1:], err), err
+    if "engine.kind=deepspeed" not in sets:  # a DeepSpeed engine needs its launcher before the trainer checks
+        with pytest.raises(ValueError, match=match):
+            Trainer(tiny(tmp_path / "run", *sets))
+    assert not (tmp_path / "run").exists()
+
+
+def test_schedule_free_without_its_package_names_the_extra(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "schedulefree", None)  # not importable
+    sets = ["optim.name=schedule_free", "optim.schedule=constant"]
+    with pytest.raises(ImportError, match=r"^optim.name=schedule_free needs the schedulefree package: pip install"):
+        check_run(tiny(tmp_path / "run", *sets))
+    argv = set_args(*TINY_SETS, *sets)
+    rc, err = _main(capsys, "train", "--run-dir", str(tmp_path / "run"), "--dry-run", *argv)
+    assert rc == 2 and err.count("\n") == 1 and "'diffcurr-fast[schedulefree]'" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_muon_needs_the_blocks_of_a_dit():
+    from diffcurr_fast.optim.registry import build_optimizer
+
+    with pytest.raises(ValueError, match=r"^optim.name=muon found no block matrices in the Linear \(model.blocks\)"):
+        build_optimizer(torch.nn.Linear(3, 2), tiny("unused", "optim.name=muon"), torch.device("cpu"))

@@ -12,11 +12,12 @@ import pytest
 import torch
 from conftest import tiny
 
-from diffcurr_fast import objective as objective_module
 from diffcurr_fast.data.loader import EpochBatchSampler
 from diffcurr_fast.data.order import flip_decisions
+from diffcurr_fast.models import routing as routing_module
 from diffcurr_fast.models.dit import LabelEmbedder
 from diffcurr_fast.objective import Objective
+from diffcurr_fast.terms import immiscible as immiscible_module
 from diffcurr_fast.terms.sra import SRA
 from diffcurr_fast.train import loop
 from diffcurr_fast.train.engine import Engine
@@ -60,8 +61,8 @@ class RankStandIn(Engine):
 def _draws(run_dir, rank: int, seed: int) -> dict:
     """{stream: one entry per micro-batch (per step for ``data``)} of STEPS steps of rank ``rank`` of 2."""
     out = {name: [] for name in STREAMS}
-    real_call, real_draw, real_route = Objective.__call__, Objective.draw, objective_module.draw_route
-    real_drop, real_gaps, real_assign = LabelEmbedder.token_drop, SRA.teacher_terms, objective_module.assign_noise
+    real_call, real_draw, real_route = Objective.__call__, Objective.draw, routing_module.draw_route
+    real_drop, real_gaps, real_assign = LabelEmbedder.token_drop, SRA.teacher_draw, immiscible_module.assign_noise
     first = [False]  # the first draw of a call is the student's (SRA's redraws at the teacher's cells follow it)
 
     def call(self, model, x0, y, k, *, seed, **kw):
@@ -116,10 +117,10 @@ def _draws(run_dir, rank: int, seed: int) -> dict:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Objective, "__call__", call)
         mp.setattr(Objective, "draw", draw)
-        mp.setattr(objective_module, "draw_route", route)
+        mp.setattr(routing_module, "draw_route", route)
         mp.setattr(LabelEmbedder, "token_drop", drop)
-        mp.setattr(SRA, "teacher_terms", gaps)
-        mp.setattr(objective_module, "assign_noise", assign)
+        mp.setattr(SRA, "teacher_draw", gaps)
+        mp.setattr(immiscible_module, "assign_noise", assign)
         mp.setattr(loop, "_set_process", process)
         tr = Trainer(tiny(run_dir, *SETS, f"engine.seed={seed}"), RankStandIn(rank))
         for _ in range(STEPS):

@@ -17,8 +17,8 @@ import torch
 from conftest import SyncCounter, assert_near_reference
 from torch.utils._python_dispatch import _disable_current_modes
 
+from diffcurr_fast.optim.registry import build_optimizer
 from diffcurr_fast.runs.recipes import load_config
-from diffcurr_fast.train.engine import build_optimizer
 from diffcurr_fast.train.loop import Trainer
 
 
@@ -158,17 +158,18 @@ def test_trusted_t_skips_only_the_range_checks():
 def test_fused_adamw_matches_the_per_parameter_loop():
     """The trainer's AdamW (fused, also on CPU) and torch's float32 per-parameter loop, each against the loop in
     float64: two float32 update paths round differently by CPU and vector width, so neither is the other's oracle."""
-    from diffcurr_fast.runs.config import OptimConfig
+    from diffcurr_fast.runs.config import OptimConfig, TrainConfig
 
     torch.manual_seed(0)
     shapes = [(37, 5), (64,), (3, 3, 2, 2), (1,)]
     exact = [torch.randn(s, dtype=torch.float64, requires_grad=True) for s in shapes]
     loop = [p.detach().float().requires_grad_() for p in exact]
-    ours = [p.detach().float().requires_grad_() for p in exact]
+    holder = torch.nn.ParameterList([p.detach().float() for p in exact])
+    ours = list(holder)
     o = OptimConfig(lr=1e-3, weight_decay=0.05, beta1=0.9, beta2=0.99, eps=1e-8)
     kw = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, foreach=False)
     opt_exact, opt_loop = torch.optim.AdamW(exact, **kw), torch.optim.AdamW(loop, **kw)
-    opt = build_optimizer(ours, o, torch.device("cpu"))
+    opt = build_optimizer(holder, TrainConfig(optim=o), torch.device("cpu"))
     assert opt.defaults["fused"]
     for _ in range(30):
         grads = [torch.randn(s) for s in shapes]

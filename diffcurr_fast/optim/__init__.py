@@ -1,0 +1,1 @@
+"""The optimizers by name (``optim.name``): one file each with its options (``registry.OPTIMIZERS``)."""
