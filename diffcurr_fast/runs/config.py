@@ -914,13 +914,14 @@ RESUME_FREE = {("model", "init_from")}
 
 def resume_mismatches(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
     """Keys of the locked sections whose values differ between ``saved`` (a ``to_dict``) and ``cfg``; a key the
-    saved config predates counts as its default (a checkpoint written before a section or a key existed)."""
+    saved config predates counts as its default (a checkpoint written before a section or a key existed), and the
+    options of a component ``cfg`` does not use are not compared (what turns it off is)."""
     now = cfg.to_dict()
     diffs = []
     for sec in RESUME_LOCKED:
         defaults = dataclasses.asdict(section_type(sec)())
-        a, b = saved.get(sec, defaults), {**defaults, **now[sec]}
-        for key in sorted(set(a) | set(b)):
+        a, b = saved.get(sec, defaults), now[sec]
+        for key in sorted(b):
             if (sec, key) in RESUME_FREE:
                 continue
             was = a[key] if key in a else defaults.get(key)  # a key newer than the checkpoint

@@ -467,3 +467,33 @@ def test_evaluation_features_must_score_the_models_images(sets, takes, fix, tmp_
     with pytest.raises(ValueError, match=rf"^eval.features '\w+' scores {takes}; set eval.features={fix}"):
         load_config(None, [*sets, "logging.eval_every=5"])
     load_config(None, [*sets, "logging.eval_every=0"])
+
+
+def test_configs_saved_in_each_earlier_layout_load(tmp_path):
+    """Each layout a saved config had: every key of every component written (before the options moved beside their
+    components, a ``to_dict`` held the options of unused ones too, some at non-default values a recipe left); no
+    ``terms`` section (before the training terms); no ``optim.name`` (before the optimizer choice). A saved config
+    is a record: it loads (``config.yaml`` on resume, a checkpoint's config), and its unused options are not written
+    again; the same dict given as a request is refused."""
+    from diffcurr_fast.runs.checkpoint import load_checkpoint, save_checkpoint
+    from diffcurr_fast.runs.recipes import load_run_config
+
+    cfg = load_config(None)
+    full = cfg.to_dict()
+    full["model"].update(routing_keep=0.25, routing_start=1, routing_end=3, routing_until=0)
+    full["diffusion"].update(sigma_data=1.0, P_mean=-1.2, P_std=1.2, sigma_min=0.002, sigma_max=80.0)
+    full["timesteps"].update(lognormal_mean=0.5, anuts_every=20)
+    full["terms"].update(sra_weight=0.75, repa_encoder="")
+    with pytest.raises(ValueError, match="is an option of"):
+        config_from_dict(full)
+    assert config_from_dict(full, record=True).to_dict() == cfg.to_dict()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump(full))
+    assert load_run_config(tmp_path / "run" / "config.yaml").to_dict() == cfg.to_dict()
+    assert resume_mismatches(full, cfg) == []
+    no_terms = {sec: dict(v) for sec, v in cfg.to_dict().items() if sec != "terms"}
+    del no_terms["optim"]["name"]
+    path = save_checkpoint(tmp_path, 1, {"model": {}, "config": no_terms})
+    state = load_checkpoint(path)
+    assert config_from_dict(state["config"], record=True).to_dict() == cfg.to_dict()
+    assert resume_mismatches(no_terms, cfg) == []
