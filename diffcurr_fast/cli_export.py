@@ -28,7 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from diffcurr_fast._files import check_writable, write_json
-from diffcurr_fast.runs.config import PIXEL_DATASETS, config_from_dict, with_article
+from diffcurr_fast.data.section import PIXEL_DATASETS
+from diffcurr_fast.runs.config import config_from_dict
+from diffcurr_fast.runs.sections import with_article
 
 PREDICTION_TYPES = {"eps": "epsilon", "x0": "sample", "v": "v_prediction"}  # ours -> diffusers' prediction_type
 

@@ -45,12 +45,14 @@ that had skipped steps costs one more read-back.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from diffcurr_fast.curriculum.clustering import Clusters, check_clusters
+from diffcurr_fast.curriculum.clustering import CLUSTER_METHODS, Clusters, check_clusters
+from diffcurr_fast.options import nonneg, option, positive, unit
 
 
 class Pacing:
@@ -506,3 +508,25 @@ class Curriculum:
         self._cl_slow = [float(v) for v in state["cl_slow"]]
         self._weights = None
         self._skipped = None
+
+
+@dataclass
+class CurriculumOptions:
+    """Difficulty curriculum over timestep clusters (Kim et al., ICLR 2025)."""
+
+    pacing: str = option(
+        "patience", "patience (the paper), fixed (NaiveCL), none (vanilla) or adaptive", lambda: PACINGS
+    )
+    num_clusters: int = positive(20, "N, the number of timestep clusters")
+    method: str = option("snr", "clustering rule", lambda: CLUSTER_METHODS)
+    order: str = option("easy_to_hard", "unlock order (hard_to_easy = anti-curriculum)", lambda: ORDERS)
+    patience: int = nonneg(20, "evaluations without improvement before the next unlock")
+    ema: float = unit(0.9, "decay of the monitored-loss EMA per evaluation, in [0, 1)", hi_open=True)
+    min_delta: float = nonneg(1e-3, "relative decrease of the monitored loss that counts as an improvement")
+    stage_iters: int = nonneg(0, "steps per stage for fixed pacing (0 = unset)")
+    eval_every: int = positive(10, "steps per evaluation window")
+    adaptive_floor: float = unit(0.5, "share of uniform sampling kept by adaptive pacing, in [0, 1]")
+
+    def validate(self) -> None:
+        if self.pacing == "fixed" and self.stage_iters < 1:
+            raise ValueError("curriculum.stage_iters must be >= 1 when curriculum.pacing is 'fixed'")

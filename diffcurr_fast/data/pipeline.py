@@ -20,8 +20,7 @@ from diffcurr_fast.data import dali
 from diffcurr_fast.data.images import ImageDataset, ImageFolder
 from diffcurr_fast.data.latents import LatentDataset, open_latents
 from diffcurr_fast.data.order import ShardedOrder
-
-BACKENDS = ("auto", "dali", "torch")
+from diffcurr_fast.data.section import BACKENDS
 
 
 class ListSampler(Sampler):

@@ -177,8 +177,8 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> int:
         samples_from_model,
     )
     from diffcurr_fast.eval.features import get_extractor
-    from diffcurr_fast.runs.config import EVAL_SHAPES, resolve_sampler
     from diffcurr_fast.runs.sampling import set_cpu_threads
+    from diffcurr_fast.runs.sections import EVAL_SHAPES, resolve_sampler
 
     cfg = None
     if args.ckpt is not None:  # every rank loads the model; --sampler auto is its formulation's own, as in `sample`

@@ -30,9 +30,10 @@ from diffcurr_fast.eval.metrics import (
     precision_recall,
 )
 from diffcurr_fast.runs.checkpoint import load_checkpoint, resolve_checkpoint
-from diffcurr_fast.runs.config import TrainConfig, config_from_dict, resolve_sampler
+from diffcurr_fast.runs.config import TrainConfig, config_from_dict
 from diffcurr_fast.runs.posthoc_ema import reconstruct
 from diffcurr_fast.runs.sampling import batch_slices, build_schedule, checkpoint_dit, sample_batch, sampling_readout
+from diffcurr_fast.runs.sections import resolve_sampler
 
 
 def load_images(path: str | os.PathLike, what: str = "samples file") -> torch.Tensor:

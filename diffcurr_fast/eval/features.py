@@ -26,7 +26,7 @@ from torch import nn
 
 from diffcurr_fast.data.builtin import load_digits_tensors, load_mnist5k_tensors
 from diffcurr_fast.eval.inception import load_fid_inception
-from diffcurr_fast.runs.config import EVAL_SHAPES
+from diffcurr_fast.runs.sections import EVAL_SHAPES
 
 EXTRACTORS = ("digits", "mnist5k", "inception")
 DIGITS_LABEL = "digits-classifier features: not Inception FID"

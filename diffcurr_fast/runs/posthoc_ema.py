@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from diffcurr_fast.optim.registry import PHEMA_SIGMA_REL_MAX
 from diffcurr_fast.runs.checkpoint import export_safetensors
-from diffcurr_fast.runs.config import PHEMA_SIGMA_REL_MAX
 
 SNAPSHOT_DIR = "phema"
 _NAME = re.compile(r"^phema-(\d{8,})-([0-9.e+-]+)\.safetensors$")

@@ -40,7 +40,8 @@ from diffcurr_fast.diffusion import (
 from diffcurr_fast.models import DiT
 from diffcurr_fast.models.dit import LabelEmbedder
 from diffcurr_fast.runs.checkpoint import load_weights
-from diffcurr_fast.runs.config import components, resolve_sampler, with_article
+from diffcurr_fast.runs.config import components
+from diffcurr_fast.runs.sections import resolve_sampler, with_article
 
 if TYPE_CHECKING:
     from diffcurr_fast.runs.config import TrainConfig

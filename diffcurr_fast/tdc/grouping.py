@@ -22,8 +22,8 @@ import torch
 
 from diffcurr_fast.curriculum.clustering import check_clusters, cluster_timesteps, snr_interval_clusters
 from diffcurr_fast.diffusion import snr_to_db
-from diffcurr_fast.runs.config import FULL_BUDGET_ENDS
-from diffcurr_fast.runs.config import GROUP_METHODS as _GROUP_METHODS
+from diffcurr_fast.runs.sections import FULL_BUDGET_ENDS
+from diffcurr_fast.runs.sections import GROUP_METHODS as _GROUP_METHODS
 
 GROUP_METHODS = _GROUP_METHODS()  # "db" (TDC's dB grouping) and the curriculum's clustering rules
 

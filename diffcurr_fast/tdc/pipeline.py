@@ -51,9 +51,10 @@ from diffcurr_fast._files import read_safetensors, write_json
 from diffcurr_fast.models import DiT
 from diffcurr_fast.objective import Objective
 from diffcurr_fast.runs.checkpoint import export_safetensors, latest_checkpoint
-from diffcurr_fast.runs.config import TDCConfig, TrainConfig, config_from_dict, resume_mismatches, upgrade_saved
+from diffcurr_fast.runs.config import TrainConfig, config_from_dict, resume_mismatches, upgrade_saved
 from diffcurr_fast.runs.recipes import load_config
 from diffcurr_fast.runs.sampling import build_model, grid_sampler, sample, sample_grid, sampling_readout
+from diffcurr_fast.runs.sections import TDCConfig
 from diffcurr_fast.tdc.accounting import sampling_flops, training_flops, visited_input_times
 from diffcurr_fast.tdc.experts import MultiExpertDenoiser, load_bundle, save_bundle
 from diffcurr_fast.tdc.flops import dit_flops

@@ -15,7 +15,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from diffcurr_fast.runs.config import PROPOSERS
+from diffcurr_fast.runs.sections import PROPOSERS
 from diffcurr_fast.tdc.llm import LLMProposer
 from diffcurr_fast.tdc.prune import select_widths
 from diffcurr_fast.tdc.search import Proposer, SearchState

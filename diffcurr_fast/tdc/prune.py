@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from diffcurr_fast.objective import Objective, batch_loss, default_objective
-from diffcurr_fast.runs.config import IMPORTANCE_METHODS
+from diffcurr_fast.runs.sections import IMPORTANCE_METHODS
 from diffcurr_fast.tdc.flops import block_flops, default_widths, widths_flops
 from diffcurr_fast.timesteps.build import build_timesteps
 

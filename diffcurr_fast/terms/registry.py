@@ -10,9 +10,10 @@ does to the draw) and one line in ``SWITCHES``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from diffcurr_fast.options import load
+from diffcurr_fast.options import load, option
 
 TERMS: dict[str, str] = {
     "contrastive": "diffcurr_fast.terms.contrastive:Contrastive",
@@ -52,3 +53,22 @@ def noise_pairing(cfg: Any) -> Callable | None:
     stream; None when none is on. At most one may pair (the config refuses two)."""
     pairings = [opts.pairing() for opts in (load(t).of(cfg.terms) for t in SWITCHES.values()) if opts.active()]
     return pairings[0] if pairings else None
+
+
+@dataclass
+class TermsOptions:
+    """Training terms beyond the regression loss (``diffcurr_fast.terms``), each added with its weight."""
+
+    use: list[str] = option([], "the terms the step adds, in order (terms/registry.py)")
+
+    def validate(self) -> None:
+        valid = names()
+        switch = next((u for u in self.use if u in SWITCHES), None)
+        if switch is not None:
+            key = load(SWITCHES[switch]).SWITCH
+            raise ValueError(
+                f"terms.use lists {switch!r}, which adds no loss and is not a term: it is the switch "
+                f"terms.{key}=true; drop it from terms.use"
+            )
+        if any(u not in valid for u in self.use) or len(set(self.use)) != len(self.use):
+            raise ValueError(f"terms.use {self.use!r}: each term once, from {', '.join(valid)}")

@@ -7,6 +7,9 @@ here; the config lists the names from ``SAMPLERS`` and checks the strategy's fie
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
+
+from diffcurr_fast.options import option
 
 STRATEGIES: dict[str, str] = {
     "uniform": "diffcurr_fast.timesteps.uniform:Uniform",
@@ -24,3 +27,14 @@ def strategy_class(name: str) -> type:
         raise ValueError(f"unknown timesteps.sampler {name!r}; valid choices: {', '.join(SAMPLERS)}")
     module, cls = STRATEGIES[name].split(":")
     return getattr(importlib.import_module(module), cls)
+
+
+@dataclass
+class TimestepsOptions:
+    """Timestep sampling: the strategy multiplied with the curriculum's unlock mask (docs/training.md)."""
+
+    sampler: str = option(
+        "uniform",
+        "timestep strategy (times the curriculum's mask and the formulation's prior)",
+        lambda: tuple(STRATEGIES),
+    )

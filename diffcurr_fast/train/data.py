@@ -28,9 +28,9 @@ from diffcurr_fast.data.images import ImageFolder
 from diffcurr_fast.data.latents import ShardedLatents, open_latents
 from diffcurr_fast.data.loader import ArrayDataset, ResumableLoader, load_npz
 from diffcurr_fast.data.pipeline import ShardedLoader
+from diffcurr_fast.data.section import SHARDED_DATASETS
 from diffcurr_fast.models.diffusers_dit import from_diffusers_state, is_diffusers_dir, read_diffusers_dir
 from diffcurr_fast.runs.checkpoint import drop_term_heads
-from diffcurr_fast.runs.config import SHARDED_DATASETS
 
 if TYPE_CHECKING:
     from diffcurr_fast.runs.config import TrainConfig

@@ -38,7 +38,8 @@ from torch import nn
 from diffcurr_fast._files import read_json
 from diffcurr_fast.objective import resolve_precision
 from diffcurr_fast.runs.checkpoint import list_checkpoints
-from diffcurr_fast.runs.config import DEVICES, ENGINE_KINDS, TrainConfig
+from diffcurr_fast.runs.config import TrainConfig
+from diffcurr_fast.runs.sections import DEVICES, ENGINE_KINDS
 
 
 def check_launcher(kind: str) -> None:

@@ -26,8 +26,8 @@ import torch
 
 from diffcurr_fast.eval.evaluate import evaluate, load_reference, reference_from_images, statistics_extractor
 from diffcurr_fast.eval.features import get_extractor
-from diffcurr_fast.runs.config import EVAL_SHAPES
 from diffcurr_fast.runs.sampling import sample, sampling_readout
+from diffcurr_fast.runs.sections import EVAL_SHAPES
 
 if TYPE_CHECKING:
     from diffcurr_fast.runs.config import TrainConfig

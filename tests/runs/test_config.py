@@ -8,13 +8,7 @@ import pytest
 import yaml
 
 from diffcurr_fast.models.routing import RoutingOptions
-from diffcurr_fast.runs.config import (
-    SECTIONS,
-    TrainConfig,
-    config_from_dict,
-    resume_mismatches,
-    upgrade_saved,
-)
+from diffcurr_fast.runs.config import SECTIONS, TrainConfig, config_from_dict, resume_mismatches, upgrade_saved
 from diffcurr_fast.runs.recipes import config_to_yaml, load_config, parse_override
 from diffcurr_fast.train import cli_train
 

@@ -93,7 +93,9 @@ def _cfg(run, *extra):
 
 def test_a_registered_term_and_model_option_are_in_help_config(toys):
     text = describe_config()
-    assert "  # toy: toy: a test's term." in text and "  toy_scale: 2.0  # float; toy: the gain's starting value" in text
+    assert (
+        "  # toy: toy: a test's term." in text and "  toy_scale: 2.0  # float; toy: the gain's starting value" in text
+    )
     assert "  # toy: toy_gate: a test's model option." in text and "  toy_gain: 0.5  # float" in text
 
 

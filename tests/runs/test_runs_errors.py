@@ -75,7 +75,7 @@ def test_data_path_with_digits_is_refused(tmp_path):
 
 
 def test_sampler_errors_use_the_right_article():
-    from diffcurr_fast.runs.config import with_article
+    from diffcurr_fast.runs.sections import with_article
 
     assert (with_article("edm"), with_article("flow"), with_article("ddpm")) == ("an edm", "a flow", "a ddpm")
 

@@ -11,7 +11,7 @@ from diffcurr_fast.runs import checkpoint as ck
 
 
 def test_tdc_groups_checked_before_training(tmp_path):
-    from diffcurr_fast.runs.config import TDCConfig
+    from diffcurr_fast.runs.sections import TDCConfig
     from diffcurr_fast.tdc.preflight import check_groups, check_tdc_run
 
     cfg = tiny(tmp_path / "x", "curriculum.pacing=none")

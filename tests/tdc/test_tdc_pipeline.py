@@ -13,9 +13,10 @@ from diffcurr_fast import cli_sample
 from diffcurr_fast.diffusion import Readout
 from diffcurr_fast.models import DiT
 from diffcurr_fast.runs.checkpoint import latest_checkpoint, load_checkpoint
-from diffcurr_fast.runs.config import TDCConfig, config_from_dict
+from diffcurr_fast.runs.config import config_from_dict
 from diffcurr_fast.runs.recipes import load_config
 from diffcurr_fast.runs.sampling import build_schedule, sample
+from diffcurr_fast.runs.sections import TDCConfig
 from diffcurr_fast.tdc import cli_tdc as tdc_cli
 from diffcurr_fast.tdc.accounting import training_flops
 from diffcurr_fast.tdc.experts import MultiExpertDenoiser

@@ -378,8 +378,8 @@ def test_a_torchscript_encoder_with_a_class_token_is_refused(tmp_path):
 
 
 def test_repa_options_are_checked(tmp_path):
-    from diffcurr_fast.runs.config import TDCConfig
     from diffcurr_fast.runs.recipes import load_config
+    from diffcurr_fast.runs.sections import TDCConfig
     from diffcurr_fast.tdc.preflight import check_tdc_run
 
     with pytest.raises(ValueError, match="terms.repa_encoder is required with terms.use repa"):

@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 
 from diffcurr_fast import cli_sample
 from diffcurr_fast.eval.evaluate import checkpoint_model
+from diffcurr_fast.optim.registry import PHEMA_SIGMA_REL_MAX
 from diffcurr_fast.runs import checkpoint as ck
-from diffcurr_fast.runs.config import PHEMA_SIGMA_REL_MAX
 from diffcurr_fast.runs.posthoc_ema import (
     gamma_to_sigma_rel,
     list_snapshots,
