@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from diffcurr_fast._files import check_writable, load_npz
+from diffcurr_fast._files import OutputLock, check_writable, load_npz
 from diffcurr_fast.runs.config import config_from_dict
 
 # torch is imported inside the functions, so --help stays instant; the names are runs.sampling's (tested)
@@ -152,7 +152,17 @@ def check_arguments(args: argparse.Namespace) -> tuple[Path, list[int] | None]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Sample from a checkpoint and write the grid or arrays. Returns the exit status."""
+    """Sample from a checkpoint and write the grid or arrays. Returns the exit status. Rank 0 holds the lock of
+    ``--out`` (``_files.OutputLock``) from before the checks until the file is written."""
+    out, base = check_arguments(args)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return _run(args, out, base)
+    with OutputLock(out, "--out", "choose another --out"):
+        check_arguments(args)  # again, under the lock: another command may have written --out meanwhile
+        return _run(args, out, base)
+
+
+def _run(args: argparse.Namespace, out: Path, base: list[int] | None) -> int:
     # imported here, not at the top: keeps --help free of torch
     import torch
     import torch.distributed as dist
@@ -173,7 +183,6 @@ def run(args: argparse.Namespace) -> int:
         to_uint8_nhwc,
     )
 
-    out, base = check_arguments(args)
     ema_length = getattr(args, "ema_length", None)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda requested but no CUDA device is available; use cpu or auto")

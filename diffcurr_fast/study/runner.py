@@ -36,7 +36,7 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from diffcurr_fast._files import check_writable, write_json
+from diffcurr_fast._files import OutputLock, write_json
 from diffcurr_fast.eval.features import digits_classifier, mnist5k_classifier
 from diffcurr_fast.runs.checkpoint import latest_checkpoint
 from diffcurr_fast.runs.recipes import apply_overrides
@@ -125,7 +125,8 @@ def run_study(
             raise ValueError(f"--peer-dit times the official arm of a speedrun; study {spec.name!r} has no speedrun")
         check_checkout(peer_dit)
     check_spec(spec)
-    check_writable(study_dir, "study folder", "choose another study folder (--out)", directory=True)
+    # held until the study ends (released in the finally below, or at exit): one study process per folder
+    lock = OutputLock(study_dir, "study folder", "choose another study folder (--out)", directory=True).acquire()
     study_dir = prepare_study(spec, study_dir)
     todo = pending(spec, study_dir)
     kept = len(jobs(spec)) - len(todo)
@@ -219,6 +220,7 @@ def run_study(
     finally:
         bar.close()
         _stop(running)
+        lock.release()
     return {"ran": ran, "failed": failed, "kept": kept}
 
 

@@ -48,7 +48,7 @@ from diffcurr_fast.train.host_memory import retain_host_memory
 from diffcurr_fast.train.interrupt import GridInterrupted, StopRequest, TrainingInterrupted
 from diffcurr_fast.train.preflight import check_run
 from diffcurr_fast.train.report import LogWindow, plot_cluster_losses, plot_curriculum_timeline, read_metrics
-from diffcurr_fast.train.rundir import open_run_dir, write_config
+from diffcurr_fast.train.rundir import lock_run_dir, open_run_dir, write_config
 from diffcurr_fast.train.skips import Skips
 from diffcurr_fast.train.state import Checkpointer, model_config_entry
 
@@ -81,9 +81,23 @@ class Trainer:
     ):
         """``model``: train this module instead of building one from ``cfg.model`` (e.g. a pruned, heterogeneous
         DiT; its ``config()`` is stored in checkpoints as ``model_config``). ``timestep_range``: sample t only in
-        [lo, hi) (a TDC group: the weights outside are zero; a curriculum's clusters partition the range)."""
-        self.cfg = cfg.validate()
+        [lo, hi) (a TDC group: the weights outside are zero; a curriculum's clusters partition the range). Rank 0
+        holds the run directory's lock (``rundir.lock_run_dir``) from before its checks until ``fit`` returns."""
         self.engine = engine or create_engine(cfg.engine.kind, cfg.engine.device)
+        self.lock = lock_run_dir(cfg.checkpoint.run_dir, resume=resume) if self.engine.is_main else None
+        try:
+            self._init(cfg, resume, overwrite, dataset, model, timestep_range)
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        """Give back the run directory's lock (``fit`` does it when it returns)."""
+        if self.lock is not None:
+            self.lock.release()
+
+    def _init(self, cfg, resume, overwrite, dataset, model, timestep_range) -> None:
+        self.cfg = cfg.validate()
         self.device = self.engine.device
         self.run_dir = Path(cfg.checkpoint.run_dir)
         # everything is checked before anything is written; the directory is opened at the end of __init__
@@ -226,7 +240,14 @@ class Trainer:
 
     # ---- the run --------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
-        """Train to ``engine.max_steps``, checkpointing and logging; then the end-of-run report (rank 0)."""
+        """Train to ``engine.max_steps``, checkpointing and logging; then the end-of-run report (rank 0). The run
+        directory's lock is given back when it returns or raises."""
+        try:
+            return self._fit()
+        finally:
+            self.release()
+
+    def _fit(self) -> dict[str, Any]:
         cfg, main = self.cfg, self.engine.is_main
         if self.start.mode == "finished":  # resumed at or past max_steps: nothing to train, nothing rewritten
             return {**self._summary(math.nan), "finished": True}

@@ -31,6 +31,7 @@ from typing import Any
 
 import yaml
 
+from diffcurr_fast._files import LOCK_NAME, OutputLock
 from diffcurr_fast._files import check_writable as _check_writable
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "check_writable",
     "clear_run",
     "holds_run",
+    "lock_run_dir",
     "open_run_dir",
     "run_artifacts",
     "truncate_metrics",
@@ -155,7 +157,12 @@ def check_run_dir(
         step, path = ckpts[-1]
         mode = "finished" if max_steps is not None and step >= max_steps else "resume"
         return RunStart(run_dir, layout, mode, path, step)
-    if run_dir.is_dir() and any(run_dir.iterdir()):
+    if layout is TRAIN_LAYOUT and holds_run(run_dir, TDC_LAYOUT):  # a training run beside tdc.json: no run's own
+        raise FileExistsError(
+            f"run directory {str(run_dir)!r} holds a TDC run (tdc.json): a training run there would be written beside "
+            "it; use `diffcurr-fast tdc --overwrite` to replace the TDC run, or choose another run directory"
+        )
+    if run_dir.is_dir() and _entries(run_dir):
         if _failed_start(run_dir, layout):  # a start that stopped before its first step: nothing to lose
             return RunStart(run_dir, layout, "overwrite")
         if not overwrite:
@@ -170,6 +177,20 @@ def check_run_dir(
             )
         return RunStart(run_dir, layout, "overwrite")
     return RunStart(run_dir, layout, "fresh")
+
+
+def _entries(run_dir: Path) -> set[str]:
+    """The names in ``run_dir``, without the lock a command holds on it (``lock_run_dir``)."""
+    return {p.name for p in run_dir.iterdir()} - {LOCK_NAME}
+
+
+def lock_run_dir(run_dir: str | Path, *, resume: bool = False) -> OutputLock:
+    """The lock of a run directory (``_files.OutputLock``), taken: held by the command that writes the run, from
+    before its checks until it ends. A ``--resume`` of a folder that does not exist creates nothing (its check
+    refuses it)."""
+    return OutputLock(
+        run_dir, "run directory", "choose another run directory", directory=True, create=not resume
+    ).acquire()
 
 
 def holds_run(run_dir: Path, layout: RunLayout) -> bool:
@@ -197,7 +218,7 @@ def _failed_start(run_dir: Path, layout: RunLayout) -> bool:
     empty ``metrics.jsonl`` (a start that failed on its first batch)."""
     if layout is not TRAIN_LAYOUT:
         return False
-    names = {p.name for p in run_dir.iterdir()}
+    names = _entries(run_dir)
     metrics = run_dir / METRICS
     return names <= {"config.yaml", METRICS} and (not metrics.is_file() or metrics.stat().st_size == 0)
 

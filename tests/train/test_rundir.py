@@ -322,7 +322,7 @@ def test_overwrite_removes_only_a_runs_files_and_says_which(tmp_path, capsys):
     assert sorted(p.name for p in user.iterdir()) == ["config.yaml", "metrics.jsonl", "samples.png"]
     tdc = tmp_path / "tdc"
     _touch(tdc, "tdc.json", "samples.png", "stage1/config.yaml")
-    with pytest.raises(FileExistsError, match="holds no training run"):
+    with pytest.raises(FileExistsError, match=r"holds a TDC run \(tdc.json\): a training run there would be"):
         check_run_dir(tdc, TRAIN_LAYOUT, overwrite=True)
     train = tmp_path / "train"
     _touch(train, "config.yaml", "metrics.jsonl", "checkpoints/ckpt_00000002.pt", "notes.md")
@@ -367,3 +367,42 @@ def test_resume_starts_from_the_runs_own_config_and_keeps_the_one_it_changes(tmp
     assert rc == 0 and (run / "config_until_step00000003.yaml").read_text() == kept
     assert _main(capsys, "train", "--run-dir", str(run), "--overwrite", *sets)[0] == 0
     assert sorted(p.name for p in run.glob("config*.yaml")) == ["config.yaml"]
+
+
+@pytest.mark.slow  # 40 starts: about 3 s of CPU a round, nearly all of it the winner's imports
+def test_two_starts_at_once_never_both_write(tmp_path):
+    """Two `train` commands started at once on the same new run directory, 20 times: one trains, the other is
+    refused (by the directory's lock, before it imports torch, or as a non-empty folder when it came after), and the
+    folder holds one whole run: every step once, at the winner's learning rate, its config.yaml."""
+    data = tmp_path / "d.npz"  # a tiny .npz: no scikit-learn import, so a start costs little more than torch's
+    rng = np.random.default_rng(0)
+    np.savez(data, x=rng.uniform(-1, 1, (32, 1, 8, 8)).astype(np.float32), y=np.arange(32) % 10)
+    sets = [*SETS, "engine.max_steps=2", "engine.cpu_threads=1", "checkpoint.export_ema=false"]
+    sets += ["data.dataset=npz", f"data.path={data}", "data.batch_size=16"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for i in range(20):
+        run = tmp_path / f"run{i}"
+        lrs = ("0.001", "0.002")
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "diffcurr_fast.cli", "train", "--run-dir", str(run)]
+                + [a for s in [*sets, f"optim.lr={lr}"] for a in ("--set", s)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            for lr in lrs
+        ]
+        outs = [p.communicate(timeout=300) for p in procs]
+        rcs = [p.returncode for p in procs]
+        assert sorted(rcs) == [0, 2], (rcs, outs)
+        won = rcs.index(0)
+        refused = outs[1 - won][1]
+        assert "is in use by another command" in refused or "is not empty" in refused, refused
+        assert "Traceback" not in refused
+        records = read_metrics(run / "metrics.jsonl")
+        assert [r["step"] for r in records if "loss" in r] == [1, 2], records
+        assert yaml.safe_load((run / "config.yaml").read_text())["optim"]["lr"] == float(lrs[won])
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["ckpt_00000002.pt"]
+        assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl"]  # no lock
