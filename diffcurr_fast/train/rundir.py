@@ -21,7 +21,9 @@ Two steps, so that nothing is written before a run is known to start:
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 import os
 import re
 import shutil
@@ -33,6 +35,8 @@ import yaml
 
 from diffcurr_fast._files import LOCK_NAME, OutputLock
 from diffcurr_fast._files import check_writable as _check_writable
+from diffcurr_fast.runs.config import config_from_dict
+from diffcurr_fast.runs.recipes import load_run_config
 
 __all__ = [
     "TDC_LAYOUT",
@@ -42,6 +46,7 @@ __all__ = [
     "check_run_dir",
     "check_writable",
     "clear_run",
+    "config_drift",
     "holds_run",
     "lock_run_dir",
     "open_run_dir",
@@ -324,19 +329,51 @@ def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def write_config(run_dir: Path, text: str, step: int) -> list[str]:
-    """Write the resolved config ``text`` as ``run_dir/config.yaml`` (atomically). On a resume whose config differs
-    from the one there, the old file is kept as ``config_until_step{step:08d}.yaml`` (the config the run had up to
-    its checkpoint's ``step``; an earlier record of the same step is not replaced), so a changed ``optim.lr`` does
-    not erase the earlier one from the run's record. Returns the changes, ``key: old -> new``."""
+def config_drift(run_dir: Path, trained: dict[str, Any]) -> list[str]:
+    """How ``run_dir/config.yaml`` differs from ``trained``, the config its newest checkpoint trained with
+    (``key: checkpoint OLD, config.yaml NEW``; both read as a config, so ``1e-3`` and ``0.001`` are one value): a
+    hand edit, or a resume that stopped before its first checkpoint. [] when the file is missing or agrees; one entry
+    naming the file when it no longer reads as a config."""
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        return []
+    try:
+        now = _flat(load_run_config(path).to_dict())
+    except ValueError as exc:
+        return [f"config.yaml no longer reads as a config ({exc})"]
+    was = _flat(_as_config(trained))
+    return [f"{k}: checkpoint {was.get(k)!r}, config.yaml {v!r}" for k, v in now.items() if was.get(k) != v]
+
+
+def _as_config(saved: dict[str, Any]) -> dict[str, Any]:
+    """``saved`` (a checkpoint's config) with today's defaults for the keys it predates, as ``to_dict`` writes it."""
+    try:
+        return config_from_dict(copy.deepcopy(saved)).to_dict()
+    except ValueError:  # a config today's checks refuse: compared as it is
+        return saved
+
+
+def write_config(run_dir: Path, text: str, step: int, trained: dict[str, Any] | None = None) -> list[str]:
+    """Write the resolved config ``text`` as ``run_dir/config.yaml`` (atomically). On a resume (``step`` > 0) whose
+    config differs from ``trained`` (the config its checkpoint stores: what the run trained with up to ``step``;
+    without it, the ``config.yaml`` there), the earlier one is kept as ``config_until_step{step:08d}.yaml`` (an
+    earlier record of the same step is not replaced), so a changed ``optim.lr`` does not erase the earlier one from
+    the run's record. That record is the old ``config.yaml`` when it agrees with ``trained`` (``config_drift``), else
+    ``trained`` itself: a ``config.yaml`` edited by hand never passes for what the run trained with. Returns the
+    changes, ``key: old -> new``."""
     path = run_dir / "config.yaml"
     changes: list[str] = []
-    if step > 0 and path.is_file():
-        old, new = _flat(yaml.safe_load(path.read_text()) or {}), _flat(yaml.safe_load(text))
+    if step > 0 and (trained is not None or path.is_file()):
+        before = _as_config(trained) if trained is not None else yaml.safe_load(path.read_text()) or {}
+        old, new = _flat(before), _flat(yaml.safe_load(text))
         changes = [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in new.items() if old.get(k) != v]
         keep = run_dir / f"config_until_step{step:08d}.yaml"
         if changes and not keep.exists():
-            os.replace(path, keep)
+            if trained is None or (path.is_file() and not config_drift(run_dir, trained)):
+                os.replace(path, keep)
+            else:
+                head = f"# the config the run trained with up to step {step}, as its checkpoint stores it\n"
+                keep.write_text(head + yaml.safe_dump(before, sort_keys=False, width=math.inf))
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)

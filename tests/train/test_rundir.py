@@ -406,3 +406,36 @@ def test_two_starts_at_once_never_both_write(tmp_path):
         assert yaml.safe_load((run / "config.yaml").read_text())["optim"]["lr"] == float(lrs[won])
         assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["ckpt_00000002.pt"]
         assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl"]  # no lock
+
+
+def test_a_hand_edited_config_yaml_is_said_and_never_recorded_as_trained(tmp_path, capsys):
+    """`--resume` compares the run's config.yaml with its checkpoint's config: a hand edit is said key by key, an
+    allowed one (optim.lr) applies from the checkpoint's step on and the record keeps the value the steps before
+    trained with; a locked one (model.hidden_size) is refused naming the edit; a missing config.yaml is named and the
+    checkpoint's own config is used."""
+    from conftest import TINY_SETS, _main
+
+    run = tmp_path / "run"
+    sets = [a for s in [*TINY_SETS, "engine.max_steps=2", "optim.lr=1e-3"] for a in ("--set", s)]
+    assert _main(capsys, "train", "--run-dir", str(run), *sets)[0] == 0
+    path = run / "config.yaml"
+    path.write_text(path.read_text().replace("lr: 0.001", "lr: 5e-4"))  # by hand, as YAML lets one write it
+    capsys.readouterr()
+    assert cli.main(["train", "--run-dir", str(run), "--resume", "--set", "engine.max_steps=3"]) == 0
+    out = capsys.readouterr().out
+    assert "resume: config.yaml differs from the config of the checkpoint at step 2 (edited by hand" in out, out
+    assert "optim.lr: checkpoint 0.001, config.yaml 0.0005; steps up to 2 trained with the checkpoint's values" in out
+    assert "resume: the config changed (optim.lr: 0.001 -> 0.0005; engine.max_steps: 2 -> 3)" in out, out
+    record = yaml.safe_load((run / "config_until_step00000002.yaml").read_text())
+    assert record["optim"]["lr"] == 1e-3 and record["engine"]["max_steps"] == 2  # what steps 1-2 trained with
+    assert yaml.safe_load(path.read_text())["optim"]["lr"] == 5e-4
+    path.write_text(path.read_text().replace("hidden_size: 32", "hidden_size: 48"))
+    rc, err = _main(capsys, "train", "--run-dir", str(run), "--resume", "--set", "engine.max_steps=4")
+    assert rc == 2 and "model.hidden_size: checkpoint 32 vs now 48; config.yaml was changed after the " in err
+    assert "(model.hidden_size: checkpoint 32, config.yaml 48): a resume cannot change these" in err, err
+    path.unlink()
+    rc, err = _main(capsys, "train", "--run-dir", str(run), "--resume", "--set", "engine.max_steps=4")
+    assert rc == 0 and f"'{path}' is missing; resuming with the config stored in '" in err, err
+    assert "ckpt_00000003.pt'" in err
+    now = yaml.safe_load(path.read_text())
+    assert now["model"]["hidden_size"] == 32 and now["optim"]["lr"] == 5e-4 and now["engine"]["max_steps"] == 4
