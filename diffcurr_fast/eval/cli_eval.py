@@ -22,6 +22,7 @@ import argparse
 import os
 
 from diffcurr_fast._files import check_writable, write_json
+from diffcurr_fast.runs.resources import check_fits, check_threads, sampling_memory
 
 # The evaluation modules (torch) are imported in run(): `diffcurr-fast eval --help` stays instant. The names of
 # features.EXTRACTORS (a test keeps the two equal):
@@ -121,6 +122,8 @@ def _check_outputs(args: argparse.Namespace) -> None:
         )
     if args.samples is not None and not os.path.isfile(args.samples):
         raise FileNotFoundError(f"--samples {args.samples!r} not found")
+    if args.threads is not None:
+        check_threads(args.threads)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -180,6 +183,8 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> int:
         check_draw(args.num, args.batch_size)
         model, cfg = checkpoint_model(args.ckpt, weights=args.weights, device=args.device, ema_length=args.ema_length)
         args.sampler = resolve_sampler(args.sampler, cfg.diffusion.formulation)
+        est = sampling_memory(cfg, sum(p.numel() for p in model.parameters()), args.batch_size, args.num, args.cfg != 1)
+        check_fits(est, args.device, "lower --batch-size, and --num-samples (the samples are held to be scored)")
     set_cpu_threads(args.threads, cfg)
 
     def draw():  # under torchrun: this rank's share of the batches, then all of them

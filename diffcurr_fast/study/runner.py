@@ -40,6 +40,7 @@ from diffcurr_fast._files import OutputLock, write_json
 from diffcurr_fast.eval.features import digits_classifier, mnist5k_classifier
 from diffcurr_fast.runs.checkpoint import latest_checkpoint
 from diffcurr_fast.runs.recipes import apply_overrides
+from diffcurr_fast.runs.resources import check_threads
 from diffcurr_fast.runs.sampling import build_model, build_schedule
 from diffcurr_fast.study.peer_dit import check_checkout
 from diffcurr_fast.study.spec import SPEC_FILE, Arm, StudySpec, arm_config, check_spec, load_study, spec_from_dict
@@ -120,6 +121,7 @@ def run_study(
         raise ValueError(f"--workers must be >= 1, got {workers}")
     if threads is not None and threads < 1:
         raise ValueError(f"--threads must be >= 1, got {threads}")
+    check_threads(threads or 0)
     if peer_dit is not None:
         if not spec.speedrun:
             raise ValueError(f"--peer-dit times the official arm of a speedrun; study {spec.name!r} has no speedrun")

@@ -1,8 +1,9 @@
 """Everything about a training run that can be checked before its directory is touched (``train --dry-run`` runs
 exactly this): the config, the guidance it will sample with, the device, launcher, optimizer and backends asked
 for, the input files, the evaluation's reference, the DeepSpeed JSON, optional packages that were asked for, the
-batch split, the run directory (``rundir.check_run_dir``), and the data, initial weights and REPA's encoder, opened
-and read as the start reads them (``train.data``, ``terms.repa.check_encoder``).
+batch split, the threads and memory it needs (``runs.resources``), the run directory (``rundir.check_run_dir``),
+and the data, initial weights and REPA's encoder, opened and read as the start reads them (``train.data``,
+``terms.repa.check_encoder``).
 
 ``check_run(cfg, resume=..., overwrite=...)`` raises ValueError / FileNotFoundError / FileExistsError /
 ImportError with one line naming the key and what to do, and returns the ``RunStart``.
@@ -21,6 +22,7 @@ from diffcurr_fast.models.attention import flash_attn_reason
 from diffcurr_fast.models.diffusers_dit import is_diffusers_dir
 from diffcurr_fast.ops._backend import CHOICES, unavailable_reason
 from diffcurr_fast.runs.config import TrainConfig
+from diffcurr_fast.runs.resources import check_fits, check_threads, training_memory
 from diffcurr_fast.runs.sampling import build_model
 from diffcurr_fast.terms.repa import check_encoder, encoder_format
 from diffcurr_fast.train.data import check_data, fitting_init_state
@@ -28,7 +30,15 @@ from diffcurr_fast.train.engine import check_launcher, check_optimizer, load_dee
 from diffcurr_fast.train.evaluation import check_reference
 from diffcurr_fast.train.rundir import TRAIN_LAYOUT, RunLayout, RunStart, check_run_dir
 
-__all__ = ["check_backends", "check_guidance", "check_init_from", "check_inputs", "check_repa_encoder", "check_run"]
+__all__ = [
+    "check_backends",
+    "check_guidance",
+    "check_init_from",
+    "check_inputs",
+    "check_repa_encoder",
+    "check_resources",
+    "check_run",
+]
 
 
 def _device_type(cfg: TrainConfig):
@@ -178,6 +188,15 @@ def check_repa_encoder(cfg: TrainConfig) -> None:
     check_encoder(t.repa_encoder, t.repa_encoder_size, m.input_size // m.patch_size)
 
 
+def check_resources(cfg: TrainConfig, world: int) -> None:
+    """``engine.cpu_threads`` within what this machine runs, and the run's memory (a lower bound: the model's
+    parameters, optimizer state and activations per rank) within the memory of the device it will run on."""
+    check_threads(cfg.engine.cpu_threads, "engine.cpu_threads")
+    device = torch.device(_device_type(cfg))
+    fix = "use a smaller model (model.hidden_size, model.depth), data.batch_size or more optim.grad_accum_steps"
+    check_fits(training_memory(cfg, world, device), device, fix)
+
+
 def check_run(
     cfg: TrainConfig,
     *,
@@ -217,4 +236,5 @@ def check_run(
         if start.checkpoint is None:  # a resumed run takes its checkpoint's weights
             check_init_from(cfg)
         check_repa_encoder(cfg)
+    check_resources(cfg, world)  # last: a recipe sized for a GPU cluster, dry-run elsewhere, has passed the rest
     return start

@@ -56,6 +56,7 @@ __all__ = [
 ]
 
 METRICS = "metrics.jsonl"
+OTHER_RUN_DIR = "choose another checkpoint.run_dir (--run-dir)"  # what to do when a run directory cannot be used
 _CKPT = re.compile(r"^ckpt_(\d{8,})\.pt$")
 
 
@@ -193,9 +194,7 @@ def lock_run_dir(run_dir: str | Path, *, resume: bool = False) -> OutputLock:
     """The lock of a run directory (``_files.OutputLock``), taken: held by the command that writes the run, from
     before its checks until it ends. A ``--resume`` of a folder that does not exist creates nothing (its check
     refuses it)."""
-    return OutputLock(
-        run_dir, "run directory", "choose another run directory", directory=True, create=not resume
-    ).acquire()
+    return OutputLock(run_dir, "run directory", OTHER_RUN_DIR, directory=True, create=not resume).acquire()
 
 
 def holds_run(run_dir: Path, layout: RunLayout) -> bool:
@@ -215,7 +214,7 @@ def holds_run(run_dir: Path, layout: RunLayout) -> bool:
 
 def check_writable(run_dir: Path) -> None:
     """ValueError in one line unless ``run_dir`` can be created and written (``_files.check_writable``)."""
-    _check_writable(run_dir, "run directory", "choose another checkpoint.run_dir (--run-dir)", directory=True)
+    _check_writable(run_dir, "run directory", OTHER_RUN_DIR, directory=True)
 
 
 def _failed_start(run_dir: Path, layout: RunLayout) -> bool:
