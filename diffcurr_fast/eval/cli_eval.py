@@ -45,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--extractor",
         choices=EXTRACTORS,
         default=None,
-        help="feature extractor (default: digits / mnist5k with --ref digits / mnist5k, else inception)",
+        help="feature extractor (default: digits / mnist5k with --ref digits / mnist5k, the one a statistics file "
+        "written by --save-ref names, else inception)",
     )
     parser.add_argument("--inception-weights", metavar="PATH", help="pytorch-fid pt_inception-2015-12-05 weights")
     parser.add_argument("--digits-cache", metavar="PATH", help="digits classifier cache file (trained if missing)")
@@ -173,6 +174,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> int:
         load_latents,
         load_reference,
         samples_from_model,
+        statistics_extractor,
     )
     from diffcurr_fast.eval.features import get_extractor
     from diffcurr_fast.runs.config import resolve_sampler
@@ -209,8 +211,9 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> int:
         return 0
     if args.samples is not None:  # read first: a bad file is named before the extractor and reference are made
         samples = load_latents(args.samples, "--samples") if args.vae else load_images(args.samples, "--samples")
-    if args.extractor is None:
-        args.extractor = args.ref if args.ref in ("digits", "mnist5k") else "inception"
+    if args.extractor is None:  # a statistics file written by --save-ref names its own
+        builtin = args.ref if args.ref in BUILTIN_REFERENCES else None
+        args.extractor = builtin or statistics_extractor(args.ref, "--ref") or "inception"
     extractor = get_extractor(
         args.extractor,
         inception_weights=args.inception_weights,

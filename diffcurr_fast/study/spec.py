@@ -156,7 +156,7 @@ def spec_from_dict(data: dict[str, Any], source: str = "spec") -> StudySpec:
             str(a.get("kind", "train")),
             _overrides(a.get("set"), f"{source}: arm {a['name']!r}"),
             str(a.get("reference") or ""),
-            dict(a.get("tune") or {}),
+            _tune(a.get("tune"), a.get("set"), f"{source}: arm {a['name']!r}"),
         )
         if arm.kind not in KINDS:
             raise ValueError(f"{source}: arm {arm.name!r} has kind {arm.kind!r}; valid kinds: {', '.join(KINDS)}")
@@ -210,6 +210,26 @@ def _overrides(value: Any, where: str) -> list[str]:
             f"{where}: set must be a list of section.field=value overrides, e.g. set: [optim.lr=1e-3], got {value!r}"
         )
     return list(value)
+
+
+def _tune(value: Any, fixed: Any, where: str) -> dict[str, list[Any]]:
+    """An arm's ``tune`` grid: a mapping of config keys to lists of values (absent: none). A list or a bare key is
+    refused naming ``where`` it is, and so is a key the arm's ``set`` also fixes (the tuned value would replace it
+    unsaid)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"{where}: tune must map config keys to lists of values, e.g. tune: {{optim.lr: [1e-4, 2e-4]}}, "
+            f"got {value!r}"
+        )
+    both = sorted(k for k in value if any(str(s).partition("=")[0].strip() == k for s in fixed or []))
+    if both:
+        raise ValueError(
+            f"{where}: {', '.join(both)} is both fixed in set and tuned in tune (the tuned value would replace the "
+            "fixed one); keep one of them"
+        )
+    return dict(value)
 
 
 def _speedrun(data: Any, arms: list[str], source: str) -> dict[str, Any]:

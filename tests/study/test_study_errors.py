@@ -95,6 +95,32 @@ def test_study_set_given_as_a_string_names_the_arm(tmp_path, capsys, where):
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.parametrize(
+    "arm, match",
+    [
+        (
+            {"tune": [{"optim.lr": [1e-4, 2e-4]}]},
+            r"tune must map config keys to lists of values, .* got \[\{'optim.lr'",
+        ),
+        ({"tune": "optim.lr"}, r"tune must map config keys to lists of values, e.g. tune: .* got 'optim.lr'$"),
+        (
+            {"set": ["optim.lr=1e-3"], "tune": {"optim.lr": [1e-4, 2e-4]}},
+            r"optim.lr is both fixed in set and tuned in tune \(the tuned value would replace the fixed one\); keep",
+        ),
+    ],
+    ids=["list", "key", "fixed_and_tuned"],
+)
+def test_study_tune_grid_that_cannot_be_one_is_named(tmp_path, capsys, arm, match):
+    """An arm's tune written as a list (a TypeError) or as a bare key ("dictionary update sequence element #0 has
+    length 1"), or tuning a key its set fixes (the fixed value was silently never used): one line naming the arm."""
+    import re
+
+    data = {**SPEC, "tuning": {"budget": 2}, "arms": [{"name": "fast", **arm}]}
+    rc, err = _main(capsys, "study", _spec_file(tmp_path, data), "--out", str(tmp_path / "s"))
+    assert rc == 2 and "spec.yaml: arm 'fast': " in err and re.search(match, err.strip()), err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "s").exists()
+
+
 def test_study_unwritable_folder_is_refused_before_any_run(tmp_path, capsys, monkeypatch):
     from diffcurr_fast import _files
     from diffcurr_fast.study import runner
