@@ -190,7 +190,8 @@ class OutputLock:
                 stacklevel=2,
             )
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"process {os.getpid()}: {' '.join(sys.argv)}".encode()[:4000], 0)
+        command = " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]) if sys.argv else "python"
+        os.pwrite(fd, f"process {os.getpid()}: {command}".encode()[:4000], 0)
         _HELD[str(self.file)] = fd
         self.held = True
         return self
@@ -203,6 +204,7 @@ class OutputLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = os.read(fd, 4000).decode(errors="replace").strip() or "a process starting up"
+                holder = holder if len(holder) <= 160 else holder[:160] + " ..."
                 os.close(fd)
                 raise ValueError(
                     f"{self.what} {str(self.path)!r} is in use by another command ({holder}); wait for it to end, "

@@ -2,20 +2,20 @@
 
 - ``check_threads(n, what)``: a thread count (``--threads``, ``engine.cpu_threads``) within ``max_threads()``, at
   most ``THREADS_PER_CPU`` per CPU this process may use (and never above ``MAX_THREADS``). More intra-op threads
-  than CPUs only compete for them (the guide measured 2 x 2 threads on 2 cores at a fraction of the speed), and a
+  than CPUs only compete for them (two runs of 2 threads each on 2 cores ran at a fraction of their speed), and a
   count in the thousands starts as many threads (``sample --threads 10000``: 20,000, the machine unusable for
   minutes; 100000: a segfault inside torch).
-- ``training_memory(cfg, world)``, ``sampling_memory(cfg, num_params, batch, num)``: a lower bound of the memory a
-  run or a draw needs (``MemoryEstimate``), from the model's parameter count and its activations; ``check_fits``
-  refuses one above the memory of the device it will run on (the GPU's, or the machine's RAM and cgroup limit),
-  in one line with the estimate, before the allocator would fail with a traceback.
+- ``training_memory(cfg, world, device)``, ``sampling_memory(cfg, num_params, batch, num, guided)``: a lower bound
+  of the memory a run or a draw needs (``MemoryEstimate``), from the model's parameter count and its activations;
+  ``check_fits`` refuses one above the memory of the device it will run on (the GPU's, or the machine's RAM and
+  cgroup limit), in one line with the estimate, before the allocator would fail with a traceback.
 
 The bound is kept low on purpose, so that nothing that runs is refused: parameters at 16 bytes each in training
-(fp32 weights and gradients, one optimizer moment, the EMA copy; AdamW keeps two), optimizer and gradients divided
-over the ranks under DeepSpeed, and per sample and block only the token tensors a block cannot do without
-(``ACTIVATIONS_PER_BLOCK`` of (T, D); the MLP's 4D-wide hidden layer, attention's scores and the norms are left out),
-at 2 bytes each under bf16 / fp16 autocast, block inputs only with ``engine.grad_checkpointing``, and the routed
-blocks at their kept tokens.
+(fp32 weights and gradients, one optimizer moment, the EMA copy; AdamW keeps two), the weights, gradients and
+optimizer state divided over the ranks under DeepSpeed (ZeRO-3 shards all three), and per sample and block only the
+token tensors a block cannot do without (``ACTIVATIONS_PER_BLOCK`` of (T, D); the MLP's 4D-wide hidden layer,
+attention's scores and the norms are left out), at 2 bytes each under bf16 / fp16 autocast, block inputs only with
+``engine.grad_checkpointing``, and the routed blocks at their kept tokens.
 """
 
 from __future__ import annotations
@@ -111,8 +111,8 @@ def training_memory(cfg: TrainConfig, world: int, device: Any) -> MemoryEstimate
     from diffcurr_fast.objective import resolve_precision
 
     n = count_params(cfg)
-    copies = 2 + len(cfg.optim.phema_sigma_rels) * bool(cfg.optim.phema_every)  # weights, EMA, post-hoc EMAs
-    shared = 2 / (world if cfg.engine.kind == "deepspeed" else 1)  # gradients and a moment, sharded by ZeRO
+    copies = 1 + len(cfg.optim.phema_sigma_rels) * bool(cfg.optim.phema_every)  # the EMA and post-hoc EMAs, whole
+    shared = 3 / (world if cfg.engine.kind == "deepspeed" else 1)  # weights, gradients, a moment: ZeRO shards them
     param_bytes = int(n * 4 * (copies + shared))
     micro = max(1, cfg.data.batch_size // (world * cfg.optim.grad_accum_steps))
     width = 4 if resolve_precision(cfg.engine.precision, device) == "fp32" else 2

@@ -83,6 +83,7 @@ class Trainer:
         DiT; its ``config()`` is stored in checkpoints as ``model_config``). ``timestep_range``: sample t only in
         [lo, hi) (a TDC group: the weights outside are zero; a curriculum's clusters partition the range). Rank 0
         holds the run directory's lock (``rundir.lock_run_dir``) from before its checks until ``fit`` returns."""
+        self.cfg = cfg.validate()
         self.engine = engine or create_engine(cfg.engine.kind, cfg.engine.device)
         self.lock = lock_run_dir(cfg.checkpoint.run_dir, resume=resume) if self.engine.is_main else None
         try:
@@ -97,7 +98,6 @@ class Trainer:
             self.lock.release()
 
     def _init(self, cfg, resume, overwrite, dataset, model, timestep_range) -> None:
-        self.cfg = cfg.validate()
         self.device = self.engine.device
         self.run_dir = Path(cfg.checkpoint.run_dir)
         # everything is checked before anything is written; the directory is opened at the end of __init__
