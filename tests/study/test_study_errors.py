@@ -115,7 +115,7 @@ def test_study_tune_grid_that_cannot_be_one_is_named(tmp_path, capsys, arm, matc
     length 1"), or tuning a key its set fixes (the fixed value was silently never used): one line naming the arm."""
     import re
 
-    data = {**SPEC, "tuning": {"budget": 2}, "arms": [{"name": "fast", **arm}]}
+    data = {**SPEC, "set": ["engine.max_steps=2"], "tuning": {"budget": 2}, "arms": [{"name": "fast", **arm}]}
     rc, err = _main(capsys, "study", _spec_file(tmp_path, data), "--out", str(tmp_path / "s"))
     assert rc == 2 and "spec.yaml: arm 'fast': " in err and re.search(match, err.strip()), err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "s").exists()

@@ -464,6 +464,7 @@ def test_an_encoder_that_drops_the_batch_or_returns_nan_is_refused(tmp_path, cap
         "nan": "returns NaN or inf for a 2x3x8x8 batch of images: its weights or its arithmetic are broken; check",
     }[case]
     sets = [*TINY_SETS, "terms.use=[repa]", f"terms.repa_encoder={path}", "terms.repa_encoder_size=8"]
+    sets.append("engine.max_steps=1")
     run = tmp_path / "run"
     for extra in (["--dry-run"], []):
         rc, err = _main(capsys, "train", "--run-dir", str(run), *extra, *[a for s in sets for a in ("--set", s)])
