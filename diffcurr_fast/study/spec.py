@@ -29,6 +29,7 @@ bundle; its final metric is the bundle's). ``load_spec`` checks every arm's conf
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -156,7 +157,7 @@ def spec_from_dict(data: dict[str, Any], source: str = "spec") -> StudySpec:
             str(a.get("kind", "train")),
             _overrides(a.get("set"), f"{source}: arm {a['name']!r}"),
             str(a.get("reference") or ""),
-            _tune(a.get("tune"), a.get("set"), f"{source}: arm {a['name']!r}"),
+            _tune(a.get("tune"), f"{source}: arm {a['name']!r}"),
         )
         if arm.kind not in KINDS:
             raise ValueError(f"{source}: arm {arm.name!r} has kind {arm.kind!r}; valid kinds: {', '.join(KINDS)}")
@@ -212,10 +213,9 @@ def _overrides(value: Any, where: str) -> list[str]:
     return list(value)
 
 
-def _tune(value: Any, fixed: Any, where: str) -> dict[str, list[Any]]:
+def _tune(value: Any, where: str) -> dict[str, list[Any]]:
     """An arm's ``tune`` grid: a mapping of config keys to lists of values (absent: none). A list or a bare key is
-    refused naming ``where`` it is, and so is a key the arm's ``set`` also fixes (the tuned value would replace it
-    unsaid)."""
+    refused naming ``where`` it is."""
     if value is None:
         return {}
     if not isinstance(value, dict):
@@ -223,13 +223,23 @@ def _tune(value: Any, fixed: Any, where: str) -> dict[str, list[Any]]:
             f"{where}: tune must map config keys to lists of values, e.g. tune: {{optim.lr: [1e-4, 2e-4]}}, "
             f"got {value!r}"
         )
-    both = sorted(k for k in value if any(str(s).partition("=")[0].strip() == k for s in fixed or []))
-    if both:
-        raise ValueError(
-            f"{where}: {', '.join(both)} is both fixed in set and tuned in tune (the tuned value would replace the "
-            "fixed one); keep one of them"
-        )
     return dict(value)
+
+
+def fixed_and_tuned(spec: StudySpec) -> list[str]:
+    """A line per key that an arm's ``set`` fixes and its ``tune`` tries: the tuned values replace the fixed one.
+    ``load_spec`` warns with them (a preset that tunes the official recipe's learning rate does it on purpose)."""
+    out = []
+    for arm in spec.arms:
+        for text in arm.set:
+            key, _, raw = text.partition("=")
+            if key.strip() in arm.tune:
+                out.append(
+                    f"arm {arm.name!r}: set fixes {key.strip()}={raw.strip()} but tune tries "
+                    f"{arm.tune[key.strip()]!r}: each trial and the picked value replace the fixed one, which is not "
+                    "used"
+                )
+    return out
 
 
 def _speedrun(data: Any, arms: list[str], source: str) -> dict[str, Any]:
@@ -266,7 +276,10 @@ def load_spec(path: str | Path) -> StudySpec:
     if dups:
         listed = "; ".join(f"{key!r} at lines {', '.join(map(str, lines))}" for key, lines in dups)
         raise ValueError(f"study spec {str(p)!r} sets a key more than once (only one would count): {listed}; keep one")
-    return check_spec(spec_from_dict(yaml.safe_load(text) or {}, str(p)))
+    spec = check_spec(spec_from_dict(yaml.safe_load(text) or {}, str(p)))
+    for line in fixed_and_tuned(spec):
+        warnings.warn(f"study spec {str(p)!r}: {line}", UserWarning, stacklevel=2)
+    return spec
 
 
 def load_study(study_dir: str | Path) -> StudySpec:
@@ -309,6 +322,7 @@ __all__ = [
     "StudySpec",
     "arm_config",
     "check_spec",
+    "fixed_and_tuned",
     "load_spec",
     "spec_from_dict",
 ]
