@@ -24,8 +24,9 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from diffcurr_fast._files import check_writable, load_npz
+from diffcurr_fast._files import OutputLock, check_writable, load_npz
 from diffcurr_fast.runs.config import config_from_dict
+from diffcurr_fast.runs.resources import check_fits, check_threads, sampling_memory
 
 # torch is imported inside the functions, so --help stays instant; the names are runs.sampling's (tested)
 SAMPLERS = ("ddpm", "ddim", "heun", "euler")
@@ -124,7 +125,8 @@ def merge_shards(out: Path, world: int) -> dict[int, Any]:
 def check_arguments(args: argparse.Namespace) -> tuple[Path, list[int] | None]:
     """(the output path, the ``--labels`` as ints or None) after checking every argument that does not need the
     checkpoint: the output's suffix, an existing output, that it can be written (``check_writable``), the counts, the
-    labels' syntax and the options that exclude each other. ``run`` calls it before reading anything."""
+    labels' syntax, the thread count and the options that exclude each other. ``run`` calls it before reading
+    anything."""
     out = Path(args.out)
     if out.suffix not in (".png", ".npz"):
         raise ValueError(f"--out must end in .png or .npz, got {str(out)!r}")
@@ -134,6 +136,8 @@ def check_arguments(args: argparse.Namespace) -> tuple[Path, list[int] | None]:
     for flag, value in (("--num-samples", args.num), ("--batch-size", args.batch_size), ("--steps", args.steps)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.threads is not None:
+        check_threads(args.threads)
     if args.vae and args.vae_batch < 1:
         raise ValueError(f"--vae-batch must be >= 1, got {args.vae_batch}")
     if not args.cfg >= 0:
@@ -152,7 +156,17 @@ def check_arguments(args: argparse.Namespace) -> tuple[Path, list[int] | None]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Sample from a checkpoint and write the grid or arrays. Returns the exit status."""
+    """Sample from a checkpoint and write the grid or arrays. Returns the exit status. Rank 0 holds the lock of
+    ``--out`` (``_files.OutputLock``) from before the checks until the file is written."""
+    out, base = check_arguments(args)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return _run(args, out, base)
+    with OutputLock(out, "--out", "choose another --out"):
+        check_arguments(args)  # again, under the lock: another command may have written --out meanwhile
+        return _run(args, out, base)
+
+
+def _run(args: argparse.Namespace, out: Path, base: list[int] | None) -> int:
     # imported here, not at the top: keeps --help free of torch
     import torch
     import torch.distributed as dist
@@ -173,7 +187,6 @@ def run(args: argparse.Namespace) -> int:
         to_uint8_nhwc,
     )
 
-    out, base = check_arguments(args)
     ema_length = getattr(args, "ema_length", None)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda requested but no CUDA device is available; use cpu or auto")
@@ -220,6 +233,10 @@ def run(args: argparse.Namespace) -> int:
             f"a PNG grid needs 1- or 3-channel data, this model has {m.in_channels}; write .npz or "
             "decode latents with --vae"
         )
+    weights_of = state["model"].values() if "model" in state else model.parameters()
+    params = sum(v.numel() for v in weights_of)
+    fix = "lower --batch-size, and --num-samples (every sample is held until the file is written)"
+    check_fits(sampling_memory(cfg, params, args.batch_size, args.num, args.cfg != 1), device, fix)
     vae = load_decoder(args.vae, device) if args.vae else None
     if "model" in state:
         if ema_length is not None:  # the run directory holds checkpoints/ and phema/

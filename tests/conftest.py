@@ -1,3 +1,4 @@
+import contextlib
 import json
 import os
 import signal
@@ -396,3 +397,28 @@ class RecordingClassifier(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.seen.append((self.training, x.detach().clone()))
         return self.lin(x.flatten(1))
+
+
+# A process that holds the lock of the folder or file argv[1] (argv[2]: "dir" or "file") until it is killed.
+HOLDER = """
+import sys, time
+from diffcurr_fast._files import OutputLock
+OutputLock(sys.argv[1], "run directory", "choose another", directory=sys.argv[2] == "dir").acquire()
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+@contextlib.contextmanager
+def locked_by_another(path, kind="dir"):
+    """A process holding the ``OutputLock`` of ``path`` (a folder, or a file with ``kind="file"``) while the block
+    runs; killed at its end (its lock file stays, as a killed command's does). Yields the process."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(path), kind], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "held", proc.stderr.read()
+        yield proc
+    finally:
+        proc.kill()
+        proc.communicate()

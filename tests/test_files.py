@@ -151,3 +151,72 @@ def test_cli_errors_are_one_line_once_and_ctrl_c_is_130(monkeypatch, capsys):
     mod.run = staticmethod(interrupt)
     assert cli.main(["info"]) == 130
     assert capsys.readouterr().err.strip() == "diffcurr-fast info: interrupted (Ctrl-C)"
+
+
+def test_output_lock_refuses_a_second_holder_and_takes_over_a_stale_one(tmp_path):
+    """The lock of an output: a second process is refused in one line naming the holder; within one process a
+    second lock is a no-op; release removes the lock file and the folders it created; a lock file left by a process
+    that is gone is taken over with a warning."""
+    from conftest import locked_by_another
+
+    from diffcurr_fast._files import LOCK_NAME, OutputLock
+
+    run, out = tmp_path / "a" / "b" / "run", tmp_path / "s.png"
+    with locked_by_another(run) as proc, locked_by_another(out, "file"):
+        assert (run / LOCK_NAME).read_text().startswith(f"process {proc.pid}: ")
+        with pytest.raises(ValueError, match=rf"^run directory '{run}' is in use by another command \(process "):
+            OutputLock(run, "run directory", "choose another", directory=True).acquire()
+        with pytest.raises(ValueError, match=r"^--out '.*s\.png' is in use by another command \(process \d+"):
+            OutputLock(out, "--out", "choose another --out").acquire()
+        assert (tmp_path / ".s.png.lock").is_file()
+    with pytest.warns(UserWarning, match=rf"taking over the lock left by a process that is gone \(process {proc.pid}"):
+        lock = OutputLock(run, "run directory", "choose another", directory=True).acquire()
+    inner = OutputLock(run, "run directory", "choose another", directory=True).acquire()  # this process: no-op
+    assert lock.held and not inner.held
+    inner.release()
+    assert (run / LOCK_NAME).is_file()
+    lock.release()
+    assert not (run / LOCK_NAME).exists() and run.is_dir()  # a folder it did not create stays
+    fresh = tmp_path / "x" / "y"
+    with OutputLock(fresh, "run directory", "choose another", directory=True):
+        assert (fresh / LOCK_NAME).is_file()
+    assert not (tmp_path / "x").exists()  # created for the lock, nothing written: removed
+    with OutputLock(fresh, "run directory", "choose another", directory=True):
+        (fresh / "metrics.jsonl").write_text("")
+    assert sorted(p.name for p in fresh.iterdir()) == ["metrics.jsonl"]
+    with OutputLock(tmp_path / "none", "run directory", "x", directory=True, create=False) as absent:
+        assert not absent.held and not (tmp_path / "none").exists()
+    (tmp_path / "f").write_text("a file")
+    with pytest.raises(ValueError, match=r"'.*f' is a file, not a directory; choose another"):
+        OutputLock(tmp_path / "f" / "run", "run directory", "choose another", directory=True).acquire()
+
+
+def test_every_command_that_writes_takes_the_lock(tmp_path, capsys, trained):
+    """train, tdc, study, sample --out and extract-latents --out each take their output's lock before anything is
+    written: while another command holds it, each is refused in one line and writes nothing."""
+    import yaml
+    from conftest import _main, locked_by_another
+
+    from diffcurr_fast._files import LOCK_NAME
+
+    vae = tmp_path / "vae"  # a VAE folder as the checks see it (the lock comes before it is loaded)
+    vae.mkdir()
+    (vae / "config.json").write_text('{"_class_name": "AutoencoderKL"}')
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump({"name": "s", "seeds": [0], "eval_every": 1, "arms": [{"name": "a"}]}))
+    out = tmp_path / "out"
+    commands = {
+        "train": ["train", "--run-dir", str(out), "--set", "engine.max_steps=1"],
+        "tdc": ["tdc", "--run-dir", str(out)],
+        "study": ["study", str(spec), "--out", str(out)],
+        "extract-latents": ["extract-latents", "--vae", str(vae), "--data", str(tmp_path), "--out", str(out)],
+    }
+    with locked_by_another(out):
+        for name, argv in commands.items():
+            rc, err = _main(capsys, *argv)
+            assert rc == 2 and f"'{out}' is in use by another command (process " in err, (name, err)
+            assert len(err.strip().splitlines()) == 1 and os.listdir(out) == [LOCK_NAME], (name, err)
+    png = tmp_path / "s.png"
+    with locked_by_another(png, "file"):
+        rc, err = _main(capsys, "sample", "--ckpt", str(trained), "--out", str(png), "--num-samples", "1")
+    assert rc == 2 and f"--out '{png}' is in use by another command (process " in err and not png.exists(), err

@@ -11,8 +11,10 @@ Rerunning the same command resumes after the latents already written.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
+from diffcurr_fast._files import OutputLock
 from diffcurr_fast.data.errors import ON_BAD
 
 # torch and the encoder are imported in run(): `diffcurr-fast extract-latents --help` stays instant. The values of
@@ -37,7 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hflip", action="store_true", help="random horizontal flips (seeded), as fast-DiT")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
-    parser.add_argument("--num-workers", type=int, default=4)
+    parser.add_argument(
+        "--num-workers",
+        type=int,
+        default=None,
+        help="DataLoader processes that decode the images (default: half the CPUs, at most 4: the encoder needs the "
+        "others)",
+    )
     parser.add_argument("--on-bad", choices=ON_BAD, default="stop", help="bad images: stop with an error or skip")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -69,6 +77,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"diffcurr-fast extract-latents: error: {exc}", file=sys.stderr)
         return 2
     check_vae_dir(args.vae)
+    if args.num_workers is None:
+        args.num_workers = min(4, len(os.sched_getaffinity(0)) // 2)
+    if args.num_workers < 0:
+        raise ValueError(f"--num-workers must be >= 0 (0: decode in this process), got {args.num_workers}")
     options = dict(
         image_size=args.image_size,
         batch_size=args.batch_size,
@@ -79,18 +91,21 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         dtype=args.dtype,
         on_bad=args.on_bad,
+        vae_dir=args.vae,
     )
-    folder, _ = check_extraction(args.data, args.out, **options)
-    vae = load_vae(args.vae, args.device)
-    n = extract_latents(
-        vae,
-        folder,
-        args.out,
-        **options,
-        shard_size=args.shard_size,
-        device=args.device,
-        num_workers=args.num_workers,
-        progress=not args.no_progress,
-    )
+    # taken before the checks (a folder it creates for a refused start is removed again), held to the end
+    with OutputLock(args.out, "--out", "give another --out", directory=True):
+        folder, _ = check_extraction(args.data, args.out, **options)
+        vae = load_vae(args.vae, args.device)
+        n = extract_latents(
+            vae,
+            folder,
+            args.out,
+            **options,
+            shard_size=args.shard_size,
+            device=args.device,
+            num_workers=args.num_workers,
+            progress=not args.no_progress,
+        )
     print(f"{n} latents in {args.out} ({args.layout} layout)")
     return 0

@@ -11,6 +11,8 @@ than appended to latents of another kind.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib
 import json
 import os
@@ -32,6 +34,7 @@ from diffcurr_fast.data.pipeline import ListSampler, _SkipCollate
 SD_VAE_SCALE = 0.18215
 LAYOUTS = ("sharded", "fastdit")
 OPTIONS_FILE = "extract.json"  # the options the latents of a folder were extracted with
+VAE_KEYS = ("vae", "vae_path")  # its record of the VAE: ``vae_fingerprint`` and the folder it was read from
 
 
 class LatentEncoder(Protocol):
@@ -45,6 +48,11 @@ def check_vae_dir(path: str | os.PathLike) -> None:
     ``AutoencoderKL`` (its ``config.json`` says so): diffusers would load another model's folder as a VAE of random
     weights, with a warning, and fail only when it encodes."""
     path = Path(path)
+    if path.is_file():
+        raise ValueError(
+            f"VAE {str(path)!r} is a file; give the folder of a diffusers AutoencoderKL (saved with save_pretrained: "
+            "its config.json and weights)"
+        )
     if not path.is_dir():
         raise FileNotFoundError(
             f"VAE directory {path} not found (a diffusers AutoencoderKL saved with save_pretrained)"
@@ -72,8 +80,30 @@ def load_vae(path: str | os.PathLike, device: str | torch.device = "cpu", dtype:
     eval mode."""
     diffusers = require_diffusers()
     check_vae_dir(path)
-    vae = diffusers.AutoencoderKL.from_pretrained(str(path), local_files_only=True, torch_dtype=dtype)
+    # low_cpu_mem_usage=False: what diffusers falls back to without accelerate, without its warning on every load
+    vae = diffusers.AutoencoderKL.from_pretrained(
+        str(path), local_files_only=True, torch_dtype=dtype, low_cpu_mem_usage=False
+    )
     return vae.eval().to(device)
+
+
+def vae_fingerprint(path: str | os.PathLike) -> str:
+    """What identifies the VAE in folder ``path`` in ``extract.json``: the SHA-256 of its ``config.json`` and weight
+    files (their names and bytes), so that a rerun with another VAE (a different fine-tune has the same config) is
+    refused, and the same VAE moved elsewhere is not. Read once per process for files unchanged since."""
+    files = sorted(p for p in Path(path).iterdir() if p.name == "config.json" or p.suffix in (".safetensors", ".bin"))
+    return _digest(tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+
+
+@functools.lru_cache(maxsize=8)
+def _digest(files: tuple[tuple[str, int, int], ...]) -> str:
+    digest = hashlib.sha256()
+    for name, _, _ in files:
+        digest.update(Path(name).name.encode())
+        with open(name, "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 def load_decoder(path: str, device):
@@ -126,7 +156,10 @@ def check_same_options(out: str | os.PathLike, options: dict) -> None:
         old = json.loads(record.read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"{record}: unreadable ({exc}); remove it or give another --out") from None
-    diffs = [f"{k} {old.get(k)!r} (now {v!r})" for k, v in options.items() if old.get(k) != v]
+    vae = options.get("vae"), old.get("vae")  # a record of before it was kept, or a call without one: not compared
+    diffs = [f"{k} {old.get(k)!r} (now {v!r})" for k, v in options.items() if old.get(k) != v and k not in VAE_KEYS]
+    if None not in vae and vae[0] != vae[1]:
+        diffs.append(f"another VAE (--vae {options.get('vae_path')!r}; the latents are of {old.get('vae_path')!r})")
     if diffs:
         raise ValueError(
             f"{str(out)!r} holds latents extracted with other options: "
@@ -148,11 +181,13 @@ def check_extraction(
     seed: int = 0,
     dtype: str = "float16",
     on_bad: str = "stop",
+    vae_dir: str | os.PathLike | None = None,
 ) -> tuple[ImageFolder, dict]:
     """(the image folder, the options record) of an extraction of ``data`` into ``out``, after every check that
     needs no VAE: the options, the images of ``data`` (read and checked as ``on_bad`` says), that ``out`` can be
-    written (``check_writable``) and holds no latents of other options (``check_same_options``). ``extract-latents``
-    runs it before it loads the VAE; ``extract_latents`` runs it again (cheap with the folder it returns)."""
+    written (``check_writable``) and holds no latents of other options (``check_same_options``; ``vae_dir``, the
+    VAE's folder, is one of them: ``vae_fingerprint``). ``extract-latents`` runs it before it loads the VAE;
+    ``extract_latents`` runs it again (cheap with the folder it returns)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if batch_size < 1:
@@ -176,6 +211,8 @@ def check_extraction(
         "scale": scale,
         "dtype": dtype if layout == "sharded" else "float32",
     }
+    if vae_dir is not None:
+        options.update(vae=vae_fingerprint(vae_dir), vae_path=str(Path(vae_dir).resolve()))
     check_writable(out, "--out", "give another --out", directory=True)
     check_same_options(out, options)
     return folder, options
@@ -199,12 +236,15 @@ def extract_latents(
     num_workers: int = 0,
     on_bad: str = "stop",
     progress: bool = True,
+    vae_dir: str | os.PathLike | None = None,
 ) -> int:
     """Encode every usable image of ``data`` into ``out``; returns the number of latents now in ``out``.
 
     Under ``on_bad="skip"`` the folder is fully decoded once first (bad images are dropped deterministically,
     which keeps resuming exact); under ``"stop"`` the first bad image raises an error naming it.
     ``hflip`` flips each image with probability 1/2 (decided from ``seed``), as fast-DiT's extraction does.
+    ``vae_dir``: the folder ``vae`` was loaded from, recorded in ``extract.json`` (a rerun with another is refused).
+    The record is written with the first latents: a start that fails before them leaves none.
     """
     folder, options = check_extraction(
         data,
@@ -218,6 +258,7 @@ def extract_latents(
         seed=seed,
         dtype=dtype,
         on_bad=on_bad,
+        vae_dir=vae_dir,
     )
     n = len(folder)
     dataset = ImageDataset(folder, image_size)
@@ -231,7 +272,8 @@ def extract_latents(
         writer = ShardedLatentWriter(out, tuple(meta["latent_shape"]), shard_size, meta["dtype"], scale)
     start = writer.num_written if writer is not None else 0
     Path(out).mkdir(parents=True, exist_ok=True)
-    write_json(options, Path(out) / OPTIONS_FILE)  # what the latents in ``out`` are: a rerun must ask the same
+    if start:  # what the latents in ``out`` are: a rerun must ask the same
+        write_json(options, Path(out) / OPTIONS_FILE)
     if start > n:
         raise ValueError(f"{out} already holds {start} latents but {folder.root} has only {n} usable images")
     if start == n:
@@ -258,6 +300,8 @@ def extract_latents(
             writer = ShardedLatentWriter(out, z.shape[1:], shard_size, dtype, scale)
         drop = max(start - done, 0)
         writer.write(z[drop:], y.numpy()[drop:])
+        if not start and done == first:  # with the first latents, not before: a refused start leaves no record
+            write_json(options, Path(out) / OPTIONS_FILE)
         done += len(z)
         if bar is not None:
             bar.update(len(z) - drop)

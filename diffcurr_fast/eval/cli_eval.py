@@ -24,6 +24,7 @@ import argparse
 import os
 
 from diffcurr_fast._files import check_writable, write_json
+from diffcurr_fast.runs.resources import check_fits, check_threads, sampling_memory
 
 # The evaluation modules (torch) are imported in run(): `diffcurr-fast eval --help` stays instant. The names of
 # features.EXTRACTORS (a test keeps the two equal):
@@ -46,7 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--extractor",
         choices=EXTRACTORS,
         default=None,
-        help="feature extractor (default: digits / mnist5k with --ref digits / mnist5k, else inception)",
+        help="feature extractor (default: digits / mnist5k with --ref digits / mnist5k, the one a statistics file "
+        "written by --save-ref names, else inception)",
     )
     parser.add_argument("--inception-weights", metavar="PATH", help="pytorch-fid pt_inception-2015-12-05 weights")
     parser.add_argument("--digits-cache", metavar="PATH", help="digits classifier cache file (trained if missing)")
@@ -123,6 +125,8 @@ def _check_outputs(args: argparse.Namespace) -> None:
         )
     if args.samples is not None and not os.path.isfile(args.samples):
         raise FileNotFoundError(f"--samples {args.samples!r} not found")
+    if args.threads is not None:
+        check_threads(args.threads)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -175,6 +179,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> int:
         load_latents,
         load_reference,
         samples_from_model,
+        statistics_extractor,
     )
     from diffcurr_fast.eval.features import get_extractor
     from diffcurr_fast.runs.sampling import set_cpu_threads
@@ -185,6 +190,8 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> int:
         check_draw(args.num, args.batch_size)
         model, cfg = checkpoint_model(args.ckpt, weights=args.weights, device=args.device, ema_length=args.ema_length)
         args.sampler = resolve_sampler(args.sampler, cfg.diffusion.formulation)
+        est = sampling_memory(cfg, sum(p.numel() for p in model.parameters()), args.batch_size, args.num, args.cfg != 1)
+        check_fits(est, args.device, "lower --batch-size, and --num-samples (the samples are held to be scored)")
     set_cpu_threads(args.threads, cfg)
 
     def draw():  # under torchrun: this rank's share of the batches, then all of them
@@ -211,8 +218,9 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> int:
     if args.samples is not None:  # read first: a bad file is named before the extractor and reference are made
         samples = load_latents(args.samples, "--samples") if args.vae else load_images(args.samples, "--samples")
         labels = load_labels(args.samples, len(samples), "--samples")
-    if args.extractor is None:
-        args.extractor = args.ref if args.ref in ("digits", "mnist5k") else "inception"
+    if args.extractor is None:  # a statistics file written by --save-ref names its own
+        builtin = args.ref if args.ref in BUILTIN_REFERENCES else None
+        args.extractor = builtin or statistics_extractor(args.ref, "--ref") or "inception"
     extractor = get_extractor(
         args.extractor,
         inception_weights=args.inception_weights,

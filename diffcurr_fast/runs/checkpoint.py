@@ -200,22 +200,28 @@ def _read_naming_intact(path: str | Path, map_location: Any, advice: Any, none: 
 
 def resolve_checkpoint(path_or_run: str | Path) -> Path:
     """A checkpoint file, or a run directory (its newest checkpoint). A TDC run directory, which has no
-    checkpoint of its own, is refused with the bundle to sample instead."""
+    checkpoint of its own, is refused with the bundle to sample instead, also when a training run was written beside
+    it (its checkpoint is named: a file is taken as given)."""
     p = Path(path_or_run)
     if p.is_dir():
         latest = latest_checkpoint(p)
+        if (p / "tdc.json").is_file() or (latest is None and (p / "bundle").is_dir()):  # tdc/pipeline.py's layout
+            bundle = p / "bundle"
+            what = (
+                f"sample its multi-expert bundle with --bundle {str(bundle)!r}"
+                if (bundle / "train_config.json").is_file()
+                else "its multi-expert bundle (bundle/) is not written yet"
+            )
+            stray = (
+                f" (its {CKPT_DIR}/ holds a training run written beside the TDC run: pass {str(latest)!r} to sample it)"
+                if latest is not None
+                else ""
+            )
+            raise FileNotFoundError(
+                f"{str(p)!r} is a TDC run directory, which holds no checkpoint of its own{stray}: {what}, or pass the "
+                f"run of its base model ({str(p / 'stage1')!r}) or of an expert ({str(p / 'group_<i>' / 'finetune')!r})"
+            )
         if latest is None:
-            if (p / "tdc.json").is_file() or (p / "bundle").is_dir():  # a TDC run (tdc/pipeline.py's layout)
-                bundle = p / "bundle"
-                what = (
-                    f"sample its multi-expert bundle with --bundle {str(bundle)!r}"
-                    if (bundle / "train_config.json").is_file()
-                    else "its multi-expert bundle (bundle/) is not written yet"
-                )
-                raise FileNotFoundError(
-                    f"{str(p)!r} is a TDC run directory, which holds no checkpoint of its own: {what}, or pass the run "
-                    f"of its base model ({str(p / 'stage1')!r}) or of an expert ({str(p / 'group_<i>' / 'finetune')!r})"
-                )
             raise FileNotFoundError(f"run directory {str(p)!r} has no checkpoint under {CKPT_DIR}/")
         return latest
     if not p.is_file():

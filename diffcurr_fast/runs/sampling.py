@@ -41,6 +41,7 @@ from diffcurr_fast.models import DiT
 from diffcurr_fast.models.dit import LabelEmbedder
 from diffcurr_fast.runs.checkpoint import load_weights
 from diffcurr_fast.runs.config import components
+from diffcurr_fast.runs.resources import check_threads
 from diffcurr_fast.runs.sections import resolve_sampler, with_article
 
 if TYPE_CHECKING:
@@ -51,11 +52,11 @@ SAMPLERS = ("ddpm", "ddim", "heun", "euler")
 
 def set_cpu_threads(threads: int | None, cfg: TrainConfig | None = None) -> int:
     """torch's intra-op CPU threads for a command: ``threads`` (its ``--threads``) when given, else the run's own
-    ``engine.cpu_threads``; 0 keeps torch's default. Returns the count in use. (A small model on a busy machine is
+    ``engine.cpu_threads``; 0 keeps torch's default; more than this machine runs is refused (``check_threads``).
+    Returns the count in use. (A small model on a busy machine is
     many times slower at torch's default than at one thread.)"""
     n = cfg.engine.cpu_threads if threads is None and cfg is not None else threads or 0
-    if n < 0:
-        raise ValueError(f"--threads must be >= 0 (0: torch's default), got {n}")
+    check_threads(n, "--threads" if threads is not None else "engine.cpu_threads")
     if n:
         torch.set_num_threads(n)
     return torch.get_num_threads()

@@ -39,10 +39,11 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from diffcurr_fast._files import check_writable, write_json
+from diffcurr_fast._files import OutputLock, write_json
 from diffcurr_fast.eval.features import digits_classifier, mnist5k_classifier
 from diffcurr_fast.runs.checkpoint import latest_checkpoint
 from diffcurr_fast.runs.recipes import apply_overrides
+from diffcurr_fast.runs.resources import check_threads
 from diffcurr_fast.runs.sampling import build_model, build_schedule
 from diffcurr_fast.study.launch import SubmititPool, active_jobs, write_job
 from diffcurr_fast.study.layout import STEPTIME, jobs, log_path, read_status, run_dir_of, status_path
@@ -122,12 +123,14 @@ def run_study(
         raise ValueError(f"--workers must be >= 1, got {workers}")
     if threads is not None and threads < 1:
         raise ValueError(f"--threads must be >= 1, got {threads}")
+    check_threads(threads or 0)
     if peer_dit is not None:
         if not spec.speedrun:
             raise ValueError(f"--peer-dit times the official arm of a speedrun; study {spec.name!r} has no speedrun")
         check_checkout(peer_dit)
     check_spec(spec)
-    check_writable(study_dir, "study folder", "choose another study folder (--out)", directory=True)
+    # held until the study ends (released in the finally below, or at exit): one study process per folder
+    lock = OutputLock(study_dir, "study folder", "choose another study folder (--out)", directory=True).acquire()
     if launcher == "local":
         pool: Any = LocalPool(study_dir, workers or 1, threads)
     else:
@@ -225,6 +228,7 @@ def run_study(
     finally:
         bar.close()
         pool.stop([handle for _, handle in running])
+        lock.release()
     return {"ran": ran, "failed": failed, "kept": kept}
 
 

@@ -34,6 +34,7 @@ bundle; its final metric is the bundle's). ``load_spec`` checks every arm's conf
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -189,7 +190,7 @@ def spec_from_dict(data: dict[str, Any], source: str = "spec") -> StudySpec:
             str(a.get("kind", "train")),
             _overrides(a.get("set"), f"{source}: arm {a['name']!r}"),
             str(a.get("reference") or ""),
-            dict(a.get("tune") or {}),
+            _tune(a.get("tune"), f"{source}: arm {a['name']!r}"),
         )
         if arm.kind not in KINDS:
             raise ValueError(f"{source}: arm {arm.name!r} has kind {arm.kind!r}; valid kinds: {', '.join(KINDS)}")
@@ -248,6 +249,35 @@ def _overrides(value: Any, where: str) -> list[str]:
             f"{where}: set must be a list of section.field=value overrides, e.g. set: [optim.lr=1e-3], got {value!r}"
         )
     return list(value)
+
+
+def _tune(value: Any, where: str) -> dict[str, list[Any]]:
+    """An arm's ``tune`` grid: a mapping of config keys to lists of values (absent: none). A list or a bare key is
+    refused naming ``where`` it is."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"{where}: tune must map config keys to lists of values, e.g. tune: {{optim.lr: [1e-4, 2e-4]}}, "
+            f"got {value!r}"
+        )
+    return dict(value)
+
+
+def fixed_and_tuned(spec: StudySpec) -> list[str]:
+    """A line per key that an arm's ``set`` fixes and its ``tune`` tries: the tuned values replace the fixed one.
+    ``load_spec`` warns with them (a preset that tunes the official recipe's learning rate does it on purpose)."""
+    out = []
+    for arm in spec.arms:
+        for text in arm.set:
+            key, _, raw = text.partition("=")
+            if key.strip() in arm.tune:
+                out.append(
+                    f"arm {arm.name!r}: set fixes {key.strip()}={raw.strip()} but tune tries "
+                    f"{arm.tune[key.strip()]!r}: each trial and the picked value replace the fixed one, which is not "
+                    "used"
+                )
+    return out
 
 
 def _speedrun(data: Any, arms: list[str], source: str) -> dict[str, Any]:
@@ -329,7 +359,10 @@ def load_spec(path: str | Path) -> StudySpec:
     if dups:
         listed = "; ".join(f"{key!r} at lines {', '.join(map(str, lines))}" for key, lines in dups)
         raise ValueError(f"study spec {str(p)!r} sets a key more than once (only one would count): {listed}; keep one")
-    return check_spec(spec_from_dict(yaml.safe_load(text) or {}, str(p)))
+    spec = check_spec(spec_from_dict(yaml.safe_load(text) or {}, str(p)))
+    for line in fixed_and_tuned(spec):
+        warnings.warn(f"study spec {str(p)!r}: {line}", UserWarning, stacklevel=2)
+    return spec
 
 
 def load_study(study_dir: str | Path) -> StudySpec:
@@ -376,6 +409,7 @@ __all__ = [
     "StudySpec",
     "arm_config",
     "check_spec",
+    "fixed_and_tuned",
     "load_spec",
     "spec_from_dict",
 ]

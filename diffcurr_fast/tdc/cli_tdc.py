@@ -12,6 +12,7 @@ A recipe is a training recipe (the sections of ``diffcurr_fast.runs.config``, it
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -19,7 +20,8 @@ from typing import Any
 
 import yaml
 
-from diffcurr_fast.runs.config import TrainConfig, config_from_dict
+from diffcurr_fast._files import read_json
+from diffcurr_fast.runs.config import TrainConfig, config_from_dict, upgrade_saved
 from diffcurr_fast.runs.recipes import (
     DEMO_RECIPE,
     apply_overrides,
@@ -29,6 +31,7 @@ from diffcurr_fast.runs.recipes import (
     recipes_dir,
     run_dir_overrides,
 )
+from diffcurr_fast.train.rundir import lock_run_dir
 
 # The default run, as changes to the training demo (recipe demo.yaml), whose model and data it keeps: 800 steps of
 # stage 1 without the curriculum (the TDC paper's stage 1; --curriculum turns it on), then three experts (N = 3,
@@ -85,7 +88,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--resume",
         action="store_true",
-        help="continue a killed TDC run in its run dir (the stage, group and search round it was in)",
+        help="continue a killed TDC run in its run dir (the stage, group and search round it was in); without "
+        "RECIPE, from the run's own config in tdc.json (no --set to repeat)",
     )
     group.add_argument("--overwrite", action="store_true", help="replace the TDC artefacts of a non-empty run dir")
     parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
@@ -100,7 +104,15 @@ def resolve(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
         cfg = apply_overrides(config_from_dict(demo_recipe()), overrides)
     else:
         cfg = load_config(args.recipe, overrides)
-    return cfg, Path(cfg.checkpoint.run_dir)
+    run_dir = Path(cfg.checkpoint.run_dir)
+    saved = run_dir / "tdc.json"
+    if args.resume and args.recipe is None and saved.is_file():  # the run's own config, --set on top (as train's)
+        record = read_json(saved, "the TDC run's record")
+        if not isinstance(record, dict) or not isinstance(record.get("config"), dict):
+            raise ValueError(f"{str(saved)!r} holds no TDC run's config; pass the run's recipe and --set values")
+        cfg = apply_overrides(config_from_dict(upgrade_saved(record["config"]), source="tdc.json"), overrides)
+        cfg.checkpoint.run_dir = str(run_dir)  # the record holds its stage 1's folder
+    return cfg, run_dir
 
 
 def run(args: argparse.Namespace) -> int:
@@ -108,10 +120,21 @@ def run(args: argparse.Namespace) -> int:
     if args.help_config:
         print(describe_config())
         return 0
-    cfg, run_dir = resolve(args)
-    if args.dry_run:
-        sys.stdout.write(yaml.safe_dump({**cfg.to_dict(), "run_dir": str(run_dir)}, sort_keys=False))
-        return 0
+    if args.dry_run or not _is_main():  # writes nothing / rank 0 holds the lock
+        cfg, run_dir = resolve(args)
+        if args.dry_run:
+            sys.stdout.write(yaml.safe_dump({**cfg.to_dict(), "run_dir": str(run_dir)}, sort_keys=False))
+            return 0
+        return _run(args, cfg, run_dir)
+    with contextlib.ExitStack() as locks:
+        if args.run_dir:  # known before the config is resolved (which imports torch): a second start is refused at once
+            locks.enter_context(lock_run_dir(args.run_dir.strip(), resume=args.resume))
+        cfg, run_dir = resolve(args)
+        locks.enter_context(lock_run_dir(run_dir, resume=args.resume))  # held already with --run-dir
+        return _run(args, cfg, run_dir)
+
+
+def _run(args: argparse.Namespace, cfg: TrainConfig, run_dir: Path) -> int:
     # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.tdc.pipeline import run_tdc
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,7 +67,7 @@ from diffcurr_fast.tdc.search import SearchResult, plot_history, proxy_search
 from diffcurr_fast.train.data import SHARDED_DATASETS, build_dataset
 from diffcurr_fast.train.engine import create_engine
 from diffcurr_fast.train.loop import Trainer
-from diffcurr_fast.train.rundir import RunStart, open_run_dir
+from diffcurr_fast.train.rundir import RunStart, lock_run_dir, open_run_dir
 
 __all__ = [
     "format_accounting",
@@ -196,7 +197,19 @@ def run_tdc(
             importance is all-reduced, the search's candidates are spread over the ranks (``tdc.expert_parallel``:
             the ranks split into parts that take the groups in turn); rank 0 writes the files.
         verbose: print progress and the accounting (rank 0).
+
+    Rank 0 holds the run directory's lock (``rundir.lock_run_dir``) from before the checks until it returns.
     """
+    main = int(os.environ.get("RANK", "0")) == 0  # the engine is made after the checks
+    lock = lock_run_dir(run_dir, resume=resume) if main else None
+    try:
+        return _run_tdc(cfg, options, run_dir, overwrite, resume, engine, verbose)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_tdc(cfg, options, run_dir, overwrite, resume, engine, verbose) -> dict[str, Any]:
     cfg, run_dir, t_start = resolve_config(cfg, options), Path(run_dir), time.perf_counter()
     start = check_tdc_run(cfg, cfg.tdc, run_dir, overwrite=overwrite, resume=resume)  # before anything is written
     cfg.checkpoint.run_dir = str(run_dir / "stage1")

@@ -1,5 +1,5 @@
 """What a TDC run can check before stage 1 trains: the training config, its inputs and backends (as ``train``
-checks them), the timestep groups the options ask for, and the run directory (``TDC_LAYOUT``).
+checks them: threads and memory too), the timestep groups the options ask for, and the run directory (``TDC_LAYOUT``).
 
 ``check_tdc_run(cfg, opts, run_dir, overwrite=...)`` raises in one line, naming the option, and returns the
 ``RunStart`` that ``open_run_dir`` then prepares; ``check_groups(cfg, num_groups, method)`` is its grouping part.
@@ -7,12 +7,13 @@ checks them), the timestep groups the options ask for, and the run directory (``
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 from diffcurr_fast.runs.sampling import build_schedule
 from diffcurr_fast.tdc.grouping import group_timesteps
-from diffcurr_fast.train.preflight import check_backends, check_guidance, check_inputs
+from diffcurr_fast.train.preflight import check_backends, check_guidance, check_inputs, check_resources
 from diffcurr_fast.train.rundir import TDC_LAYOUT, RunStart, check_run_dir
 
 __all__ = ["check_groups", "check_tdc_run"]
@@ -48,6 +49,7 @@ def check_tdc_run(
     check_inputs(cfg)
     check_guidance(cfg)
     check_groups(cfg, opts.num_groups, opts.group_method)
+    check_resources(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # stage 1 trains the whole model
     cfg.check_refusals("tdc")  # what a pruned expert cannot carry (a term's projector, a layer pruning skips)
     if resume:
         if overwrite:

@@ -255,22 +255,37 @@ def load_encoder(path: str | Path, size: int) -> nn.Module:
 
 
 def encoder_grid(encoder: nn.Module, size: int, name: str = "terms.repa_encoder") -> tuple[int, int]:
-    """(g_e, D_e): the side of the square grid of patch tokens and their width that ``encoder`` returns for one
-    image of ``size`` x ``size`` (one forward of zeros); one line when it fails or returns no square grid."""
+    """(g_e, D_e): the side of the square grid of patch tokens and their width that ``encoder`` returns for a batch
+    of two different images of ``size`` x ``size`` (one forward); one line when it fails, returns no square grid,
+    does not keep the batch (an encoder traced at batch 1 returns one row for any batch: every sample would be
+    aligned to the first one's features) or returns NaN or inf."""
+    x = torch.linspace(-2, 2, 2 * 3 * size * size).reshape(2, 3, size, size)  # (2, 3, S, S): two distinct images
+    shape = f"2x3x{size}x{size}"
     try:
         with torch.no_grad():
-            out = encoder(torch.zeros(1, 3, size, size, device=_device_of(encoder)))
+            out = encoder(x.to(_device_of(encoder)))
     except Exception as exc:  # whatever the user's module raises
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
         raise ValueError(
-            f"{name} fails on a 1x3x{size}x{size} image ({type(exc).__name__}: {first}); check "
+            f"{name} fails on a {shape} batch of images ({type(exc).__name__}: {first}); check "
             "terms.repa_encoder_size, the input size the encoder expects"
         ) from None
-    if not isinstance(out, torch.Tensor) or out.dim() != 3 or out.shape[0] != 1:
-        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+    if not isinstance(out, torch.Tensor) or out.dim() != 3:
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise ValueError(
-            f"{name} returns {shape} for a 1x3x{size}x{size} image, not patch tokens (B, N, D); save a module whose "
+            f"{name} returns {got} for a {shape} batch of images, not patch tokens (B, N, D); save a module whose "
             "forward returns them (DINOv2: forward_features(x)['x_norm_patchtokens'])"
+        )
+    if out.shape[0] != 2:
+        raise ValueError(
+            f"{name} returns {tuple(out.shape)} for a {shape} batch of images: its first dimension must follow the "
+            "batch (a module traced with a batch of 1 may keep that size); save it with torch.jit.script, or trace it "
+            "with a batch of 2 or more"
+        )
+    if not bool(torch.isfinite(out).all()):
+        raise ValueError(
+            f"{name} returns NaN or inf for a {shape} batch of images: its weights or its arithmetic are broken; "
+            "check the encoder (the data is not involved)"
         )
     n = out.shape[1]
     side = math.isqrt(n)

@@ -8,17 +8,22 @@ under ``deepspeed --num_gpus N --module diffcurr_fast.cli train ...`` (or torchr
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import shlex
 import sys
 from pathlib import Path
 
+from diffcurr_fast.runs.config import config_from_dict
 from diffcurr_fast.runs.recipes import (
+    apply_overrides,
     config_to_yaml,
     describe_config,
     load_config,
     load_run_config,
     run_dir_overrides,
 )
+from diffcurr_fast.train.rundir import check_run_dir, lock_run_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,16 +97,48 @@ def describe_data(cfg) -> str:
     return f"{src} ({m.in_channels}x{m.input_size}x{m.input_size}, {m.num_classes} classes)"
 
 
+def checkpoint_config(cfg, overrides: list[str]):
+    """The config of ``train --resume`` without a recipe when the run's ``config.yaml`` is missing: the one its newest
+    checkpoint stores, ``overrides`` on top, said on stderr (``cfg``, the demo's, when there is no checkpoint: the
+    start's check refuses that resume)."""
+    # imported here, not at the top: keeps --help free of torch
+    from diffcurr_fast.runs.checkpoint import latest_checkpoint, load_checkpoint
+
+    run_dir = Path(cfg.checkpoint.run_dir)
+    ckpt = latest_checkpoint(run_dir) if run_dir.is_dir() else None
+    if ckpt is None:
+        return cfg
+    print(
+        f"diffcurr-fast train: {str(run_dir / 'config.yaml')!r} is missing; resuming with the config stored in "
+        f"{str(ckpt)!r}",
+        file=sys.stderr,
+    )
+    saved = config_from_dict(load_checkpoint(ckpt)["config"], source=f"{ckpt.name}")
+    return apply_overrides(saved, overrides)
+
+
 def run(args: argparse.Namespace) -> int:
     """Resolve and validate the config, then train (or print it with ``--dry-run``). Returns the exit status."""
     if args.help_config:
         print(describe_config())
         return 0
     overrides = run_dir_overrides(args.overrides, args.run_dir)
-    cfg = load_config(args.recipe, overrides)
+    if args.dry_run or int(os.environ.get("RANK", "0")) != 0:  # writes nothing / rank 0 holds the lock
+        return _run(args, load_config(args.recipe, overrides), overrides)
+    with contextlib.ExitStack() as locks:
+        if args.run_dir:  # the folder is known before the config is resolved (which imports torch): a second start
+            # on it is refused at once, and so is a start on a folder that the first one has written
+            locks.enter_context(lock_run_dir(args.run_dir.strip(), resume=args.resume))
+            check_run_dir(args.run_dir.strip(), resume=args.resume, overwrite=args.overwrite)
+        cfg = load_config(args.recipe, overrides)
+        locks.enter_context(lock_run_dir(cfg.checkpoint.run_dir, resume=args.resume))  # held already with --run-dir
+        return _run(args, cfg, overrides)
+
+
+def _run(args: argparse.Namespace, cfg, overrides: list[str]) -> int:
     saved = Path(cfg.checkpoint.run_dir) / "config.yaml"
-    if args.resume and args.recipe is None and saved.is_file():  # the run's own config, --set on top
-        cfg = load_run_config(saved, overrides)
+    if args.resume and args.recipe is None:  # the run's own config, --set on top
+        cfg = load_run_config(saved, overrides) if saved.is_file() else checkpoint_config(cfg, overrides)
     # imported here, not at the top: keeps --help free of torch
     from diffcurr_fast.train.preflight import check_run
 

@@ -50,7 +50,7 @@ from diffcurr_fast.train.host_memory import retain_host_memory
 from diffcurr_fast.train.interrupt import GridInterrupted, StopRequest, TrainingInterrupted
 from diffcurr_fast.train.preflight import check_run
 from diffcurr_fast.train.report import LogWindow, plot_cluster_losses, plot_curriculum_timeline, read_metrics
-from diffcurr_fast.train.rundir import open_run_dir, write_config
+from diffcurr_fast.train.rundir import config_drift, lock_run_dir, open_run_dir, write_config
 from diffcurr_fast.train.skips import Skips
 from diffcurr_fast.train.state import Checkpointer, model_config_entry
 
@@ -83,9 +83,23 @@ class Trainer:
     ):
         """``model``: train this module instead of building one from ``cfg.model`` (e.g. a pruned, heterogeneous
         DiT; its ``config()`` is stored in checkpoints as ``model_config``). ``timestep_range``: sample t only in
-        [lo, hi) (a TDC group: the weights outside are zero; a curriculum's clusters partition the range)."""
+        [lo, hi) (a TDC group: the weights outside are zero; a curriculum's clusters partition the range). Rank 0
+        holds the run directory's lock (``rundir.lock_run_dir``) from before its checks until ``fit`` returns."""
         self.cfg = cfg.validate()
         self.engine = engine or create_engine(cfg.engine.kind, cfg.engine.device)
+        self.lock = lock_run_dir(cfg.checkpoint.run_dir, resume=resume) if self.engine.is_main else None
+        try:
+            self._init(cfg, resume, overwrite, dataset, model, timestep_range)
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        """Give back the run directory's lock (``fit`` does it when it returns)."""
+        if self.lock is not None:
+            self.lock.release()
+
+    def _init(self, cfg, resume, overwrite, dataset, model, timestep_range) -> None:
         self.device = self.engine.device
         self.run_dir = Path(cfg.checkpoint.run_dir)
         # everything is checked before anything is written; the directory is opened at the end of __init__
@@ -132,14 +146,25 @@ class Trainer:
         parts.update(timesteps=self.timesteps, loader=self.loader, gen=self.gen, skips=self.skips, phema=self.phema)
         self.checkpointer = Checkpointer(cfg, self.engine, **parts)
         self.resumed_from: Path | None = self.start.checkpoint
+        trained = None  # the config the run trained with up to its checkpoint: the record's truth on a resume
         if self.resumed_from is not None:
-            self.load_state_dict(ckpt_io.load_resume_checkpoint(self.resumed_from, map_location="cpu"))
+            state = ckpt_io.load_resume_checkpoint(self.resumed_from, map_location="cpu")
+            trained = state["config"]
+            self.load_state_dict(state)
         self.engine.barrier()  # every rank has checked the run directory before rank 0 writes into it
         if self.engine.is_main and self.start.mode != "finished":
             open_run_dir(self.start)  # overwrite: clear the old run's files; resume: metrics cut to the checkpoint
             if self.start.mode == "resume":  # snapshots after the checkpoint: written again by the resumed run
                 remove_snapshots_after(self.run_dir, self.step)
-            changes = write_config(self.run_dir, config_to_yaml(cfg), self.step if self.start.mode == "resume" else 0)
+            resumed = self.start.mode == "resume"
+            drift = config_drift(self.run_dir, trained) if resumed else []
+            if drift:  # the file said otherwise than the checkpoint: the record keeps what was trained
+                print(
+                    f"resume: config.yaml differs from the config of the checkpoint at step {self.step} (edited by "
+                    f"hand, or written by a resume that stopped before its first checkpoint): {'; '.join(drift)}; "
+                    f"steps up to {self.step} trained with the checkpoint's values"
+                )
+            changes = write_config(self.run_dir, config_to_yaml(cfg), self.step if resumed else 0, trained)
             if changes:  # the earlier values stay in the run's record
                 kept = f"config_until_step{self.step:08d}.yaml"
                 print(f"resume: the config changed ({'; '.join(changes)}); the previous one is kept as {kept}")
@@ -228,7 +253,14 @@ class Trainer:
 
     # ---- the run --------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
-        """Train to ``engine.max_steps``, checkpointing and logging; then the end-of-run report (rank 0)."""
+        """Train to ``engine.max_steps``, checkpointing and logging; then the end-of-run report (rank 0). The run
+        directory's lock is given back when it returns or raises."""
+        try:
+            return self._fit()
+        finally:
+            self.release()
+
+    def _fit(self) -> dict[str, Any]:
         cfg, main = self.cfg, self.engine.is_main
         if self.start.mode == "finished":  # resumed at or past max_steps: nothing to train, nothing rewritten
             return {**self._summary(math.nan), "finished": True}

@@ -1,8 +1,9 @@
 """Everything about a training run that can be checked before its directory is touched (``train --dry-run`` runs
 exactly this): the config, the guidance it will sample with, the device, launcher, optimizer and backends asked
 for, the input files, the evaluation's reference, the DeepSpeed JSON, optional packages that were asked for, the
-batch split, the run directory (``rundir.check_run_dir``), and the data, initial weights and the components' own input
-files, opened and read as the start reads them (``train.data``, ``Options.check_inputs``).
+batch split, the threads and memory it needs (``runs.resources``), the run directory (``rundir.check_run_dir``),
+and the data, initial weights and the components' own input files, opened and read as the start reads them
+(``train.data``, ``Options.check_inputs``).
 
 ``check_run(cfg, resume=..., overwrite=...)`` raises ValueError / FileNotFoundError / FileExistsError /
 ImportError with one line naming the key and what to do, and returns the ``RunStart``.
@@ -22,6 +23,7 @@ from diffcurr_fast.models.diffusers_dit import is_diffusers_dir
 from diffcurr_fast.ops._backend import CHOICES, unavailable_reason
 from diffcurr_fast.optim.registry import check_optimizer
 from diffcurr_fast.runs.config import TrainConfig
+from diffcurr_fast.runs.resources import check_fits, check_threads, training_memory
 from diffcurr_fast.runs.sampling import build_model
 from diffcurr_fast.train.data import check_data, fitting_init_state
 from diffcurr_fast.train.engine import check_launcher, load_deepspeed_config
@@ -34,6 +36,7 @@ __all__ = [
     "check_guidance",
     "check_init_from",
     "check_inputs",
+    "check_resources",
     "check_run",
 ]
 
@@ -183,6 +186,15 @@ def check_component_inputs(cfg: TrainConfig) -> None:
         opts.check_inputs(cfg, read=True)
 
 
+def check_resources(cfg: TrainConfig, world: int) -> None:
+    """``engine.cpu_threads`` within what this machine runs, and the run's memory (a lower bound: the model's
+    parameters, optimizer state and activations per rank) within the memory of the device it will run on."""
+    check_threads(cfg.engine.cpu_threads, "engine.cpu_threads")
+    device = torch.device(_device_type(cfg))
+    fix = "use a smaller model (model.hidden_size, model.depth), data.batch_size or more optim.grad_accum_steps"
+    check_fits(training_memory(cfg, world, device), device, fix)
+
+
 def check_run(
     cfg: TrainConfig,
     *,
@@ -223,4 +235,5 @@ def check_run(
         if start.checkpoint is None:  # a resumed run takes its checkpoint's weights
             check_init_from(cfg)
         check_component_inputs(cfg)
+    check_resources(cfg, world)  # last: a recipe sized for a GPU cluster, dry-run elsewhere, has passed the rest
     return start

@@ -21,7 +21,9 @@ Two steps, so that nothing is written before a run is known to start:
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 import os
 import re
 import shutil
@@ -31,7 +33,10 @@ from typing import Any
 
 import yaml
 
+from diffcurr_fast._files import LOCK_NAME, OutputLock
 from diffcurr_fast._files import check_writable as _check_writable
+from diffcurr_fast.runs.config import config_from_dict
+from diffcurr_fast.runs.recipes import load_run_config
 
 __all__ = [
     "TDC_LAYOUT",
@@ -41,7 +46,9 @@ __all__ = [
     "check_run_dir",
     "check_writable",
     "clear_run",
+    "config_drift",
     "holds_run",
+    "lock_run_dir",
     "open_run_dir",
     "run_artifacts",
     "truncate_metrics",
@@ -49,6 +56,7 @@ __all__ = [
 ]
 
 METRICS = "metrics.jsonl"
+OTHER_RUN_DIR = "choose another checkpoint.run_dir (--run-dir)"  # what to do when a run directory cannot be used
 _CKPT = re.compile(r"^ckpt_(\d{8,})\.pt$")
 
 
@@ -155,7 +163,12 @@ def check_run_dir(
         step, path = ckpts[-1]
         mode = "finished" if max_steps is not None and step >= max_steps else "resume"
         return RunStart(run_dir, layout, mode, path, step)
-    if run_dir.is_dir() and any(run_dir.iterdir()):
+    if layout is TRAIN_LAYOUT and holds_run(run_dir, TDC_LAYOUT):  # a training run beside tdc.json: no run's own
+        raise FileExistsError(
+            f"run directory {str(run_dir)!r} holds a TDC run (tdc.json): a training run there would be written beside "
+            "it; use `diffcurr-fast tdc --overwrite` to replace the TDC run, or choose another run directory"
+        )
+    if run_dir.is_dir() and _entries(run_dir):
         if _failed_start(run_dir, layout):  # a start that stopped before its first step: nothing to lose
             return RunStart(run_dir, layout, "overwrite")
         if not overwrite:
@@ -170,6 +183,18 @@ def check_run_dir(
             )
         return RunStart(run_dir, layout, "overwrite")
     return RunStart(run_dir, layout, "fresh")
+
+
+def _entries(run_dir: Path) -> set[str]:
+    """The names in ``run_dir``, without the lock a command holds on it (``lock_run_dir``)."""
+    return {p.name for p in run_dir.iterdir()} - {LOCK_NAME}
+
+
+def lock_run_dir(run_dir: str | Path, *, resume: bool = False) -> OutputLock:
+    """The lock of a run directory (``_files.OutputLock``), taken: held by the command that writes the run, from
+    before its checks until it ends. A ``--resume`` of a folder that does not exist creates nothing (its check
+    refuses it)."""
+    return OutputLock(run_dir, "run directory", OTHER_RUN_DIR, directory=True, create=not resume).acquire()
 
 
 def holds_run(run_dir: Path, layout: RunLayout) -> bool:
@@ -189,7 +214,7 @@ def holds_run(run_dir: Path, layout: RunLayout) -> bool:
 
 def check_writable(run_dir: Path) -> None:
     """ValueError in one line unless ``run_dir`` can be created and written (``_files.check_writable``)."""
-    _check_writable(run_dir, "run directory", "choose another checkpoint.run_dir (--run-dir)", directory=True)
+    _check_writable(run_dir, "run directory", OTHER_RUN_DIR, directory=True)
 
 
 def _failed_start(run_dir: Path, layout: RunLayout) -> bool:
@@ -197,7 +222,7 @@ def _failed_start(run_dir: Path, layout: RunLayout) -> bool:
     empty ``metrics.jsonl`` (a start that failed on its first batch)."""
     if layout is not TRAIN_LAYOUT:
         return False
-    names = {p.name for p in run_dir.iterdir()}
+    names = _entries(run_dir)
     metrics = run_dir / METRICS
     return names <= {"config.yaml", METRICS} and (not metrics.is_file() or metrics.stat().st_size == 0)
 
@@ -303,19 +328,51 @@ def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def write_config(run_dir: Path, text: str, step: int) -> list[str]:
-    """Write the resolved config ``text`` as ``run_dir/config.yaml`` (atomically). On a resume whose config differs
-    from the one there, the old file is kept as ``config_until_step{step:08d}.yaml`` (the config the run had up to
-    its checkpoint's ``step``; an earlier record of the same step is not replaced), so a changed ``optim.lr`` does
-    not erase the earlier one from the run's record. Returns the changes, ``key: old -> new``."""
+def config_drift(run_dir: Path, trained: dict[str, Any]) -> list[str]:
+    """How ``run_dir/config.yaml`` differs from ``trained``, the config its newest checkpoint trained with
+    (``key: checkpoint OLD, config.yaml NEW``; both read as a config, so ``1e-3`` and ``0.001`` are one value): a
+    hand edit, or a resume that stopped before its first checkpoint. [] when the file is missing or agrees; one entry
+    naming the file when it no longer reads as a config."""
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        return []
+    try:
+        now = _flat(load_run_config(path).to_dict())
+    except ValueError as exc:
+        return [f"config.yaml no longer reads as a config ({exc})"]
+    was = _flat(_as_config(trained))
+    return [f"{k}: checkpoint {was.get(k)!r}, config.yaml {v!r}" for k, v in now.items() if was.get(k) != v]
+
+
+def _as_config(saved: dict[str, Any]) -> dict[str, Any]:
+    """``saved`` (a checkpoint's config) with today's defaults for the keys it predates, as ``to_dict`` writes it."""
+    try:
+        return config_from_dict(copy.deepcopy(saved)).to_dict()
+    except ValueError:  # a config today's checks refuse: compared as it is
+        return saved
+
+
+def write_config(run_dir: Path, text: str, step: int, trained: dict[str, Any] | None = None) -> list[str]:
+    """Write the resolved config ``text`` as ``run_dir/config.yaml`` (atomically). On a resume (``step`` > 0) whose
+    config differs from ``trained`` (the config its checkpoint stores: what the run trained with up to ``step``;
+    without it, the ``config.yaml`` there), the earlier one is kept as ``config_until_step{step:08d}.yaml`` (an
+    earlier record of the same step is not replaced), so a changed ``optim.lr`` does not erase the earlier one from
+    the run's record. That record is the old ``config.yaml`` when it agrees with ``trained`` (``config_drift``), else
+    ``trained`` itself: a ``config.yaml`` edited by hand never passes for what the run trained with. Returns the
+    changes, ``key: old -> new``."""
     path = run_dir / "config.yaml"
     changes: list[str] = []
-    if step > 0 and path.is_file():
-        old, new = _flat(yaml.safe_load(path.read_text()) or {}), _flat(yaml.safe_load(text))
+    if step > 0 and (trained is not None or path.is_file()):
+        before = _as_config(trained) if trained is not None else yaml.safe_load(path.read_text()) or {}
+        old, new = _flat(before), _flat(yaml.safe_load(text))
         changes = [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in new.items() if old.get(k) != v]
         keep = run_dir / f"config_until_step{step:08d}.yaml"
         if changes and not keep.exists():
-            os.replace(path, keep)
+            if trained is None or (path.is_file() and not config_drift(run_dir, trained)):
+                os.replace(path, keep)
+            else:
+                head = f"# the config the run trained with up to step {step}, as its checkpoint stores it\n"
+                keep.write_text(head + yaml.safe_dump(before, sort_keys=False, width=math.inf))
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)

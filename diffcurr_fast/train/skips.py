@@ -46,6 +46,7 @@ class Skips:
         # an int n of skips exceeds max_share * max_steps iff it exceeds its floor: the device compares integers
         self.max_total = math.floor(e.max_skip_share * e.max_steps)
         self.lr, self.data_scale = cfg.optim.lr, cfg.data.scale
+        self.encoder = cfg.terms.repa_encoder if "repa" in cfg.terms.use else None  # a frozen network of the loss
         self.total = self.in_a_row = self.first = 0
         self.counts = torch.zeros(7, dtype=torch.int64, device=device) if on_device else None
 
@@ -104,6 +105,7 @@ class Skips:
             advice = (
                 "the first step already failed, before the learning rate could act: check the data and data.scale "
                 f"(now {self.data_scale:g}; the model sees data.scale x the data)"
+                + (f", and the REPA encoder terms.repa_encoder {self.encoder!r}" if self.encoder else "")
             )
         else:
             advice = f"the run diverges: lower optim.lr (now {self.lr:g}) or set optim.grad_clip"

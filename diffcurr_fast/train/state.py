@@ -22,6 +22,7 @@ from diffcurr_fast.runs.config import TrainConfig, resume_mismatches
 from diffcurr_fast.train.data import TrainBatches
 from diffcurr_fast.train.ema import EMA, PowerEMA
 from diffcurr_fast.train.engine import Engine
+from diffcurr_fast.train.rundir import config_drift
 from diffcurr_fast.train.skips import Skips
 
 
@@ -78,7 +79,17 @@ class Checkpointer:
         incompatible config or world size."""
         diffs = resume_mismatches(state["config"], self.cfg)
         if diffs:
-            raise ValueError("cannot resume: the checkpoint was trained with a different config: " + "; ".join(diffs))
+            locked = {d.split(":")[0] for d in diffs}  # "model.depth: checkpoint 2 vs now 3"
+            edited = [d for d in config_drift(self.run_dir, state["config"]) if d.split(":")[0] in locked]
+            hint = (
+                f"; config.yaml was changed after the checkpoint ({'; '.join(edited)}): a resume cannot change these, "
+                "restore the checkpoint's values there or start a new run"
+                if edited
+                else ""
+            )
+            raise ValueError(
+                "cannot resume: the checkpoint was trained with a different config: " + "; ".join(diffs) + hint
+            )
         if state["world_size"] != self.engine.world_size:
             raise ValueError(
                 f"cannot resume: the checkpoint was written by {state['world_size']} ranks, this run has "

@@ -64,6 +64,19 @@ def test_eval_does_not_replace_a_user_file(tmp_path, capsys, digits_cache, sampl
         assert "mu" in np.load(mine).files and not (tmp_path / "mine.npz.tmp").exists()
 
 
+def test_eval_takes_the_extractor_a_saved_reference_names(tmp_path, capsys, digits_cache, samples):
+    """`eval --ref FILE` with a statistics file written by --save-ref uses the extractor the file records, without
+    --extractor (it asked for Inception weights)."""
+    ref = tmp_path / "ref.npz"
+    base = ["--digits-cache", digits_cache]
+    assert _main(capsys, "eval", "--ref", "digits", "--save-ref", str(ref), *base)[0] == 0
+    capsys.readouterr()
+    from diffcurr_fast import cli
+
+    assert cli.main(["eval", "--samples", samples, "--ref", str(ref), *base]) == 0
+    assert "extractor: digits" in capsys.readouterr().out
+
+
 def test_eval_does_not_replace_a_file_named_as_digits_cache(tmp_path, capsys, samples):
     notes = tmp_path / "notes.txt"
     notes.write_text("my notes")

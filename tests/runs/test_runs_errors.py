@@ -306,3 +306,89 @@ def test_tdc_run_directory_points_to_its_bundle(tmp_path, capsys):
     assert len(err.strip().splitlines()) == 1
     rc, err = _main(capsys, "sample", "--bundle", str(run), "--out", str(tmp_path / "s.npz"))
     assert rc == 2 and f"is a TDC run directory: pass --bundle '{run / 'bundle'}'" in err, err
+
+
+def test_a_stray_training_run_in_a_tdc_folder_is_not_sampled(trained, tmp_path, capsys):
+    """sample --ckpt of a TDC run directory that also holds a training run (written beside tdc.json) is refused,
+    pointing to --bundle and naming the stray checkpoint, instead of sampling that run as if it were the TDC run's."""
+    import shutil
+
+    run = tmp_path / "tdc"
+    (run / "bundle").mkdir(parents=True)
+    (run / "bundle" / "train_config.json").write_text("{}")
+    (run / "tdc.json").write_text("{}")
+    shutil.copytree(trained / "checkpoints", run / "checkpoints")
+    rc, err = _main(capsys, "sample", "--ckpt", str(run), "--out", str(tmp_path / "s.npz"))
+    assert rc == 2 and "is a TDC run directory, which holds no checkpoint of its own (its checkpoints/ holds a " in err
+    assert f"pass '{run / 'checkpoints' / 'ckpt_00000002.pt'}' to sample it): sample its multi-expert bundle" in err
+    assert not (tmp_path / "s.npz").exists()
+
+
+def test_thread_counts_beyond_the_machine_are_refused_by_every_command(trained, tmp_path, capsys, monkeypatch):
+    """Every command's --threads (and train's engine.cpu_threads) has one bound, relative to the CPUs this process
+    may use (4 per CPU), checked before anything is read or drawn: `sample --threads 100000` segfaulted inside torch
+    and 10000 started 20,000 threads. The bound itself is accepted."""
+    from diffcurr_fast.runs import resources
+
+    monkeypatch.setattr(resources, "usable_cpus", lambda: 2)
+    assert resources.max_threads() == 8 and resources.check_threads(8) == 8
+    line = "is more than 8 (4 per CPU; this process may use 2): more threads than CPUs only compete for them; use at"
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("name: s\nseeds: [0]\neval_every: 1\narms: [{name: a}]\n")
+    for argv in (
+        ["sample", "--ckpt", str(trained), "--out", str(tmp_path / "s.npz"), "--threads", "9"],
+        ["eval", "--ckpt", str(trained), "--ref", "digits", "--threads", "100000"],
+        ["analyze", "clusters", "-T", "40", "-N", "4", "--threads", "9", "--out", str(tmp_path / "a")],
+        ["study", str(spec), "--out", str(tmp_path / "st"), "--threads", "9"],
+        ["train", "--dry-run", "--run-dir", str(tmp_path / "r"), "--set", "engine.cpu_threads=9"],
+    ):
+        rc, err = _main(capsys, *argv)
+        assert rc == 2 and line in err and len(err.strip().splitlines()) == 1, (argv, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["spec.yaml"]  # nothing written
+
+
+def test_sizes_beyond_the_machine_are_refused_before_allocation(trained, tmp_path, capsys, monkeypatch):
+    """train (and --dry-run), sample and eval estimate the memory of what they are about to build (a lower bound:
+    parameters with their gradients, optimizer state and EMA, and the activations) and refuse one above the
+    device's memory in one line with the estimate, instead of the allocator's traceback; nothing is written. On a
+    GPU the GPU's memory is the bound."""
+    from diffcurr_fast.runs import resources
+    from diffcurr_fast.runs.sampling import build_model
+
+    cfg = tiny(tmp_path / "r")
+    assert resources.count_params(cfg) == sum(p.numel() for p in build_model(cfg).parameters())
+    est = resources.training_memory(cfg, 1, torch.device("cpu"))
+    t, d = (cfg.model.input_size // cfg.model.patch_size) ** 2, cfg.model.hidden_size
+    assert est.param_bytes == 16 * est.params and est.activation_bytes == 16 * cfg.model.depth * t * d * 8 * 4
+    line = "error: this needs at least "
+    for argv in (
+        ["train", "--dry-run", "--run-dir", str(tmp_path / "r"), "--set", "model.hidden_size=1000000"],
+        ["train", "--run-dir", str(tmp_path / "r"), "--set", "model.hidden_size=1000000"],
+        ["sample", "--ckpt", str(trained), "--out", str(tmp_path / "s.npz"), "--steps", "4"]
+        + ["--num-samples", "1000000000", "--batch-size", "1000000000"],
+        [
+            "eval",
+            "--ckpt",
+            str(trained),
+            "--ref",
+            "digits",
+            "--num-samples",
+            "1000000000",
+            "--batch-size",
+            "1000000000",
+        ],
+    ):
+        rc, err = _main(capsys, *argv)
+        assert rc == 2 and line in err and "more than the " in err and "of this machine's memory" in err, err
+        assert len(err.strip().splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    monkeypatch.setattr(resources, "device_memory", lambda device: (2**30, "GPU Test-1"))  # a 1 GiB GPU
+    big = tiny(tmp_path / "r", "model.hidden_size=2048", "model.num_heads=16", "model.depth=4")
+    n = sum(p.numel() for p in build_model(big).parameters())
+    with pytest.raises(ValueError) as refused:
+        resources.check_fits(resources.training_memory(big, 1, torch.device("cpu")), "cuda", "use a smaller model")
+    gib = (16 * n + 16 * 4 * 16 * 2048 * 8 * 4) / 2**30  # parameters; 16 samples x 4 blocks x 16 tokens x D, fp32
+    assert str(refused.value) == (
+        f"this needs at least {gib:.3g} GiB of memory ({n:,} parameters: {16 * n / 2**30:.3g} GiB; activations for 16 "
+        "samples per micro-batch: 64 MiB), more than the 1 GiB of GPU Test-1; use a smaller model"
+    )

@@ -96,6 +96,43 @@ def test_study_set_given_as_a_string_names_the_arm(tmp_path, capsys, where):
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.parametrize(
+    "arm, match",
+    [
+        (
+            {"tune": [{"optim.lr": [1e-4, 2e-4]}]},
+            r"tune must map config keys to lists of values, .* got \[\{'optim.lr'",
+        ),
+        ({"tune": "optim.lr"}, r"tune must map config keys to lists of values, e.g. tune: .* got 'optim.lr'$"),
+    ],
+    ids=["list", "key"],
+)
+def test_study_tune_grid_that_cannot_be_one_is_named(tmp_path, capsys, arm, match):
+    """An arm's tune written as a list (a TypeError) or as a bare key ("dictionary update sequence element #0 has
+    length 1"): one line naming the arm, before anything runs."""
+    import re
+
+    data = {**SPEC, "set": ["engine.max_steps=2"], "tuning": {"budget": 2}, "arms": [{"name": "fast", **arm}]}
+    rc, err = _main(capsys, "study", _spec_file(tmp_path, data), "--out", str(tmp_path / "s"))
+    assert rc == 2 and "spec.yaml: arm 'fast': " in err and re.search(match, err.strip()), err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "s").exists()
+
+
+def test_study_arm_that_fixes_and_tunes_a_key_says_which_value_is_used(tmp_path):
+    """A spec file whose arm fixes optim.lr in set and tunes it (the fixed value was never used, unsaid) gets a
+    warning naming both (the shipped presets do it on purpose: the official recipe's overrides, its rate tuned)."""
+    from diffcurr_fast.study.spec import load_spec
+
+    arm = {"name": "fast", "set": ["optim.lr=1e-3"], "tune": {"optim.lr": [1e-4, 2e-4]}}
+    path = _spec_file(tmp_path, {**SPEC, "tuning": {"budget": 2}, "arms": [arm]})
+    with pytest.warns(UserWarning) as caught:
+        load_spec(path)
+    assert [str(w.message) for w in caught] == [
+        f"study spec '{path}': arm 'fast': set fixes optim.lr=1e-3 but tune tries [0.0001, 0.0002]: each trial and "
+        "the picked value replace the fixed one, which is not used"
+    ]
+
+
 def test_study_unwritable_folder_is_refused_before_any_run(tmp_path, capsys, monkeypatch):
     from diffcurr_fast import _files
     from diffcurr_fast.study import runner

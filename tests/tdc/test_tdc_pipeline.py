@@ -630,6 +630,29 @@ def test_cli_resume_of_a_finished_run_redoes_only_the_bundle(tdc_run, tmp_path, 
         _tdc_args("--resume", "--overwrite")
 
 
+def test_cli_resume_takes_the_runs_own_config(tdc_run, tmp_path, monkeypatch, capsys):
+    """``tdc --run-dir RUN --resume`` without the recipe or the original --set values continues from the config the
+    run recorded in tdc.json (as ``train --resume`` does from config.yaml), with --set on top: a locked change is
+    still refused."""
+    import shutil
+
+    from diffcurr_fast.tdc import pipeline
+
+    ref_run, _ = tdc_run
+    run = tmp_path / "run"
+    shutil.copytree(ref_run, run)
+    shutil.rmtree(run / "bundle")
+    monkeypatch.setattr(Trainer, "fit", lambda self: pytest.fail("nothing should train"))
+    monkeypatch.setattr(pipeline, "search_group", lambda *a, **k: pytest.fail("nothing should be searched"))
+    torch.set_num_threads(1)
+    with pytest.raises(ValueError, match="cannot resume the TDC run: its config differs: tdc.rounds"):
+        tdc_cli.run(_tdc_args("--run-dir", str(run), "--resume", "--set", "tdc.rounds=5"))
+    assert tdc_cli.run(_tdc_args("--run-dir", str(run), "--resume")) == 0
+    assert "done: TDC run in" in capsys.readouterr().out
+    ref, got = _bundle_weights(ref_run), _bundle_weights(run)
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+
+
 def test_resume_of_a_moved_run_names_where_it_is_now(tmp_path):
     import shutil
 

@@ -351,7 +351,7 @@ def test_repa_encoder_errors_are_one_line(tmp_path):
         ValueError, match=r"terms.repa_encoder_size 4 gives a 2x2 grid .* set terms.repa_encoder_size=8"
     ):
         check_encoder(ts, 4, 4)
-    with pytest.raises(ValueError, match="fails on a 1x3x5x5 image"):  # a 7-pixel patch on a 5-pixel image
+    with pytest.raises(ValueError, match="fails on a 2x3x5x5 batch of images"):  # a 7-pixel patch on a 5-pixel image
         check_encoder(_torchscript(tmp_path / "p3.pt", patch=7), 5, 4)
     vit = tmp_path / "vit.safetensors"
     save_file(_vit_state(dim=64, side=4, depth=1), str(vit))
@@ -360,7 +360,7 @@ def test_repa_encoder_errors_are_one_line(tmp_path):
     assert check_encoder(vit, 16, 4)[1] == 64  # an 8x8 grid pooled to 4x4
     flat = tmp_path / "flat.pt"
     torch.jit.save(torch.jit.script(nn.Sequential(nn.Flatten(), nn.Linear(192, 5))), str(flat))
-    with pytest.raises(ValueError, match=r"returns \(1, 5\) for a 1x3x8x8 image, not patch tokens \(B, N, D\)"):
+    with pytest.raises(ValueError, match=r"returns \(2, 5\) for a 2x3x8x8 batch of images, not patch tokens \(B, N"):
         check_encoder(flat, 8, 4)
 
 
@@ -438,6 +438,52 @@ def test_dry_run_and_start_refuse_a_bad_encoder(tmp_path, capsys, monkeypatch, c
         rc, err = _main(capsys, "train", "--run-dir", str(run), *extra, *argv)
         assert rc == 2 and err.count("\n") == 1 and lines[case] in err, err
         assert not run.exists()
+
+
+class _Broken(TinyEncoder):
+    """An encoder that returns one sample's tokens for any batch (as one traced with a batch of 1 may), or NaN."""
+
+    def __init__(self, nan: bool):
+        super().__init__()
+        self.nan = nan
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.mix(torch.tanh(self.proj(x).flatten(2).transpose(1, 2)))  # (B, N, dim)
+        return z * float("nan") if self.nan else z[:1]  # (1, N, dim)
+
+
+@pytest.mark.parametrize("case", ["first_only", "nan"])
+def test_an_encoder_that_drops_the_batch_or_returns_nan_is_refused(tmp_path, capsys, case):
+    """An encoder that returns batch 1 for any batch (every sample would be aligned to sample 0's features) or NaN
+    (the first step's failure was blamed on the data and data.scale) is refused by the dry run and the start, in one
+    line naming the encoder, before anything is written."""
+    path = tmp_path / "enc.pt"
+    torch.jit.save(torch.jit.script(_Broken(nan=case == "nan")), str(path))
+    line = {
+        "first_only": "returns (1, 16, 12) for a 2x3x8x8 batch of images: its first dimension must follow the batch",
+        "nan": "returns NaN or inf for a 2x3x8x8 batch of images: its weights or its arithmetic are broken; check",
+    }[case]
+    sets = [*TINY_SETS, "terms.use=[repa]", f"terms.repa_encoder={path}", "terms.repa_encoder_size=8"]
+    sets.append("engine.max_steps=1")
+    run = tmp_path / "run"
+    for extra in (["--dry-run"], []):
+        rc, err = _main(capsys, "train", "--run-dir", str(run), *extra, *[a for s in sets for a in ("--set", s)])
+        assert rc == 2 and err.count("\n") == 1 and f"'{path}' {line}" in err, err
+        assert not run.exists()
+
+
+def test_a_first_step_failure_with_repa_names_the_encoder(tmp_path):
+    """The advice of a run whose first step is non-finite names REPA's encoder beside the data when it is used."""
+    from diffcurr_fast.train.skips import Skips
+
+    enc = _torchscript(tmp_path / "enc.pt")
+    cfg = tiny(tmp_path / "r", "terms.use=[repa]", f"terms.repa_encoder={enc}", "terms.repa_encoder_size=8")
+    skips = Skips(cfg, torch.device("cpu"), on_device=False)
+    skips.first = 1
+    assert str(skips._error(1, 1, 1)).endswith(
+        f"check the data and data.scale (now 1; the model sees data.scale x the data), and the REPA encoder "
+        f"terms.repa_encoder '{enc}'"
+    )
 
 
 @pytest.fixture(scope="module")

@@ -323,7 +323,7 @@ def test_overwrite_removes_only_a_runs_files_and_says_which(tmp_path, capsys):
     assert sorted(p.name for p in user.iterdir()) == ["config.yaml", "metrics.jsonl", "samples.png"]
     tdc = tmp_path / "tdc"
     _touch(tdc, "tdc.json", "samples.png", "stage1/config.yaml")
-    with pytest.raises(FileExistsError, match="holds no training run"):
+    with pytest.raises(FileExistsError, match=r"holds a TDC run \(tdc.json\): a training run there would be"):
         check_run_dir(tdc, TRAIN_LAYOUT, overwrite=True)
     train = tmp_path / "train"
     _touch(train, "config.yaml", "metrics.jsonl", "checkpoints/ckpt_00000002.pt", "notes.md")
@@ -368,3 +368,75 @@ def test_resume_starts_from_the_runs_own_config_and_keeps_the_one_it_changes(tmp
     assert rc == 0 and (run / "config_until_step00000003.yaml").read_text() == kept
     assert _main(capsys, "train", "--run-dir", str(run), "--overwrite", *sets)[0] == 0
     assert sorted(p.name for p in run.glob("config*.yaml")) == ["config.yaml"]
+
+
+@pytest.mark.slow  # 40 starts: about 3 s of CPU a round, nearly all of it the winner's imports
+def test_two_starts_at_once_never_both_write(tmp_path):
+    """Two `train` commands started at once on the same new run directory, 20 times: one trains, the other is
+    refused (by the directory's lock, before it imports torch, or as a non-empty folder when it came after), and the
+    folder holds one whole run: every step once, at the winner's learning rate, its config.yaml."""
+    data = tmp_path / "d.npz"  # a tiny .npz: no scikit-learn import, so a start costs little more than torch's
+    rng = np.random.default_rng(0)
+    np.savez(data, x=rng.uniform(-1, 1, (32, 1, 8, 8)).astype(np.float32), y=np.arange(32) % 10)
+    sets = [*SETS, "engine.max_steps=2", "engine.cpu_threads=1", "checkpoint.export_ema=false"]
+    sets += ["data.dataset=npz", f"data.path={data}", "data.batch_size=16"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for i in range(20):
+        run = tmp_path / f"run{i}"
+        lrs = ("0.001", "0.002")
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "diffcurr_fast.cli", "train", "--run-dir", str(run)]
+                + [a for s in [*sets, f"optim.lr={lr}"] for a in ("--set", s)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            for lr in lrs
+        ]
+        outs = [p.communicate(timeout=300) for p in procs]
+        rcs = [p.returncode for p in procs]
+        assert sorted(rcs) == [0, 2], (rcs, outs)
+        won = rcs.index(0)
+        refused = outs[1 - won][1]
+        assert "is in use by another command" in refused or "is not empty" in refused, refused
+        assert "Traceback" not in refused
+        records = read_metrics(run / "metrics.jsonl")
+        assert [r["step"] for r in records if "loss" in r] == [1, 2], records
+        assert yaml.safe_load((run / "config.yaml").read_text())["optim"]["lr"] == float(lrs[won])
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["ckpt_00000002.pt"]
+        assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl"]  # no lock
+
+
+def test_a_hand_edited_config_yaml_is_said_and_never_recorded_as_trained(tmp_path, capsys):
+    """`--resume` compares the run's config.yaml with its checkpoint's config: a hand edit is said key by key, an
+    allowed one (optim.lr) applies from the checkpoint's step on and the record keeps the value the steps before
+    trained with; a locked one (model.hidden_size) is refused naming the edit; a missing config.yaml is named and the
+    checkpoint's own config is used."""
+    from conftest import TINY_SETS, _main
+
+    run = tmp_path / "run"
+    sets = [a for s in [*TINY_SETS, "engine.max_steps=2", "optim.lr=1e-3"] for a in ("--set", s)]
+    assert _main(capsys, "train", "--run-dir", str(run), *sets)[0] == 0
+    path = run / "config.yaml"
+    path.write_text(path.read_text().replace("lr: 0.001", "lr: 5e-4"))  # by hand, as YAML lets one write it
+    capsys.readouterr()
+    assert cli.main(["train", "--run-dir", str(run), "--resume", "--set", "engine.max_steps=3"]) == 0
+    out = capsys.readouterr().out
+    assert "resume: config.yaml differs from the config of the checkpoint at step 2 (edited by hand" in out, out
+    assert "optim.lr: checkpoint 0.001, config.yaml 0.0005; steps up to 2 trained with the checkpoint's values" in out
+    assert "resume: the config changed (optim.lr: 0.001 -> 0.0005; engine.max_steps: 2 -> 3)" in out, out
+    record = yaml.safe_load((run / "config_until_step00000002.yaml").read_text())
+    assert record["optim"]["lr"] == 1e-3 and record["engine"]["max_steps"] == 2  # what steps 1-2 trained with
+    assert yaml.safe_load(path.read_text())["optim"]["lr"] == 5e-4
+    path.write_text(path.read_text().replace("hidden_size: 32", "hidden_size: 48"))
+    rc, err = _main(capsys, "train", "--run-dir", str(run), "--resume", "--set", "engine.max_steps=4")
+    assert rc == 2 and "model.hidden_size: checkpoint 32 vs now 48; config.yaml was changed after the " in err
+    assert "(model.hidden_size: checkpoint 32, config.yaml 48): a resume cannot change these" in err, err
+    path.unlink()
+    rc, err = _main(capsys, "train", "--run-dir", str(run), "--resume", "--set", "engine.max_steps=4")
+    assert rc == 0 and f"'{path}' is missing; resuming with the config stored in '" in err, err
+    assert "ckpt_00000003.pt'" in err
+    now = yaml.safe_load(path.read_text())
+    assert now["model"]["hidden_size"] == 32 and now["optim"]["lr"] == 5e-4 and now["engine"]["max_steps"] == 4

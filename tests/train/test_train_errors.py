@@ -530,3 +530,19 @@ def test_muon_needs_the_blocks_of_a_dit():
 
     with pytest.raises(ValueError, match=r"^optim.name=muon found no block matrices in the Linear \(model.blocks\)"):
         build_optimizer(torch.nn.Linear(3, 2), tiny("unused", "optim.name=muon"), torch.device("cpu"))
+
+
+def test_train_refuses_a_tdc_folder(tmp_path, capsys):
+    """`train` (also with --overwrite) on a TDC run's folder is refused: it would write a training run beside
+    tdc.json, which `sample --ckpt` would then take for the TDC run's. Nothing is written or removed."""
+    import json
+
+    tdc = tmp_path / "tdc"
+    (tdc / "stage1").mkdir(parents=True)
+    (tdc / "tdc.json").write_text(json.dumps({"config": {"model": {}}}))  # as a TDC run writes it; no samples.png
+    before = sorted(str(p.relative_to(tdc)) for p in tdc.rglob("*"))
+    for extra in (["--overwrite"], [], ["--dry-run", "--overwrite"]):
+        rc, err = _main(capsys, "train", "--run-dir", str(tdc), *extra, *_sets("engine.max_steps=1"))
+        assert rc == 2 and "holds a TDC run (tdc.json): a training run there would be written beside it; use " in err
+        assert "`diffcurr-fast tdc --overwrite` to replace the TDC run, or choose another run directory" in err, err
+        assert sorted(str(p.relative_to(tdc)) for p in tdc.rglob("*")) == before
