@@ -95,13 +95,15 @@ def count_params(cfg: TrainConfig) -> int:
 
 def _activation_bytes(cfg: TrainConfig, samples: int, per_block: int, width: int) -> int:
     """``per_block`` (T, D) tensors per sample and block of ``width`` bytes, the routed blocks at their kept tokens."""
+    # imported here, not at the top: keeps --help (which imports check_threads) free of torch
+    from diffcurr_fast.models.routing import Route, RoutingOptions
+
     t, d, depth = _tokens(cfg)
-    m = cfg.model
-    routed = 0
-    if m.routing != "none":
-        lo, hi = m.routing_span()
-        routed = hi - lo
-    tokens = (depth - routed) * t + routed * max(1, int(t * m.routing_keep))  # tokens summed over the blocks
+    route, routed, kept = Route.from_config(cfg), 0, t
+    if route is not None:  # token routing: the span's blocks see the kept tokens
+        lo, hi = RoutingOptions.of(cfg.model).span(depth)
+        routed, kept = hi - lo, route.kept
+    tokens = (depth - routed) * t + routed * kept  # tokens summed over the blocks
     return samples * tokens * d * per_block * width
 
 
