@@ -102,6 +102,12 @@ class ModernOptions(Options):
             check_modern(self.norm, self.qk_norm, self.mlp, self.pos, m.hidden_size // m.num_heads)
         except ValueError as exc:
             raise ValueError(f"model.{exc}") from None
+        width = swiglu_hidden(int(m.hidden_size * m.mlp_ratio))
+        if self.mlp == "swiglu" and width < 1:
+            raise ValueError(
+                f"model.mlp swiglu with model.mlp_ratio {m.mlp_ratio!r} gives the SwiGLU {width} hidden units "
+                f"(2/3 of int({m.hidden_size} x {m.mlp_ratio!r})); it needs at least 1"
+            )
 
     def refusal(self, cfg: Any, use: str) -> str | None:
         if use == "tdc" and self.mlp != "gelu":  # tdc/prune.py prunes the hidden units of fc1 / fc2

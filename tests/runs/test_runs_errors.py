@@ -392,3 +392,82 @@ def test_sizes_beyond_the_machine_are_refused_before_allocation(trained, tmp_pat
         f"this needs at least {gib:.3g} GiB of memory ({n:,} parameters: {16 * n / 2**30:.3g} GiB; activations for 16 "
         "samples per micro-batch: 64 MiB), more than the 1 GiB of GPU Test-1; use a smaller model"
     )
+
+
+@pytest.mark.parametrize(
+    "sets, match",
+    [
+        (
+            ["model.routing_keep=0.25"],
+            r"^model.routing_keep \(--set\) is an option of 'routing', which this run does not use: it applies only "
+            r"when model.routing turns it on \(model.routing is 'none'\), or drop model.routing_keep$",
+        ),
+        (
+            ["terms.sra_weight=0.2"],
+            r"^terms.sra_weight \(--set\) is an option of 'sra', which this run does not use: terms.use \[\] does not "
+            r"list 'sra'; add it to terms.use, or drop terms.sra_weight$",
+        ),
+        (
+            ["diffusion.sigma_data=1.0"],
+            r"^diffusion.sigma_data \(--set\) is an option of 'edm', .*diffusion.formulation is 'ddpm'; set "
+            r"diffusion.formulation=edm",
+        ),
+        (
+            ["timesteps.lognormal_std=1.0"],
+            r"^timesteps.lognormal_std \(--set\) is an option of 'lognormal', .*set timesteps.sampler=lognormal",
+        ),
+        (["optim.muon_momentum=0.9"], r"^optim.muon_momentum \(--set\) is an option of 'muon', .*optim.name=muon"),
+    ],
+)
+def test_an_option_of_a_component_the_run_does_not_use_is_refused(tmp_path, sets, match):
+    with pytest.raises(ValueError, match=match):
+        tiny(tmp_path, *sets)
+
+
+def test_an_option_the_recipe_set_yields_to_a_later_switch(tmp_path):
+    """The recipe's option of a component that a --set turns off yields (as a formulation override's ``auto``
+    fields do): the demo's cosine betas under --set diffusion.formulation=flow; the same option given after the
+    switch is refused."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model:\n  routing: tread\n  routing_keep: 0.25\n  depth: 6\n")
+    cfg = load_config(recipe, ["model.routing=none"])
+    assert cfg.model.routing == "none" and "routing_keep" not in cfg.to_dict()["model"]
+    assert load_config(None, ["diffusion.formulation=flow"]).diffusion.formulation == "flow"
+    with pytest.raises(ValueError, match=r"model.routing_keep \(--set\) is an option of 'routing'"):
+        load_config(recipe, ["model.routing=none", "model.routing_keep=0.75"])
+
+
+def test_a_key_given_twice_on_the_command_line_is_refused(tmp_path, capsys):
+    rc, err = _main(capsys, "train", "--dry-run", "--run-dir", str(tmp_path), "--set", "optim.lr=1e-3",
+                    "--set", "optim.lr=2e-3")  # fmt: skip
+    assert rc == 2 and err.strip().splitlines()[-1] == (
+        "diffcurr-fast train: error: --set 'optim.lr=1e-3' and --set 'optim.lr=2e-3' set optim.lr twice (only one "
+        "would count); keep one"
+    )
+    rc, err = _main(capsys, "tdc", "--run-dir", str(tmp_path / "t"), "--set", "tdc.rounds=1", "--set", "tdc.rounds=2")
+    assert rc == 2 and "set tdc.rounds twice (only one would count); keep one" in err
+    assert not (tmp_path / "t").exists()
+
+
+def test_an_mlp_of_no_width_and_a_term_name_that_is_a_switch_are_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"^model.mlp_ratio 0.01 gives the MLP int\(32 x 0.01\) = 0 hidden units"):
+        tiny(tmp_path, "model.mlp_ratio=0.01")
+    with pytest.raises(ValueError, match=r"^model.mlp swiglu with model.mlp_ratio 0.04 gives the SwiGLU 0 hidden"):
+        tiny(tmp_path, "model.mlp=swiglu", "model.mlp_ratio=0.04")
+    with pytest.raises(
+        ValueError,
+        match=r"^terms.use lists 'immiscible', which adds no loss and is not a term: it is the switch "
+        r"terms.immiscible=true; drop it from terms.use$",
+    ):
+        tiny(tmp_path, "terms.use=[immiscible]")
+
+
+def test_a_routing_span_the_model_cannot_hold_names_a_span_that_fits(tmp_path):
+    with pytest.raises(
+        ValueError,
+        match=r"^model.routing spans blocks \[2, 0\) .* \(0 <= start < end <= depth\); e.g. model.routing_start=0 "
+        r"model.routing_end=2$",
+    ):
+        tiny(tmp_path, "model.routing=tread", "model.depth=2")
+    cfg = tiny(tmp_path, "model.routing=tread", "model.depth=2", "model.routing_start=0", "model.routing_end=2")
+    assert cfg.model.routing == "tread"
