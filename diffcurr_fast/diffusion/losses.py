@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from diffcurr_fast.diffusion.axis import Formulation
 from diffcurr_fast.diffusion.readout import Readout
-
-if TYPE_CHECKING:  # annotations only: ddpm imports this module
-    from diffcurr_fast.diffusion.ddpm import DDPMSchedule
 
 
 def _loss_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -86,7 +84,7 @@ def discretized_gaussian_log_likelihood(x: torch.Tensor, means: torch.Tensor, lo
 
 
 def vb_terms_bpd(
-    schedule: DDPMSchedule,
+    schedule: Formulation,  # a DDPMSchedule: its IDDPM posterior tables
     model_out: torch.Tensor,
     x0: torch.Tensor,
     x_t: torch.Tensor,
@@ -113,7 +111,7 @@ def vb_terms_bpd(
 
 
 def hybrid_loss(
-    schedule: DDPMSchedule,
+    schedule: Formulation,  # a DDPMSchedule: its IDDPM posterior tables
     model_out: torch.Tensor,
     x0: torch.Tensor,
     x_t: torch.Tensor,
@@ -162,7 +160,7 @@ def hybrid_loss(
 
 
 def training_losses(
-    schedule: DDPMSchedule,
+    schedule: Formulation,  # a DDPMSchedule: its IDDPM posterior tables
     model_fn: Callable[..., torch.Tensor],
     x0: torch.Tensor,
     t: torch.Tensor,
