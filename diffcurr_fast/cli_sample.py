@@ -26,7 +26,8 @@ from tqdm.auto import tqdm
 
 from diffcurr_fast._files import OutputLock, check_writable, load_npz
 from diffcurr_fast.runs.config import config_from_dict
-from diffcurr_fast.runs.resources import check_fits, check_threads, sampling_memory
+from diffcurr_fast.runs.resources import check_fits, sampling_memory
+from diffcurr_fast.runs.threads import check_threads
 
 # torch is imported inside the functions, so --help stays instant; the names are runs.sampling's (tested)
 SAMPLERS = ("ddpm", "ddim", "heun", "euler")

@@ -24,7 +24,8 @@ import argparse
 import os
 
 from diffcurr_fast._files import check_writable, write_json
-from diffcurr_fast.runs.resources import check_fits, check_threads, sampling_memory
+from diffcurr_fast.runs.resources import check_fits, sampling_memory
+from diffcurr_fast.runs.threads import check_threads
 
 # The evaluation modules (torch) are imported in run(): `diffcurr-fast eval --help` stays instant. The names of
 # features.EXTRACTORS (a test keeps the two equal):

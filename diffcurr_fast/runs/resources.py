@@ -1,10 +1,6 @@
-"""What a command asks of the machine, checked before it builds or starts anything: CPU threads and memory.
+"""What a command asks of the machine's memory, checked before it builds or starts anything (its threads:
+``runs.threads``).
 
-- ``check_threads(n, what)``: a thread count (``--threads``, ``engine.cpu_threads``) within ``max_threads()``, at
-  most ``THREADS_PER_CPU`` per CPU this process may use (and never above ``MAX_THREADS``). More intra-op threads
-  than CPUs only compete for them (two runs of 2 threads each on 2 cores ran at a fraction of their speed), and a
-  count in the thousands starts as many threads (``sample --threads 10000``: 20,000, the machine unusable for
-  minutes; 100000: a segfault inside torch).
 - ``training_memory(cfg, world, device)``, ``sampling_memory(cfg, num_params, batch, num, guided)``: a lower bound
   of the memory a run or a draw needs (``MemoryEstimate``), from the model's parameter count and its activations;
   ``check_fits`` refuses one above the memory of the device it will run on (the GPU's, or the machine's RAM and
@@ -28,35 +24,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from diffcurr_fast.runs.config import TrainConfig
 
-THREADS_PER_CPU = 4
-MAX_THREADS = 4096  # engine.cpu_threads' own bound (runs/config.py)
 ACTIVATIONS_PER_BLOCK = 8  # (T, D) tensors a block keeps per sample for its backward: its input, q, k, v, ...
 TRAIN_BYTES_PER_PARAM = 16  # fp32 weight, gradient, one optimizer moment, EMA copy
 GiB = 1024**3
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity: a container's or taskset's share, not the machine's)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def max_threads() -> int:
-    """The most intra-op threads a command may ask for here: ``THREADS_PER_CPU`` per usable CPU."""
-    return min(MAX_THREADS, THREADS_PER_CPU * usable_cpus())
-
-
-def check_threads(n: int, what: str = "--threads") -> int:
-    """``n`` when it is a thread count this machine can run (0: torch's default); ValueError in one line naming
-    ``what`` otherwise."""
-    if n < 0:
-        raise ValueError(f"{what} must be >= 0 (0: torch's default), got {n}")
-    if n > max_threads():
-        cpus = usable_cpus()
-        raise ValueError(
-            f"{what} {n} is more than {max_threads()} ({THREADS_PER_CPU} per CPU; this process may use {cpus}): "
-            f"more threads than CPUs only compete for them; use at most {cpus}, or 0 for torch's default"
-        )
-    return n
 
 
 @dataclass(frozen=True)
@@ -84,7 +54,7 @@ def _tokens(cfg: TrainConfig) -> tuple[int, int, int]:
 
 def count_params(cfg: TrainConfig) -> int:
     """The parameter count of the model ``cfg`` describes, built on the meta device (shapes only, no memory)."""
-    # imported here, not at the top: keeps --help (which imports check_threads) free of torch
+    # imported here, not at the top: importing this module stays free of torch
     import torch
 
     from diffcurr_fast.runs.sampling import build_model
@@ -95,7 +65,7 @@ def count_params(cfg: TrainConfig) -> int:
 
 def _activation_bytes(cfg: TrainConfig, samples: int, per_block: int, width: int) -> int:
     """``per_block`` (T, D) tensors per sample and block of ``width`` bytes, the routed blocks at their kept tokens."""
-    # imported here, not at the top: keeps --help (which imports check_threads) free of torch
+    # imported here, not at the top: importing this module stays free of torch
     from diffcurr_fast.models.routing import Route, RoutingOptions
 
     t, d, depth = _tokens(cfg)
@@ -109,7 +79,7 @@ def _activation_bytes(cfg: TrainConfig, samples: int, per_block: int, width: int
 
 def training_memory(cfg: TrainConfig, world: int, device: Any) -> MemoryEstimate:
     """The lower bound of one rank's memory in training ``cfg`` over ``world`` ranks on ``device`` (module doc)."""
-    # imported here, not at the top: keeps --help (which imports check_threads) free of torch
+    # imported here, not at the top: importing this module stays free of torch
     from diffcurr_fast.objective import resolve_precision
 
     n = count_params(cfg)
@@ -137,7 +107,7 @@ def sampling_memory(cfg: TrainConfig, num_params: int, batch: int, num: int, gui
 def device_memory(device: Any) -> tuple[int, str]:
     """(bytes, a name) of the memory ``device`` offers: a GPU's total memory, else the machine's RAM (or its
     cgroup's limit when lower)."""
-    # imported here, not at the top: keeps --help (which imports check_threads) free of torch
+    # imported here, not at the top: importing this module stays free of torch
     import torch
 
     device = torch.device(device)
@@ -183,11 +153,8 @@ def check_fits(est: MemoryEstimate, device: Any, fix: str) -> None:
 __all__ = [
     "MemoryEstimate",
     "check_fits",
-    "check_threads",
     "count_params",
     "device_memory",
-    "max_threads",
     "sampling_memory",
     "training_memory",
-    "usable_cpus",
 ]

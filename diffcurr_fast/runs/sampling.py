@@ -41,8 +41,8 @@ from diffcurr_fast.models import DiT
 from diffcurr_fast.models.dit import LabelEmbedder
 from diffcurr_fast.runs.checkpoint import load_weights
 from diffcurr_fast.runs.config import components
-from diffcurr_fast.runs.resources import check_threads
 from diffcurr_fast.runs.sections import resolve_sampler, with_article
+from diffcurr_fast.runs.threads import check_threads
 
 if TYPE_CHECKING:
     from diffcurr_fast.runs.config import TrainConfig

@@ -43,8 +43,8 @@ from diffcurr_fast._files import OutputLock, write_json
 from diffcurr_fast.eval.features import digits_classifier, mnist5k_classifier
 from diffcurr_fast.runs.checkpoint import latest_checkpoint
 from diffcurr_fast.runs.recipes import apply_overrides
-from diffcurr_fast.runs.resources import check_threads
 from diffcurr_fast.runs.sampling import build_model, build_schedule
+from diffcurr_fast.runs.threads import check_threads
 from diffcurr_fast.study.launch import SubmititPool, active_jobs, write_job
 from diffcurr_fast.study.layout import STEPTIME, jobs, log_path, read_status, run_dir_of, status_path
 from diffcurr_fast.study.peer_dit import check_checkout

@@ -23,8 +23,9 @@ from diffcurr_fast.models.diffusers_dit import is_diffusers_dir
 from diffcurr_fast.ops._backend import CHOICES, unavailable_reason
 from diffcurr_fast.optim.registry import check_optimizer
 from diffcurr_fast.runs.config import TrainConfig
-from diffcurr_fast.runs.resources import check_fits, check_threads, training_memory
+from diffcurr_fast.runs.resources import check_fits, training_memory
 from diffcurr_fast.runs.sampling import build_model
+from diffcurr_fast.runs.threads import check_threads
 from diffcurr_fast.train.data import check_data, fitting_init_state
 from diffcurr_fast.train.engine import check_launcher, load_deepspeed_config
 from diffcurr_fast.train.evaluation import check_reference

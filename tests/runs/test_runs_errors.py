@@ -328,10 +328,10 @@ def test_thread_counts_beyond_the_machine_are_refused_by_every_command(trained, 
     """Every command's --threads (and train's engine.cpu_threads) has one bound, relative to the CPUs this process
     may use (4 per CPU), checked before anything is read or drawn: `sample --threads 100000` segfaulted inside torch
     and 10000 started 20,000 threads. The bound itself is accepted."""
-    from diffcurr_fast.runs import resources
+    from diffcurr_fast.runs import threads
 
-    monkeypatch.setattr(resources, "usable_cpus", lambda: 2)
-    assert resources.max_threads() == 8 and resources.check_threads(8) == 8
+    monkeypatch.setattr(threads, "usable_cpus", lambda: 2)
+    assert threads.max_threads() == 8 and threads.check_threads(8) == 8
     line = "is more than 8 (4 per CPU; this process may use 2): more threads than CPUs only compete for them; use at"
     spec = tmp_path / "spec.yaml"
     spec.write_text("name: s\nseeds: [0]\neval_every: 1\narms: [{name: a}]\n")
