@@ -131,10 +131,15 @@ def run_study(
     check_spec(spec)
     # held until the study ends (released in the finally below, or at exit): one study process per folder
     lock = OutputLock(study_dir, "study folder", "choose another study folder (--out)", directory=True).acquire()
-    if launcher == "local":
-        pool: Any = LocalPool(study_dir, workers or 1, threads)
-    else:
-        pool = SubmititPool(spec, study_dir, workers, threads, cluster)
+    try:  # a launcher refused (its settings, no Slurm here) leaves no folder behind
+        pool: Any = (
+            LocalPool(study_dir, workers or 1, threads)
+            if launcher == "local"
+            else SubmititPool(spec, study_dir, workers, threads, cluster)
+        )
+    except BaseException:
+        lock.release()
+        raise
     study_dir = prepare_study(spec, study_dir)
     todo = pending(spec, study_dir)
     kept = len(jobs(spec)) - len(todo)

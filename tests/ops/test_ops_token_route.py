@@ -14,7 +14,8 @@ import pytest
 import torch
 from conftest import op_backends
 
-import diffcurr_fast.models.dit as dit
+import diffcurr_fast.models.routing as routing
+from diffcurr_fast.models.dit import DiT
 from diffcurr_fast.models.routing import draw_route
 from diffcurr_fast.ops import _backend, token_gather, token_gather_ref, token_scatter, token_scatter_ref
 
@@ -214,7 +215,7 @@ def test_a_routed_dit_step_equals_the_reference_routing(monkeypatch, backend):
     _need(backend)
     torch.manual_seed(0)
     kw = dict(input_size=8, patch_size=2, in_channels=3, hidden_size=32, depth=4, num_heads=2, num_classes=5)
-    m = dit.DiT(routing=(1, 3), **kw)
+    m = DiT(routing=(1, 3), **kw)
     with torch.no_grad():
         for p in m.parameters():  # non-zero everywhere (the release zeroes the adaLN and output layers)
             p.add_(0.05 * torch.randn_like(p))
@@ -224,8 +225,8 @@ def test_a_routed_dit_step_equals_the_reference_routing(monkeypatch, backend):
     force = torch.zeros(3, dtype=torch.long)
 
     def step(name):
-        monkeypatch.setattr(dit, "token_gather", functools.partial(token_gather, backend=name))
-        monkeypatch.setattr(dit, "token_scatter", functools.partial(token_scatter, backend=name))
+        monkeypatch.setattr(routing, "token_gather", functools.partial(token_gather, backend=name))
+        monkeypatch.setattr(routing, "token_scatter", functools.partial(token_scatter, backend=name))
         m.zero_grad(set_to_none=True)
         loss = m(x, t, y, route=route, force_drop_ids=force).square().mean()
         loss.backward()

@@ -387,7 +387,7 @@ def test_two_starts_at_once_never_both_write(tmp_path):
         procs = [
             subprocess.Popen(
                 [sys.executable, "-m", "diffcurr_fast.cli", "train", "--run-dir", str(run)]
-                + [a for s in [*sets, f"optim.lr={lr}"] for a in ("--set", s)],
+                + set_args(*sets, f"optim.lr={lr}"),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
