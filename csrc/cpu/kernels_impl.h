@@ -572,6 +572,321 @@ void gelu_bwd_entry(int dt, const void* gy, const void* x, void* gx, int64_t i0,
   return gelu_t<F16, true>(gy, x, gx, i0, n);
 }
 
+// ---- RMSNorm-modulate ------------------------------------------------------------------------------------
+template <class T, bool kW>
+void rmsnorm_fwd_t(const void* x_, const float* shift, const float* scale, const float* w_, void* y_, float* rstd,
+                   int64_t N, int64_t D, float eps, int64_t r0, int64_t nrows) {
+  using S = typename T::storage;
+  const S* __restrict x = static_cast<const S*>(x_);
+  S* __restrict y = static_cast<S*>(y_);
+  const float* __restrict w = w_;
+  const float inv_d = 1.0f / static_cast<float>(D);
+  for (int64_t r = r0; r < r0 + nrows; ++r) {
+    const int64_t b = r / N;
+    const S* __restrict xr = x + r * D;
+    S* __restrict yr = y + r * D;
+    const float* __restrict sh = shift + b * D;
+    const float* __restrict scl = scale + b * D;
+    const float ms = row_sum(D, [&](int64_t d) {
+                       const float v = T::load(xr[d]);
+                       return v * v;
+                     }) *
+                     inv_d;
+    const float rs = 1.0f / __builtin_sqrtf(ms + eps);
+    for (int64_t d = 0; d < D; ++d) {
+      float xh = T::load(xr[d]) * rs;
+      if constexpr (kW) xh *= w[d];
+      yr[d] = T::store(xh * (1.0f + scl[d]) + sh[d]);
+    }
+    rstd[r] = rs;
+  }
+}
+
+// grad_x = rstd * (gh - xhat * mean_d(gh * xhat)), gh = grad_y * (1 + scale) * w; the column sums of grad_y and
+// grad_y * xhat (grad_shift, and the sum grad_scale and grad_w are formed from).
+template <class T, bool kAffine, bool kW>
+void rmsnorm_bwd_t(const void* gy_, const void* x_, const float* scale, const float* w_, const float* rstd,
+                   void* gx_, float* gshift_acc, float* gxhat_acc, int64_t N, int64_t D, int64_t b, int64_t n0,
+                   int64_t nrows) {
+  using S = typename T::storage;
+  const S* __restrict gyp = static_cast<const S*>(gy_);
+  const S* __restrict x = static_cast<const S*>(x_);
+  S* __restrict gx = static_cast<S*>(gx_);
+  const float* __restrict scl = scale + b * D;
+  const float* __restrict w = w_;
+  float* __restrict gsh = gshift_acc;
+  float* __restrict gsx = gxhat_acc;
+  const float inv_d = 1.0f / static_cast<float>(D);
+  for (int64_t n = n0; n < n0 + nrows; ++n) {
+    const int64_t r = b * N + n;
+    const S* __restrict xr = x + r * D;
+    const S* __restrict gr = gyp + r * D;
+    S* __restrict gxr = gx + r * D;
+    const float rs = rstd[r];
+    const float dot = row_sum(D, [&](int64_t d) {
+      float gh = T::load(gr[d]) * (1.0f + scl[d]);
+      if constexpr (kW) gh *= w[d];
+      return gh * T::load(xr[d]);
+    });
+    const float m2 = dot * rs * inv_d;  // mean_d(gh * xhat)
+#pragma GCC ivdep
+    for (int64_t k = 0; k < D; ++k) {
+      const float g = T::load(gr[k]);
+      const float xh = T::load(xr[k]) * rs;
+      float gh = g * (1.0f + scl[k]);
+      if constexpr (kW) gh *= w[k];
+      gxr[k] = T::store(rs * (gh - xh * m2));
+      if constexpr (kAffine) {
+        gsh[k] += g;
+        gsx[k] += g * xh;
+      }
+    }
+  }
+}
+
+void rmsnorm_fwd_entry(int dt, const void* x, const float* shift, const float* scale, const float* w, void* y,
+                       float* rstd, int64_t N, int64_t D, float eps, int64_t r0, int64_t nrows) {
+  auto run = [&](auto t, auto has_w) {
+    rmsnorm_fwd_t<decltype(t), decltype(has_w)::value>(x, shift, scale, w, y, rstd, N, D, eps, r0, nrows);
+  };
+  const bool hw = w != nullptr;
+  if (dt == dcf::cpu::kF32) return hw ? run(F32{}, std::true_type{}) : run(F32{}, std::false_type{});
+  if (dt == dcf::cpu::kBF16) return hw ? run(BF16{}, std::true_type{}) : run(BF16{}, std::false_type{});
+  return hw ? run(F16{}, std::true_type{}) : run(F16{}, std::false_type{});
+}
+
+template <class T>
+void rmsnorm_bwd_typed(const void* gy, const void* x, const float* scale, const float* w, const float* rstd,
+                       void* gx, float* gsh, float* gsx, int64_t N, int64_t D, int64_t b, int64_t n0,
+                       int64_t nrows) {
+  if (gsh == nullptr) {
+    if (w == nullptr) return rmsnorm_bwd_t<T, false, false>(gy, x, scale, w, rstd, gx, gsh, gsx, N, D, b, n0, nrows);
+    return rmsnorm_bwd_t<T, false, true>(gy, x, scale, w, rstd, gx, gsh, gsx, N, D, b, n0, nrows);
+  }
+  if (w == nullptr) return rmsnorm_bwd_t<T, true, false>(gy, x, scale, w, rstd, gx, gsh, gsx, N, D, b, n0, nrows);
+  return rmsnorm_bwd_t<T, true, true>(gy, x, scale, w, rstd, gx, gsh, gsx, N, D, b, n0, nrows);
+}
+
+void rmsnorm_bwd_entry(int dt, const void* gy, const void* x, const float* scale, const float* w, const float* rstd,
+                       void* gx, float* gsh, float* gsx, int64_t N, int64_t D, int64_t b, int64_t n0,
+                       int64_t nrows) {
+  if (dt == dcf::cpu::kF32) return rmsnorm_bwd_typed<F32>(gy, x, scale, w, rstd, gx, gsh, gsx, N, D, b, n0, nrows);
+  if (dt == dcf::cpu::kBF16) return rmsnorm_bwd_typed<BF16>(gy, x, scale, w, rstd, gx, gsh, gsx, N, D, b, n0, nrows);
+  return rmsnorm_bwd_typed<F16>(gy, x, scale, w, rstd, gx, gsh, gsx, N, D, b, n0, nrows);
+}
+
+// ---- QK-norm + 2-D RoPE ----------------------------------------------------------------------------------
+// A row is one head's Dh channels of one token. Forward: xn = x * rstd * w (rstd over the row), then each pair
+// (xn_{2m}, xn_{2m+1}) turns by the angle whose cos / sin are the tables' entry m of the token. Backward: the
+// inverse rotation of grad_out (gr), then the RMSNorm backward of gr; rstd is recomputed from the row.
+template <class T, bool kNorm, bool kRope>
+void qk_rope_fwd_t(const void* x_, const dcf::cpu::RowLayout& xl, const float* w_, const float* cos_,
+                   const float* sin_, int64_t tab_b, void* out_, float eps, int64_t r0, int64_t nrows) {
+  using S = typename T::storage;
+  const S* x = static_cast<const S*>(x_);
+  S* out = static_cast<S*>(out_);
+  const float* __restrict w = w_;
+  const int64_t Dh = xl.Dh, half = Dh / 2, HN = xl.H * xl.N;
+  const float inv_d = 1.0f / static_cast<float>(Dh);
+  for (int64_t r = r0; r < r0 + nrows; ++r) {
+    const int64_t b = r / HN, h = (r / xl.N) % xl.H, n = r % xl.N;
+    const S* __restrict xr = x + b * xl.sb + h * xl.sh + n * xl.sn;
+    S* __restrict o = out + r * Dh;
+    float rs = 1.0f;
+    if constexpr (kNorm) {
+      rs = 1.0f / __builtin_sqrtf(row_sum(Dh, [&](int64_t d) {
+                                    const float v = T::load(xr[d]);
+                                    return v * v;
+                                  }) * inv_d +
+                                  eps);
+    }
+    if constexpr (kRope) {
+      const float* __restrict c = cos_ + b * tab_b + n * half;
+      const float* __restrict s = sin_ + b * tab_b + n * half;
+      for (int64_t m = 0; m < half; ++m) {
+        float a = T::load(xr[2 * m]) * rs, e = T::load(xr[2 * m + 1]) * rs;
+        if constexpr (kNorm) a *= w[2 * m], e *= w[2 * m + 1];
+        o[2 * m] = T::store(a * c[m] - e * s[m]);
+        o[2 * m + 1] = T::store(a * s[m] + e * c[m]);
+      }
+    } else {
+      for (int64_t d = 0; d < Dh; ++d) o[d] = T::store(T::load(xr[d]) * rs * w[d]);
+    }
+  }
+}
+
+template <class T, bool kNorm, bool kRope, bool kWGrad>
+void qk_rope_bwd_t(const void* g_, const dcf::cpu::RowLayout& gl, const void* x_, const dcf::cpu::RowLayout& xl,
+                   const float* w_, const float* cos_, const float* sin_, int64_t tab_b, void* gx_, float* gw_acc,
+                   float eps, int64_t r0, int64_t nrows) {
+  using S = typename T::storage;
+  const S* g = static_cast<const S*>(g_);
+  const S* x = static_cast<const S*>(x_);
+  S* gx = static_cast<S*>(gx_);
+  const float* __restrict w = w_;
+  float* __restrict gw = gw_acc;
+  const int64_t Dh = xl.Dh, half = Dh / 2, HN = xl.H * xl.N;
+  const float inv_d = 1.0f / static_cast<float>(Dh);
+  for (int64_t r = r0; r < r0 + nrows; ++r) {
+    const int64_t b = r / HN, h = (r / xl.N) % xl.H, n = r % xl.N;
+    const S* __restrict xr = x + b * xl.sb + h * xl.sh + n * xl.sn;
+    const S* __restrict gr = g + b * gl.sb + h * gl.sh + n * gl.sn;
+    S* __restrict o = gx + r * Dh;
+    const float* __restrict c = kRope ? cos_ + b * tab_b + n * half : nullptr;
+    const float* __restrict s = kRope ? sin_ + b * tab_b + n * half : nullptr;
+    if constexpr (!kNorm) {
+      for (int64_t m = 0; m < half; ++m) {
+        const float g0 = T::load(gr[2 * m]), g1 = T::load(gr[2 * m + 1]);
+        o[2 * m] = T::store(g0 * c[m] + g1 * s[m]);
+        o[2 * m + 1] = T::store(g1 * c[m] - g0 * s[m]);
+      }
+      continue;
+    }
+    // buf[0 .. len) = the gradient of the normed row at [d, d + len): grad_out turned back by the rotation (its
+    // transpose); d and len are even with the rotation (kAcc is even, Dh is even)
+    alignas(64) float buf[kAcc];
+    auto unrot = [&](int64_t d, int64_t len) {
+      if constexpr (kRope) {
+        for (int64_t l = 0; l < len; l += 2) {
+          const int64_t m = (d + l) / 2;
+          const float g0 = T::load(gr[d + l]), g1 = T::load(gr[d + l + 1]);
+          buf[l] = g0 * c[m] + g1 * s[m];
+          buf[l + 1] = g1 * c[m] - g0 * s[m];
+        }
+      } else {
+        for (int64_t l = 0; l < len; ++l) buf[l] = T::load(gr[d + l]);
+      }
+    };
+    alignas(64) float a1[kAcc] = {}, a2[kAcc] = {};  // sum x^2 and sum gr * w * x in fixed lanes
+    int64_t d = 0;
+    for (; d < Dh; d += kAcc) {
+      const int64_t len = min64(kAcc, Dh - d);
+      unrot(d, len);
+      for (int64_t l = 0; l < len; ++l) {
+        const float v = T::load(xr[d + l]);
+        a1[l] += v * v;
+        a2[l] += buf[l] * w[d + l] * v;
+      }
+    }
+    float ss = 0.0f, dot = 0.0f;
+    for (int l = 0; l < kAcc; ++l) {
+      ss += a1[l];
+      dot += a2[l];
+    }
+    const float rs = 1.0f / __builtin_sqrtf(ss * inv_d + eps);
+    const float m2 = dot * rs * inv_d;  // mean_d(gh * xhat), gh = gr * w
+    for (d = 0; d < Dh; d += kAcc) {
+      const int64_t len = min64(kAcc, Dh - d);
+      unrot(d, len);
+#pragma GCC ivdep
+      for (int64_t l = 0; l < len; ++l) {
+        const float xh = T::load(xr[d + l]) * rs;
+        o[d + l] = T::store(rs * (buf[l] * w[d + l] - xh * m2));
+        if constexpr (kWGrad) gw[d + l] += buf[l] * xh;
+      }
+    }
+  }
+}
+
+template <class T>
+void qk_rope_fwd_typed(const void* x, const dcf::cpu::RowLayout& xl, const float* w, const float* c, const float* s,
+                       int64_t tab_b, void* out, float eps, int64_t r0, int64_t nrows) {
+  if (w == nullptr) return qk_rope_fwd_t<T, false, true>(x, xl, w, c, s, tab_b, out, eps, r0, nrows);
+  if (c == nullptr) return qk_rope_fwd_t<T, true, false>(x, xl, w, c, s, tab_b, out, eps, r0, nrows);
+  return qk_rope_fwd_t<T, true, true>(x, xl, w, c, s, tab_b, out, eps, r0, nrows);
+}
+
+void qk_rope_fwd_entry(int dt, const void* x, const dcf::cpu::RowLayout& xl, const float* w, const float* c,
+                       const float* s, int64_t tab_b, void* out, float eps, int64_t r0, int64_t nrows) {
+  if (dt == dcf::cpu::kF32) return qk_rope_fwd_typed<F32>(x, xl, w, c, s, tab_b, out, eps, r0, nrows);
+  if (dt == dcf::cpu::kBF16) return qk_rope_fwd_typed<BF16>(x, xl, w, c, s, tab_b, out, eps, r0, nrows);
+  return qk_rope_fwd_typed<F16>(x, xl, w, c, s, tab_b, out, eps, r0, nrows);
+}
+
+template <class T>
+void qk_rope_bwd_typed(const void* g, const dcf::cpu::RowLayout& gl, const void* x, const dcf::cpu::RowLayout& xl,
+                       const float* w, const float* c, const float* s, int64_t tab_b, void* gx, float* gw,
+                       float eps, int64_t r0, int64_t nrows) {
+  if (w == nullptr) return qk_rope_bwd_t<T, false, true, false>(g, gl, x, xl, w, c, s, tab_b, gx, gw, eps, r0, nrows);
+  if (c == nullptr) {
+    if (gw == nullptr) return qk_rope_bwd_t<T, true, false, false>(g, gl, x, xl, w, c, s, tab_b, gx, gw, eps, r0, nrows);
+    return qk_rope_bwd_t<T, true, false, true>(g, gl, x, xl, w, c, s, tab_b, gx, gw, eps, r0, nrows);
+  }
+  if (gw == nullptr) return qk_rope_bwd_t<T, true, true, false>(g, gl, x, xl, w, c, s, tab_b, gx, gw, eps, r0, nrows);
+  return qk_rope_bwd_t<T, true, true, true>(g, gl, x, xl, w, c, s, tab_b, gx, gw, eps, r0, nrows);
+}
+
+void qk_rope_bwd_entry(int dt, const void* g, const dcf::cpu::RowLayout& gl, const void* x,
+                       const dcf::cpu::RowLayout& xl, const float* w, const float* c, const float* s, int64_t tab_b,
+                       void* gx, float* gw, float eps, int64_t r0, int64_t nrows) {
+  if (dt == dcf::cpu::kF32) return qk_rope_bwd_typed<F32>(g, gl, x, xl, w, c, s, tab_b, gx, gw, eps, r0, nrows);
+  if (dt == dcf::cpu::kBF16) return qk_rope_bwd_typed<BF16>(g, gl, x, xl, w, c, s, tab_b, gx, gw, eps, r0, nrows);
+  return qk_rope_bwd_typed<F16>(g, gl, x, xl, w, c, s, tab_b, gx, gw, eps, r0, nrows);
+}
+
+// ---- SwiGLU ------------------------------------------------------------------------------------------------
+// y = silu(a) b = a s b with s = sigmoid(a) = 1 / (1 + e^-a) (the exp of the tanh-GELU, exp_lanes); backward
+// grad_a = grad_y b s (1 + a (1 - s)), grad_b = grad_y a s. a and b are the two halves of a row of x.
+template <class T, bool kGrad>
+DC_INLINE void swiglu_block(const typename T::storage* __restrict g, const typename T::storage* __restrict a,
+                            const typename T::storage* __restrict bp, typename T::storage* __restrict out_a,
+                            typename T::storage* __restrict out_b, int64_t m) {
+  float as[kGeluLanes] = {}, bs[kGeluLanes] = {}, gs[kGeluLanes] = {}, ra[kGeluLanes], rb[kGeluLanes];
+  for (int64_t l = 0; l < m; ++l) as[l] = T::load(a[l]);
+  for (int64_t l = 0; l < m; ++l) bs[l] = T::load(bp[l]);
+  if constexpr (kGrad) {
+    for (int64_t l = 0; l < m; ++l) gs[l] = T::load(g[l]);
+  }
+  vgf va, vb, vg;
+  std::memcpy(&va, as, sizeof va);
+  std::memcpy(&vb, bs, sizeof vb);
+  std::memcpy(&vg, gs, sizeof vg);
+  const vgf s = 1.0f / (1.0f + exp_lanes(-va));
+  if constexpr (kGrad) {
+    const vgf ga = vg * vb * s * (1.0f + va * (1.0f - s));
+    const vgf gb = vg * va * s;
+    std::memcpy(ra, &ga, sizeof ra);
+    std::memcpy(rb, &gb, sizeof rb);
+    for (int64_t l = 0; l < m; ++l) out_a[l] = T::store(ra[l]);
+    for (int64_t l = 0; l < m; ++l) out_b[l] = T::store(rb[l]);
+  } else {
+    const vgf y = va * s * vb;
+    std::memcpy(ra, &y, sizeof ra);
+    for (int64_t l = 0; l < m; ++l) out_a[l] = T::store(ra[l]);
+  }
+}
+
+template <class T, bool kGrad>
+void swiglu_t(const void* g_, const void* x_, void* out_, int64_t H, int64_t r0, int64_t nrows) {
+  using S = typename T::storage;
+  const S* x = static_cast<const S*>(x_);
+  const S* g = static_cast<const S*>(g_);
+  S* out = static_cast<S*>(out_);
+  for (int64_t r = r0; r < r0 + nrows; ++r) {
+    const S* a = x + r * 2 * H;
+    const S* gr = kGrad ? g + r * H : nullptr;
+    S* oa = kGrad ? out + r * 2 * H : out + r * H;  // grad_x (R, 2H) or y (R, H)
+    S* ob = kGrad ? oa + H : nullptr;
+    int64_t k = 0;
+    for (; k + kGeluLanes <= H; k += kGeluLanes) {
+      swiglu_block<T, kGrad>(kGrad ? gr + k : nullptr, a + k, a + H + k, oa + k, kGrad ? ob + k : nullptr, kGeluLanes);
+    }
+    if (k < H) swiglu_block<T, kGrad>(kGrad ? gr + k : nullptr, a + k, a + H + k, oa + k, kGrad ? ob + k : nullptr, H - k);
+  }
+}
+
+void swiglu_fwd_entry(int dt, const void* x, void* y, int64_t H, int64_t r0, int64_t nrows) {
+  if (dt == dcf::cpu::kF32) return swiglu_t<F32, false>(nullptr, x, y, H, r0, nrows);
+  if (dt == dcf::cpu::kBF16) return swiglu_t<BF16, false>(nullptr, x, y, H, r0, nrows);
+  return swiglu_t<F16, false>(nullptr, x, y, H, r0, nrows);
+}
+
+void swiglu_bwd_entry(int dt, const void* gy, const void* x, void* gx, int64_t H, int64_t r0, int64_t nrows) {
+  if (dt == dcf::cpu::kF32) return swiglu_t<F32, true>(gy, x, gx, H, r0, nrows);
+  if (dt == dcf::cpu::kBF16) return swiglu_t<BF16, true>(gy, x, gx, H, r0, nrows);
+  return swiglu_t<F16, true>(gy, x, gx, H, r0, nrows);
+}
+
 // ---- token routing: row copies --------------------------------------------------------------------------
 // A row is n bytes (D elements of 2 or 4 bytes); rows never overlap. The copies move 64-byte blocks through
 // generic vectors, which gcc lowers to the instruction set's widest loads and stores (one zmm, two ymm or four
@@ -651,9 +966,10 @@ void token_scatter_bwd_entry(int dt, const void* go_, const int32_t* pos, void* 
 
 }  // namespace
 
-#define DC_DEFINE_KERNEL_TABLE(NAME, ISA_STRING)                                                               \
-  extern const ::dcf::cpu::KernelTable NAME;                                                                   \
-  const ::dcf::cpu::KernelTable NAME = {ISA_STRING,        &randn_impl,      &q_sample_entry,  &loss_entry,    \
-                                        &adaln_fwd_entry,  &adaln_bwd_entry, &gated_fwd_entry, &gated_bwd_entry, \
-                                        &gelu_fwd_entry,   &gelu_bwd_entry, &token_gather_entry,              \
-                                        &token_scatter_entry, &token_scatter_bwd_entry};
+#define DC_DEFINE_KERNEL_TABLE(NAME, ISA_STRING)                                                          \
+  extern const ::dcf::cpu::KernelTable NAME;                                                              \
+  const ::dcf::cpu::KernelTable NAME = {                                                                  \
+      ISA_STRING,        &randn_impl,        &q_sample_entry,    &loss_entry,          &adaln_fwd_entry,   \
+      &adaln_bwd_entry,  &gated_fwd_entry,   &gated_bwd_entry,   &gelu_fwd_entry,      &gelu_bwd_entry,    \
+      &rmsnorm_fwd_entry, &rmsnorm_bwd_entry, &qk_rope_fwd_entry, &qk_rope_bwd_entry,   &swiglu_fwd_entry,  \
+      &swiglu_bwd_entry, &token_gather_entry, &token_scatter_entry, &token_scatter_bwd_entry};
