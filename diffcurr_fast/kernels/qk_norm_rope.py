@@ -1,0 +1,324 @@
+"""Triton kernels of QK-norm + 2-D RoPE (fwd + bwd), one launch each for q and for k.
+
+A row is one head's Dh channels of one token; the R = B H N rows of q (or k) are read with their strides (b, h, n;
+unit stride along Dh, as the unbound views of a qkv projection) and written contiguous (B, H, N, Dh). Programs hold
+(ROWS, BLOCK_D) tiles of whole rows (``adaln.row_tile``); the rotation splits a tile into its even and odd channels
+(a reshape to pairs, in registers), so every load is a contiguous run along the row. Tables cos, sin
+(float32) hold row b * tab_b + n of Dh / 2 entries (tab_b 0: one table for the batch). The backward recomputes
+the row's rstd, loops over a fixed share of the rows per program and writes one partial sum of the weight
+gradient per program (no atomics), summed after the kernel (and dropped when no weight gradient is asked for: a
+(programs, Dh) store).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .adaln import TARGET_PROGRAMS, row_tile
+from .aot import Launch
+from .philox import device_guard
+
+
+@triton.jit
+def _pairs(x, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The even and odd channels of each row of x (ROWS, BLOCK_D): two (ROWS, BLOCK_D // 2) tiles."""
+    return tl.split(tl.reshape(x, (ROWS, BLOCK_D // 2, 2)))
+
+
+@triton.jit
+def _interleave(x0, x1, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The inverse of ``_pairs``."""
+    return tl.reshape(tl.join(x0, x1), (ROWS, BLOCK_D))
+
+
+@triton.jit
+def _qk_norm_rope_fwd_kernel(
+    x_ptr,
+    w_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    R,
+    H,
+    N,
+    Dh,
+    half,
+    sb,
+    sh,
+    sn,
+    tab_b,
+    eps,
+    NORM: tl.constexpr,
+    ROPE: tl.constexpr,
+    TAB_ALIGN: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    d = tl.arange(0, BLOCK_D)
+    rmask = r < R
+    dmask = d < Dh
+    mask = rmask[:, None] & dmask[None, :]
+    b = r // (H * N)
+    n = r % N
+    base = b * sb + ((r // N) % H) * sh + n * sn  # (ROWS,): the row's first element
+    x = tl.load(x_ptr + base[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)  # (ROWS, BLOCK_D)
+    if NORM:
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / Dh + eps)  # RMSNorm over Dh
+        x = x * rstd[:, None] * tl.load(w_ptr + d, mask=dmask, other=0.0)[None, :]
+    if ROPE:
+        m = tl.arange(0, BLOCK_D // 2)
+        t = tl.multiple_of(b * tab_b + n * half, TAB_ALIGN)[:, None] + m[None, :]
+        tmask = rmask[:, None] & (m < half)[None, :]
+        c = tl.load(cos_ptr + t, mask=tmask, other=0.0)  # (ROWS, BLOCK_D // 2)
+        s = tl.load(sin_ptr + t, mask=tmask, other=0.0)
+        x0, x1 = _pairs(x, ROWS, BLOCK_D)
+        x = _interleave(x0 * c - x1 * s, x0 * s + x1 * c, ROWS, BLOCK_D)  # RoFormer Eq. 34
+    tl.store(out_ptr + r[:, None] * Dh + d[None, :], x.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_bwd_kernel(
+    g_ptr,
+    x_ptr,
+    w_ptr,
+    cos_ptr,
+    sin_ptr,
+    gx_ptr,
+    gw_ptr,
+    R,
+    H,
+    N,
+    Dh,
+    half,
+    gsb,
+    gsh,
+    gsn,
+    sb,
+    sh,
+    sn,
+    tab_b,
+    eps,
+    rows_per_prog,
+    NORM: tl.constexpr,
+    ROPE: tl.constexpr,
+    TAB_ALIGN: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    prog = tl.program_id(0)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < Dh
+    if NORM:
+        w = tl.load(w_ptr + d, mask=dmask, other=0.0)
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    r_begin = prog.to(tl.int64) * rows_per_prog
+    r_end = tl.minimum(r_begin + rows_per_prog, R)
+    for r0 in range(r_begin, r_end, ROWS):
+        r = r0 + tl.arange(0, ROWS)
+        rmask = r < r_end
+        mask = rmask[:, None] & dmask[None, :]
+        b = r // (H * N)
+        h = (r // N) % H
+        n = r % N
+        gr = tl.load(g_ptr + (b * gsb + h * gsh + n * gsn)[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        if ROPE:  # the rotation's transpose: (g0 c + g1 s, g1 c - g0 s)
+            m = tl.arange(0, BLOCK_D // 2)
+            t = tl.multiple_of(b * tab_b + n * half, TAB_ALIGN)[:, None] + m[None, :]
+            tmask = rmask[:, None] & (m < half)[None, :]
+            c = tl.load(cos_ptr + t, mask=tmask, other=0.0)
+            s = tl.load(sin_ptr + t, mask=tmask, other=0.0)
+            g0, g1 = _pairs(gr, ROWS, BLOCK_D)
+            gr = _interleave(g0 * c + g1 * s, g1 * c - g0 * s, ROWS, BLOCK_D)
+        if NORM:
+            x = tl.load(x_ptr + (b * sb + h * sh + n * sn)[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / Dh + eps)
+            xhat = x * rstd[:, None]
+            gh = gr * w[None, :]
+            m2 = tl.sum(gh * xhat, axis=1) / Dh
+            gx = rstd[:, None] * (gh - xhat * m2[:, None])
+            acc += gr * xhat
+        else:
+            gx = gr
+        tl.store(gx_ptr + r[:, None] * Dh + d[None, :], gx.to(gx_ptr.dtype.element_ty), mask=mask)
+    if NORM:
+        tl.store(gw_ptr + prog * Dh + d, tl.sum(acc, axis=0), mask=dmask)
+
+
+def _tab_align(Dh: int) -> int:
+    """The largest power of two (at most 16) that divides Dh / 2: every table row starts at a multiple of it."""
+    half = Dh // 2
+    return min(16, half & -half) if half else 1
+
+
+def _layout(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """t with unit stride along its last dimension, and its strides of b, h, n."""
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        t = t.contiguous()
+    return t, (t.stride(0), t.stride(1), t.stride(2))
+
+
+def _tables(cos, sin, q):
+    """(cos, sin, tab_b) as float32 contiguous tables, or (q, q, 0) stand-ins without a rotation."""
+    if cos is None:
+        return q, q, 0
+    B, _, N, Dh = q.shape
+    return cos.float().contiguous(), sin.float().contiguous(), (N * (Dh // 2) if cos.ndim == 3 else 0)
+
+
+def qk_norm_rope_fwd(q, k, q_weight, k_weight, cos, sin, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch: q, k (B, H, N, Dh) (unit stride along Dh), weights (Dh,) or None, tables (N, Dh/2) or (B, N, Dh/2)
+    or None; returns contiguous (B, H, N, Dh) outputs in q's dtype."""
+    B, H, N, Dh = q.shape
+    R = B * H * N
+    outs = []
+    block_d, rows, warps = row_tile(Dh)
+    c, s, tab_b = _tables(cos, sin, q)
+    for x, w in ((q, q_weight), (k, k_weight)):
+        out = torch.empty(B, H, N, Dh, dtype=q.dtype, device=q.device)
+        outs.append(out)
+        if out.numel() == 0:
+            continue
+        x, (sb, sh, sn) = _layout(x)
+        with device_guard(x):
+            _qk_norm_rope_fwd_kernel[(triton.cdiv(R, rows),)](
+                x,
+                c if w is None else w.float(),
+                c,
+                s,
+                out,
+                R,
+                H,
+                N,
+                Dh,
+                Dh // 2,
+                sb,
+                sh,
+                sn,
+                tab_b,
+                eps,
+                NORM=w is not None,
+                ROPE=cos is not None,
+                TAB_ALIGN=_tab_align(Dh),
+                ROWS=rows,
+                BLOCK_D=block_d,
+                num_warps=warps,
+            )
+    return outs[0], outs[1]
+
+
+def qk_norm_rope_bwd(grad_q, grad_k, q, k, q_weight, k_weight, cos, sin, eps: float, weight_grads: bool = True):
+    """Launch: returns (grad_q, grad_k) contiguous in q's dtype and the weight gradients (the weights' dtype; empty
+    (0,) without weights or without ``weight_grads``)."""
+    B, H, N, Dh = q.shape
+    R = B * H * N
+    block_d, rows, warps = row_tile(Dh)
+    c, s, tab_b = _tables(cos, sin, q)
+    wgrad = weight_grads and q_weight is not None
+    if R * Dh == 0:
+        gq = torch.empty(B, H, N, Dh, dtype=q.dtype, device=q.device)
+        gk = torch.empty_like(gq)
+        if not wgrad:
+            return gq, gk, q.new_empty(0), q.new_empty(0)
+        return gq, gk, torch.zeros_like(q_weight), torch.zeros_like(k_weight)
+    tiles = triton.cdiv(R, rows)
+    progs = max(1, min(tiles, TARGET_PROGRAMS))
+    per = triton.cdiv(tiles, progs) * rows
+    progs = max(1, triton.cdiv(R, per))
+    outs, gws = [], []
+    for g, x, w in ((grad_q, q, q_weight), (grad_k, k, k_weight)):
+        gx = torch.empty(B, H, N, Dh, dtype=q.dtype, device=q.device)
+        gw = torch.empty(progs if w is not None else 0, Dh, dtype=torch.float32, device=q.device)
+        outs.append(gx)
+        gws.append(gw)
+        g, (gsb, gsh, gsn) = _layout(g)
+        x, (sb, sh, sn) = _layout(x)
+        with device_guard(x):
+            _qk_norm_rope_bwd_kernel[(progs,)](
+                g,
+                x,
+                c if w is None else w.float(),
+                c,
+                s,
+                gx,
+                gx if w is None else gw,
+                R,
+                H,
+                N,
+                Dh,
+                Dh // 2,
+                gsb,
+                gsh,
+                gsn,
+                sb,
+                sh,
+                sn,
+                tab_b,
+                eps,
+                per,
+                NORM=w is not None,
+                ROPE=cos is not None,
+                TAB_ALIGN=_tab_align(Dh),
+                ROWS=rows,
+                BLOCK_D=block_d,
+                num_warps=warps,
+            )
+    if not wgrad:
+        return outs[0], outs[1], q.new_empty(0), q.new_empty(0)
+    return outs[0], outs[1], gws[0].sum(0).to(q_weight.dtype), gws[1].sum(0).to(k_weight.dtype)
+
+
+# head dims the launch tables cover: every row tile from 16 to 256 channels (64 for every DiT preset)
+AOT_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+def aot_launches(dtypes, fast: bool = False) -> list:
+    """The launches these launchers can make: dtype x (norm, rotation) x tile for each head dim class (with the
+    runtime's divisibility of Dh / 2 and the tables' sample stride, which make the table loads vectors)."""
+    dims = (64,) if fast else AOT_HEAD_DIMS
+    modes = ((True, True),) if fast else ((True, True), (False, True), (True, False))
+    out = []
+    for dt in dtypes:
+        for D in dims:
+            block_d, rows, warps = row_tile(D)
+            for norm, rope in modes:
+                cx = {"NORM": norm, "ROPE": rope, "TAB_ALIGN": _tab_align(D), "ROWS": rows, "BLOCK_D": block_d}
+                wt = "fp32" if norm or rope else dt  # the weight as float32; absent, a float32 table stands in
+                ints = {"R": "i32", "H": "i32", "N": "i32", "Dh": "i32", "half": "i32"}
+                strides = {"sb": "i32", "sh": "i32", "sn": "i32", "tab_b": "i32", "eps": "fp32"}
+                args = {
+                    "x_ptr": f"*{dt}",
+                    "w_ptr": f"*{wt}",
+                    "cos_ptr": "*fp32",
+                    "sin_ptr": "*fp32",
+                    "out_ptr": f"*{dt}",
+                    **ints,
+                    **strides,
+                }
+                mult = ("Dh", "sb", "sh", "sn") + (("half", "tab_b") if (D // 2) % 16 == 0 else ())
+                # rows of fewer than 32 channels: a table row is under 16 floats, and Triton spreads the (ROWS, Dh / 2)
+                # table tile so that its loads stay scalar (the data's loads are vectors); not checked as streaming
+                streaming = rope is False or D >= 32
+                out.append(Launch(_qk_norm_rope_fwd_kernel, args, cx, warps, multiple_of_16=mult, streaming=streaming))
+                args = {
+                    "g_ptr": f"*{dt}",
+                    "x_ptr": f"*{dt}",
+                    "w_ptr": f"*{wt}",
+                    "cos_ptr": "*fp32",
+                    "sin_ptr": "*fp32",
+                    "gx_ptr": f"*{dt}",
+                    "gw_ptr": "*fp32" if norm else f"*{dt}",
+                    **ints,
+                    "gsb": "i32",
+                    "gsh": "i32",
+                    "gsn": "i32",
+                    **strides,
+                    "rows_per_prog": "i32",
+                }
+                mult_b = mult + ("gsb", "gsh", "gsn", "rows_per_prog")
+                out.append(
+                    Launch(_qk_norm_rope_bwd_kernel, args, cx, warps, multiple_of_16=mult_b, streaming=streaming)
+                )
+    return out
