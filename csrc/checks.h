@@ -271,11 +271,12 @@ inline RmsArgs rms_bwd_args(const at::Tensor& gy, const at::Tensor& x, const at:
           rstd.contiguous(), x.size(0), x.size(1), x.size(2), dt};
 }
 
-// qk_norm_rope_fwd / _bwd: q, k (B, H, N, Dh) of one dtype (read with their strides when Dh has unit stride),
-// the optional (Dh,) weights as float32 (both or neither) and the optional rotary tables as float32 (both or
-// neither): (N, Dh / 2), one for the batch, or (B, N, Dh / 2), one per sample.
+// qk_norm_rope_fwd / _bwd: the packed projection qkv (B, N, 3 H Dh), [q; k; v] of H heads of Dh channels along its
+// last dimension (read in place when that has unit stride), the optional (Dh,) weights as float32 (both or
+// neither) and the optional rotary tables as float32 (both or neither): (N, Dh / 2), one for the batch, or
+// (B, N, Dh / 2), one per sample.
 struct QkArgs {
-  at::Tensor q, k, wq, wk, cos, sin;
+  at::Tensor qkv, wq, wk, cos, sin;
   int64_t B, H, N, Dh, tab_b;
   int dt;
   const float* ptr(const at::Tensor& t) const { return t.defined() ? t.const_data_ptr<float>() : nullptr; }
@@ -284,31 +285,32 @@ struct QkArgs {
 // t with unit stride along its last dimension (a view of it when it has one, else a contiguous copy).
 inline at::Tensor unit_last(const at::Tensor& t) { return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous(); }
 
-inline QkArgs qk_args(const at::Tensor& q, const at::Tensor& k, const c10::optional<at::Tensor>& wq,
+inline QkArgs qk_args(const at::Tensor& qkv, int64_t heads, const c10::optional<at::Tensor>& wq,
                       const c10::optional<at::Tensor>& wk, const c10::optional<at::Tensor>& cos,
                       const c10::optional<at::Tensor>& sin, double eps, const char* op) {
-  TORCH_CHECK(q.dim() == 4, "diffcurr_fast_C::", op, ": q must have shape (B, H, N, Dh), got ", q.sizes());
-  const int dt = dtype_code(q, op, "q");
-  check_like(k, q, op, "k", "q");
+  TORCH_CHECK(qkv.dim() == 3, "diffcurr_fast_C::", op, ": qkv must have shape (B, N, 3 * heads * head_dim), got ",
+              qkv.sizes());
+  const int dt = dtype_code(qkv, op, "qkv");
+  TORCH_CHECK(heads >= 1 && qkv.size(2) % (3 * heads) == 0, "diffcurr_fast_C::", op,
+              ": qkv's last dimension must be 3 * heads * head_dim with heads >= 1, got ", qkv.size(2), " for ",
+              heads, " heads");
   check_eps(eps, op);
-  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), Dh = q.size(3);
+  const int64_t B = qkv.size(0), N = qkv.size(1), H = heads, Dh = qkv.size(2) / (3 * heads);
   TORCH_CHECK(wq.has_value() == wk.has_value(), "diffcurr_fast_C::", op,
               ": give both q_weight and k_weight (QK-norm) or neither");
   TORCH_CHECK(cos.has_value() == sin.has_value(), "diffcurr_fast_C::", op, ": give both cos and sin (RoPE) or neither");
-  TORCH_CHECK(wq.has_value() || cos.has_value(), "diffcurr_fast_C::", op,
-              ": nothing to do: give the QK-norm weights, the rotary tables, or both");
-  QkArgs r{unit_last(q), unit_last(k), optional_weight(wq, q, Dh, op, "q_weight"), optional_weight(wk, q, Dh, op, "k_weight"),
+  QkArgs r{unit_last(qkv), optional_weight(wq, qkv, Dh, op, "q_weight"), optional_weight(wk, qkv, Dh, op, "k_weight"),
            at::Tensor(), at::Tensor(), B, H, N, Dh, 0, dt};
   if (cos.has_value()) {
     TORCH_CHECK(Dh % 2 == 0, "diffcurr_fast_C::", op, ": the rotation needs an even head dim, got ", Dh);
     for (const at::Tensor* t : {&*cos, &*sin}) {
-      check_device(*t, q, op, "cos / sin");
+      check_device(*t, qkv, op, "cos / sin");
       const bool shared = t->dim() == 2 && t->size(0) == N && t->size(1) == Dh / 2;
       const bool per_sample = t->dim() == 3 && t->size(0) == B && t->size(1) == N && t->size(2) == Dh / 2;
       TORCH_CHECK(shared || per_sample, "diffcurr_fast_C::", op, ": cos and sin must have shape (", N, ", ", Dh / 2,
                   ") or (", B, ", ", N, ", ", Dh / 2, "), got ", t->sizes());
-      TORCH_CHECK(t->scalar_type() == at::kFloat || t->scalar_type() == q.scalar_type(), "diffcurr_fast_C::", op,
-                  ": cos and sin must be float32 or the dtype of q, got ", t->scalar_type());
+      TORCH_CHECK(t->scalar_type() == at::kFloat || t->scalar_type() == qkv.scalar_type(), "diffcurr_fast_C::", op,
+                  ": cos and sin must be float32 or the dtype of qkv, got ", t->scalar_type());
     }
     TORCH_CHECK(cos->sizes() == sin->sizes(), "diffcurr_fast_C::", op, ": cos ", cos->sizes(), " and sin ",
                 sin->sizes(), " must have one shape");

@@ -441,81 +441,89 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rmsnorm_modulate_bwd_
 
 constexpr int64_t kQkRowChunk = 128;  // rows (one head of one token) per partial sum of the weight gradients
 
-cpu::RowLayout row_layout(const at::Tensor& t) {
+// The rows of part p (0 q, 1 k, 2 v) of a packed (B, N, 3 H Dh) projection, and of a (B, H, N, Dh) tensor.
+cpu::RowLayout packed_layout(const at::Tensor& qkv, int64_t H, int64_t Dh) {
+  return {H, qkv.size(1), Dh, qkv.stride(0), Dh, qkv.stride(1)};
+}
+cpu::RowLayout heads_layout(const at::Tensor& t) {
   return {t.size(1), t.size(2), t.size(3), t.stride(0), t.stride(1), t.stride(2)};
 }
 
-std::tuple<at::Tensor, at::Tensor> qk_norm_rope_fwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
-                                                        const c10::optional<at::Tensor>& wq_in,
-                                                        const c10::optional<at::Tensor>& wk_in,
-                                                        const c10::optional<at::Tensor>& cos_in,
-                                                        const c10::optional<at::Tensor>& sin_in, double eps) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_fwd_cpu(
+    const at::Tensor& qkv_in, int64_t heads, const c10::optional<at::Tensor>& wq_in,
+    const c10::optional<at::Tensor>& wk_in, const c10::optional<at::Tensor>& cos_in,
+    const c10::optional<at::Tensor>& sin_in, double eps) {
   const char* op = "qk_norm_rope_fwd";
-  check_cpu(q_in, op, "q");
-  const QkArgs g = qk_args(q_in, k_in, wq_in, wk_in, cos_in, sin_in, eps, op);
-  at::Tensor qo = at::empty({g.B, g.H, g.N, g.Dh}, g.q.options());
-  at::Tensor ko = at::empty({g.B, g.H, g.N, g.Dh}, g.q.options());
+  check_cpu(qkv_in, op, "qkv");
+  const QkArgs g = qk_args(qkv_in, heads, wq_in, wk_in, cos_in, sin_in, eps, op);
+  at::Tensor outs[3];
+  for (at::Tensor& o : outs) o = at::empty({g.B, g.H, g.N, g.Dh}, g.qkv.options());
   const int64_t R = g.B * g.H * g.N;
-  if (R == 0 || g.Dh == 0) return {qo, ko};
-  const cpu::RowLayout ql = row_layout(g.q), kl = row_layout(g.k);
-  const void *qp = g.q.const_data_ptr(), *kp = g.k.const_data_ptr();
-  void *qop = qo.mutable_data_ptr(), *kop = ko.mutable_data_ptr();
-  const float *wqp = g.ptr(g.wq), *wkp = g.ptr(g.wk), *cp = g.ptr(g.cos), *sp = g.ptr(g.sin);
+  if (R == 0 || g.Dh == 0) return {outs[0], outs[1], outs[2]};
+  const cpu::RowLayout il = packed_layout(g.qkv, g.H, g.Dh), ol = heads_layout(outs[0]);
+  const auto* base = static_cast<const char*>(g.qkv.const_data_ptr());
+  const int64_t part_bytes = g.H * g.Dh * g.qkv.element_size();
+  const float* w[3] = {g.ptr(g.wq), g.ptr(g.wk), nullptr};
+  const float *cp = g.ptr(g.cos), *sp = g.ptr(g.sin);
   const auto feps = static_cast<float>(eps);
-  // rows [0, R) are q's, [R, 2R) k's
-  at::parallel_for(0, 2 * R, row_grain(g.Dh), [&](int64_t begin, int64_t end) {
-    if (begin < R) {
-      K().qk_rope_fwd(g.dt, qp, ql, wqp, cp, sp, g.tab_b, qop, feps, begin, std::min(end, R) - begin);
-    }
-    if (end > R) {
-      const int64_t b0 = std::max(begin, R) - R;
-      K().qk_rope_fwd(g.dt, kp, kl, wkp, cp, sp, g.tab_b, kop, feps, b0, end - R - b0);
+  // rows [p R, (p + 1) R) are part p's: q and k normed and rotated, v copied into its heads layout
+  at::parallel_for(0, 3 * R, row_grain(g.Dh), [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin / R; p < 3 && p * R < end; ++p) {
+      const int64_t r0 = std::max(begin, p * R) - p * R, r1 = std::min(end, (p + 1) * R) - p * R;
+      K().qk_rope_fwd(g.dt, base + p * part_bytes, il, w[p], p < 2 ? cp : nullptr, p < 2 ? sp : nullptr, g.tab_b,
+                      outs[p].mutable_data_ptr(), ol, feps, r0, r1 - r0);
     }
   });
-  return {qo, ko};
+  return {outs[0], outs[1], outs[2]};
 }
 
-// weight_grads == false (or no weights): grad_q_weight and grad_k_weight come back empty (shape (0,)).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_bwd_cpu(
-    const at::Tensor& gq_in, const at::Tensor& gk_in, const at::Tensor& q_in, const at::Tensor& k_in,
-    const c10::optional<at::Tensor>& wq_in, const c10::optional<at::Tensor>& wk_in,
-    const c10::optional<at::Tensor>& cos_in, const c10::optional<at::Tensor>& sin_in, double eps,
-    bool weight_grads) {
+// grad_qkv (B, N, 3 H Dh) in one pass; weight_grads == false (or no weights): the weight gradients come back empty.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_bwd_cpu(
+    const at::Tensor& gq_in, const at::Tensor& gk_in, const at::Tensor& gv_in, const at::Tensor& qkv_in,
+    int64_t heads, const c10::optional<at::Tensor>& wq_in, const c10::optional<at::Tensor>& wk_in,
+    const c10::optional<at::Tensor>& cos_in, const c10::optional<at::Tensor>& sin_in, double eps, bool weight_grads) {
   const char* op = "qk_norm_rope_bwd";
-  check_cpu(q_in, op, "q");
-  const QkArgs g = qk_args(q_in, k_in, wq_in, wk_in, cos_in, sin_in, eps, op);
-  check_like(gq_in, q_in, op, "grad_q", "q");
-  check_like(gk_in, q_in, op, "grad_k", "q");
-  const at::Tensor gq = unit_last(gq_in), gk = unit_last(gk_in);
-  at::Tensor gqi = at::empty({g.B, g.H, g.N, g.Dh}, g.q.options());
-  at::Tensor gki = at::empty({g.B, g.H, g.N, g.Dh}, g.q.options());
-  const at::Tensor none = at::empty({0}, q_in.options());
+  check_cpu(qkv_in, op, "qkv");
+  const QkArgs g = qk_args(qkv_in, heads, wq_in, wk_in, cos_in, sin_in, eps, op);
+  const at::Tensor like = at::empty({g.B, g.H, g.N, g.Dh}, g.qkv.options());
+  at::Tensor grads[3];
+  const char* names[3] = {"grad_q", "grad_k", "grad_v"};
+  const at::Tensor* given[3] = {&gq_in, &gk_in, &gv_in};
+  for (int p = 0; p < 3; ++p) {
+    check_like(*given[p], like, op, names[p], "(B, heads, N, head_dim) of qkv");
+    grads[p] = unit_last(*given[p]);
+  }
+  at::Tensor gqkv = at::empty({g.B, g.N, 3 * g.H * g.Dh}, g.qkv.options());
+  const at::Tensor none = at::empty({0}, qkv_in.options());
   const bool wgrad = weight_grads && g.wq.defined();
   const int64_t R = g.B * g.H * g.N, Dh = g.Dh;
   if (R == 0 || Dh == 0) {
-    if (!wgrad) return {gqi, gki, none, none};
+    if (!wgrad) return {gqkv, none, none};
     const at::Tensor z = at::zeros({Dh}, wq_in->options());
-    return {gqi, gki, z, z.clone()};
+    return {gqkv, z, z.clone()};
   }
-  const cpu::RowLayout ql = row_layout(g.q), kl = row_layout(g.k), gql = row_layout(gq), gkl = row_layout(gk);
-  const void *qp = g.q.const_data_ptr(), *kp = g.k.const_data_ptr();
-  const void *gqp = gq.const_data_ptr(), *gkp = gk.const_data_ptr();
-  void *gqo = gqi.mutable_data_ptr(), *gko = gki.mutable_data_ptr();
-  const float *wqp = g.ptr(g.wq), *wkp = g.ptr(g.wk), *cp = g.ptr(g.cos), *sp = g.ptr(g.sin);
+  const cpu::RowLayout il = packed_layout(g.qkv, g.H, Dh), ol = packed_layout(gqkv, g.H, Dh);
+  const cpu::RowLayout gl[3] = {heads_layout(grads[0]), heads_layout(grads[1]), heads_layout(grads[2])};
+  const auto* base = static_cast<const char*>(g.qkv.const_data_ptr());
+  auto* obase = static_cast<char*>(gqkv.mutable_data_ptr());
+  const int64_t part_bytes = g.H * Dh * g.qkv.element_size();
+  const float* w[3] = {g.ptr(g.wq), g.ptr(g.wk), nullptr};
+  const float *cp = g.ptr(g.cos), *sp = g.ptr(g.sin);
   const auto feps = static_cast<float>(eps);
-  // tasks: chunks of kQkRowChunk rows, q's first; each adds its rows' weight gradient into its own slot
+  // tasks: chunks of kQkRowChunk rows of q, then of k, then of v; a q or k chunk adds its rows' weight gradient
+  // into its own slot
   const int64_t nchunk = (R + kQkRowChunk - 1) / kQkRowChunk;
   std::vector<float> part(wgrad ? static_cast<size_t>(2 * nchunk * Dh) : 0, 0.0f);
-  at::parallel_for(0, 2 * nchunk, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, 3 * nchunk, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const bool is_k = task >= nchunk;
-      const int64_t r0 = (task % nchunk) * kQkRowChunk;
-      float* acc = wgrad ? part.data() + task * Dh : nullptr;
-      K().qk_rope_bwd(g.dt, is_k ? gkp : gqp, is_k ? gkl : gql, is_k ? kp : qp, is_k ? kl : ql, is_k ? wkp : wqp,
-                      cp, sp, g.tab_b, is_k ? gko : gqo, acc, feps, r0, std::min(kQkRowChunk, R - r0));
+      const int64_t p = task / nchunk, r0 = (task % nchunk) * kQkRowChunk;
+      float* acc = wgrad && p < 2 ? part.data() + task * Dh : nullptr;
+      K().qk_rope_bwd(g.dt, grads[p].const_data_ptr(), gl[p], base + p * part_bytes, il, w[p], p < 2 ? cp : nullptr,
+                      p < 2 ? sp : nullptr, g.tab_b, obase + p * part_bytes, ol, acc, feps, r0,
+                      std::min(kQkRowChunk, R - r0));
     }
   });
-  if (!wgrad) return {gqi, gki, none, none};
+  if (!wgrad) return {gqkv, none, none};
   at::Tensor gw[2];
   for (int64_t t = 0; t < 2; ++t) {  // the chunk sums in chunk order: independent of the thread count
     at::Tensor out = at::zeros({Dh}, at::TensorOptions().dtype(at::kFloat));
@@ -526,7 +534,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_bwd_cpu(
     }
     gw[t] = out.to((t == 0 ? wq_in : wk_in)->scalar_type());
   }
-  return {gqi, gki, gw[0], gw[1]};
+  return {gqkv, gw[0], gw[1]};
 }
 
 at::Tensor swiglu_fwd_cpu(const at::Tensor& x_in) {
@@ -664,12 +672,12 @@ TORCH_LIBRARY(diffcurr_fast_C, m) {
       "rmsnorm_modulate_bwd(Tensor grad_y, Tensor x, Tensor scale, Tensor? weight, Tensor rstd, bool affine_grads=True) "
       "-> (Tensor gx, Tensor gshift, Tensor gscale, Tensor gweight)");
   m.def(
-      "qk_norm_rope_fwd(Tensor q, Tensor k, Tensor? q_weight, Tensor? k_weight, Tensor? cos, Tensor? sin, float eps) "
-      "-> (Tensor q_out, Tensor k_out)");
+      "qk_norm_rope_fwd(Tensor qkv, int heads, Tensor? q_weight, Tensor? k_weight, Tensor? cos, Tensor? sin, "
+      "float eps) -> (Tensor q, Tensor k, Tensor v)");
   m.def(
-      "qk_norm_rope_bwd(Tensor grad_q, Tensor grad_k, Tensor q, Tensor k, Tensor? q_weight, Tensor? k_weight, "
-      "Tensor? cos, Tensor? sin, float eps, bool weight_grads=True) -> (Tensor gq, Tensor gk, Tensor gq_weight, "
-      "Tensor gk_weight)");
+      "qk_norm_rope_bwd(Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor qkv, int heads, Tensor? q_weight, "
+      "Tensor? k_weight, Tensor? cos, Tensor? sin, float eps, bool weight_grads=True) -> (Tensor grad_qkv, "
+      "Tensor grad_q_weight, Tensor grad_k_weight)");
   m.def("swiglu_fwd(Tensor x) -> Tensor");
   m.def("swiglu_bwd(Tensor grad_y, Tensor x) -> Tensor");
   m.def("token_gather(Tensor x, Tensor idx) -> Tensor");

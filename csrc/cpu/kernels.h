@@ -74,18 +74,19 @@ struct KernelTable {
                       const float* rstd, void* gx, float* gshift_acc, float* gxhat_acc, int64_t N, int64_t D,
                       int64_t b, int64_t n0, int64_t nrows);
 
-  // QK-norm + 2-D RoPE over rows [r0, r0 + nrows) of the flat (B * H * N) rows of head_dim Dh of one of q or k
-  // (docs/ops.md): x rows at b * sb + h * sh + n * sn (unit stride along Dh), out contiguous (B, H, N, Dh).
-  // w == nullptr: no normalisation; cos == nullptr: no rotation; the tables' row of (b, n) starts at
-  // b * tab_b + n * Dh / 2 (tab_b 0: one table for the batch).
+  // QK-norm + 2-D RoPE over rows [r0, r0 + nrows) of the flat (B * H * N) rows of head_dim Dh (docs/ops.md): the
+  // row (b, h, n) of x at b * sb + h * sh + n * sn of xl (unit stride along Dh), written at the same place of ol.
+  // w == nullptr: no normalisation; cos == nullptr: no rotation; neither: a copy. The tables' row of (b, n)
+  // starts at b * tab_b + n * Dh / 2 (tab_b 0: one table for the batch).
   void (*qk_rope_fwd)(int dt, const void* x, const RowLayout& xl, const float* w, const float* cos,
-                      const float* sin, int64_t tab_b, void* out, float eps, int64_t r0, int64_t nrows);
+                      const float* sin, int64_t tab_b, void* out, const RowLayout& ol, float eps, int64_t r0,
+                      int64_t nrows);
 
-  // Backward over the same rows: gx (contiguous) from grad_out (rows laid out as gl); ADDS sum over the rows of
-  // grad_normed * xhat into gw_acc (Dh floats) when gw_acc != nullptr (needs w).
+  // Backward over the same rows: gx (laid out as ol) from grad_out (gl) and x (xl); ADDS the rows' sum of
+  // grad_normed * xhat into gw_acc (Dh floats) when gw_acc != nullptr and w != nullptr.
   void (*qk_rope_bwd)(int dt, const void* grad_out, const RowLayout& gl, const void* x, const RowLayout& xl,
-                      const float* w, const float* cos, const float* sin, int64_t tab_b, void* gx, float* gw_acc,
-                      float eps, int64_t r0, int64_t nrows);
+                      const float* w, const float* cos, const float* sin, int64_t tab_b, void* gx,
+                      const RowLayout& ol, float* gw_acc, float eps, int64_t r0, int64_t nrows);
 
   // SwiGLU over rows [r0, r0 + nrows) of x (R, 2H): y (R, H) = silu(x[:, :H]) * x[:, H:].
   void (*swiglu_fwd)(int dt, const void* x, void* y, int64_t H, int64_t r0, int64_t nrows);

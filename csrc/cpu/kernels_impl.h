@@ -10,6 +10,9 @@
 
 #include "dc_math.h"
 
+// An always-inlined lambda (its loops then see the constant chunk length of for_chunks).
+#define DC_LAMBDA_INLINE __attribute__((always_inline))
+
 // 64-byte generic vectors are passed in registers only after inlining (always done here); gcc 12 also warns
 // about an intentionally undefined register inside avx512fintrin.h.
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -272,6 +275,16 @@ double loss_t(const void* pred_, int64_t pstride, const void* x0_, const void* n
   return loss_rows<T, NT, kGrad, true, true>(pred, x0, noise, grad, pv, qv, sc, seed, i0, n);
 }
 
+// The sum of kAcc per-lane partial sums as a fixed tree (halves added lane-wise): a few vector adds instead of a
+// chain of kAcc dependent scalar adds, which would dominate a short row.
+static_assert(kAcc == 16, "lane_sum adds 16 lanes");
+DC_INLINE float lane_sum(const float* __restrict acc) {
+  float t8[8], t4[4];
+  for (int l = 0; l < 8; ++l) t8[l] = acc[l] + acc[l + 8];
+  for (int l = 0; l < 4; ++l) t4[l] = t8[l] + t8[l + 4];
+  return (t4[0] + t4[2]) + (t4[1] + t4[3]);
+}
+
 // Per-lane partial sums of a row, reduced in a fixed order.
 template <class Fn>
 inline float row_sum(int64_t D, Fn&& term) {
@@ -281,9 +294,7 @@ inline float row_sum(int64_t D, Fn&& term) {
     for (int l = 0; l < kAcc; ++l) acc[l] += term(d + l);
   }
   for (int l = 0; d < D; ++d, ++l) acc[l] += term(d);
-  float total = 0.0f;
-  for (int l = 0; l < kAcc; ++l) total += acc[l];
-  return total;
+  return lane_sum(acc);
 }
 
 template <class T>
@@ -347,12 +358,7 @@ void adaln_bwd_t(const void* gy_, const void* x_, const float* scale, const floa
       a1[l] += gh;
       a2[l] += gh * ((T::load(xr[d]) - mu) * rs);
     }
-    float s1 = 0.0f, s2 = 0.0f;
-    for (int l = 0; l < kAcc; ++l) {
-      s1 += a1[l];
-      s2 += a2[l];
-    }
-    const float m1 = s1 * inv_d, m2 = s2 * inv_d;
+    const float m1 = lane_sum(a1) * inv_d, m2 = lane_sum(a2) * inv_d;
     // grad_x = rstd * (gh - mean(gh) - xhat * mean(gh * xhat)); column sums of grad_y and grad_y * xhat
 #pragma GCC ivdep
     for (int64_t k = 0; k < D; ++k) {
@@ -678,20 +684,49 @@ void rmsnorm_bwd_entry(int dt, const void* gy, const void* x, const float* scale
 // ---- QK-norm + 2-D RoPE ----------------------------------------------------------------------------------
 // A row is one head's Dh channels of one token. Forward: xn = x * rstd * w (rstd over the row), then each pair
 // (xn_{2m}, xn_{2m+1}) turns by the angle whose cos / sin are the tables' entry m of the token. Backward: the
-// inverse rotation of grad_out (gr), then the RMSNorm backward of gr; rstd is recomputed from the row.
+// inverse rotation of grad_out (gr), then the RMSNorm backward of gr; rstd is recomputed from the row. Without
+// either (v of the packed projection) a row is copied.
+
+// Calls fn(d, len) for the chunks [d, d + len) of kAcc channels of a row of D, then the tail; len is a constant
+// (std::integral_constant) for the full chunks, so that their loops have a fixed count.
+template <class Fn>
+DC_INLINE void for_chunks(int64_t D, Fn&& fn) {
+  int64_t d = 0;
+  for (; d + kAcc <= D; d += kAcc) fn(d, std::integral_constant<int64_t, kAcc>{});
+  if (d < D) fn(d, D - d);
+}
+
+// Calls fn(r, b, h, n) for the rows r in [r0, r0 + nrows) of (B, H, N) in order, its indices counted up (a
+// division per row would cost as much as a short row's arithmetic).
+template <class Fn>
+DC_INLINE void for_rows(const dcf::cpu::RowLayout& l, int64_t r0, int64_t nrows, Fn&& fn) {
+  int64_t b = r0 / (l.H * l.N), h = (r0 / l.N) % l.H, n = r0 % l.N;
+  for (int64_t r = r0; r < r0 + nrows; ++r) {
+    fn(r, b, h, n);
+    if (++n == l.N) {
+      n = 0;
+      if (++h == l.H) h = 0, ++b;
+    }
+  }
+}
+
 template <class T, bool kNorm, bool kRope>
 void qk_rope_fwd_t(const void* x_, const dcf::cpu::RowLayout& xl, const float* w_, const float* cos_,
-                   const float* sin_, int64_t tab_b, void* out_, float eps, int64_t r0, int64_t nrows) {
+                   const float* sin_, int64_t tab_b, void* out_, const dcf::cpu::RowLayout& ol, float eps, int64_t r0,
+                   int64_t nrows) {
   using S = typename T::storage;
   const S* x = static_cast<const S*>(x_);
   S* out = static_cast<S*>(out_);
   const float* __restrict w = w_;
-  const int64_t Dh = xl.Dh, half = Dh / 2, HN = xl.H * xl.N;
+  const int64_t Dh = xl.Dh, half = Dh / 2;
   const float inv_d = 1.0f / static_cast<float>(Dh);
-  for (int64_t r = r0; r < r0 + nrows; ++r) {
-    const int64_t b = r / HN, h = (r / xl.N) % xl.H, n = r % xl.N;
+  for_rows(xl, r0, nrows, [&](int64_t, int64_t b, int64_t h, int64_t n) {
     const S* __restrict xr = x + b * xl.sb + h * xl.sh + n * xl.sn;
-    S* __restrict o = out + r * Dh;
+    S* __restrict o = out + b * ol.sb + h * ol.sh + n * ol.sn;
+    if constexpr (!kNorm && !kRope) {
+      for (int64_t d = 0; d < Dh; ++d) o[d] = xr[d];
+      return;
+    }
     float rs = 1.0f;
     if constexpr (kNorm) {
       rs = 1.0f / __builtin_sqrtf(row_sum(Dh, [&](int64_t d) {
@@ -712,40 +747,44 @@ void qk_rope_fwd_t(const void* x_, const dcf::cpu::RowLayout& xl, const float* w
     } else {
       for (int64_t d = 0; d < Dh; ++d) o[d] = T::store(T::load(xr[d]) * rs * w[d]);
     }
-  }
+  });
 }
 
 template <class T, bool kNorm, bool kRope, bool kWGrad>
 void qk_rope_bwd_t(const void* g_, const dcf::cpu::RowLayout& gl, const void* x_, const dcf::cpu::RowLayout& xl,
-                   const float* w_, const float* cos_, const float* sin_, int64_t tab_b, void* gx_, float* gw_acc,
-                   float eps, int64_t r0, int64_t nrows) {
+                   const float* w_, const float* cos_, const float* sin_, int64_t tab_b, void* gx_,
+                   const dcf::cpu::RowLayout& ol, float* gw_acc, float eps, int64_t r0, int64_t nrows) {
   using S = typename T::storage;
   const S* g = static_cast<const S*>(g_);
   const S* x = static_cast<const S*>(x_);
   S* gx = static_cast<S*>(gx_);
   const float* __restrict w = w_;
   float* __restrict gw = gw_acc;
-  const int64_t Dh = xl.Dh, half = Dh / 2, HN = xl.H * xl.N;
+  const int64_t Dh = xl.Dh, half = Dh / 2;
   const float inv_d = 1.0f / static_cast<float>(Dh);
-  for (int64_t r = r0; r < r0 + nrows; ++r) {
-    const int64_t b = r / HN, h = (r / xl.N) % xl.H, n = r % xl.N;
+  for_rows(xl, r0, nrows, [&](int64_t, int64_t b, int64_t h, int64_t n) {
     const S* __restrict xr = x + b * xl.sb + h * xl.sh + n * xl.sn;
     const S* __restrict gr = g + b * gl.sb + h * gl.sh + n * gl.sn;
-    S* __restrict o = gx + r * Dh;
+    S* __restrict o = gx + b * ol.sb + h * ol.sh + n * ol.sn;
     const float* __restrict c = kRope ? cos_ + b * tab_b + n * half : nullptr;
     const float* __restrict s = kRope ? sin_ + b * tab_b + n * half : nullptr;
     if constexpr (!kNorm) {
-      for (int64_t m = 0; m < half; ++m) {
-        const float g0 = T::load(gr[2 * m]), g1 = T::load(gr[2 * m + 1]);
-        o[2 * m] = T::store(g0 * c[m] + g1 * s[m]);
-        o[2 * m + 1] = T::store(g1 * c[m] - g0 * s[m]);
+      if constexpr (kRope) {
+        for (int64_t m = 0; m < half; ++m) {
+          const float g0 = T::load(gr[2 * m]), g1 = T::load(gr[2 * m + 1]);
+          o[2 * m] = T::store(g0 * c[m] + g1 * s[m]);
+          o[2 * m + 1] = T::store(g1 * c[m] - g0 * s[m]);
+        }
+      } else {
+        for (int64_t d = 0; d < Dh; ++d) o[d] = gr[d];
       }
-      continue;
+      return;
     }
-    // buf[0 .. len) = the gradient of the normed row at [d, d + len): grad_out turned back by the rotation (its
+    // Two passes over the row in chunks of kAcc channels (a constant count for every full chunk, the tail after):
+    // buf[0 .. len) = the gradient of the normed row at [d, d + len), grad_out turned back by the rotation (its
     // transpose); d and len are even with the rotation (kAcc is even, Dh is even)
     alignas(64) float buf[kAcc];
-    auto unrot = [&](int64_t d, int64_t len) {
+    auto unrot = [&](int64_t d, auto len) DC_LAMBDA_INLINE {
       if constexpr (kRope) {
         for (int64_t l = 0; l < len; l += 2) {
           const int64_t m = (d + l) / 2;
@@ -758,25 +797,19 @@ void qk_rope_bwd_t(const void* g_, const dcf::cpu::RowLayout& gl, const void* x_
       }
     };
     alignas(64) float a1[kAcc] = {}, a2[kAcc] = {};  // sum x^2 and sum gr * w * x in fixed lanes
-    int64_t d = 0;
-    for (; d < Dh; d += kAcc) {
-      const int64_t len = min64(kAcc, Dh - d);
+    auto sums = [&](int64_t d, auto len) DC_LAMBDA_INLINE {
       unrot(d, len);
       for (int64_t l = 0; l < len; ++l) {
         const float v = T::load(xr[d + l]);
         a1[l] += v * v;
         a2[l] += buf[l] * w[d + l] * v;
       }
-    }
-    float ss = 0.0f, dot = 0.0f;
-    for (int l = 0; l < kAcc; ++l) {
-      ss += a1[l];
-      dot += a2[l];
-    }
+    };
+    for_chunks(Dh, sums);
+    const float ss = lane_sum(a1), dot = lane_sum(a2);
     const float rs = 1.0f / __builtin_sqrtf(ss * inv_d + eps);
     const float m2 = dot * rs * inv_d;  // mean_d(gh * xhat), gh = gr * w
-    for (d = 0; d < Dh; d += kAcc) {
-      const int64_t len = min64(kAcc, Dh - d);
+    auto grads = [&](int64_t d, auto len) DC_LAMBDA_INLINE {
       unrot(d, len);
 #pragma GCC ivdep
       for (int64_t l = 0; l < len; ++l) {
@@ -784,44 +817,52 @@ void qk_rope_bwd_t(const void* g_, const dcf::cpu::RowLayout& gl, const void* x_
         o[d + l] = T::store(rs * (buf[l] * w[d + l] - xh * m2));
         if constexpr (kWGrad) gw[d + l] += buf[l] * xh;
       }
-    }
-  }
+    };
+    for_chunks(Dh, grads);
+  });
 }
 
 template <class T>
 void qk_rope_fwd_typed(const void* x, const dcf::cpu::RowLayout& xl, const float* w, const float* c, const float* s,
-                       int64_t tab_b, void* out, float eps, int64_t r0, int64_t nrows) {
-  if (w == nullptr) return qk_rope_fwd_t<T, false, true>(x, xl, w, c, s, tab_b, out, eps, r0, nrows);
-  if (c == nullptr) return qk_rope_fwd_t<T, true, false>(x, xl, w, c, s, tab_b, out, eps, r0, nrows);
-  return qk_rope_fwd_t<T, true, true>(x, xl, w, c, s, tab_b, out, eps, r0, nrows);
+                       int64_t tab_b, void* out, const dcf::cpu::RowLayout& ol, float eps, int64_t r0, int64_t nrows) {
+  if (w == nullptr && c == nullptr) return qk_rope_fwd_t<T, false, false>(x, xl, w, c, s, tab_b, out, ol, eps, r0, nrows);
+  if (w == nullptr) return qk_rope_fwd_t<T, false, true>(x, xl, w, c, s, tab_b, out, ol, eps, r0, nrows);
+  if (c == nullptr) return qk_rope_fwd_t<T, true, false>(x, xl, w, c, s, tab_b, out, ol, eps, r0, nrows);
+  return qk_rope_fwd_t<T, true, true>(x, xl, w, c, s, tab_b, out, ol, eps, r0, nrows);
 }
 
 void qk_rope_fwd_entry(int dt, const void* x, const dcf::cpu::RowLayout& xl, const float* w, const float* c,
-                       const float* s, int64_t tab_b, void* out, float eps, int64_t r0, int64_t nrows) {
-  if (dt == dcf::cpu::kF32) return qk_rope_fwd_typed<F32>(x, xl, w, c, s, tab_b, out, eps, r0, nrows);
-  if (dt == dcf::cpu::kBF16) return qk_rope_fwd_typed<BF16>(x, xl, w, c, s, tab_b, out, eps, r0, nrows);
-  return qk_rope_fwd_typed<F16>(x, xl, w, c, s, tab_b, out, eps, r0, nrows);
+                       const float* s, int64_t tab_b, void* out, const dcf::cpu::RowLayout& ol, float eps, int64_t r0,
+                       int64_t nrows) {
+  if (dt == dcf::cpu::kF32) return qk_rope_fwd_typed<F32>(x, xl, w, c, s, tab_b, out, ol, eps, r0, nrows);
+  if (dt == dcf::cpu::kBF16) return qk_rope_fwd_typed<BF16>(x, xl, w, c, s, tab_b, out, ol, eps, r0, nrows);
+  return qk_rope_fwd_typed<F16>(x, xl, w, c, s, tab_b, out, ol, eps, r0, nrows);
+}
+
+template <class T, bool kNorm, bool kRope>
+void qk_rope_bwd_wgrad(const void* g, const dcf::cpu::RowLayout& gl, const void* x, const dcf::cpu::RowLayout& xl,
+                       const float* w, const float* c, const float* s, int64_t tab_b, void* gx,
+                       const dcf::cpu::RowLayout& ol, float* gw, float eps, int64_t r0, int64_t nrows) {
+  if (kNorm && gw != nullptr) return qk_rope_bwd_t<T, kNorm, kRope, true>(g, gl, x, xl, w, c, s, tab_b, gx, ol, gw, eps, r0, nrows);
+  return qk_rope_bwd_t<T, kNorm, kRope, false>(g, gl, x, xl, w, c, s, tab_b, gx, ol, gw, eps, r0, nrows);
 }
 
 template <class T>
 void qk_rope_bwd_typed(const void* g, const dcf::cpu::RowLayout& gl, const void* x, const dcf::cpu::RowLayout& xl,
-                       const float* w, const float* c, const float* s, int64_t tab_b, void* gx, float* gw,
-                       float eps, int64_t r0, int64_t nrows) {
-  if (w == nullptr) return qk_rope_bwd_t<T, false, true, false>(g, gl, x, xl, w, c, s, tab_b, gx, gw, eps, r0, nrows);
-  if (c == nullptr) {
-    if (gw == nullptr) return qk_rope_bwd_t<T, true, false, false>(g, gl, x, xl, w, c, s, tab_b, gx, gw, eps, r0, nrows);
-    return qk_rope_bwd_t<T, true, false, true>(g, gl, x, xl, w, c, s, tab_b, gx, gw, eps, r0, nrows);
-  }
-  if (gw == nullptr) return qk_rope_bwd_t<T, true, true, false>(g, gl, x, xl, w, c, s, tab_b, gx, gw, eps, r0, nrows);
-  return qk_rope_bwd_t<T, true, true, true>(g, gl, x, xl, w, c, s, tab_b, gx, gw, eps, r0, nrows);
+                       const float* w, const float* c, const float* s, int64_t tab_b, void* gx,
+                       const dcf::cpu::RowLayout& ol, float* gw, float eps, int64_t r0, int64_t nrows) {
+  if (w == nullptr && c == nullptr) return qk_rope_bwd_wgrad<T, false, false>(g, gl, x, xl, w, c, s, tab_b, gx, ol, gw, eps, r0, nrows);
+  if (w == nullptr) return qk_rope_bwd_wgrad<T, false, true>(g, gl, x, xl, w, c, s, tab_b, gx, ol, gw, eps, r0, nrows);
+  if (c == nullptr) return qk_rope_bwd_wgrad<T, true, false>(g, gl, x, xl, w, c, s, tab_b, gx, ol, gw, eps, r0, nrows);
+  return qk_rope_bwd_wgrad<T, true, true>(g, gl, x, xl, w, c, s, tab_b, gx, ol, gw, eps, r0, nrows);
 }
 
 void qk_rope_bwd_entry(int dt, const void* g, const dcf::cpu::RowLayout& gl, const void* x,
                        const dcf::cpu::RowLayout& xl, const float* w, const float* c, const float* s, int64_t tab_b,
-                       void* gx, float* gw, float eps, int64_t r0, int64_t nrows) {
-  if (dt == dcf::cpu::kF32) return qk_rope_bwd_typed<F32>(g, gl, x, xl, w, c, s, tab_b, gx, gw, eps, r0, nrows);
-  if (dt == dcf::cpu::kBF16) return qk_rope_bwd_typed<BF16>(g, gl, x, xl, w, c, s, tab_b, gx, gw, eps, r0, nrows);
-  return qk_rope_bwd_typed<F16>(g, gl, x, xl, w, c, s, tab_b, gx, gw, eps, r0, nrows);
+                       void* gx, const dcf::cpu::RowLayout& ol, float* gw, float eps, int64_t r0, int64_t nrows) {
+  if (dt == dcf::cpu::kF32) return qk_rope_bwd_typed<F32>(g, gl, x, xl, w, c, s, tab_b, gx, ol, gw, eps, r0, nrows);
+  if (dt == dcf::cpu::kBF16) return qk_rope_bwd_typed<BF16>(g, gl, x, xl, w, c, s, tab_b, gx, ol, gw, eps, r0, nrows);
+  return qk_rope_bwd_typed<F16>(g, gl, x, xl, w, c, s, tab_b, gx, ol, gw, eps, r0, nrows);
 }
 
 // ---- SwiGLU ------------------------------------------------------------------------------------------------

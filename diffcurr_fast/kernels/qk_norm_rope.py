@@ -1,10 +1,12 @@
-"""Triton kernels of QK-norm + 2-D RoPE (fwd + bwd), one launch each for q and for k.
+"""Triton kernels of QK-norm + 2-D RoPE (fwd + bwd), one launch each for q, k and v of the packed projection.
 
-A row is one head's Dh channels of one token; the R = B H N rows of q (or k) are read with their strides (b, h, n;
-unit stride along Dh, as the unbound views of a qkv projection) and written contiguous (B, H, N, Dh). Programs hold
-(ROWS, BLOCK_D) tiles of whole rows (``adaln.row_tile``); the rotation splits a tile into its even and odd channels
-(a reshape to pairs, in registers), so every load is a contiguous run along the row. Tables cos, sin
-(float32) hold row b * tab_b + n of Dh / 2 entries (tab_b 0: one table for the batch). The backward recomputes
+A row is one head's Dh channels of one token; the R = B H N rows of q, k or v are read in place from the packed
+qkv (B, N, 3 H Dh) and written to their (B, H, N, Dh) tensors (the backward: the other way round, into the
+gradient of qkv), every row addressed by the strides of b, h and n of its source and destination; v's rows are
+copied (``NORM`` and ``ROPE`` off). Float32 pointers that a launch does not read get an empty float32 tensor.
+Programs hold (ROWS, BLOCK_D) tiles of whole rows (``adaln.row_tile``); the rotation splits a tile into its even
+and odd channels (a reshape to pairs, in registers), so every load is a contiguous run along the row. Tables cos,
+sin (float32) hold row b * tab_b + n of Dh / 2 entries (tab_b 0: one table for the batch). The backward recomputes
 the row's rstd, loops over a fixed share of the rows per program and writes one partial sum of the weight
 gradient per program (no atomics), summed after the kernel (and dropped when no weight gradient is asked for: a
 (programs, Dh) store).
@@ -48,6 +50,9 @@ def _qk_norm_rope_fwd_kernel(
     sb,
     sh,
     sn,
+    osb,
+    osh,
+    osn,
     tab_b,
     eps,
     NORM: tl.constexpr,
@@ -62,9 +67,9 @@ def _qk_norm_rope_fwd_kernel(
     dmask = d < Dh
     mask = rmask[:, None] & dmask[None, :]
     b = r // (H * N)
+    h = (r // N) % H
     n = r % N
-    base = b * sb + ((r // N) % H) * sh + n * sn  # (ROWS,): the row's first element
-    x = tl.load(x_ptr + base[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)  # (ROWS, BLOCK_D)
+    x = tl.load(x_ptr + (b * sb + h * sh + n * sn)[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
     if NORM:
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / Dh + eps)  # RMSNorm over Dh
         x = x * rstd[:, None] * tl.load(w_ptr + d, mask=dmask, other=0.0)[None, :]
@@ -76,7 +81,7 @@ def _qk_norm_rope_fwd_kernel(
         s = tl.load(sin_ptr + t, mask=tmask, other=0.0)
         x0, x1 = _pairs(x, ROWS, BLOCK_D)
         x = _interleave(x0 * c - x1 * s, x0 * s + x1 * c, ROWS, BLOCK_D)  # RoFormer Eq. 34
-    tl.store(out_ptr + r[:, None] * Dh + d[None, :], x.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + (b * osb + h * osh + n * osn)[:, None] + d[None, :], x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -99,6 +104,9 @@ def _qk_norm_rope_bwd_kernel(
     sb,
     sh,
     sn,
+    osb,
+    osh,
+    osn,
     tab_b,
     eps,
     rows_per_prog,
@@ -142,7 +150,8 @@ def _qk_norm_rope_bwd_kernel(
             acc += gr * xhat
         else:
             gx = gr
-        tl.store(gx_ptr + r[:, None] * Dh + d[None, :], gx.to(gx_ptr.dtype.element_ty), mask=mask)
+        obase = b * osb + h * osh + n * osn
+        tl.store(gx_ptr + obase[:, None] + d[None, :], gx.to(gx_ptr.dtype.element_ty), mask=mask)
     if NORM:
         tl.store(gw_ptr + prog * Dh + d, tl.sum(acc, axis=0), mask=dmask)
 
@@ -153,99 +162,119 @@ def _tab_align(Dh: int) -> int:
     return min(16, half & -half) if half else 1
 
 
-def _layout(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """t with unit stride along its last dimension, and its strides of b, h, n."""
+def _heads(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """t (B, H, N, Dh) with unit stride along Dh, and its strides of b, h, n."""
     if t.shape[-1] > 1 and t.stride(-1) != 1:
         t = t.contiguous()
     return t, (t.stride(0), t.stride(1), t.stride(2))
 
 
-def _tables(cos, sin, q):
-    """(cos, sin, tab_b) as float32 contiguous tables, or (q, q, 0) stand-ins without a rotation."""
+def _parts(qkv: torch.Tensor, heads: int) -> tuple[list[torch.Tensor], tuple[int, int, int]]:
+    """The q, k and v parts of a packed (B, N, 3 H Dh) tensor (unit stride along the last dimension) as views
+    starting at their first element, and the strides of b, h, n shared by the three."""
+    Dh = qkv.shape[2] // (3 * heads)
+    parts = [qkv[:, :, p * heads * Dh :] for p in range(3)]
+    return parts, (qkv.stride(0), Dh, qkv.stride(1))
+
+
+def _tables(cos, sin, qkv, Dh):
+    """(cos, sin, tab_b, stand-in): the tables as float32 contiguous tensors (without a rotation the stand-in for
+    both), and an empty float32 tensor that stands in for every float32 pointer a launch does not read."""
+    stand = torch.empty(0, dtype=torch.float32, device=qkv.device)
     if cos is None:
-        return q, q, 0
-    B, _, N, Dh = q.shape
-    return cos.float().contiguous(), sin.float().contiguous(), (N * (Dh // 2) if cos.ndim == 3 else 0)
+        return stand, stand, 0, stand
+    tab_b = qkv.shape[1] * (Dh // 2) if cos.ndim == 3 else 0
+    return cos.float().contiguous(), sin.float().contiguous(), tab_b, stand
 
 
-def qk_norm_rope_fwd(q, k, q_weight, k_weight, cos, sin, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch: q, k (B, H, N, Dh) (unit stride along Dh), weights (Dh,) or None, tables (N, Dh/2) or (B, N, Dh/2)
-    or None; returns contiguous (B, H, N, Dh) outputs in q's dtype."""
-    B, H, N, Dh = q.shape
-    R = B * H * N
-    outs = []
-    block_d, rows, warps = row_tile(Dh)
-    c, s, tab_b = _tables(cos, sin, q)
-    for x, w in ((q, q_weight), (k, k_weight)):
-        out = torch.empty(B, H, N, Dh, dtype=q.dtype, device=q.device)
-        outs.append(out)
-        if out.numel() == 0:
-            continue
-        x, (sb, sh, sn) = _layout(x)
+def _packed(qkv: torch.Tensor) -> torch.Tensor:
+    return qkv if qkv.shape[-1] <= 1 or qkv.stride(-1) == 1 else qkv.contiguous()
+
+
+def qk_norm_rope_fwd(qkv, heads: int, q_weight, k_weight, cos, sin, eps: float):
+    """Launch: qkv (B, N, 3 H Dh), weights (Dh,) or None, tables (N, Dh/2) or (B, N, Dh/2) or None; returns q, k, v
+    contiguous (B, H, N, Dh) in qkv's dtype (q and k normed and rotated, v copied)."""
+    qkv = _packed(qkv)
+    B, N, C = qkv.shape
+    Dh = C // (3 * heads)
+    R = B * heads * N
+    block_d, rows, warps = row_tile(max(Dh, 1))
+    c, s, tab_b, stand = _tables(cos, sin, qkv, Dh)
+    parts, (sb, sh, sn) = _parts(qkv, heads)
+    outs = [qkv.new_empty(B, heads, N, Dh) for _ in range(3)]
+    if R * Dh == 0:
+        return tuple(outs)
+    for x, w, out, rope in zip(parts, (q_weight, k_weight, None), outs, (True, True, False)):
+        rope = rope and cos is not None
         with device_guard(x):
             _qk_norm_rope_fwd_kernel[(triton.cdiv(R, rows),)](
                 x,
-                c if w is None else w.float(),
-                c,
-                s,
+                stand if w is None else w.float(),
+                c if rope else stand,
+                s if rope else stand,
                 out,
                 R,
-                H,
+                heads,
                 N,
                 Dh,
                 Dh // 2,
                 sb,
                 sh,
                 sn,
+                *out.stride()[:3],
                 tab_b,
                 eps,
                 NORM=w is not None,
-                ROPE=cos is not None,
+                ROPE=rope,
                 TAB_ALIGN=_tab_align(Dh),
                 ROWS=rows,
                 BLOCK_D=block_d,
                 num_warps=warps,
             )
-    return outs[0], outs[1]
+    return tuple(outs)
 
 
-def qk_norm_rope_bwd(grad_q, grad_k, q, k, q_weight, k_weight, cos, sin, eps: float, weight_grads: bool = True):
-    """Launch: returns (grad_q, grad_k) contiguous in q's dtype and the weight gradients (the weights' dtype; empty
-    (0,) without weights or without ``weight_grads``)."""
-    B, H, N, Dh = q.shape
-    R = B * H * N
-    block_d, rows, warps = row_tile(Dh)
-    c, s, tab_b = _tables(cos, sin, q)
+def qk_norm_rope_bwd(
+    grad_q, grad_k, grad_v, qkv, heads: int, q_weight, k_weight, cos, sin, eps: float, weight_grads: bool = True
+):
+    """Launch: returns grad_qkv (B, N, 3 H Dh) contiguous in qkv's dtype and the weight gradients (the weights'
+    dtype; empty (0,) without weights or without ``weight_grads``)."""
+    qkv = _packed(qkv)
+    B, N, C = qkv.shape
+    Dh = C // (3 * heads)
+    R = B * heads * N
+    block_d, rows, warps = row_tile(max(Dh, 1))
+    c, s, tab_b, stand = _tables(cos, sin, qkv, Dh)
     wgrad = weight_grads and q_weight is not None
+    gqkv = torch.empty(B, N, C, dtype=qkv.dtype, device=qkv.device)
     if R * Dh == 0:
-        gq = torch.empty(B, H, N, Dh, dtype=q.dtype, device=q.device)
-        gk = torch.empty_like(gq)
         if not wgrad:
-            return gq, gk, q.new_empty(0), q.new_empty(0)
-        return gq, gk, torch.zeros_like(q_weight), torch.zeros_like(k_weight)
+            return gqkv, qkv.new_empty(0), qkv.new_empty(0)
+        return gqkv, torch.zeros_like(q_weight), torch.zeros_like(k_weight)
     tiles = triton.cdiv(R, rows)
-    progs = max(1, min(tiles, TARGET_PROGRAMS))
-    per = triton.cdiv(tiles, progs) * rows
-    progs = max(1, triton.cdiv(R, per))
-    outs, gws = [], []
-    for g, x, w in ((grad_q, q, q_weight), (grad_k, k, k_weight)):
-        gx = torch.empty(B, H, N, Dh, dtype=q.dtype, device=q.device)
-        gw = torch.empty(progs if w is not None else 0, Dh, dtype=torch.float32, device=q.device)
-        outs.append(gx)
+    per = triton.cdiv(tiles, min(tiles, TARGET_PROGRAMS)) * rows
+    progs = triton.cdiv(R, per)
+    parts, (sb, sh, sn) = _parts(qkv, heads)
+    gparts, ostrides = _parts(gqkv, heads)
+    gws = []
+    for g, x, gx, w, rope in zip(
+        (grad_q, grad_k, grad_v), parts, gparts, (q_weight, k_weight, None), (True, True, False)
+    ):
+        rope = rope and cos is not None
+        g, (gsb, gsh, gsn) = _heads(g.to(qkv.dtype))
+        gw = torch.empty(progs if w is not None else 0, Dh, dtype=torch.float32, device=qkv.device)
         gws.append(gw)
-        g, (gsb, gsh, gsn) = _layout(g)
-        x, (sb, sh, sn) = _layout(x)
         with device_guard(x):
             _qk_norm_rope_bwd_kernel[(progs,)](
                 g,
                 x,
-                c if w is None else w.float(),
-                c,
-                s,
+                stand if w is None else w.float(),
+                c if rope else stand,
+                s if rope else stand,
                 gx,
-                gx if w is None else gw,
+                stand if w is None else gw,
                 R,
-                H,
+                heads,
                 N,
                 Dh,
                 Dh // 2,
@@ -255,19 +284,20 @@ def qk_norm_rope_bwd(grad_q, grad_k, q, k, q_weight, k_weight, cos, sin, eps: fl
                 sb,
                 sh,
                 sn,
+                *ostrides,
                 tab_b,
                 eps,
                 per,
                 NORM=w is not None,
-                ROPE=cos is not None,
+                ROPE=rope,
                 TAB_ALIGN=_tab_align(Dh),
                 ROWS=rows,
                 BLOCK_D=block_d,
                 num_warps=warps,
             )
     if not wgrad:
-        return outs[0], outs[1], q.new_empty(0), q.new_empty(0)
-    return outs[0], outs[1], gws[0].sum(0).to(q_weight.dtype), gws[1].sum(0).to(k_weight.dtype)
+        return gqkv, qkv.new_empty(0), qkv.new_empty(0)
+    return gqkv, gws[0].sum(0).to(q_weight.dtype), gws[1].sum(0).to(k_weight.dtype)
 
 
 # head dims the launch tables cover: every row tile from 16 to 256 channels (64 for every DiT preset)
@@ -278,38 +308,39 @@ def aot_launches(dtypes, fast: bool = False) -> list:
     """The launches these launchers can make: dtype x (norm, rotation) x tile for each head dim class (with the
     runtime's divisibility of Dh / 2 and the tables' sample stride, which make the table loads vectors)."""
     dims = (64,) if fast else AOT_HEAD_DIMS
-    modes = ((True, True),) if fast else ((True, True), (False, True), (True, False))
+    modes = ((True, True), (False, False)) if fast else ((True, True), (False, True), (True, False), (False, False))
     out = []
     for dt in dtypes:
         for D in dims:
             block_d, rows, warps = row_tile(D)
             for norm, rope in modes:
                 cx = {"NORM": norm, "ROPE": rope, "TAB_ALIGN": _tab_align(D), "ROWS": rows, "BLOCK_D": block_d}
-                wt = "fp32" if norm or rope else dt  # the weight as float32; absent, a float32 table stands in
                 ints = {"R": "i32", "H": "i32", "N": "i32", "Dh": "i32", "half": "i32"}
-                strides = {"sb": "i32", "sh": "i32", "sn": "i32", "tab_b": "i32", "eps": "fp32"}
+                strides = {"sb": "i32", "sh": "i32", "sn": "i32", "osb": "i32", "osh": "i32", "osn": "i32"}
+                strides.update({"tab_b": "i32", "eps": "fp32"})
                 args = {
                     "x_ptr": f"*{dt}",
-                    "w_ptr": f"*{wt}",
+                    "w_ptr": "*fp32",
                     "cos_ptr": "*fp32",
                     "sin_ptr": "*fp32",
                     "out_ptr": f"*{dt}",
                     **ints,
                     **strides,
                 }
-                mult = ("Dh", "sb", "sh", "sn") + (("half", "tab_b") if (D // 2) % 16 == 0 else ())
+                mult = ("Dh", "sb", "sh", "sn", "osb", "osh", "osn")
+                mult += ("half", "tab_b") if (D // 2) % 16 == 0 else ()
                 # rows of fewer than 32 channels: a table row is under 16 floats, and Triton spreads the (ROWS, Dh / 2)
                 # table tile so that its loads stay scalar (the data's loads are vectors); not checked as streaming
-                streaming = rope is False or D >= 32
+                streaming = not rope or D >= 32
                 out.append(Launch(_qk_norm_rope_fwd_kernel, args, cx, warps, multiple_of_16=mult, streaming=streaming))
                 args = {
                     "g_ptr": f"*{dt}",
                     "x_ptr": f"*{dt}",
-                    "w_ptr": f"*{wt}",
+                    "w_ptr": "*fp32",
                     "cos_ptr": "*fp32",
                     "sin_ptr": "*fp32",
                     "gx_ptr": f"*{dt}",
-                    "gw_ptr": "*fp32" if norm else f"*{dt}",
+                    "gw_ptr": "*fp32",
                     **ints,
                     "gsb": "i32",
                     "gsh": "i32",
