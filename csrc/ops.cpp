@@ -405,7 +405,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rmsnorm_modulate_bwd_
   const float* wp = g.weight_ptr();
   const float* rp = g.rstd.const_data_ptr<float>();
   void* gxp = gx.mutable_data_ptr();
-  const at::Tensor none = at::empty({0}, scale_in.options());
+  auto none = [&] { return at::empty({0}, scale_in.options()); };  // a fresh one each (outputs never alias)
   if (!affine_grads) {
     const int64_t nchunk = (N + kRowChunk - 1) / kRowChunk;
     at::parallel_for(0, B * nchunk, 1, [&](int64_t begin, int64_t end) {
@@ -415,13 +415,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rmsnorm_modulate_bwd_
                         std::min(kRowChunk, N - n0));
       }
     });
-    return {gx, none, none, none};
+    return {gx, none(), none(), none()};
   }
   // grad_shift = sum_n grad_y; S = sum_n grad_y * xhat; grad_scale = S * w; grad_w = sum_b (1 + scale) * S
   std::vector<at::Tensor> sums = chunked_row_reduce(B, N, D, 2, [&](int64_t b, int64_t n0, int64_t nrows, float* acc) {
     K().rmsnorm_bwd(g.dt, gyp, xp, scp, wp, rp, gxp, acc, acc + D, N, D, b, n0, nrows);
   });
-  at::Tensor gw = none;
+  at::Tensor gw = none();
   if (wp != nullptr) {
     at::Tensor gwf = at::empty({D}, at::TensorOptions().dtype(at::kFloat));
     float* o = gwf.mutable_data_ptr<float>();
@@ -494,11 +494,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_bwd_cpu(
     grads[p] = unit_last(*given[p]);
   }
   at::Tensor gqkv = at::empty({g.B, g.N, 3 * g.H * g.Dh}, g.qkv.options());
-  const at::Tensor none = at::empty({0}, qkv_in.options());
+  auto none = [&] { return at::empty({0}, qkv_in.options()); };  // a fresh one each (outputs never alias)
   const bool wgrad = weight_grads && g.wq.defined();
   const int64_t R = g.B * g.H * g.N, Dh = g.Dh;
   if (R == 0 || Dh == 0) {
-    if (!wgrad) return {gqkv, none, none};
+    if (!wgrad) return {gqkv, none(), none()};
     const at::Tensor z = at::zeros({Dh}, wq_in->options());
     return {gqkv, z, z.clone()};
   }
@@ -523,7 +523,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_bwd_cpu(
                       std::min(kQkRowChunk, R - r0));
     }
   });
-  if (!wgrad) return {gqkv, none, none};
+  if (!wgrad) return {gqkv, none(), none()};
   at::Tensor gw[2];
   for (int64_t t = 0; t < 2; ++t) {  // the chunk sums in chunk order: independent of the thread count
     at::Tensor out = at::zeros({Dh}, at::TensorOptions().dtype(at::kFloat));

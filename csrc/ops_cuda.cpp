@@ -203,7 +203,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rmsnorm_modulate_bwd_
   const c10::cuda::CUDAGuard guard(x_in.device());
   const RmsArgs g = rms_bwd_args(gy_in, x_in, scale_in, weight_in, rstd_in, op);
   at::Tensor gx = at::empty(g.x.sizes(), g.x.options());
-  const at::Tensor none = at::empty({0}, scale_in.options());
+  auto none = [&] { return at::empty({0}, scale_in.options()); };  // a fresh one each (outputs never alias)
   const int64_t rows = affine_grads ? g.B : 0;
   at::Tensor gshift = at::empty({rows, g.D}, g.x.options().dtype(at::kFloat));
   at::Tensor gscale = at::empty({rows, g.D}, g.x.options().dtype(at::kFloat));
@@ -214,9 +214,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rmsnorm_modulate_bwd_
                                    affine_grads ? gshift.mutable_data_ptr<float>() : nullptr,
                                    affine_grads ? gscale.mutable_data_ptr<float>() : nullptr,
                                    with_w ? gw.mutable_data_ptr<float>() : nullptr, g.B, g.N, g.D, stream_of(g.x)));
-  if (!affine_grads) return {gx, none, none, none};
+  if (!affine_grads) return {gx, none(), none(), none()};
   return {gx, gshift.to(scale_in.scalar_type()), gscale.to(scale_in.scalar_type()),
-          with_w ? gw.to(weight_in->scalar_type()) : none};
+          with_w ? gw.to(weight_in->scalar_type()) : none()};
 }
 
 // The rows of part p (0 q, 1 k, 2 v) of a packed (B, N, 3 H Dh) tensor: its data pointer and its strides of b, h, n.

@@ -149,12 +149,15 @@ def rmsnorm_modulate_bwd(
     (weight's dtype, (D,)); empty (0,) without ``affine_grads`` (grad_weight also without a weight)."""
     B, N, D = x.shape
     gx = torch.empty_like(x)
-    none = scale.new_empty(0)
+
+    def none():  # a fresh one each: outputs never alias
+        return scale.new_empty(0)
+
     if x.numel() == 0:
         if not affine_grads:
-            return gx, none, none, none
+            return gx, none(), none(), none()
         zeros = torch.zeros(B, D, dtype=scale.dtype, device=x.device)
-        gw = none if weight is None else torch.zeros_like(weight)
+        gw = none() if weight is None else torch.zeros_like(weight)
         return gx, zeros, zeros.clone(), gw
     block_d, rows, warps = row_tile(D)
     splits, per = _splits(B, N, rows)
@@ -181,10 +184,10 @@ def rmsnorm_modulate_bwd(
             num_warps=warps,
         )
     if not affine_grads:
-        return gx, none, none, none
+        return gx, none(), none(), none()
     s = gxhat.sum(1)  # (B, D): sum_n grad_y * xhat
     if weight is None:
-        return gx, gshift.sum(1).to(scale.dtype), s.to(scale.dtype), none
+        return gx, gshift.sum(1).to(scale.dtype), s.to(scale.dtype), none()
     gw = ((1.0 + scale.float()) * s).sum(0)
     return gx, gshift.sum(1).to(scale.dtype), (s * weight.float()).to(scale.dtype), gw.to(weight.dtype)
 
