@@ -979,8 +979,9 @@ _DEFAULTS = {sec: dataclasses.asdict(SECTIONS[sec]()) for sec in RESUME_LOCKED}
 # Keys of other sections that must match too: the batches (their size and order) and every RNG stream derive from
 # them, so a resume with another value could not continue the run it names.
 RESUME_LOCKED_KEYS = (("data", "batch_size"), ("engine", "seed"))
-# Keys of the locked sections that may differ: the initial weights only matter for a fresh start.
-RESUME_FREE = {("model", "init_from")}
+# Keys of the locked sections that may differ: the initial weights only matter for a fresh start; the fused ops
+# compute the eager block's function with the same parameters, so a run may switch them on or off.
+RESUME_FREE = {("model", "init_from"), ("model", "fused_adaln")}
 
 
 def resume_mismatches(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
