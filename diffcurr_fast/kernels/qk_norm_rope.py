@@ -2,14 +2,15 @@
 
 A row is one head's Dh channels of one token; the R = B H N rows of q, k or v are read in place from the packed
 qkv (B, N, 3 H Dh) and written to their (B, H, N, Dh) tensors (the backward: the other way round, into the
-gradient of qkv), every row addressed by the strides of b, h and n of its source and destination; v's rows are
-copied (``NORM`` and ``ROPE`` off). Float32 pointers that a launch does not read get an empty float32 tensor.
-Programs hold (ROWS, BLOCK_D) tiles of whole rows (``adaln.row_tile``); the rotation splits a tile into its even
-and odd channels (a reshape to pairs, in registers), so every load is a contiguous run along the row. Tables cos,
-sin (float32) hold row b * tab_b + n of Dh / 2 entries (tab_b 0: one table for the batch). The backward recomputes
-the row's rstd, loops over a fixed share of the rows per program and writes one partial sum of the weight
-gradient per program (no atomics), summed after the kernel (and dropped when no weight gradient is asked for: a
-(programs, Dh) store).
+gradient of qkv), every row addressed by the strides of b, h and n of its source and destination. One kernel
+serves every part: ``norm`` (1.0 or 0.0, a run-time value) switches the RMSNorm on or off, and a part without a
+rotation (v, or a model without rope2d) reads identity tables (cos 1, sin 0, the same row for every token:
+``tab_n`` 0), so each dtype and tile compiles once. Programs hold (ROWS, BLOCK_D) tiles of whole rows
+(``adaln.row_tile``); the rotation splits a tile into its even and odd channels (a reshape to pairs, in
+registers), so every load is a contiguous run along the row. Tables cos, sin (float32) hold row
+b * tab_b + n * tab_n of Dh / 2 entries (tab_b 0: one table for the batch). The backward recomputes the row's
+rstd, loops over a fixed share of the rows per program and writes one partial sum of the weight gradient per
+program (no atomics), summed after the kernel (dropped without a weight gradient).
 """
 
 from __future__ import annotations
@@ -36,6 +37,27 @@ def _interleave(x0, x1, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def _tables(
+    cos_ptr,
+    sin_ptr,
+    b,
+    n,
+    rmask,
+    tab_b,
+    tab_n,
+    half,
+    TAB_ALIGN: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """cos and sin of the rows' tokens, (ROWS, BLOCK_D // 2) each."""
+    m = tl.arange(0, BLOCK_D // 2)
+    t = tl.multiple_of(b * tab_b + n * tab_n, TAB_ALIGN)[:, None] + m[None, :]
+    tmask = rmask[:, None] & (m < half)[None, :]
+    return tl.load(cos_ptr + t, mask=tmask, other=0.0), tl.load(sin_ptr + t, mask=tmask, other=0.0)
+
+
+@triton.jit
 def _qk_norm_rope_fwd_kernel(
     x_ptr,
     w_ptr,
@@ -54,9 +76,9 @@ def _qk_norm_rope_fwd_kernel(
     osh,
     osn,
     tab_b,
+    tab_n,
     eps,
-    NORM: tl.constexpr,
-    ROPE: tl.constexpr,
+    norm,
     TAB_ALIGN: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -70,18 +92,12 @@ def _qk_norm_rope_fwd_kernel(
     h = (r // N) % H
     n = r % N
     x = tl.load(x_ptr + (b * sb + h * sh + n * sn)[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    if NORM:
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / Dh + eps)  # RMSNorm over Dh
-        x = x * rstd[:, None] * tl.load(w_ptr + d, mask=dmask, other=0.0)[None, :]
-    if ROPE:
-        m = tl.arange(0, BLOCK_D // 2)
-        t = tl.multiple_of(b * tab_b + n * half, TAB_ALIGN)[:, None] + m[None, :]
-        tmask = rmask[:, None] & (m < half)[None, :]
-        c = tl.load(cos_ptr + t, mask=tmask, other=0.0)  # (ROWS, BLOCK_D // 2)
-        s = tl.load(sin_ptr + t, mask=tmask, other=0.0)
-        x0, x1 = _pairs(x, ROWS, BLOCK_D)
-        x = _interleave(x0 * c - x1 * s, x0 * s + x1 * c, ROWS, BLOCK_D)  # RoFormer Eq. 34
-    tl.store(out_ptr + (b * osb + h * osh + n * osn)[:, None] + d[None, :], x.to(out_ptr.dtype.element_ty), mask=mask)
+    rstd = tl.where(norm != 0.0, 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / Dh + eps), 1.0)  # RMSNorm over Dh
+    x = x * rstd[:, None] * tl.load(w_ptr + d, mask=dmask, other=0.0)[None, :]
+    c, s = _tables(cos_ptr, sin_ptr, b, n, rmask, tab_b, tab_n, half, TAB_ALIGN, ROWS, BLOCK_D)
+    x0, x1 = _pairs(x, ROWS, BLOCK_D)
+    y = _interleave(x0 * c - x1 * s, x0 * s + x1 * c, ROWS, BLOCK_D)  # RoFormer Eq. 34
+    tl.store(out_ptr + (b * osb + h * osh + n * osn)[:, None] + d[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -108,10 +124,10 @@ def _qk_norm_rope_bwd_kernel(
     osh,
     osn,
     tab_b,
+    tab_n,
     eps,
+    norm,
     rows_per_prog,
-    NORM: tl.constexpr,
-    ROPE: tl.constexpr,
     TAB_ALIGN: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -119,8 +135,7 @@ def _qk_norm_rope_bwd_kernel(
     prog = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
     dmask = d < Dh
-    if NORM:
-        w = tl.load(w_ptr + d, mask=dmask, other=0.0)
+    w = tl.load(w_ptr + d, mask=dmask, other=0.0)
     acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     r_begin = prog.to(tl.int64) * rows_per_prog
     r_end = tl.minimum(r_begin + rows_per_prog, R)
@@ -131,29 +146,20 @@ def _qk_norm_rope_bwd_kernel(
         b = r // (H * N)
         h = (r // N) % H
         n = r % N
-        gr = tl.load(g_ptr + (b * gsb + h * gsh + n * gsn)[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
-        if ROPE:  # the rotation's transpose: (g0 c + g1 s, g1 c - g0 s)
-            m = tl.arange(0, BLOCK_D // 2)
-            t = tl.multiple_of(b * tab_b + n * half, TAB_ALIGN)[:, None] + m[None, :]
-            tmask = rmask[:, None] & (m < half)[None, :]
-            c = tl.load(cos_ptr + t, mask=tmask, other=0.0)
-            s = tl.load(sin_ptr + t, mask=tmask, other=0.0)
-            g0, g1 = _pairs(gr, ROWS, BLOCK_D)
-            gr = _interleave(g0 * c + g1 * s, g1 * c - g0 * s, ROWS, BLOCK_D)
-        if NORM:
-            x = tl.load(x_ptr + (b * sb + h * sh + n * sn)[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
-            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / Dh + eps)
-            xhat = x * rstd[:, None]
-            gh = gr * w[None, :]
-            m2 = tl.sum(gh * xhat, axis=1) / Dh
-            gx = rstd[:, None] * (gh - xhat * m2[:, None])
-            acc += gr * xhat
-        else:
-            gx = gr
+        g = tl.load(g_ptr + (b * gsb + h * gsh + n * gsn)[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        c, s = _tables(cos_ptr, sin_ptr, b, n, rmask, tab_b, tab_n, half, TAB_ALIGN, ROWS, BLOCK_D)
+        g0, g1 = _pairs(g, ROWS, BLOCK_D)
+        gr = _interleave(g0 * c + g1 * s, g1 * c - g0 * s, ROWS, BLOCK_D)  # the rotation's transpose
+        x = tl.load(x_ptr + (b * sb + h * sh + n * sn)[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.where(norm != 0.0, 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / Dh + eps), 1.0)
+        xhat = x * rstd[:, None]
+        gh = gr * w[None, :]
+        m2 = norm * tl.sum(gh * xhat, axis=1) / Dh  # without the norm: grad_x = gr (w is ones then)
+        gx = rstd[:, None] * (gh - xhat * m2[:, None])
+        acc += gr * xhat
         obase = b * osb + h * osh + n * osn
         tl.store(gx_ptr + obase[:, None] + d[None, :], gx.to(gx_ptr.dtype.element_ty), mask=mask)
-    if NORM:
-        tl.store(gw_ptr + prog * Dh + d, tl.sum(acc, axis=0), mask=dmask)
+    tl.store(gw_ptr + prog * Dh + d, tl.sum(acc, axis=0), mask=dmask)
 
 
 def _tab_align(Dh: int) -> int:
@@ -177,18 +183,25 @@ def _parts(qkv: torch.Tensor, heads: int) -> tuple[list[torch.Tensor], tuple[int
     return parts, (qkv.stride(0), Dh, qkv.stride(1))
 
 
-def _tables(cos, sin, qkv, Dh):
-    """(cos, sin, tab_b, stand-in): the tables as float32 contiguous tensors (without a rotation the stand-in for
-    both), and an empty float32 tensor that stands in for every float32 pointer a launch does not read."""
-    stand = torch.empty(0, dtype=torch.float32, device=qkv.device)
-    if cos is None:
-        return stand, stand, 0, stand
-    tab_b = qkv.shape[1] * (Dh // 2) if cos.ndim == 3 else 0
-    return cos.float().contiguous(), sin.float().contiguous(), tab_b, stand
-
-
 def _packed(qkv: torch.Tensor) -> torch.Tensor:
     return qkv if qkv.shape[-1] <= 1 or qkv.stride(-1) == 1 else qkv.contiguous()
+
+
+def _plan(qkv, heads, q_weight, k_weight, cos, sin):
+    """Per part (q, k, v): (weight or ones, norm flag, cos, sin, tab_b, tab_n), float32; the identity tables (one
+    row of cos 1, sin 0 for every token) stand in for a part without a rotation."""
+    Dh = qkv.shape[2] // (3 * heads)
+    ones = torch.ones(Dh, dtype=torch.float32, device=qkv.device)
+    identity = (ones[: Dh // 2], torch.zeros(max(Dh // 2, 1), dtype=torch.float32, device=qkv.device), 0, 0)
+    tables = identity
+    if cos is not None:
+        tab_b = qkv.shape[1] * (Dh // 2) if cos.ndim == 3 else 0
+        tables = (cos.float().contiguous(), sin.float().contiguous(), tab_b, Dh // 2)
+    out = []
+    for w in (q_weight, k_weight, None):
+        rotated = tables if len(out) < 2 else identity  # q and k turn (when there are tables), v does not
+        out.append((ones if w is None else w.float().contiguous(), 0.0 if w is None else 1.0, *rotated))
+    return out
 
 
 def qk_norm_rope_fwd(qkv, heads: int, q_weight, k_weight, cos, sin, eps: float):
@@ -198,20 +211,18 @@ def qk_norm_rope_fwd(qkv, heads: int, q_weight, k_weight, cos, sin, eps: float):
     B, N, C = qkv.shape
     Dh = C // (3 * heads)
     R = B * heads * N
-    block_d, rows, warps = row_tile(max(Dh, 1))
-    c, s, tab_b, stand = _tables(cos, sin, qkv, Dh)
-    parts, (sb, sh, sn) = _parts(qkv, heads)
     outs = [qkv.new_empty(B, heads, N, Dh) for _ in range(3)]
     if R * Dh == 0:
         return tuple(outs)
-    for x, w, out, rope in zip(parts, (q_weight, k_weight, None), outs, (True, True, False)):
-        rope = rope and cos is not None
+    block_d, rows, warps = row_tile(Dh)
+    parts, (sb, sh, sn) = _parts(qkv, heads)
+    for x, out, (w, norm, c, s, tab_b, tab_n) in zip(parts, outs, _plan(qkv, heads, q_weight, k_weight, cos, sin)):
         with device_guard(x):
             _qk_norm_rope_fwd_kernel[(triton.cdiv(R, rows),)](
                 x,
-                stand if w is None else w.float(),
-                c if rope else stand,
-                s if rope else stand,
+                w,
+                c,
+                s,
                 out,
                 R,
                 heads,
@@ -223,9 +234,9 @@ def qk_norm_rope_fwd(qkv, heads: int, q_weight, k_weight, cos, sin, eps: float):
                 sn,
                 *out.stride()[:3],
                 tab_b,
+                tab_n,
                 eps,
-                NORM=w is not None,
-                ROPE=rope,
+                norm,
                 TAB_ALIGN=_tab_align(Dh),
                 ROWS=rows,
                 BLOCK_D=block_d,
@@ -243,36 +254,33 @@ def qk_norm_rope_bwd(
     B, N, C = qkv.shape
     Dh = C // (3 * heads)
     R = B * heads * N
-    block_d, rows, warps = row_tile(max(Dh, 1))
-    c, s, tab_b, stand = _tables(cos, sin, qkv, Dh)
     wgrad = weight_grads and q_weight is not None
     gqkv = torch.empty(B, N, C, dtype=qkv.dtype, device=qkv.device)
     if R * Dh == 0:
         if not wgrad:
             return gqkv, qkv.new_empty(0), qkv.new_empty(0)
         return gqkv, torch.zeros_like(q_weight), torch.zeros_like(k_weight)
+    block_d, rows, warps = row_tile(Dh)
     tiles = triton.cdiv(R, rows)
     per = triton.cdiv(tiles, min(tiles, TARGET_PROGRAMS)) * rows
     progs = triton.cdiv(R, per)
     parts, (sb, sh, sn) = _parts(qkv, heads)
     gparts, ostrides = _parts(gqkv, heads)
+    plan = _plan(qkv, heads, q_weight, k_weight, cos, sin)
     gws = []
-    for g, x, gx, w, rope in zip(
-        (grad_q, grad_k, grad_v), parts, gparts, (q_weight, k_weight, None), (True, True, False)
-    ):
-        rope = rope and cos is not None
+    for g, x, gx, (w, norm, c, s, tab_b, tab_n) in zip((grad_q, grad_k, grad_v), parts, gparts, plan):
         g, (gsb, gsh, gsn) = _heads(g.to(qkv.dtype))
-        gw = torch.empty(progs if w is not None else 0, Dh, dtype=torch.float32, device=qkv.device)
+        gw = torch.empty(progs, Dh, dtype=torch.float32, device=qkv.device)
         gws.append(gw)
         with device_guard(x):
             _qk_norm_rope_bwd_kernel[(progs,)](
                 g,
                 x,
-                stand if w is None else w.float(),
-                c if rope else stand,
-                s if rope else stand,
+                w,
+                c,
+                s,
                 gx,
-                stand if w is None else gw,
+                gw,
                 R,
                 heads,
                 N,
@@ -286,10 +294,10 @@ def qk_norm_rope_bwd(
                 sn,
                 *ostrides,
                 tab_b,
+                tab_n,
                 eps,
+                norm,
                 per,
-                NORM=w is not None,
-                ROPE=rope,
                 TAB_ALIGN=_tab_align(Dh),
                 ROWS=rows,
                 BLOCK_D=block_d,
@@ -305,51 +313,27 @@ AOT_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
 def aot_launches(dtypes, fast: bool = False) -> list:
-    """The launches these launchers can make: dtype x (norm, rotation) x tile for each head dim class (with the
-    runtime's divisibility of Dh / 2 and the tables' sample stride, which make the table loads vectors)."""
-    dims = (64,) if fast else AOT_HEAD_DIMS
-    modes = ((True, True), (False, False)) if fast else ((True, True), (False, True), (True, False), (False, False))
+    """The launches these launchers can make: dtype x tile for each head dim class (with the runtime's divisibility
+    of Dh / 2 and the tables' strides, which make the table loads vectors)."""
     out = []
     for dt in dtypes:
-        for D in dims:
+        for D in (64,) if fast else AOT_HEAD_DIMS:
             block_d, rows, warps = row_tile(D)
-            for norm, rope in modes:
-                cx = {"NORM": norm, "ROPE": rope, "TAB_ALIGN": _tab_align(D), "ROWS": rows, "BLOCK_D": block_d}
-                ints = {"R": "i32", "H": "i32", "N": "i32", "Dh": "i32", "half": "i32"}
-                strides = {"sb": "i32", "sh": "i32", "sn": "i32", "osb": "i32", "osh": "i32", "osn": "i32"}
-                strides.update({"tab_b": "i32", "eps": "fp32"})
-                args = {
-                    "x_ptr": f"*{dt}",
-                    "w_ptr": "*fp32",
-                    "cos_ptr": "*fp32",
-                    "sin_ptr": "*fp32",
-                    "out_ptr": f"*{dt}",
-                    **ints,
-                    **strides,
-                }
-                mult = ("Dh", "sb", "sh", "sn", "osb", "osh", "osn")
-                mult += ("half", "tab_b") if (D // 2) % 16 == 0 else ()
-                # rows of fewer than 32 channels: a table row is under 16 floats, and Triton spreads the (ROWS, Dh / 2)
-                # table tile so that its loads stay scalar (the data's loads are vectors); not checked as streaming
-                streaming = not rope or D >= 32
-                out.append(Launch(_qk_norm_rope_fwd_kernel, args, cx, warps, multiple_of_16=mult, streaming=streaming))
-                args = {
-                    "g_ptr": f"*{dt}",
-                    "x_ptr": f"*{dt}",
-                    "w_ptr": "*fp32",
-                    "cos_ptr": "*fp32",
-                    "sin_ptr": "*fp32",
-                    "gx_ptr": f"*{dt}",
-                    "gw_ptr": "*fp32",
-                    **ints,
-                    "gsb": "i32",
-                    "gsh": "i32",
-                    "gsn": "i32",
-                    **strides,
-                    "rows_per_prog": "i32",
-                }
-                mult_b = mult + ("gsb", "gsh", "gsn", "rows_per_prog")
-                out.append(
-                    Launch(_qk_norm_rope_bwd_kernel, args, cx, warps, multiple_of_16=mult_b, streaming=streaming)
-                )
+            cx = {"TAB_ALIGN": _tab_align(D), "ROWS": rows, "BLOCK_D": block_d}
+            ints = {"R": "i32", "H": "i32", "N": "i32", "Dh": "i32", "half": "i32"}
+            rows_of = {name: "i32" for name in ("sb", "sh", "sn", "osb", "osh", "osn", "tab_b", "tab_n")}
+            flags = {"eps": "fp32", "norm": "fp32"}
+            tables = {"w_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
+            mult = ("Dh", "sb", "sh", "sn", "osb", "osh", "osn") + (
+                ("half", "tab_b", "tab_n") if (D // 2) % 16 == 0 else ()
+            )
+            # rows of fewer than 32 channels: a table row is under 16 floats, and Triton spreads the (ROWS, Dh / 2)
+            # table tile so that its loads stay scalar (the data's loads are vectors); not checked as streaming
+            streaming = D >= 32
+            args = {"x_ptr": f"*{dt}", **tables, "out_ptr": f"*{dt}", **ints, **rows_of, **flags}
+            out.append(Launch(_qk_norm_rope_fwd_kernel, args, cx, warps, multiple_of_16=mult, streaming=streaming))
+            args = {"g_ptr": f"*{dt}", "x_ptr": f"*{dt}", **tables, "gx_ptr": f"*{dt}", "gw_ptr": "*fp32", **ints}
+            args.update({"gsb": "i32", "gsh": "i32", "gsn": "i32", **rows_of, **flags, "rows_per_prog": "i32"})
+            mult += ("gsb", "gsh", "gsn", "rows_per_prog")
+            out.append(Launch(_qk_norm_rope_bwd_kernel, args, cx, warps, multiple_of_16=mult, streaming=streaming))
     return out

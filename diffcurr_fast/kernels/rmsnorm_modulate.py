@@ -1,7 +1,7 @@
 """Triton kernels of RMSNorm-modulate (fwd + bwd): y = x * rstd * w * (1 + scale) + shift, rstd per row.
 
-x (B, N, D); shift, scale (B, D); w (D,) float32, optional (``HAS_W``; absent, another pointer is passed and never
-read).
+x (B, N, D); shift, scale (B, D); w (D,) float32 (absent: ones stand in, one (D,) load per program, so each dtype
+and tile compiles once).
 Programs hold (ROWS, BLOCK_D) tiles of whole rows of one sample, sized by ``adaln.row_tile`` (the row statistic
 needs all of it; D <= ``adaln.MAX_D``). The backward loops over a fixed share of the N rows per program and writes
 one partial column sum of grad_y and of grad_y * xhat per (sample, split), as the adaLN backward does (no
@@ -31,7 +31,6 @@ def _rmsnorm_modulate_fwd_kernel(
     N,
     D,
     eps,
-    HAS_W: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -45,9 +44,7 @@ def _rmsnorm_modulate_fwd_kernel(
     offs = row[:, None] * D + d[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # (ROWS, BLOCK_D)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)  # RMSNorm, Zhang & Sennrich Eq. 4
-    xh = x * rstd[:, None]
-    if HAS_W:
-        xh = xh * tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    xh = x * rstd[:, None] * tl.load(w_ptr + d, mask=dmask, other=0.0)[None, :]
     shift = tl.load(shift_ptr + b * D + d, mask=dmask, other=0.0).to(tl.float32)
     scale = tl.load(scale_ptr + b * D + d, mask=dmask, other=0.0).to(tl.float32)
     y = xh * (1.0 + scale[None, :]) + shift[None, :]  # adaLN-Zero modulate
@@ -68,7 +65,6 @@ def _rmsnorm_modulate_bwd_kernel(
     N,
     D,
     rows_per_split,
-    HAS_W: tl.constexpr,
     AFFINE: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -77,9 +73,8 @@ def _rmsnorm_modulate_bwd_kernel(
     s = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
-    mul = 1.0 + tl.load(scale_ptr + b * D + d, mask=dmask, other=0.0).to(tl.float32)  # (1 + scale) * w
-    if HAS_W:
-        mul = mul * tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr + b * D + d, mask=dmask, other=0.0).to(tl.float32)
+    mul = (1.0 + scale) * tl.load(w_ptr + d, mask=dmask, other=0.0)  # (1 + scale) * w
     acc_shift = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     acc_xhat = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     n_begin = s * rows_per_split
@@ -107,6 +102,13 @@ def _rmsnorm_modulate_bwd_kernel(
         tl.store(gxhat_ptr + part, tl.sum(acc_xhat, axis=0), mask=dmask)
 
 
+def _weight(weight: torch.Tensor | None, D: int, device: torch.device) -> torch.Tensor:
+    """The weight as a contiguous float32 (D,) tensor; ones without one."""
+    if weight is None:
+        return torch.ones(D, dtype=torch.float32, device=device)
+    return weight.float().contiguous()
+
+
 def rmsnorm_modulate_fwd(
     x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor | None, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,13 +125,12 @@ def rmsnorm_modulate_fwd(
             x,
             shift,
             scale,
-            scale if weight is None else weight.float(),
+            _weight(weight, D, x.device),
             y,
             rstd,
             N,
             D,
             eps,
-            HAS_W=weight is not None,
             ROWS=rows,
             BLOCK_D=block_d,
             num_warps=warps,
@@ -169,7 +170,7 @@ def rmsnorm_modulate_bwd(
             grad_y,
             x,
             scale,
-            scale if weight is None else weight.float(),
+            _weight(weight, D, x.device),
             rstd,
             gx,
             gshift,
@@ -177,7 +178,6 @@ def rmsnorm_modulate_bwd(
             N,
             D,
             per,
-            HAS_W=weight is not None,
             AFFINE=affine_grads,
             ROWS=rows,
             BLOCK_D=block_d,
@@ -193,57 +193,46 @@ def rmsnorm_modulate_bwd(
 
 
 def aot_launches(dtypes, fast: bool = False) -> list:
-    """The launches these launchers can make: dtype x weight or none x tile for each D class (``adaln.AOT_DIMS``)."""
+    """The launches these launchers can make: dtype x tile for each D class (``adaln.AOT_DIMS``)."""
     dims = AOT_DIMS_FAST if fast else AOT_DIMS
     out = []
     for dt in dtypes:
         for block_d, rows, warps in sorted({row_tile(D) for D in dims}):
             cx = {"ROWS": rows, "BLOCK_D": block_d}
-            for has_w in (True,) if fast else (True, False):
-                wt = "fp32" if has_w else dt  # the weight as float32; absent, scale's pointer stands in
+            args = {
+                "x_ptr": f"*{dt}",
+                "shift_ptr": f"*{dt}",
+                "scale_ptr": f"*{dt}",
+                "w_ptr": "*fp32",
+                "y_ptr": f"*{dt}",
+                "rstd_ptr": "*fp32",
+                "N": "i32",
+                "D": "i32",
+                "eps": "fp32",
+            }
+            out.append(Launch(_rmsnorm_modulate_fwd_kernel, args, cx, warps, multiple_of_16=("D",), streaming=True))
+            for affine in (True,) if fast else (True, False):
                 args = {
+                    "gy_ptr": f"*{dt}",
                     "x_ptr": f"*{dt}",
-                    "shift_ptr": f"*{dt}",
                     "scale_ptr": f"*{dt}",
-                    "w_ptr": f"*{wt}",
-                    "y_ptr": f"*{dt}",
+                    "w_ptr": "*fp32",
                     "rstd_ptr": "*fp32",
+                    "gx_ptr": f"*{dt}",
+                    "gshift_ptr": "*fp32",
+                    "gxhat_ptr": "*fp32",
                     "N": "i32",
                     "D": "i32",
-                    "eps": "fp32",
+                    "rows_per_split": "i32",
                 }
                 out.append(
                     Launch(
-                        _rmsnorm_modulate_fwd_kernel,
+                        _rmsnorm_modulate_bwd_kernel,
                         args,
-                        {"HAS_W": has_w, **cx},
+                        {"AFFINE": affine, **cx},
                         warps,
-                        multiple_of_16=("D",),
+                        multiple_of_16=("D", "rows_per_split"),
                         streaming=True,
                     )
                 )
-                for affine in (True,) if fast else (True, False):
-                    args = {
-                        "gy_ptr": f"*{dt}",
-                        "x_ptr": f"*{dt}",
-                        "scale_ptr": f"*{dt}",
-                        "w_ptr": f"*{wt}",
-                        "rstd_ptr": "*fp32",
-                        "gx_ptr": f"*{dt}",
-                        "gshift_ptr": "*fp32",
-                        "gxhat_ptr": "*fp32",
-                        "N": "i32",
-                        "D": "i32",
-                        "rows_per_split": "i32",
-                    }
-                    out.append(
-                        Launch(
-                            _rmsnorm_modulate_bwd_kernel,
-                            args,
-                            {"HAS_W": has_w, "AFFINE": affine, **cx},
-                            warps,
-                            multiple_of_16=("D", "rows_per_split"),
-                            streaming=True,
-                        )
-                    )
     return out
