@@ -449,6 +449,31 @@ cpu::RowLayout heads_layout(const at::Tensor& t) {
   return {t.size(1), t.size(2), t.size(3), t.stride(0), t.stride(1), t.stride(2)};
 }
 
+// The rotary tables expanded to one entry per channel, as the CPU kernels read them (csrc/cpu/kernels.h):
+// ce[.., 2m] = ce[.., 2m + 1] = cos[.., m], se[.., 2m] = -sin[.., m], se[.., 2m + 1] = sin[.., m]; rows of Dh
+// (their sample stride: N Dh for per-sample tables, 0 for one table). Undefined without tables.
+struct ExpandedTables {
+  at::Tensor ce, se;
+  int64_t tab_b = 0;
+};
+
+ExpandedTables expand_tables(const QkArgs& g) {
+  ExpandedTables t;
+  if (!g.cos.defined()) return t;
+  const int64_t rows = g.cos.numel() / (g.Dh / 2);
+  t.ce = at::empty({rows, g.Dh}, g.cos.options());
+  t.se = at::empty({rows, g.Dh}, g.cos.options());
+  const float *c = g.cos.const_data_ptr<float>(), *s = g.sin.const_data_ptr<float>();
+  float *ce = t.ce.mutable_data_ptr<float>(), *se = t.se.mutable_data_ptr<float>();
+  for (int64_t i = 0; i < rows * (g.Dh / 2); ++i) {
+    ce[2 * i] = ce[2 * i + 1] = c[i];
+    se[2 * i] = -s[i];
+    se[2 * i + 1] = s[i];
+  }
+  t.tab_b = g.tab_b != 0 ? g.N * g.Dh : 0;
+  return t;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_fwd_cpu(
     const at::Tensor& qkv_in, int64_t heads, const c10::optional<at::Tensor>& wq_in,
     const c10::optional<at::Tensor>& wk_in, const c10::optional<at::Tensor>& cos_in,
@@ -464,13 +489,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_fwd_cpu(
   const auto* base = static_cast<const char*>(g.qkv.const_data_ptr());
   const int64_t part_bytes = g.H * g.Dh * g.qkv.element_size();
   const float* w[3] = {g.ptr(g.wq), g.ptr(g.wk), nullptr};
-  const float *cp = g.ptr(g.cos), *sp = g.ptr(g.sin);
+  const ExpandedTables t = expand_tables(g);
+  const float *cp = g.ptr(t.ce), *sp = g.ptr(t.se);
   const auto feps = static_cast<float>(eps);
   // rows [p R, (p + 1) R) are part p's: q and k normed and rotated, v copied into its heads layout
   at::parallel_for(0, 3 * R, row_grain(g.Dh), [&](int64_t begin, int64_t end) {
     for (int64_t p = begin / R; p < 3 && p * R < end; ++p) {
       const int64_t r0 = std::max(begin, p * R) - p * R, r1 = std::min(end, (p + 1) * R) - p * R;
-      K().qk_rope_fwd(g.dt, base + p * part_bytes, il, w[p], p < 2 ? cp : nullptr, p < 2 ? sp : nullptr, g.tab_b,
+      K().qk_rope_fwd(g.dt, base + p * part_bytes, il, w[p], p < 2 ? cp : nullptr, p < 2 ? sp : nullptr, t.tab_b,
                       outs[p].mutable_data_ptr(), ol, feps, r0, r1 - r0);
     }
   });
@@ -508,7 +534,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_bwd_cpu(
   auto* obase = static_cast<char*>(gqkv.mutable_data_ptr());
   const int64_t part_bytes = g.H * Dh * g.qkv.element_size();
   const float* w[3] = {g.ptr(g.wq), g.ptr(g.wk), nullptr};
-  const float *cp = g.ptr(g.cos), *sp = g.ptr(g.sin);
+  const ExpandedTables t = expand_tables(g);
+  const float *cp = g.ptr(t.ce), *sp = g.ptr(t.se);
   const auto feps = static_cast<float>(eps);
   // tasks: chunks of kQkRowChunk rows of q, then of k, then of v; a q or k chunk adds its rows' weight gradient
   // into its own slot
@@ -519,7 +546,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_bwd_cpu(
       const int64_t p = task / nchunk, r0 = (task % nchunk) * kQkRowChunk;
       float* acc = wgrad && p < 2 ? part.data() + task * Dh : nullptr;
       K().qk_rope_bwd(g.dt, grads[p].const_data_ptr(), gl[p], base + p * part_bytes, il, w[p], p < 2 ? cp : nullptr,
-                      p < 2 ? sp : nullptr, g.tab_b, obase + p * part_bytes, ol, acc, feps, r0,
+                      p < 2 ? sp : nullptr, t.tab_b, obase + p * part_bytes, ol, acc, feps, r0,
                       std::min(kQkRowChunk, R - r0));
     }
   });

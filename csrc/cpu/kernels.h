@@ -76,8 +76,9 @@ struct KernelTable {
 
   // QK-norm + 2-D RoPE over rows [r0, r0 + nrows) of the flat (B * H * N) rows of head_dim Dh (docs/ops.md): the
   // row (b, h, n) of x at b * sb + h * sh + n * sn of xl (unit stride along Dh), written at the same place of ol.
-  // w == nullptr: no normalisation; cos == nullptr: no rotation; neither: a copy. The tables' row of (b, n)
-  // starts at b * tab_b + n * Dh / 2 (tab_b 0: one table for the batch).
+  // w == nullptr: no normalisation; cos == nullptr: no rotation; neither: a copy. The rotary tables come expanded
+  // to one entry per channel, rows of Dh: cos[2m] = cos[2m + 1] = cos_m, sin[2m] = -sin_m, sin[2m + 1] = sin_m;
+  // the row of (b, n) starts at b * tab_b + n * Dh (tab_b 0: one table for the batch).
   void (*qk_rope_fwd)(int dt, const void* x, const RowLayout& xl, const float* w, const float* cos,
                       const float* sin, int64_t tab_b, void* out, const RowLayout& ol, float eps, int64_t r0,
                       int64_t nrows);

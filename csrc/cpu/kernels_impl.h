@@ -10,7 +10,7 @@
 
 #include "dc_math.h"
 
-// An always-inlined lambda (its loops then see the constant chunk length of for_chunks).
+// An always-inlined lambda (called per vector of a short row: a call would cost as much as its arithmetic).
 #define DC_LAMBDA_INLINE __attribute__((always_inline))
 
 // 64-byte generic vectors are passed in registers only after inlining (always done here); gcc 12 also warns
@@ -682,19 +682,13 @@ void rmsnorm_bwd_entry(int dt, const void* gy, const void* x, const float* scale
 }
 
 // ---- QK-norm + 2-D RoPE ----------------------------------------------------------------------------------
-// A row is one head's Dh channels of one token. Forward: xn = x * rstd * w (rstd over the row), then each pair
-// (xn_{2m}, xn_{2m+1}) turns by the angle whose cos / sin are the tables' entry m of the token. Backward: the
-// inverse rotation of grad_out (gr), then the RMSNorm backward of gr; rstd is recomputed from the row. Without
-// either (v of the packed projection) a row is copied.
-
-// Calls fn(d, len) for the chunks [d, d + len) of kAcc channels of a row of D, then the tail; len is a constant
-// (std::integral_constant) for the full chunks, so that their loops have a fixed count.
-template <class Fn>
-DC_INLINE void for_chunks(int64_t D, Fn&& fn) {
-  int64_t d = 0;
-  for (; d + kAcc <= D; d += kAcc) fn(d, std::integral_constant<int64_t, kAcc>{});
-  if (d < D) fn(d, D - d);
-}
+// A row is one head's Dh channels of one token, processed in vectors of kGeluLanes channels (the instruction set's
+// width; the tail padded with zeros). Forward: xn = x * rstd * w (rstd over the row), then each pair (xn_{2m},
+// xn_{2m+1}) turns by the token's angle m: out = xn * ce + swap(xn) * se with the tables expanded to one entry per
+// channel (ce = cos_m at 2m and 2m + 1, se = -sin_m at 2m and +sin_m at 2m + 1) and swap exchanging the channels
+// of each pair (a vector shuffle). Backward: gr = g * ce - swap(g) * se (the rotation's transpose), then the
+// RMSNorm backward of gr with rstd recomputed from the row. Without a weight there is no norm, without tables no
+// rotation, without either (v of the packed projection) the row is copied.
 
 // Calls fn(r, b, h, n) for the rows r in [r0, r0 + nrows) of (B, H, N) in order, its indices counted up (a
 // division per row would cost as much as a short row's arithmetic).
@@ -710,15 +704,66 @@ DC_INLINE void for_rows(const dcf::cpu::RowLayout& l, int64_t r0, int64_t nrows,
   }
 }
 
+// m <= kGeluLanes elements as a vector (the rest zero), and back.
+template <class T>
+DC_INLINE vgf load_lanes(const typename T::storage* __restrict p, int64_t m) {
+  float a[kGeluLanes] = {};
+  for (int64_t l = 0; l < m; ++l) a[l] = T::load(p[l]);
+  vgf v;
+  std::memcpy(&v, a, sizeof v);
+  return v;
+}
+
+template <class T>
+DC_INLINE void store_lanes(typename T::storage* __restrict p, vgf v, int64_t m) {
+  float a[kGeluLanes];
+  std::memcpy(a, &v, sizeof a);
+  for (int64_t l = 0; l < m; ++l) p[l] = T::store(a[l]);
+}
+
+// The channels of each pair exchanged: (v1, v0, v3, v2, ...).
+DC_INLINE vgf swap_pairs(vgf v) {
+#if defined(DC_KERNELS_AVX512)
+  const vgi mask = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+#elif defined(DC_KERNELS_AVX2)
+  const vgi mask = {1, 0, 3, 2, 5, 4, 7, 6};
+#else
+  const vgi mask = {1, 0, 3, 2};
+#endif
+  return __builtin_shuffle(v, mask);
+}
+
+// a[0] = the sum of a[0 .. 2W), halves added lane-wise (a fixed order for an instruction set).
+template <int W>
+DC_INLINE void fold_halves(float* __restrict a) {
+  for (int l = 0; l < W; ++l) a[l] += a[l + W];
+  if constexpr (W > 1) fold_halves<W / 2>(a);
+}
+
+// The sum of the lanes of v.
+DC_INLINE float sum_lanes(vgf v) {
+  float a[kGeluLanes];
+  std::memcpy(a, &v, sizeof a);
+  fold_halves<kGeluLanes / 2>(a);
+  return a[0];
+}
+
+// Calls fn(d, m) for the vectors [d, d + m) of a row of D channels: full ones (m = kGeluLanes), then the tail.
+template <class Fn>
+DC_INLINE void for_lanes(int64_t D, Fn&& fn) {
+  int64_t d = 0;
+  for (; d + kGeluLanes <= D; d += kGeluLanes) fn(d, static_cast<int64_t>(kGeluLanes));
+  if (d < D) fn(d, D - d);
+}
+
 template <class T, bool kNorm, bool kRope>
-void qk_rope_fwd_t(const void* x_, const dcf::cpu::RowLayout& xl, const float* w_, const float* cos_,
-                   const float* sin_, int64_t tab_b, void* out_, const dcf::cpu::RowLayout& ol, float eps, int64_t r0,
+void qk_rope_fwd_t(const void* x_, const dcf::cpu::RowLayout& xl, const float* w_, const float* ce_,
+                   const float* se_, int64_t tab_b, void* out_, const dcf::cpu::RowLayout& ol, float eps, int64_t r0,
                    int64_t nrows) {
   using S = typename T::storage;
   const S* x = static_cast<const S*>(x_);
   S* out = static_cast<S*>(out_);
-  const float* __restrict w = w_;
-  const int64_t Dh = xl.Dh, half = Dh / 2;
+  const int64_t Dh = xl.Dh;
   const float inv_d = 1.0f / static_cast<float>(Dh);
   for_rows(xl, r0, nrows, [&](int64_t, int64_t b, int64_t h, int64_t n) {
     const S* __restrict xr = x + b * xl.sb + h * xl.sh + n * xl.sn;
@@ -729,96 +774,80 @@ void qk_rope_fwd_t(const void* x_, const dcf::cpu::RowLayout& xl, const float* w
     }
     float rs = 1.0f;
     if constexpr (kNorm) {
-      rs = 1.0f / __builtin_sqrtf(row_sum(Dh, [&](int64_t d) {
-                                    const float v = T::load(xr[d]);
-                                    return v * v;
-                                  }) * inv_d +
-                                  eps);
+      vgf ss = {};
+      for_lanes(Dh, [&](int64_t d, int64_t m) DC_LAMBDA_INLINE {
+        const vgf v = load_lanes<T>(xr + d, m);
+        ss += v * v;
+      });
+      rs = 1.0f / __builtin_sqrtf(sum_lanes(ss) * inv_d + eps);
     }
-    if constexpr (kRope) {
-      const float* __restrict c = cos_ + b * tab_b + n * half;
-      const float* __restrict s = sin_ + b * tab_b + n * half;
-      for (int64_t m = 0; m < half; ++m) {
-        float a = T::load(xr[2 * m]) * rs, e = T::load(xr[2 * m + 1]) * rs;
-        if constexpr (kNorm) a *= w[2 * m], e *= w[2 * m + 1];
-        o[2 * m] = T::store(a * c[m] - e * s[m]);
-        o[2 * m + 1] = T::store(a * s[m] + e * c[m]);
-      }
-    } else {
-      for (int64_t d = 0; d < Dh; ++d) o[d] = T::store(T::load(xr[d]) * rs * w[d]);
-    }
+    const float* ce = kRope ? ce_ + b * tab_b + n * Dh : nullptr;
+    const float* se = kRope ? se_ + b * tab_b + n * Dh : nullptr;
+    for_lanes(Dh, [&](int64_t d, int64_t m) DC_LAMBDA_INLINE {
+      vgf v = load_lanes<T>(xr + d, m);
+      if constexpr (kNorm) v *= rs * load_lanes<F32>(w_ + d, m);
+      if constexpr (kRope) v = v * load_lanes<F32>(ce + d, m) + swap_pairs(v) * load_lanes<F32>(se + d, m);
+      store_lanes<T>(o + d, v, m);  // RoFormer Eq. 34 after the norm
+    });
   });
 }
 
 template <class T, bool kNorm, bool kRope, bool kWGrad>
 void qk_rope_bwd_t(const void* g_, const dcf::cpu::RowLayout& gl, const void* x_, const dcf::cpu::RowLayout& xl,
-                   const float* w_, const float* cos_, const float* sin_, int64_t tab_b, void* gx_,
+                   const float* w_, const float* ce_, const float* se_, int64_t tab_b, void* gx_,
                    const dcf::cpu::RowLayout& ol, float* gw_acc, float eps, int64_t r0, int64_t nrows) {
   using S = typename T::storage;
   const S* g = static_cast<const S*>(g_);
   const S* x = static_cast<const S*>(x_);
   S* gx = static_cast<S*>(gx_);
-  const float* __restrict w = w_;
-  float* __restrict gw = gw_acc;
-  const int64_t Dh = xl.Dh, half = Dh / 2;
+  const int64_t Dh = xl.Dh;
   const float inv_d = 1.0f / static_cast<float>(Dh);
   for_rows(xl, r0, nrows, [&](int64_t, int64_t b, int64_t h, int64_t n) {
     const S* __restrict xr = x + b * xl.sb + h * xl.sh + n * xl.sn;
     const S* __restrict gr = g + b * gl.sb + h * gl.sh + n * gl.sn;
     S* __restrict o = gx + b * ol.sb + h * ol.sh + n * ol.sn;
-    const float* __restrict c = kRope ? cos_ + b * tab_b + n * half : nullptr;
-    const float* __restrict s = kRope ? sin_ + b * tab_b + n * half : nullptr;
+    const float* ce = kRope ? ce_ + b * tab_b + n * Dh : nullptr;
+    const float* se = kRope ? se_ + b * tab_b + n * Dh : nullptr;
+    // the gradient of the normed row: grad_out turned back by the rotation (its transpose)
+    auto unrot = [&](int64_t d, int64_t m) DC_LAMBDA_INLINE {
+      const vgf v = load_lanes<T>(gr + d, m);
+      if constexpr (kRope) return v * load_lanes<F32>(ce + d, m) - swap_pairs(v) * load_lanes<F32>(se + d, m);
+      return v;
+    };
     if constexpr (!kNorm) {
       if constexpr (kRope) {
-        for (int64_t m = 0; m < half; ++m) {
-          const float g0 = T::load(gr[2 * m]), g1 = T::load(gr[2 * m + 1]);
-          o[2 * m] = T::store(g0 * c[m] + g1 * s[m]);
-          o[2 * m + 1] = T::store(g1 * c[m] - g0 * s[m]);
-        }
+        for_lanes(Dh, [&](int64_t d, int64_t m) DC_LAMBDA_INLINE { store_lanes<T>(o + d, unrot(d, m), m); });
       } else {
         for (int64_t d = 0; d < Dh; ++d) o[d] = gr[d];
       }
       return;
     }
-    // Two passes over the row in chunks of kAcc channels (a constant count for every full chunk, the tail after):
-    // buf[0 .. len) = the gradient of the normed row at [d, d + len), grad_out turned back by the rotation (its
-    // transpose); d and len are even with the rotation (kAcc is even, Dh is even)
-    alignas(64) float buf[kAcc];
-    auto unrot = [&](int64_t d, auto len) DC_LAMBDA_INLINE {
-      if constexpr (kRope) {
-        for (int64_t l = 0; l < len; l += 2) {
-          const int64_t m = (d + l) / 2;
-          const float g0 = T::load(gr[d + l]), g1 = T::load(gr[d + l + 1]);
-          buf[l] = g0 * c[m] + g1 * s[m];
-          buf[l + 1] = g1 * c[m] - g0 * s[m];
+    vgf ss = {}, dot = {};  // sum x^2 and sum gr * w * x
+    for_lanes(Dh, [&](int64_t d, int64_t m) DC_LAMBDA_INLINE {
+      const vgf v = load_lanes<T>(xr + d, m);
+      ss += v * v;
+      dot += unrot(d, m) * load_lanes<F32>(w_ + d, m) * v;
+    });
+    const float rs = 1.0f / __builtin_sqrtf(sum_lanes(ss) * inv_d + eps);
+    const float m2 = sum_lanes(dot) * rs * inv_d;  // mean_d(gh * xhat), gh = gr * w
+    for_lanes(Dh, [&](int64_t d, int64_t m) DC_LAMBDA_INLINE {
+      const vgf grv = unrot(d, m);
+      const vgf xh = load_lanes<T>(xr + d, m) * rs;
+      store_lanes<T>(o + d, rs * (grv * load_lanes<F32>(w_ + d, m) - xh * m2), m);
+      if constexpr (kWGrad) {  // the weight gradient's sum over rows: one vector add (the tail lane by lane)
+        const vgf add = grv * xh;
+        if (m == kGeluLanes) {
+          vgf acc;
+          std::memcpy(&acc, gw_acc + d, sizeof acc);
+          acc += add;
+          std::memcpy(gw_acc + d, &acc, sizeof acc);
+        } else {
+          float a[kGeluLanes];
+          std::memcpy(a, &add, sizeof a);
+          for (int64_t l = 0; l < m; ++l) gw_acc[d + l] += a[l];
         }
-      } else {
-        for (int64_t l = 0; l < len; ++l) buf[l] = T::load(gr[d + l]);
       }
-    };
-    alignas(64) float a1[kAcc] = {}, a2[kAcc] = {};  // sum x^2 and sum gr * w * x in fixed lanes
-    auto sums = [&](int64_t d, auto len) DC_LAMBDA_INLINE {
-      unrot(d, len);
-      for (int64_t l = 0; l < len; ++l) {
-        const float v = T::load(xr[d + l]);
-        a1[l] += v * v;
-        a2[l] += buf[l] * w[d + l] * v;
-      }
-    };
-    for_chunks(Dh, sums);
-    const float ss = lane_sum(a1), dot = lane_sum(a2);
-    const float rs = 1.0f / __builtin_sqrtf(ss * inv_d + eps);
-    const float m2 = dot * rs * inv_d;  // mean_d(gh * xhat), gh = gr * w
-    auto grads = [&](int64_t d, auto len) DC_LAMBDA_INLINE {
-      unrot(d, len);
-#pragma GCC ivdep
-      for (int64_t l = 0; l < len; ++l) {
-        const float xh = T::load(xr[d + l]) * rs;
-        o[d + l] = T::store(rs * (buf[l] * w[d + l] - xh * m2));
-        if constexpr (kWGrad) gw[d + l] += buf[l] * xh;
-      }
-    };
-    for_chunks(Dh, grads);
+    });
   });
 }
 
