@@ -937,11 +937,18 @@ void swiglu_t(const void* g_, const void* x_, void* out_, int64_t H, int64_t r0,
     const S* gr = kGrad ? g + r * H : nullptr;
     S* oa = kGrad ? out + r * 2 * H : out + r * H;  // grad_x (R, 2H) or y (R, H)
     S* ob = kGrad ? oa + H : nullptr;
-    int64_t k = 0;
-    for (; k + kGeluLanes <= H; k += kGeluLanes) {
-      swiglu_block<T, kGrad>(kGrad ? gr + k : nullptr, a + k, a + H + k, oa + k, kGrad ? ob + k : nullptr, kGeluLanes);
+    auto block = [&](int64_t k, int64_t m) DC_LAMBDA_INLINE {
+      swiglu_block<T, kGrad>(kGrad ? gr + k : nullptr, a + k, a + H + k, oa + k, kGrad ? ob + k : nullptr, m);
+    };
+    if (H < kGeluLanes) {
+      block(0, H);  // a short row: one padded vector
+      continue;
     }
-    if (k < H) swiglu_block<T, kGrad>(kGrad ? gr + k : nullptr, a + k, a + H + k, oa + k, kGrad ? ob + k : nullptr, H - k);
+    int64_t k = 0;
+    for (; k + kGeluLanes <= H; k += kGeluLanes) block(k, kGeluLanes);
+    // the tail as the row's last full vector, overlapping the one before it: its elements are computed again, to
+    // the same values (an elementwise function), instead of a padded vector through memory
+    if (k < H) block(H - kGeluLanes, kGeluLanes);
   }
 }
 
