@@ -23,8 +23,11 @@ model's own kernels), ``q_sample`` and ``diffusion_loss`` alone; passes ``fwd``,
 ``fwd+bwd``. Sizes: B in {8, 64, 256} at 4x32x32 and B=32 at 4x64x64. ``gbps`` counts the minimal bytes the case
 must move (eps prediction: q_sample reads x0 and the noise and writes x_t; the loss reads pred and the noise and
 writes the gradient; in-kernel noise is never read); ``pct_copy`` relates it to the ``copy`` row of the same
-rotation. The DiT block ops (``--block B N D``) run at one size. Token routing's ops (``token_gather``,
-``token_scatter``; ``--route BxTxKxD ...``, default DiT-S/2's 256 tokens at width 384, half kept, B=16, and a small
+rotation. The DiT block ops (``--block B N D``) run at one size, and so do the modern block's ops
+(``rmsnorm_modulate``, ``qk_norm_rope`` with heads of ``--head-dim`` channels on a square token grid, ``swiglu`` at
+2/3 of the GELU width), each against its eager form in the model's own code, with a given upstream gradient. Token
+routing's ops (``token_gather``, ``token_scatter``; ``--route BxTxKxD ...``, default DiT-S/2's 256 tokens at width
+384, half kept, B=16, and a small
 size) are timed as a routed span uses them: the output is materialised (no reduction after it, which inductor would
 fuse into the gather instead of writing it), the backward gets a given upstream gradient, and the scatter's base
 and src both need gradients; ``gbps`` counts the rows they must read and write. Freed host memory is retained
