@@ -267,7 +267,7 @@ def modern_cases(args, device, dtype, backends):
             fns["compile(torch-eager)"] = torch.compile(fns["torch-eager"], dynamic=False)
     for b in backends:
         plain["rmsnorm_modulate"][b] = lambda x, b=b: ops.rmsnorm_modulate(x, shift, scale, eps=RMS_EPS, backend=b)
-        plain["qk_norm_rope"][b] = lambda qkv, b=b: ops.qk_norm_rope(*split(qkv), wq, wk, cos, sin, backend=b)
+        plain["qk_norm_rope"][b] = lambda qkv, b=b: ops.qk_norm_rope(qkv, heads, wq, wk, cos, sin, backend=b)[:2]
         plain["swiglu"][b] = lambda h, b=b: ops.swiglu(h, backend=b)
     leaves = {
         "rmsnorm_modulate": torch.randn(Bn, N, D, device=device, generator=g).to(dtype),
