@@ -367,17 +367,25 @@ class DiTBlock(nn.Module):
 
 
 class FinalLayer(nn.Module):
-    """The final layer of DiT: adaLN modulation then a linear map to p * p * out_channels per token."""
+    """The final layer of DiT: adaLN modulation then a linear map to p * p * out_channels per token. ``fused`` with
+    the RMSNorm: the norm and modulation run as ``diffcurr_fast.ops.rmsnorm_modulate`` (the same function)."""
 
-    def __init__(self, hidden_size: int, patch_size: int, out_channels: int, norm: str = "layernorm"):
+    def __init__(
+        self, hidden_size: int, patch_size: int, out_channels: int, norm: str = "layernorm", fused: bool = False
+    ):
         super().__init__()
         self.norm_final = _norm(norm, hidden_size)
         self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels, bias=True)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size, bias=True))
+        self.fused_rms = fused and norm == "rmsnorm"
 
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         shift, scale = self.adaLN_modulation(c).chunk(2, dim=1)  # (N, D) each
-        x = modulate(self.norm_final(x), shift, scale)  # (N, T, D)
+        if self.fused_rms:
+            dt = torch.promote_types(x.dtype, shift.dtype)
+            x = rmsnorm_modulate(x.to(dt), shift.to(dt), scale.to(dt), eps=RMS_EPS)  # (N, T, D)
+        else:
+            x = modulate(self.norm_final(x), shift, scale)  # (N, T, D)
         return self.linear(x)  # (N, T, p * p * out_channels)
 
 
@@ -570,7 +578,7 @@ class DiT(nn.Module):
                 for i in range(depth)
             ]
         )
-        self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels, norm=norm)
+        self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels, norm=norm, fused=bool(fused_adaln))
         if self.sprint:  # absent otherwise: the state dict of a model without SPRINT is the release's
             # the [MASK] token of the dropped positions, frozen as in the official code (``models.routing``)
             self.sprint_mask_token = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)

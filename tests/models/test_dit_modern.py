@@ -406,7 +406,8 @@ def test_fused_path_matches_the_eager_path_on_every_instruction_set(each_cpu_isa
 )
 def test_fused_blocks_call_the_fused_op_of_each_option(monkeypatch, options, ops):
     """With fused_adaln every block runs the fused op of each modern option (per block: the two norms, one QK-norm
-    and rotation, one MLP activation, the two gated residuals), and no other fused op."""
+    and rotation, one MLP activation, the two gated residuals; the final layer's RMSNorm too), and no other fused
+    op."""
     from diffcurr_fast.models import dit as dit_module
 
     calls = dict.fromkeys(("adaln_modulate", "rmsnorm_modulate", "qk_norm_rope", "swiglu", "gated_residual"), 0)
@@ -418,7 +419,9 @@ def test_fused_blocks_call_the_fused_op_of_each_option(monkeypatch, options, ops
         )
     x, t, y = _inputs()
     _dit(**options, fused_adaln=True)(x, t, y)
-    assert calls == {name: 4 * ops.get(name, 0) for name in calls}  # four blocks
+    expected = {name: 4 * ops.get(name, 0) for name in calls}  # four blocks
+    expected["rmsnorm_modulate"] += options.get("norm") == "rmsnorm"  # and the final layer's norm
+    assert calls == expected
     calls.update(dict.fromkeys(calls, 0))
     _dit(**options)(x, t, y)
     assert not any(calls.values())  # the eager path calls none
