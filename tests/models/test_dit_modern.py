@@ -354,12 +354,14 @@ def test_all_options_routed_at_keep_one_equal_the_unrouted_model_outputs_and_gra
     ids=["all", "rmsnorm", "qk_norm", "swiglu", "rope2d"],
 )
 def test_gradients_flow_and_checkpointing_and_the_fused_path_agree(options):
-    """Every trainable weight gets a finite, non-zero gradient; gradient checkpointing gives the same gradients; the
-    fused adaLN path (plain modulate for rmsnorm) the same outputs and gradients up to float rounding; DTR runs."""
+    """Every trainable weight gets a finite, non-zero gradient; gradient checkpointing gives the same gradients, on the
+    eager and on the fused path; the fused path the same outputs and gradients up to float rounding; DTR runs."""
     x, t, y = _inputs()
     force = torch.zeros(3, dtype=torch.long)
     grads = {}
-    for name, kw in (("eager", {}), ("ckpt", {"grad_checkpointing": True}), ("fused", {"fused_adaln": True})):
+    runs = [("eager", {}), ("ckpt", {"grad_checkpointing": True}), ("fused", {"fused_adaln": True})]
+    runs.append(("fused+ckpt", {"fused_adaln": True, "grad_checkpointing": True}))
+    for name, kw in runs:
         m = _dit(**options, dtr={}, **kw).train()
         out = m(x, t, y, force_drop_ids=force)
         out.square().mean().backward()
@@ -369,6 +371,9 @@ def test_gradients_flow_and_checkpointing_and_the_fused_path_agree(options):
         n for n, v in g.items() if v is None or v.abs().sum() == 0
     ]
     assert torch.equal(grads["ckpt"][0], out) and all(torch.equal(grads["ckpt"][1][n], v) for n, v in g.items())
+    fused, g_fused = grads["fused"]
+    assert torch.equal(grads["fused+ckpt"][0], fused)  # recomputing the fused blocks gives the same bits
+    assert all(torch.equal(grads["fused+ckpt"][1][n], v) for n, v in g_fused.items())
     torch.testing.assert_close(grads["fused"][0], out, rtol=1e-4, atol=1e-5)
     for n, v in g.items():
         torch.testing.assert_close(grads["fused"][1][n], v, rtol=1e-3, atol=1e-5, msg=n)
