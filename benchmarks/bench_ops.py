@@ -23,8 +23,11 @@ model's own kernels), ``q_sample`` and ``diffusion_loss`` alone; passes ``fwd``,
 ``fwd+bwd``. Sizes: B in {8, 64, 256} at 4x32x32 and B=32 at 4x64x64. ``gbps`` counts the minimal bytes the case
 must move (eps prediction: q_sample reads x0 and the noise and writes x_t; the loss reads pred and the noise and
 writes the gradient; in-kernel noise is never read); ``pct_copy`` relates it to the ``copy`` row of the same
-rotation. The DiT block ops (``--block B N D``) run at one size. Token routing's ops (``token_gather``,
-``token_scatter``; ``--route BxTxKxD ...``, default DiT-S/2's 256 tokens at width 384, half kept, B=16, and a small
+rotation. The DiT block ops (``--block B N D``) run at one size, and so do the modern block's ops
+(``rmsnorm_modulate``, ``qk_norm_rope`` with heads of ``--head-dim`` channels on a square token grid, ``swiglu`` at
+2/3 of the GELU width), each against its eager form in the model's own code, with a given upstream gradient. Token
+routing's ops (``token_gather``, ``token_scatter``; ``--route BxTxKxD ...``, default DiT-S/2's 256 tokens at width
+384, half kept, B=16, and a small
 size) are timed as a routed span uses them: the output is materialised (no reduction after it, which inductor would
 fuse into the gather instead of writing it), the backward gets a given upstream gradient, and the scatter's base
 and src both need gradients; ``gbps`` counts the rows they must read and write. Freed host memory is retained
@@ -54,6 +57,7 @@ import common  # noqa: E402
 
 import diffcurr_fast.ops as ops  # noqa: E402
 from diffcurr_fast.diffusion import DDPMSchedule  # noqa: E402
+from diffcurr_fast.models.modern import RMS_EPS, apply_rope2d, rope2d_tables, swiglu_hidden  # noqa: E402
 from diffcurr_fast.models.routing import draw_route  # noqa: E402
 from diffcurr_fast.ops import _backend  # noqa: E402
 from diffcurr_fast.train.host_memory import retain_host_memory  # noqa: E402
@@ -64,6 +68,7 @@ MODES = ("given", "seed")
 PASSES = ("fwd", "bwd", "fwd+bwd")
 LOSS_CASES = ("full_loss_path", "q_sample", "diffusion_loss")
 BLOCK_CASES = ("randn", "sample_timesteps", "adaln_modulate", "gated_residual", "gelu_tanh")
+MODERN_CASES = ("rmsnorm_modulate", "qk_norm_rope", "swiglu")  # the modern block's ops, at the --block size
 ROUTE_CASES = ("token_gather", "token_scatter")
 ROUTE_SIZES = ("16x256x128x384", "4x64x32x96")  # BxTxKxD: DiT-S/2 at 256 tokens, half kept; a small one
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -216,6 +221,77 @@ def loss_path_cases(
     return cases, x0
 
 
+def modern_cases(args, device, dtype, backends):
+    """(providers of the modern block's ops at the --block size, their leaves, the elements each case counts).
+
+    Each eager form is the modern block's own (``models/modern.py``, ``models/dit.py``): RMSNorm (F.rms_norm in
+    float32) then the modulation; q and k unbound from one qkv projection (their views, as the attention reads them),
+    RMS-normalised with their weights, then rotated by ``apply_rope2d`` with the 2-D tables of a square token grid
+    (N must be a square); silu(a) * b on the halves of the SwiGLU projection, 2/3 of the GELU width. The leaves are x,
+    the qkv projection and the SwiGLU projection; heads of ``--head-dim`` channels. As the routing ops, each output is
+    materialised (no reduction after it) and the backward gets a given upstream gradient (``_SeedGrad``)."""
+    Bn, N, D = args.block
+    heads = max(1, D // args.head_dim)
+    dh = D // heads
+    grid = int(round(N**0.5))
+    if grid * grid != N or dh % 4:
+        raise SystemExit(f"--block {Bn} {N} {D}: qk_norm_rope needs a square token count and a head dim divisible by 4")
+    g = torch.Generator(device).manual_seed(4)
+    shift, scale = (0.1 * torch.randn(Bn, D, device=device, generator=g).to(dtype) for _ in range(2))
+    wq, wk = (1 + 0.1 * torch.randn(dh, device=device, generator=g) for _ in range(2))
+    cos, sin = rope2d_tables(grid, dh, device=device)
+    hidden = swiglu_hidden(4 * D)
+
+    def rms_eager(x):
+        h = torch.nn.functional.rms_norm(x.float(), (D,), eps=RMS_EPS).to(x.dtype)
+        return h * (1 + scale[:, None, :]) + shift[:, None, :]
+
+    def split(qkv):
+        q, k, _ = qkv.reshape(Bn, N, 3, heads, dh).permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, N, Dh) each
+        return q, k
+
+    def qk_eager(qkv):
+        q, k = split(qkv)
+        q = torch.nn.functional.rms_norm(q.float(), (dh,), wq, RMS_EPS).to(q.dtype)
+        k = torch.nn.functional.rms_norm(k.float(), (dh,), wk, RMS_EPS).to(k.dtype)
+        return apply_rope2d(q, cos, sin), apply_rope2d(k, cos, sin)
+
+    def swiglu_eager(h):
+        a, b = h.chunk(2, dim=-1)
+        return torch.nn.functional.silu(a) * b
+
+    plain = {"rmsnorm_modulate": {"torch-eager": rms_eager}, "qk_norm_rope": {"torch-eager": qk_eager}}
+    plain["swiglu"] = {"torch-eager": swiglu_eager}
+    if not args.no_compile:
+        for fns in plain.values():
+            fns["compile(torch-eager)"] = torch.compile(fns["torch-eager"], dynamic=False)
+    for b in backends:
+        plain["rmsnorm_modulate"][b] = lambda x, b=b: ops.rmsnorm_modulate(x, shift, scale, eps=RMS_EPS, backend=b)
+        plain["qk_norm_rope"][b] = lambda qkv, b=b: ops.qk_norm_rope(qkv, heads, wq, wk, cos, sin, backend=b)[:2]
+        plain["swiglu"][b] = lambda h, b=b: ops.swiglu(h, backend=b)
+    leaves = {
+        "rmsnorm_modulate": torch.randn(Bn, N, D, device=device, generator=g).to(dtype),
+        "qk_norm_rope": torch.randn(Bn, N, 3 * D, device=device, generator=g).to(dtype),
+        "swiglu": 2 * torch.randn(Bn, N, 2 * hidden, device=device, generator=g).to(dtype),
+    }
+    width = {"rmsnorm_modulate": D, "qk_norm_rope": D, "swiglu": hidden}
+    upstream = {c: torch.randn(Bn, N, w, device=device, generator=g).to(dtype) for c, w in width.items()}
+    gq = upstream["qk_norm_rope"].view(Bn, heads, N, dh)
+
+    def timed(case, fn):
+        if case == "qk_norm_rope":
+            return lambda leaf: sum(_SeedGrad.apply(o, gq) for o in fn(leaf))
+        return lambda leaf: _SeedGrad.apply(fn(leaf), upstream[case])
+
+    cases = {
+        c: {n: Provider(timed(c, f), compiled=n.startswith("compile")) for n, f in fns.items()}
+        for c, fns in plain.items()
+    }
+    outputs = {c: {n: (lambda f=f, c=c: f(leaves[c])) for n, f in fns.items()} for c, fns in plain.items()}
+    numel = {"rmsnorm_modulate": Bn * N * D, "qk_norm_rope": 2 * Bn * N * D, "swiglu": Bn * N * hidden}
+    return cases, leaves, numel, outputs
+
+
 def block_cases(args, device, dtype, backends) -> dict[str, dict[str, Provider]]:
     """Providers of the other ops (Philox noise, timestep sampling, the DiT block ops, the MLP's tanh-GELU) at one
     size."""
@@ -339,6 +415,9 @@ def minimal_passes(case: str, pass_: str, mode: str, prediction: str) -> int:
         "adaln_modulate": {"fwd": 2, "bwd": 3, "fwd+bwd": 5},
         "gated_residual": {"fwd": 3, "bwd": 3, "fwd+bwd": 6},
         "gelu_tanh": {"fwd": 2, "bwd": 3, "fwd+bwd": 5},
+        "rmsnorm_modulate": {"fwd": 2, "bwd": 3, "fwd+bwd": 5},
+        "qk_norm_rope": {"fwd": 2, "bwd": 3, "fwd+bwd": 5},  # of q and k together
+        "swiglu": {"fwd": 3, "bwd": 5, "fwd+bwd": 8},  # of the output's size: x is twice as large
     }
     if case == "q_sample":
         return q
@@ -406,6 +485,12 @@ def check_agreement(providers: dict[str, Provider], leaf0, case: str) -> str | N
     return None
 
 
+def _outputs_agree(got, want) -> bool:
+    """Outputs (a tensor or a tuple of them) equal to torch-eager's up to float32 rounding of the fused arithmetic."""
+    got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
+    return all(torch.allclose(a.float(), b.float(), rtol=2e-3, atol=2e-3) for a, b in zip(got, want))
+
+
 def _backends(device: torch.device, with_reference: bool) -> list[str]:
     names = [
         b for b in ("cuda", "triton", "cpu") if _backend.unavailable_reason(b, "diffusion_loss_fwd", device) is None
@@ -429,7 +514,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=None)
-    parser.add_argument("--ops", nargs="*", default=None, help=f"subset of {LOSS_CASES + BLOCK_CASES + ROUTE_CASES}")
+    parser.add_argument(
+        "--head-dim", type=int, default=64, help="channels per head of qk_norm_rope at the --block width (default 64)"
+    )
+    parser.add_argument(
+        "--ops", nargs="*", default=None, help=f"subset of {LOSS_CASES + BLOCK_CASES + MODERN_CASES + ROUTE_CASES}"
+    )
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile provider")
     parser.add_argument("--compile", action="store_true", help="keep the torch.compile provider with --quick")
     parser.add_argument("--reference", action="store_true", help="add our reference backend (a slow oracle)")
@@ -476,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
         args.no_compile = args.no_compile or not args.compile
     reps = args.reps or (5 if args.quick else 30)
     warmup = args.warmup or (2 if args.quick else 5)
-    every = LOSS_CASES + BLOCK_CASES + ROUTE_CASES
+    every = LOSS_CASES + BLOCK_CASES + MODERN_CASES + ROUTE_CASES
     wanted = set(args.ops) if args.ops else set(every)
     unknown = wanted - set(every)
     if unknown:
@@ -581,6 +671,20 @@ def main(argv: list[str] | None = None) -> int:
                     cases[case],
                     numel[case],
                 )
+    if wanted & set(MODERN_CASES):
+        cases, leaves, numel, outputs = modern_cases(args, device, dtype, backends)
+        print(f"modern block ops (block {'x'.join(map(str, args.block))}, heads of {args.head_dim})")
+        for case in MODERN_CASES:
+            if case not in wanted:
+                continue
+            want = outputs[case]["torch-eager"]()
+            bad = [n for n, f in outputs[case].items() if not _outputs_agree(f(), want)]
+            if bad:
+                print(f"  {case}: providers disagree with torch-eager, not timed: {bad}")
+                continue
+            for pass_ in PASSES:
+                times = run_rotation(cases[case], leaves[case], pass_, numel[case], device, reps, warmup)
+                record(case, "-", pass_, "x".join(map(str, args.block)), times, cases[case], numel[case])
     for size in route_sizes:
         if not wanted & set(ROUTE_CASES):
             break
@@ -606,6 +710,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_targets(rows: list[dict[str, object]]) -> None:
     """The issues' targets on this run's rows: met or not, with the ratio."""
+    for r in rows:  # the modern block's ops: forward + backward at least as fast as torch.compile of the eager form
+        if r["op"] in MODERN_CASES and r["pass"] == "fwd+bwd" and r["provider"] in ("cpu", "cuda", "triton"):
+            comp = r["x_vs_compile(torch-eager)"]
+            goal = f"  [>= 1.0x compile: {'met' if float(comp) >= 1.0 else 'NOT met'}]" if comp else ""
+            print(
+                f"target {r['op']} {r['size']} fwd+bwd {r['provider']}: x{comp or '-'} compile, "
+                f"x{r['x_vs_torch-eager']} eager, {r['pct_copy']}% copy{goal}"
+            )
     for r in rows:  # token routing: ours at least 1.3x torch.compile of the reference at DiT-S/2's size
         if r["op"] in ROUTE_CASES and r["provider"] in ("cpu", "cuda", "triton") and r["x_vs_compile(torch-eager)"]:
             comp = float(r["x_vs_compile(torch-eager)"])

@@ -14,7 +14,8 @@ CPU selection instead of the ``gpu``-marked tests (which would all skip).
 
 Order (the GPU run fits one device lease): the environment and every runtime dependency first, the install, the
 backend assertion, then the key figures (``info --check``, the fused loss path against ``torch.compile`` of plain
-torch at one latent size in fp32 and bf16, the DiT-B/2 and DiT-XL/2 bf16 training step with its MFU), each written
+torch at one latent size in fp32 and bf16, the DiT-B/2 and DiT-XL/2 bf16 training step with its MFU, the modern
+block's step against the plain one), each written
 to its CSV as soon as it is measured, then the GPU tests and the rest of the benchmarks. Each step has its own time
 limit; the run stops cleanly before ``BUDGET_S`` (default 450 s, under 8 minutes; the dry run's limits and budget
 are ``LIMIT_SCALE`` times longer).
@@ -96,6 +97,15 @@ STEPS: tuple[Step, ...] = (
         120,
         _TRAIN + "--providers fused,fused+routed --routing 0.5,2,-2 --batch {train_batch} --recipe dit_xl2 "
         "--set model.preset={preset_xl2}",
+    ),
+    # the modern block (RMSNorm, QK-norm, SwiGLU, 2-D RoPE) on the fused ops against the plain fused step, paired per
+    # repetition in one process (bench_train.py --variant; rows in step_options.csv)
+    Step(
+        "train_modern",
+        90,
+        _TRAIN + "--batch {train_batch} --recipe dit_b2_vanilla --set model.preset={preset_b2} --set "
+        "model.fused_adaln=true --variant '' --variant 'model.norm=rmsnorm;model.qk_norm=true;model.mlp=swiglu;"
+        "model.pos=rope2d'",
     ),
     # ---- everything else
     Step(

@@ -225,6 +225,109 @@ inline BlockArgs gated_bwd_args(const at::Tensor& go, const at::Tensor& gate, co
   return {y.contiguous(), go.contiguous(), f32_contig(gate), at::Tensor(), y.size(0), y.size(1), y.size(2), dt};
 }
 
+// rmsnorm_modulate_fwd(x, shift, scale, weight, eps) / _bwd(grad_y, x, scale, weight, rstd): x-like (B, N, D),
+// (B, D) vectors and the optional (D,) weight as float32 (undefined when absent); rstd (B, N) float32.
+struct RmsArgs {
+  at::Tensor x, gy, shift, scale, weight, rstd;
+  int64_t B, N, D;
+  int dt;
+  const float* weight_ptr() const { return weight.defined() ? weight.const_data_ptr<float>() : nullptr; }
+};
+
+inline at::Tensor optional_weight(const c10::optional<at::Tensor>& w, const at::Tensor& x, int64_t D, const char* op,
+                                  const char* name) {
+  if (!w.has_value()) return at::Tensor();
+  check_device(*w, x, op, name);
+  TORCH_CHECK(w->dim() == 1 && w->size(0) == D, "diffcurr_fast_C::", op, ": ", name, " must have shape (", D,
+              ",), got ", w->sizes());
+  TORCH_CHECK(w->scalar_type() == at::kFloat || w->scalar_type() == x.scalar_type(), "diffcurr_fast_C::", op, ": ",
+              name, " must be float32 or the dtype of x (", x.scalar_type(), "), got ", w->scalar_type());
+  return f32_contig(*w);
+}
+
+inline void check_eps(double eps, const char* op) {
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0.0, "diffcurr_fast_C::", op, ": eps must be finite and >= 0, got ", eps);
+}
+
+inline RmsArgs rms_fwd_args(const at::Tensor& x, const at::Tensor& shift, const at::Tensor& scale,
+                            const c10::optional<at::Tensor>& weight, double eps, const char* op) {
+  check_bnd(x, op, "x");
+  const int dt = dtype_code(x, op, "x");
+  check_bd(shift, x, op, "shift");
+  check_bd(scale, x, op, "scale");
+  check_eps(eps, op);
+  return {x.contiguous(), at::Tensor(), f32_contig(shift), f32_contig(scale), optional_weight(weight, x, x.size(2), op, "weight"),
+          at::Tensor(), x.size(0), x.size(1), x.size(2), dt};
+}
+
+inline RmsArgs rms_bwd_args(const at::Tensor& gy, const at::Tensor& x, const at::Tensor& scale,
+                            const c10::optional<at::Tensor>& weight, const at::Tensor& rstd, const char* op) {
+  check_bnd(x, op, "x");
+  const int dt = dtype_code(x, op, "x");
+  check_like(gy, x, op, "grad_y", "x");
+  check_bd(scale, x, op, "scale");
+  check_bn_stats(rstd, x, op, "rstd");
+  return {x.contiguous(), gy.contiguous(), at::Tensor(), f32_contig(scale), optional_weight(weight, x, x.size(2), op, "weight"),
+          rstd.contiguous(), x.size(0), x.size(1), x.size(2), dt};
+}
+
+// qk_norm_rope_fwd / _bwd: the packed projection qkv (B, N, 3 H Dh), [q; k; v] of H heads of Dh channels along its
+// last dimension (read in place when that has unit stride), the optional (Dh,) weights as float32 (both or
+// neither) and the optional rotary tables as float32 (both or neither): (N, Dh / 2), one for the batch, or
+// (B, N, Dh / 2), one per sample.
+struct QkArgs {
+  at::Tensor qkv, wq, wk, cos, sin;
+  int64_t B, H, N, Dh, tab_b;
+  int dt;
+  const float* ptr(const at::Tensor& t) const { return t.defined() ? t.const_data_ptr<float>() : nullptr; }
+};
+
+// t with unit stride along its last dimension (a view of it when it has one, else a contiguous copy).
+inline at::Tensor unit_last(const at::Tensor& t) { return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous(); }
+
+inline QkArgs qk_args(const at::Tensor& qkv, int64_t heads, const c10::optional<at::Tensor>& wq,
+                      const c10::optional<at::Tensor>& wk, const c10::optional<at::Tensor>& cos,
+                      const c10::optional<at::Tensor>& sin, double eps, const char* op) {
+  TORCH_CHECK(qkv.dim() == 3, "diffcurr_fast_C::", op, ": qkv must have shape (B, N, 3 * heads * head_dim), got ",
+              qkv.sizes());
+  const int dt = dtype_code(qkv, op, "qkv");
+  TORCH_CHECK(heads >= 1 && qkv.size(2) % (3 * heads) == 0, "diffcurr_fast_C::", op,
+              ": qkv's last dimension must be 3 * heads * head_dim with heads >= 1, got ", qkv.size(2), " for ",
+              heads, " heads");
+  check_eps(eps, op);
+  const int64_t B = qkv.size(0), N = qkv.size(1), H = heads, Dh = qkv.size(2) / (3 * heads);
+  TORCH_CHECK(wq.has_value() == wk.has_value(), "diffcurr_fast_C::", op,
+              ": give both q_weight and k_weight (QK-norm) or neither");
+  TORCH_CHECK(cos.has_value() == sin.has_value(), "diffcurr_fast_C::", op, ": give both cos and sin (RoPE) or neither");
+  QkArgs r{unit_last(qkv), optional_weight(wq, qkv, Dh, op, "q_weight"), optional_weight(wk, qkv, Dh, op, "k_weight"),
+           at::Tensor(), at::Tensor(), B, H, N, Dh, 0, dt};
+  if (cos.has_value()) {
+    TORCH_CHECK(Dh % 2 == 0, "diffcurr_fast_C::", op, ": the rotation needs an even head dim, got ", Dh);
+    for (const at::Tensor* t : {&*cos, &*sin}) {
+      check_device(*t, qkv, op, "cos / sin");
+      const bool shared = t->dim() == 2 && t->size(0) == N && t->size(1) == Dh / 2;
+      const bool per_sample = t->dim() == 3 && t->size(0) == B && t->size(1) == N && t->size(2) == Dh / 2;
+      TORCH_CHECK(shared || per_sample, "diffcurr_fast_C::", op, ": cos and sin must have shape (", N, ", ", Dh / 2,
+                  ") or (", B, ", ", N, ", ", Dh / 2, "), got ", t->sizes());
+      TORCH_CHECK(t->scalar_type() == at::kFloat || t->scalar_type() == qkv.scalar_type(), "diffcurr_fast_C::", op,
+                  ": cos and sin must be float32 or the dtype of qkv, got ", t->scalar_type());
+    }
+    TORCH_CHECK(cos->sizes() == sin->sizes(), "diffcurr_fast_C::", op, ": cos ", cos->sizes(), " and sin ",
+                sin->sizes(), " must have one shape");
+    r.cos = f32_contig(*cos);
+    r.sin = f32_contig(*sin);
+    r.tab_b = cos->dim() == 3 ? N * (Dh / 2) : 0;
+  }
+  return r;
+}
+
+// swiglu_fwd(x) / swiglu_bwd(grad_y, x): x (..., 2H) with its two halves a, b along the last dimension.
+inline int64_t swiglu_half(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, "diffcurr_fast_C::", op,
+              ": x must have an even last dimension (the two halves a, b), got ", x.sizes());
+  return x.size(-1) / 2;
+}
+
 // Token routing: rows (B, T, D) of a kernel dtype and idx (B, K) int64 on their device, K <= T.
 struct RouteArgs {
   at::Tensor rows, idx;  // rows: x of token_gather, src of token_scatter, grad_out of token_scatter_bwd

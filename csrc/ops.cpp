@@ -363,6 +363,250 @@ std::vector<int32_t> route_positions(const int64_t* idx, int64_t B, int64_t T, i
 
 int64_t row_grain(int64_t D) { return std::max<int64_t>(1, kElemGrain / std::max<int64_t>(1, D)); }
 
+// ---- the modern block: RMSNorm-modulate, QK-norm + 2-D RoPE, SwiGLU (docs/ops.md) -------------------------
+std::tuple<at::Tensor, at::Tensor> rmsnorm_modulate_fwd_cpu(const at::Tensor& x_in, const at::Tensor& shift_in,
+                                                            const at::Tensor& scale_in,
+                                                            const c10::optional<at::Tensor>& weight_in, double eps) {
+  const char* op = "rmsnorm_modulate_fwd";
+  check_cpu(x_in, op, "x");
+  const RmsArgs g = rms_fwd_args(x_in, shift_in, scale_in, weight_in, eps, op);
+  const int64_t B = g.B, N = g.N, D = g.D;
+  at::Tensor y = at::empty(g.x.sizes(), g.x.options());
+  at::Tensor rstd = at::empty({B, N}, g.x.options().dtype(at::kFloat));
+  if (g.x.numel() == 0) {
+    if (rstd.numel() > 0) rstd.fill_(1.0 / std::sqrt(eps));
+    return {y, rstd};
+  }
+  const void* xp = g.x.const_data_ptr();
+  const float* shp = g.shift.const_data_ptr<float>();
+  const float* scp = g.scale.const_data_ptr<float>();
+  const float* wp = g.weight_ptr();
+  void* yp = y.mutable_data_ptr();
+  float* rp = rstd.mutable_data_ptr<float>();
+  const auto feps = static_cast<float>(eps);
+  at::parallel_for(0, B * N, row_grain(D), [&](int64_t begin, int64_t end) {
+    K().rmsnorm_fwd(g.dt, xp, shp, scp, wp, yp, rp, N, D, feps, begin, end - begin);
+  });
+  return {y, rstd};
+}
+
+// affine_grads == false: grad_x only (the others empty, shape (0,)). grad_weight is empty without a weight.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rmsnorm_modulate_bwd_cpu(
+    const at::Tensor& gy_in, const at::Tensor& x_in, const at::Tensor& scale_in,
+    const c10::optional<at::Tensor>& weight_in, const at::Tensor& rstd_in, bool affine_grads) {
+  const char* op = "rmsnorm_modulate_bwd";
+  check_cpu(x_in, op, "x");
+  const RmsArgs g = rms_bwd_args(gy_in, x_in, scale_in, weight_in, rstd_in, op);
+  const int64_t B = g.B, N = g.N, D = g.D;
+  at::Tensor gx = at::empty(g.x.sizes(), g.x.options());
+  const void* gyp = g.gy.const_data_ptr();
+  const void* xp = g.x.const_data_ptr();
+  const float* scp = g.scale.const_data_ptr<float>();
+  const float* wp = g.weight_ptr();
+  const float* rp = g.rstd.const_data_ptr<float>();
+  void* gxp = gx.mutable_data_ptr();
+  auto none = [&] { return at::empty({0}, scale_in.options()); };  // a fresh one each (outputs never alias)
+  if (!affine_grads) {
+    const int64_t nchunk = (N + kRowChunk - 1) / kRowChunk;
+    at::parallel_for(0, B * nchunk, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t n0 = (task % nchunk) * kRowChunk;
+        K().rmsnorm_bwd(g.dt, gyp, xp, scp, wp, rp, gxp, nullptr, nullptr, N, D, task / nchunk, n0,
+                        std::min(kRowChunk, N - n0));
+      }
+    });
+    return {gx, none(), none(), none()};
+  }
+  // grad_shift = sum_n grad_y; S = sum_n grad_y * xhat; grad_scale = S * w; grad_w = sum_b (1 + scale) * S
+  std::vector<at::Tensor> sums = chunked_row_reduce(B, N, D, 2, [&](int64_t b, int64_t n0, int64_t nrows, float* acc) {
+    K().rmsnorm_bwd(g.dt, gyp, xp, scp, wp, rp, gxp, acc, acc + D, N, D, b, n0, nrows);
+  });
+  at::Tensor gw = none();
+  if (wp != nullptr) {
+    at::Tensor gwf = at::empty({D}, at::TensorOptions().dtype(at::kFloat));
+    float* o = gwf.mutable_data_ptr<float>();
+    const float* s = sums[1].const_data_ptr<float>();
+    for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t d = 0; d < D; ++d) o[d] += (1.0f + scp[b * D + d]) * s[b * D + d];
+    }
+    float* sp = sums[1].mutable_data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t d = 0; d < D; ++d) sp[b * D + d] *= wp[d];
+    }
+    gw = gwf.to(weight_in->scalar_type());
+  }
+  return {gx, sums[0].to(scale_in.scalar_type()), sums[1].to(scale_in.scalar_type()), gw};
+}
+
+constexpr int64_t kQkRowChunk = 128;  // rows (one head of one token) per partial sum of the weight gradients
+
+// The rows of part p (0 q, 1 k, 2 v) of a packed (B, N, 3 H Dh) projection, and of a (B, H, N, Dh) tensor.
+cpu::RowLayout packed_layout(const at::Tensor& qkv, int64_t H, int64_t Dh) {
+  return {H, qkv.size(1), Dh, qkv.stride(0), Dh, qkv.stride(1)};
+}
+cpu::RowLayout heads_layout(const at::Tensor& t) {
+  return {t.size(1), t.size(2), t.size(3), t.stride(0), t.stride(1), t.stride(2)};
+}
+
+// The rotary tables expanded to one entry per channel, as the CPU kernels read them (csrc/cpu/kernels.h):
+// ce[.., 2m] = ce[.., 2m + 1] = cos[.., m], se[.., 2m] = -sin[.., m], se[.., 2m + 1] = sin[.., m]; rows of Dh
+// (their sample stride: N Dh for per-sample tables, 0 for one table). Undefined without tables.
+struct ExpandedTables {
+  at::Tensor ce, se;
+  int64_t tab_b = 0;
+};
+
+ExpandedTables expand_tables(const QkArgs& g) {
+  ExpandedTables t;
+  if (!g.cos.defined()) return t;
+  const int64_t rows = g.cos.numel() / (g.Dh / 2);
+  t.ce = at::empty({rows, g.Dh}, g.cos.options());
+  t.se = at::empty({rows, g.Dh}, g.cos.options());
+  const float *c = g.cos.const_data_ptr<float>(), *s = g.sin.const_data_ptr<float>();
+  float *ce = t.ce.mutable_data_ptr<float>(), *se = t.se.mutable_data_ptr<float>();
+  for (int64_t i = 0; i < rows * (g.Dh / 2); ++i) {
+    ce[2 * i] = ce[2 * i + 1] = c[i];
+    se[2 * i] = -s[i];
+    se[2 * i + 1] = s[i];
+  }
+  t.tab_b = g.tab_b != 0 ? g.N * g.Dh : 0;
+  return t;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_fwd_cpu(
+    const at::Tensor& qkv_in, int64_t heads, const c10::optional<at::Tensor>& wq_in,
+    const c10::optional<at::Tensor>& wk_in, const c10::optional<at::Tensor>& cos_in,
+    const c10::optional<at::Tensor>& sin_in, double eps) {
+  const char* op = "qk_norm_rope_fwd";
+  check_cpu(qkv_in, op, "qkv");
+  const QkArgs g = qk_args(qkv_in, heads, wq_in, wk_in, cos_in, sin_in, eps, op);
+  at::Tensor outs[3];
+  for (at::Tensor& o : outs) o = at::empty({g.B, g.H, g.N, g.Dh}, g.qkv.options());
+  const int64_t R = g.B * g.H * g.N;
+  if (R == 0 || g.Dh == 0) return {outs[0], outs[1], outs[2]};
+  const cpu::RowLayout il = packed_layout(g.qkv, g.H, g.Dh), ol = heads_layout(outs[0]);
+  const auto* base = static_cast<const char*>(g.qkv.const_data_ptr());
+  const int64_t part_bytes = g.H * g.Dh * g.qkv.element_size();
+  const float* w[3] = {g.ptr(g.wq), g.ptr(g.wk), nullptr};
+  const ExpandedTables t = expand_tables(g);
+  const float *cp = g.ptr(t.ce), *sp = g.ptr(t.se);
+  const auto feps = static_cast<float>(eps);
+  // rows [p R, (p + 1) R) are part p's: q and k normed and rotated, v copied into its heads layout
+  at::parallel_for(0, 3 * R, row_grain(g.Dh), [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin / R; p < 3 && p * R < end; ++p) {
+      const int64_t r0 = std::max(begin, p * R) - p * R, r1 = std::min(end, (p + 1) * R) - p * R;
+      K().qk_rope_fwd(g.dt, base + p * part_bytes, il, w[p], p < 2 ? cp : nullptr, p < 2 ? sp : nullptr, t.tab_b,
+                      outs[p].mutable_data_ptr(), ol, feps, r0, r1 - r0);
+    }
+  });
+  return {outs[0], outs[1], outs[2]};
+}
+
+// grad_qkv (B, N, 3 H Dh) in one pass; weight_grads == false (or no weights): the weight gradients come back empty.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_bwd_cpu(
+    const at::Tensor& gq_in, const at::Tensor& gk_in, const at::Tensor& gv_in, const at::Tensor& qkv_in,
+    int64_t heads, const c10::optional<at::Tensor>& wq_in, const c10::optional<at::Tensor>& wk_in,
+    const c10::optional<at::Tensor>& cos_in, const c10::optional<at::Tensor>& sin_in, double eps, bool weight_grads) {
+  const char* op = "qk_norm_rope_bwd";
+  check_cpu(qkv_in, op, "qkv");
+  const QkArgs g = qk_args(qkv_in, heads, wq_in, wk_in, cos_in, sin_in, eps, op);
+  const at::Tensor like = at::empty({g.B, g.H, g.N, g.Dh}, g.qkv.options());
+  at::Tensor grads[3];
+  const char* names[3] = {"grad_q", "grad_k", "grad_v"};
+  const at::Tensor* given[3] = {&gq_in, &gk_in, &gv_in};
+  for (int p = 0; p < 3; ++p) {
+    check_like(*given[p], like, op, names[p], "(B, heads, N, head_dim) of qkv");
+    grads[p] = unit_last(*given[p]);
+  }
+  at::Tensor gqkv = at::empty({g.B, g.N, 3 * g.H * g.Dh}, g.qkv.options());
+  auto none = [&] { return at::empty({0}, qkv_in.options()); };  // a fresh one each (outputs never alias)
+  const bool wgrad = weight_grads && g.wq.defined();
+  const int64_t R = g.B * g.H * g.N, Dh = g.Dh;
+  if (R == 0 || Dh == 0) {
+    if (!wgrad) return {gqkv, none(), none()};
+    const at::Tensor z = at::zeros({Dh}, wq_in->options());
+    return {gqkv, z, z.clone()};
+  }
+  const cpu::RowLayout il = packed_layout(g.qkv, g.H, Dh), ol = packed_layout(gqkv, g.H, Dh);
+  const cpu::RowLayout gl[3] = {heads_layout(grads[0]), heads_layout(grads[1]), heads_layout(grads[2])};
+  const auto* base = static_cast<const char*>(g.qkv.const_data_ptr());
+  auto* obase = static_cast<char*>(gqkv.mutable_data_ptr());
+  const int64_t part_bytes = g.H * Dh * g.qkv.element_size();
+  const float* w[3] = {g.ptr(g.wq), g.ptr(g.wk), nullptr};
+  const ExpandedTables t = expand_tables(g);
+  const float *cp = g.ptr(t.ce), *sp = g.ptr(t.se);
+  const auto feps = static_cast<float>(eps);
+  // tasks: chunks of kQkRowChunk rows of q, then of k, then of v; a q or k chunk adds its rows' weight gradient
+  // into its own slot
+  const int64_t nchunk = (R + kQkRowChunk - 1) / kQkRowChunk;
+  std::vector<float> part(wgrad ? static_cast<size_t>(2 * nchunk * Dh) : 0, 0.0f);
+  at::parallel_for(0, 3 * nchunk, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t p = task / nchunk, r0 = (task % nchunk) * kQkRowChunk;
+      float* acc = wgrad && p < 2 ? part.data() + task * Dh : nullptr;
+      K().qk_rope_bwd(g.dt, grads[p].const_data_ptr(), gl[p], base + p * part_bytes, il, w[p], p < 2 ? cp : nullptr,
+                      p < 2 ? sp : nullptr, t.tab_b, obase + p * part_bytes, ol, acc, feps, r0,
+                      std::min(kQkRowChunk, R - r0));
+    }
+  });
+  if (!wgrad) return {gqkv, none(), none()};
+  at::Tensor gw[2];
+  for (int64_t t = 0; t < 2; ++t) {  // the chunk sums in chunk order: independent of the thread count
+    at::Tensor out = at::zeros({Dh}, at::TensorOptions().dtype(at::kFloat));
+    float* o = out.mutable_data_ptr<float>();
+    for (int64_t c = 0; c < nchunk; ++c) {
+      const float* pc = part.data() + (t * nchunk + c) * Dh;
+      for (int64_t d = 0; d < Dh; ++d) o[d] += pc[d];
+    }
+    gw[t] = out.to((t == 0 ? wq_in : wk_in)->scalar_type());
+  }
+  return {gqkv, gw[0], gw[1]};
+}
+
+at::Tensor swiglu_fwd_cpu(const at::Tensor& x_in) {
+  const char* op = "swiglu_fwd";
+  check_cpu(x_in, op, "x");
+  const int64_t H = swiglu_half(x_in, op);
+  const int dt = dtype_code(x_in, op, "x");
+  const at::Tensor x = x_in.contiguous();
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = H;
+  at::Tensor y = at::empty(shape, x.options());
+  const int64_t R = H > 0 ? y.numel() / H : 0;
+  if (R == 0) return y;
+  const void* xp = x.const_data_ptr();
+  void* yp = y.mutable_data_ptr();
+  at::parallel_for(0, R, row_grain(3 * H), [&](int64_t begin, int64_t end) {
+    K().swiglu_fwd(dt, xp, yp, H, begin, end - begin);
+  });
+  return y;
+}
+
+at::Tensor swiglu_bwd_cpu(const at::Tensor& gy_in, const at::Tensor& x_in) {
+  const char* op = "swiglu_bwd";
+  check_cpu(x_in, op, "x");
+  const int64_t H = swiglu_half(x_in, op);
+  const int dt = dtype_code(x_in, op, "x");
+  check_device(gy_in, x_in, op, "grad_y");
+  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+  shape.back() = H;
+  TORCH_CHECK(gy_in.sizes() == c10::IntArrayRef(shape) && gy_in.scalar_type() == x_in.scalar_type(),
+              "diffcurr_fast_C::", op, ": grad_y must have shape ", c10::IntArrayRef(shape), " and dtype ",
+              x_in.scalar_type(), ", got ", gy_in.sizes(), " ", gy_in.scalar_type());
+  const at::Tensor x = x_in.contiguous(), gy = gy_in.contiguous();
+  at::Tensor gx = at::empty(x.sizes(), x.options());
+  const int64_t R = H > 0 ? gy.numel() / H : 0;
+  if (R == 0) return gx;
+  const void* xp = x.const_data_ptr();
+  const void* gp = gy.const_data_ptr();
+  void* gxp = gx.mutable_data_ptr();
+  at::parallel_for(0, R, row_grain(5 * H), [&](int64_t begin, int64_t end) {
+    K().swiglu_bwd(dt, gp, xp, gxp, H, begin, end - begin);
+  });
+  return gx;
+}
+
 at::Tensor token_gather_cpu(const at::Tensor& x_in, const at::Tensor& idx_in) {
   const char* op = "token_gather";
   check_cpu(x_in, op, "x");
@@ -449,6 +693,20 @@ TORCH_LIBRARY(diffcurr_fast_C, m) {
   m.def("gated_residual_bwd(Tensor grad_out, Tensor gate, Tensor y) -> (Tensor ggate, Tensor gy)");
   m.def("gelu_tanh_fwd(Tensor x) -> Tensor");
   m.def("gelu_tanh_bwd(Tensor grad_y, Tensor x) -> Tensor");
+  m.def(
+      "rmsnorm_modulate_fwd(Tensor x, Tensor shift, Tensor scale, Tensor? weight, float eps) -> (Tensor y, Tensor rstd)");
+  m.def(
+      "rmsnorm_modulate_bwd(Tensor grad_y, Tensor x, Tensor scale, Tensor? weight, Tensor rstd, bool affine_grads=True) "
+      "-> (Tensor gx, Tensor gshift, Tensor gscale, Tensor gweight)");
+  m.def(
+      "qk_norm_rope_fwd(Tensor qkv, int heads, Tensor? q_weight, Tensor? k_weight, Tensor? cos, Tensor? sin, "
+      "float eps) -> (Tensor q, Tensor k, Tensor v)");
+  m.def(
+      "qk_norm_rope_bwd(Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor qkv, int heads, Tensor? q_weight, "
+      "Tensor? k_weight, Tensor? cos, Tensor? sin, float eps, bool weight_grads=True) -> (Tensor grad_qkv, "
+      "Tensor grad_q_weight, Tensor grad_k_weight)");
+  m.def("swiglu_fwd(Tensor x) -> Tensor");
+  m.def("swiglu_bwd(Tensor grad_y, Tensor x) -> Tensor");
   m.def("token_gather(Tensor x, Tensor idx) -> Tensor");
   m.def("token_scatter(Tensor? base, Tensor idx, Tensor src, int tokens) -> Tensor");
   m.def("token_scatter_bwd(Tensor grad_out, Tensor idx) -> (Tensor grad_base, Tensor grad_src)");
@@ -465,6 +723,12 @@ TORCH_LIBRARY_IMPL(diffcurr_fast_C, CPU, m) {
   m.impl("gated_residual_bwd", &dcf::gated_residual_bwd_cpu);
   m.impl("gelu_tanh_fwd", &dcf::gelu_tanh_fwd_cpu);
   m.impl("gelu_tanh_bwd", &dcf::gelu_tanh_bwd_cpu);
+  m.impl("rmsnorm_modulate_fwd", &dcf::rmsnorm_modulate_fwd_cpu);
+  m.impl("rmsnorm_modulate_bwd", &dcf::rmsnorm_modulate_bwd_cpu);
+  m.impl("qk_norm_rope_fwd", &dcf::qk_norm_rope_fwd_cpu);
+  m.impl("qk_norm_rope_bwd", &dcf::qk_norm_rope_bwd_cpu);
+  m.impl("swiglu_fwd", &dcf::swiglu_fwd_cpu);
+  m.impl("swiglu_bwd", &dcf::swiglu_bwd_cpu);
   m.impl("token_gather", &dcf::token_gather_cpu);
   m.impl("token_scatter", &dcf::token_scatter_cpu);
   m.impl("token_scatter_bwd", &dcf::token_scatter_bwd_cpu);

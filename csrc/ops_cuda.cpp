@@ -5,12 +5,14 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "checks.h"
 #include "cuda/launch.h"
@@ -173,6 +175,169 @@ std::tuple<at::Tensor, at::Tensor> gated_residual_bwd_cuda(const at::Tensor& go_
   return {ggate.to(gate_in.scalar_type()), gy};
 }
 
+// ---- the modern block: RMSNorm-modulate, QK-norm + 2-D RoPE, SwiGLU --------------------------------------
+std::tuple<at::Tensor, at::Tensor> rmsnorm_modulate_fwd_cuda(const at::Tensor& x_in, const at::Tensor& shift_in,
+                                                             const at::Tensor& scale_in,
+                                                             const c10::optional<at::Tensor>& weight_in, double eps) {
+  const char* op = "rmsnorm_modulate_fwd";
+  check_cuda(x_in, op, "x");
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const RmsArgs g = rms_fwd_args(x_in, shift_in, scale_in, weight_in, eps, op);
+  at::Tensor y = at::empty(g.x.sizes(), g.x.options());
+  at::Tensor rstd = at::empty({g.B, g.N}, g.x.options().dtype(at::kFloat));
+  if (g.D == 0 && rstd.numel() > 0) {
+    rstd.fill_(1.0 / std::sqrt(eps));
+    return {y, rstd};
+  }
+  DC_CUDA_OK(op, cuda::rmsnorm_fwd(g.dt, g.x.const_data_ptr(), g.shift.const_data_ptr<float>(),
+                                   g.scale.const_data_ptr<float>(), g.weight_ptr(), y.mutable_data_ptr(),
+                                   rstd.mutable_data_ptr<float>(), g.B, g.N, g.D, static_cast<float>(eps), stream_of(g.x)));
+  return {y, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rmsnorm_modulate_bwd_cuda(
+    const at::Tensor& gy_in, const at::Tensor& x_in, const at::Tensor& scale_in,
+    const c10::optional<at::Tensor>& weight_in, const at::Tensor& rstd_in, bool affine_grads) {
+  const char* op = "rmsnorm_modulate_bwd";
+  check_cuda(x_in, op, "x");
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const RmsArgs g = rms_bwd_args(gy_in, x_in, scale_in, weight_in, rstd_in, op);
+  at::Tensor gx = at::empty(g.x.sizes(), g.x.options());
+  auto none = [&] { return at::empty({0}, scale_in.options()); };  // a fresh one each (outputs never alias)
+  const int64_t rows = affine_grads ? g.B : 0;
+  at::Tensor gshift = at::empty({rows, g.D}, g.x.options().dtype(at::kFloat));
+  at::Tensor gscale = at::empty({rows, g.D}, g.x.options().dtype(at::kFloat));
+  const bool with_w = affine_grads && g.weight.defined();
+  at::Tensor gw = at::zeros({with_w ? g.D : 0}, g.x.options().dtype(at::kFloat));
+  DC_CUDA_OK(op, cuda::rmsnorm_bwd(g.dt, g.gy.const_data_ptr(), g.x.const_data_ptr(), g.scale.const_data_ptr<float>(),
+                                   g.weight_ptr(), g.rstd.const_data_ptr<float>(), gx.mutable_data_ptr(),
+                                   affine_grads ? gshift.mutable_data_ptr<float>() : nullptr,
+                                   affine_grads ? gscale.mutable_data_ptr<float>() : nullptr,
+                                   with_w ? gw.mutable_data_ptr<float>() : nullptr, g.B, g.N, g.D, stream_of(g.x)));
+  if (!affine_grads) return {gx, none(), none(), none()};
+  return {gx, gshift.to(scale_in.scalar_type()), gscale.to(scale_in.scalar_type()),
+          with_w ? gw.to(weight_in->scalar_type()) : none()};
+}
+
+// The rows of part p (0 q, 1 k, 2 v) of a packed (B, N, 3 H Dh) tensor: its data pointer and its strides of b, h, n.
+const void* packed_part(const at::Tensor& t, int64_t p, int64_t H, int64_t Dh) {
+  return static_cast<const char*>(t.const_data_ptr()) + p * H * Dh * t.element_size();
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_fwd_cuda(
+    const at::Tensor& qkv_in, int64_t heads, const c10::optional<at::Tensor>& wq_in,
+    const c10::optional<at::Tensor>& wk_in, const c10::optional<at::Tensor>& cos_in,
+    const c10::optional<at::Tensor>& sin_in, double eps) {
+  const char* op = "qk_norm_rope_fwd";
+  check_cuda(qkv_in, op, "qkv");
+  const c10::cuda::CUDAGuard guard(qkv_in.device());
+  const QkArgs g = qk_args(qkv_in, heads, wq_in, wk_in, cos_in, sin_in, eps, op);
+  TORCH_CHECK(g.Dh <= 256, "diffcurr_fast_C::", op, ": the CUDA kernel takes head dims up to 256, got ", g.Dh);
+  at::Tensor outs[3];
+  for (at::Tensor& o : outs) o = at::empty({g.B, g.H, g.N, g.Dh}, g.qkv.options());
+  cuda::QkCall c{};
+  c.dt = g.dt;
+  c.backward = false;
+  const float* w[3] = {g.ptr(g.wq), g.ptr(g.wk), nullptr};
+  for (int64_t p = 0; p < 3; ++p) {
+    c.part[p] = cuda::QkPart{packed_part(g.qkv, p, g.H, g.Dh), g.qkv.stride(0), g.Dh, g.qkv.stride(1), nullptr, 0, 0, 0,
+                             outs[p].mutable_data_ptr(), outs[p].stride(0), outs[p].stride(1), outs[p].stride(2),
+                             w[p], p < 2 && g.cos.defined() ? 1 : 0};
+  }
+  c.cos = g.ptr(g.cos);
+  c.sin = g.ptr(g.sin);
+  c.tab_b = g.tab_b;
+  c.B = g.B;
+  c.H = g.H;
+  c.N = g.N;
+  c.Dh = g.Dh;
+  c.eps = static_cast<float>(eps);
+  DC_CUDA_OK(op, cuda::qk_norm_rope(c, stream_of(g.qkv)));
+  return {outs[0], outs[1], outs[2]};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_bwd_cuda(
+    const at::Tensor& gq_in, const at::Tensor& gk_in, const at::Tensor& gv_in, const at::Tensor& qkv_in,
+    int64_t heads, const c10::optional<at::Tensor>& wq_in, const c10::optional<at::Tensor>& wk_in,
+    const c10::optional<at::Tensor>& cos_in, const c10::optional<at::Tensor>& sin_in, double eps, bool weight_grads) {
+  const char* op = "qk_norm_rope_bwd";
+  check_cuda(qkv_in, op, "qkv");
+  const c10::cuda::CUDAGuard guard(qkv_in.device());
+  const QkArgs g = qk_args(qkv_in, heads, wq_in, wk_in, cos_in, sin_in, eps, op);
+  TORCH_CHECK(g.Dh <= 256, "diffcurr_fast_C::", op, ": the CUDA kernel takes head dims up to 256, got ", g.Dh);
+  const at::Tensor like = at::empty({g.B, g.H, g.N, g.Dh}, g.qkv.options());
+  const at::Tensor* given[3] = {&gq_in, &gk_in, &gv_in};
+  const char* names[3] = {"grad_q", "grad_k", "grad_v"};
+  at::Tensor grads[3];
+  for (int p = 0; p < 3; ++p) {
+    check_like(*given[p], like, op, names[p], "(B, heads, N, head_dim) of qkv");
+    grads[p] = unit_last(*given[p]);
+  }
+  at::Tensor gqkv = at::empty({g.B, g.N, 3 * g.H * g.Dh}, g.qkv.options());
+  const bool wgrad = weight_grads && g.wq.defined();
+  const auto fopts = g.qkv.options().dtype(at::kFloat);
+  at::Tensor gwq = at::zeros({wgrad ? g.Dh : 0}, fopts), gwk = at::zeros({wgrad ? g.Dh : 0}, fopts);
+  at::Tensor scratch = at::empty({wgrad ? cuda::qk_norm_rope_scratch_size(g.B, g.H, g.N, g.Dh) : 0}, fopts);
+  cuda::QkCall c{};
+  c.dt = g.dt;
+  c.backward = true;
+  const float* w[3] = {g.ptr(g.wq), g.ptr(g.wk), nullptr};
+  for (int64_t p = 0; p < 3; ++p) {
+    c.part[p] = cuda::QkPart{grads[p].const_data_ptr(), grads[p].stride(0), grads[p].stride(1), grads[p].stride(2),
+                             packed_part(g.qkv, p, g.H, g.Dh), g.qkv.stride(0), g.Dh, g.qkv.stride(1),
+                             static_cast<char*>(gqkv.mutable_data_ptr()) + p * g.H * g.Dh * gqkv.element_size(),
+                             gqkv.stride(0), g.Dh, gqkv.stride(1), w[p], p < 2 && g.cos.defined() ? 1 : 0};
+  }
+  c.cos = g.ptr(g.cos);
+  c.sin = g.ptr(g.sin);
+  c.tab_b = g.tab_b;
+  c.B = g.B;
+  c.H = g.H;
+  c.N = g.N;
+  c.Dh = g.Dh;
+  c.eps = static_cast<float>(eps);
+  c.scratch = wgrad ? scratch.mutable_data_ptr<float>() : nullptr;
+  c.gwq = wgrad ? gwq.mutable_data_ptr<float>() : nullptr;
+  c.gwk = wgrad ? gwk.mutable_data_ptr<float>() : nullptr;
+  DC_CUDA_OK(op, cuda::qk_norm_rope(c, stream_of(g.qkv)));
+  if (!wgrad) return {gqkv, at::empty({0}, qkv_in.options()), at::empty({0}, qkv_in.options())};
+  return {gqkv, gwq.to(wq_in->scalar_type()), gwk.to(wk_in->scalar_type())};
+}
+
+at::Tensor swiglu_fwd_cuda(const at::Tensor& x_in) {
+  const char* op = "swiglu_fwd";
+  check_cuda(x_in, op, "x");
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const int64_t H = swiglu_half(x_in, op);
+  const int dt = dtype_code(x_in, op, "x");
+  const at::Tensor x = x_in.contiguous();
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = H;
+  at::Tensor y = at::empty(shape, x.options());
+  const int64_t R = H > 0 ? y.numel() / H : 0;
+  DC_CUDA_OK(op, cuda::swiglu(dt, x.const_data_ptr(), nullptr, y.mutable_data_ptr(), R, H, stream_of(x)));
+  return y;
+}
+
+at::Tensor swiglu_bwd_cuda(const at::Tensor& gy_in, const at::Tensor& x_in) {
+  const char* op = "swiglu_bwd";
+  check_cuda(x_in, op, "x");
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const int64_t H = swiglu_half(x_in, op);
+  const int dt = dtype_code(x_in, op, "x");
+  check_device(gy_in, x_in, op, "grad_y");
+  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+  shape.back() = H;
+  TORCH_CHECK(gy_in.sizes() == c10::IntArrayRef(shape) && gy_in.scalar_type() == x_in.scalar_type(),
+              "diffcurr_fast_C::", op, ": grad_y must have shape ", c10::IntArrayRef(shape), " and dtype ",
+              x_in.scalar_type(), ", got ", gy_in.sizes(), " ", gy_in.scalar_type());
+  const at::Tensor x = x_in.contiguous(), gy = gy_in.contiguous();
+  at::Tensor gx = at::empty(x.sizes(), x.options());
+  const int64_t R = H > 0 ? gy.numel() / H : 0;
+  DC_CUDA_OK(op, cuda::swiglu(dt, x.const_data_ptr(), gy.const_data_ptr(), gx.mutable_data_ptr(), R, H, stream_of(x)));
+  return gx;
+}
+
 // ---- token routing: nothing is checked on the device (launch.h); the position map is a (B, T) int32 scratch
 int64_t elem_bytes(const RouteArgs& g) { return g.dt == 0 ? 4 : 2; }
 
@@ -235,6 +400,12 @@ TORCH_LIBRARY_IMPL(diffcurr_fast_C, CUDA, m) {
   m.impl("adaln_modulate_bwd", &dcf::adaln_modulate_bwd_cuda);
   m.impl("gated_residual_fwd", &dcf::gated_residual_fwd_cuda);
   m.impl("gated_residual_bwd", &dcf::gated_residual_bwd_cuda);
+  m.impl("rmsnorm_modulate_fwd", &dcf::rmsnorm_modulate_fwd_cuda);
+  m.impl("rmsnorm_modulate_bwd", &dcf::rmsnorm_modulate_bwd_cuda);
+  m.impl("qk_norm_rope_fwd", &dcf::qk_norm_rope_fwd_cuda);
+  m.impl("qk_norm_rope_bwd", &dcf::qk_norm_rope_bwd_cuda);
+  m.impl("swiglu_fwd", &dcf::swiglu_fwd_cuda);
+  m.impl("swiglu_bwd", &dcf::swiglu_bwd_cuda);
   m.impl("token_gather", &dcf::token_gather_cuda);
   m.impl("token_scatter", &dcf::token_scatter_cuda);
   m.impl("token_scatter_bwd", &dcf::token_scatter_bwd_cuda);

@@ -22,6 +22,7 @@ import torch
 
 from diffcurr_fast import __version__, ops
 from diffcurr_fast.models.attention import available_backends, flash_attn_reason
+from diffcurr_fast.models.modern import rope2d_tables
 from diffcurr_fast.ops import _backend
 from diffcurr_fast.optim.adamw import apex_fused_adam
 
@@ -33,6 +34,9 @@ OPS = {
     "sample_timesteps": "sample_timesteps",
     "adaln_modulate": "adaln_modulate_fwd",
     "gated_residual": "gated_residual_fwd",
+    "rmsnorm_modulate": "rmsnorm_modulate_fwd",
+    "qk_norm_rope": "qk_norm_rope_fwd",
+    "swiglu": "swiglu_fwd",
     "token_gather": "token_gather",
     "token_scatter": "token_scatter",
 }
@@ -211,6 +215,27 @@ def _cases(device: torch.device, dtype: torch.dtype, backend: str):
             [r(B, N, D), r(B, D), r(B, N, D)],
             r(B, N, D, dt=torch.float32),
         )
+    for B, N, D in ((2, 7, 24), (3, 16, 72)):  # the modern block: RMSNorm-modulate with its weight, SwiGLU
+        yield (
+            "rmsnorm_modulate",
+            (B, N, D),
+            lambda b: lambda x, sh, sc, w: ops.rmsnorm_modulate(x, sh, sc, w, backend=b),
+            [r(B, N, D), r(B, D), r(B, D), 1 + 0.1 * r(D, dt=torch.float32)],
+            r(B, N, D, dt=torch.float32),
+        )
+        yield ("swiglu", (B, N, 2 * D), lambda b: lambda x: ops.swiglu(x, backend=b), [r(B, N, 2 * D)], r(B, N, D))
+    for B, grid, heads, dh in ((2, 3, 2, 12), (3, 4, 3, 16)):  # QK-norm + 2-D RoPE of a grid x grid token map
+        yield (
+            "qk_norm_rope",
+            (B, grid * grid, 3 * heads * dh),
+            lambda b, g=grid, h=heads, d=dh: (
+                lambda qkv, wq, wk: torch.cat(
+                    [o.flatten() for o in ops.qk_norm_rope(qkv, h, wq, wk, *_tables(g, d, qkv), backend=b)]
+                )
+            ),
+            [r(B, grid * grid, 3 * heads * dh), 1 + 0.1 * r(dh, dt=torch.float32), 1 + 0.1 * r(dh, dt=torch.float32)],
+            r(3 * B * grid * grid * heads * dh, dt=torch.float32),
+        )
     for B, T, K, D in ((2, 7, 3, 24), (3, 16, 8, 72)):  # token routing: K of T tokens, unsorted
         idx = torch.stack([torch.randperm(T, generator=g)[:K] for _ in range(B)]).to(device)
         yield (
@@ -235,6 +260,12 @@ def _cases(device: torch.device, dtype: torch.dtype, backend: str):
         [],
         None,
     )
+
+
+def _tables(grid: int, head_dim: int, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 2-D rotary tables the modern block uses (float64 for the float64 reference, float32 otherwise)."""
+    dtype = torch.float64 if qkv.dtype == torch.float64 else torch.float32
+    return rope2d_tables(grid, head_dim, dtype=dtype, device=qkv.device)
 
 
 def _compare(op, got, want, ggot, gwant, tol) -> float:

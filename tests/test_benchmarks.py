@@ -40,6 +40,17 @@ def test_bench_ops_full_loss_path(tmp_path):
     assert (tmp_path / "ops.csv").exists() and (tmp_path / "ops.md").exists()
 
 
+def test_bench_ops_modern_block_ops(tmp_path):
+    """The modern block's ops beside their eager form and its torch.compile, every pass, the outputs agreeing."""
+    args = ["benchmarks/bench_ops.py", "--quick", "--compile", "--ops", "rmsnorm_modulate", "qk_norm_rope", "swiglu"]
+    out = _run([*args, "--head-dim", "24", "--threads", "1", "--out", str(tmp_path)], tmp_path)  # --quick: 4x64x96
+    for op in ("rmsnorm_modulate", "qk_norm_rope", "swiglu"):
+        for provider in ("torch-eager", "compile(torch-eager)", "cpu"):
+            assert f"{op:15s} -     fwd+bwd  {provider}" in out, out[-3000:]
+        assert f"target {op} 4x64x96 fwd+bwd cpu:" in out
+    assert "providers disagree" not in out
+
+
 def test_bench_train_compiled_step(tmp_path):
     out = _run(
         ["benchmarks/bench_train.py", "--compiled-step", "--quick", "--warmup", "0", "--reps", "2", "--batch", "8"],

@@ -13,6 +13,12 @@ namespace dcf::cpu {
 // Element type of a tensor buffer. Arithmetic is always float32.
 enum DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
+// Rows of head_dim Dh of a (B, H, N, Dh) tensor: element strides of b, h and n (Dh has unit stride).
+struct RowLayout {
+  int64_t H, N, Dh;
+  int64_t sb, sh, sn;
+};
+
 struct KernelTable {
   const char* isa;
 
@@ -56,6 +62,38 @@ struct KernelTable {
 
   // gx = grad_y * dy/dx over flat elements [i0, i0 + n).
   void (*gelu_tanh_bwd)(int dt, const void* grad_y, const void* x, void* gx, int64_t i0, int64_t n);
+
+  // RMSNorm-modulate of rows [r0, r0 + nrows) of x viewed as (B * N, D): y = x * rstd * w * (1 + scale[b]) +
+  // shift[b], rstd = 1 / sqrt(mean_d x^2 + eps) written per row; w == nullptr: no weight (1).
+  void (*rmsnorm_fwd)(int dt, const void* x, const float* shift, const float* scale, const float* w, void* y,
+                      float* rstd, int64_t N, int64_t D, float eps, int64_t r0, int64_t nrows);
+
+  // Backward for rows [n0, n0 + nrows) of sample b: writes gx and ADDS sum_n grad_y and sum_n grad_y * xhat
+  // (xhat = x * rstd) into gshift_acc / gxhat_acc (D floats each); gshift_acc == nullptr: gx only.
+  void (*rmsnorm_bwd)(int dt, const void* grad_y, const void* x, const float* scale, const float* w,
+                      const float* rstd, void* gx, float* gshift_acc, float* gxhat_acc, int64_t N, int64_t D,
+                      int64_t b, int64_t n0, int64_t nrows);
+
+  // QK-norm + 2-D RoPE over rows [r0, r0 + nrows) of the flat (B * H * N) rows of head_dim Dh (docs/ops.md): the
+  // row (b, h, n) of x at b * sb + h * sh + n * sn of xl (unit stride along Dh), written at the same place of ol.
+  // w == nullptr: no normalisation; cos == nullptr: no rotation; neither: a copy. The rotary tables come expanded
+  // to one entry per channel, rows of Dh: cos[2m] = cos[2m + 1] = cos_m, sin[2m] = -sin_m, sin[2m + 1] = sin_m;
+  // the row of (b, n) starts at b * tab_b + n * Dh (tab_b 0: one table for the batch).
+  void (*qk_rope_fwd)(int dt, const void* x, const RowLayout& xl, const float* w, const float* cos,
+                      const float* sin, int64_t tab_b, void* out, const RowLayout& ol, float eps, int64_t r0,
+                      int64_t nrows);
+
+  // Backward over the same rows: gx (laid out as ol) from grad_out (gl) and x (xl); ADDS the rows' sum of
+  // grad_normed * xhat into gw_acc (Dh floats) when gw_acc != nullptr and w != nullptr.
+  void (*qk_rope_bwd)(int dt, const void* grad_out, const RowLayout& gl, const void* x, const RowLayout& xl,
+                      const float* w, const float* cos, const float* sin, int64_t tab_b, void* gx,
+                      const RowLayout& ol, float* gw_acc, float eps, int64_t r0, int64_t nrows);
+
+  // SwiGLU over rows [r0, r0 + nrows) of x (R, 2H): y (R, H) = silu(x[:, :H]) * x[:, H:].
+  void (*swiglu_fwd)(int dt, const void* x, void* y, int64_t H, int64_t r0, int64_t nrows);
+
+  // Its backward over the same rows: gx (R, 2H) from grad_y (R, H) and x.
+  void (*swiglu_bwd)(int dt, const void* grad_y, const void* x, void* gx, int64_t H, int64_t r0, int64_t nrows);
 
   // Token routing (docs/ops.md): row copies, no arithmetic (dt only sets the element size). Indices are checked
   // by the caller: idx[b, k] in [0, T); pos is the inverse map of idx, (B, T) with pos[b, idx[b, k]] = k and -1

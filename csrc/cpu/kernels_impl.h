@@ -10,6 +10,9 @@
 
 #include "dc_math.h"
 
+// An always-inlined lambda (called per vector of a short row: a call would cost as much as its arithmetic).
+#define DC_LAMBDA_INLINE __attribute__((always_inline))
+
 // 64-byte generic vectors are passed in registers only after inlining (always done here); gcc 12 also warns
 // about an intentionally undefined register inside avx512fintrin.h.
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -272,6 +275,16 @@ double loss_t(const void* pred_, int64_t pstride, const void* x0_, const void* n
   return loss_rows<T, NT, kGrad, true, true>(pred, x0, noise, grad, pv, qv, sc, seed, i0, n);
 }
 
+// The sum of kAcc per-lane partial sums as a fixed tree (halves added lane-wise): a few vector adds instead of a
+// chain of kAcc dependent scalar adds, which would dominate a short row.
+static_assert(kAcc == 16, "lane_sum adds 16 lanes");
+DC_INLINE float lane_sum(const float* __restrict acc) {
+  float t8[8], t4[4];
+  for (int l = 0; l < 8; ++l) t8[l] = acc[l] + acc[l + 8];
+  for (int l = 0; l < 4; ++l) t4[l] = t8[l] + t8[l + 4];
+  return (t4[0] + t4[2]) + (t4[1] + t4[3]);
+}
+
 // Per-lane partial sums of a row, reduced in a fixed order.
 template <class Fn>
 inline float row_sum(int64_t D, Fn&& term) {
@@ -281,9 +294,7 @@ inline float row_sum(int64_t D, Fn&& term) {
     for (int l = 0; l < kAcc; ++l) acc[l] += term(d + l);
   }
   for (int l = 0; d < D; ++d, ++l) acc[l] += term(d);
-  float total = 0.0f;
-  for (int l = 0; l < kAcc; ++l) total += acc[l];
-  return total;
+  return lane_sum(acc);
 }
 
 template <class T>
@@ -347,12 +358,7 @@ void adaln_bwd_t(const void* gy_, const void* x_, const float* scale, const floa
       a1[l] += gh;
       a2[l] += gh * ((T::load(xr[d]) - mu) * rs);
     }
-    float s1 = 0.0f, s2 = 0.0f;
-    for (int l = 0; l < kAcc; ++l) {
-      s1 += a1[l];
-      s2 += a2[l];
-    }
-    const float m1 = s1 * inv_d, m2 = s2 * inv_d;
+    const float m1 = lane_sum(a1) * inv_d, m2 = lane_sum(a2) * inv_d;
     // grad_x = rstd * (gh - mean(gh) - xhat * mean(gh * xhat)); column sums of grad_y and grad_y * xhat
 #pragma GCC ivdep
     for (int64_t k = 0; k < D; ++k) {
@@ -572,6 +578,392 @@ void gelu_bwd_entry(int dt, const void* gy, const void* x, void* gx, int64_t i0,
   return gelu_t<F16, true>(gy, x, gx, i0, n);
 }
 
+// ---- RMSNorm-modulate ------------------------------------------------------------------------------------
+template <class T, bool kW>
+void rmsnorm_fwd_t(const void* x_, const float* shift, const float* scale, const float* w_, void* y_, float* rstd,
+                   int64_t N, int64_t D, float eps, int64_t r0, int64_t nrows) {
+  using S = typename T::storage;
+  const S* __restrict x = static_cast<const S*>(x_);
+  S* __restrict y = static_cast<S*>(y_);
+  const float* __restrict w = w_;
+  const float inv_d = 1.0f / static_cast<float>(D);
+  for (int64_t r = r0; r < r0 + nrows; ++r) {
+    const int64_t b = r / N;
+    const S* __restrict xr = x + r * D;
+    S* __restrict yr = y + r * D;
+    const float* __restrict sh = shift + b * D;
+    const float* __restrict scl = scale + b * D;
+    const float ms = row_sum(D, [&](int64_t d) {
+                       const float v = T::load(xr[d]);
+                       return v * v;
+                     }) *
+                     inv_d;
+    const float rs = 1.0f / __builtin_sqrtf(ms + eps);
+    for (int64_t d = 0; d < D; ++d) {
+      float xh = T::load(xr[d]) * rs;
+      if constexpr (kW) xh *= w[d];
+      yr[d] = T::store(xh * (1.0f + scl[d]) + sh[d]);
+    }
+    rstd[r] = rs;
+  }
+}
+
+// grad_x = rstd * (gh - xhat * mean_d(gh * xhat)), gh = grad_y * (1 + scale) * w; the column sums of grad_y and
+// grad_y * xhat (grad_shift, and the sum grad_scale and grad_w are formed from).
+template <class T, bool kAffine, bool kW>
+void rmsnorm_bwd_t(const void* gy_, const void* x_, const float* scale, const float* w_, const float* rstd,
+                   void* gx_, float* gshift_acc, float* gxhat_acc, int64_t N, int64_t D, int64_t b, int64_t n0,
+                   int64_t nrows) {
+  using S = typename T::storage;
+  const S* __restrict gyp = static_cast<const S*>(gy_);
+  const S* __restrict x = static_cast<const S*>(x_);
+  S* __restrict gx = static_cast<S*>(gx_);
+  const float* __restrict scl = scale + b * D;
+  const float* __restrict w = w_;
+  float* __restrict gsh = gshift_acc;
+  float* __restrict gsx = gxhat_acc;
+  const float inv_d = 1.0f / static_cast<float>(D);
+  for (int64_t n = n0; n < n0 + nrows; ++n) {
+    const int64_t r = b * N + n;
+    const S* __restrict xr = x + r * D;
+    const S* __restrict gr = gyp + r * D;
+    S* __restrict gxr = gx + r * D;
+    const float rs = rstd[r];
+    const float dot = row_sum(D, [&](int64_t d) {
+      float gh = T::load(gr[d]) * (1.0f + scl[d]);
+      if constexpr (kW) gh *= w[d];
+      return gh * T::load(xr[d]);
+    });
+    const float m2 = dot * rs * inv_d;  // mean_d(gh * xhat)
+#pragma GCC ivdep
+    for (int64_t k = 0; k < D; ++k) {
+      const float g = T::load(gr[k]);
+      const float xh = T::load(xr[k]) * rs;
+      float gh = g * (1.0f + scl[k]);
+      if constexpr (kW) gh *= w[k];
+      gxr[k] = T::store(rs * (gh - xh * m2));
+      if constexpr (kAffine) {
+        gsh[k] += g;
+        gsx[k] += g * xh;
+      }
+    }
+  }
+}
+
+void rmsnorm_fwd_entry(int dt, const void* x, const float* shift, const float* scale, const float* w, void* y,
+                       float* rstd, int64_t N, int64_t D, float eps, int64_t r0, int64_t nrows) {
+  auto run = [&](auto t, auto has_w) {
+    rmsnorm_fwd_t<decltype(t), decltype(has_w)::value>(x, shift, scale, w, y, rstd, N, D, eps, r0, nrows);
+  };
+  const bool hw = w != nullptr;
+  if (dt == dcf::cpu::kF32) return hw ? run(F32{}, std::true_type{}) : run(F32{}, std::false_type{});
+  if (dt == dcf::cpu::kBF16) return hw ? run(BF16{}, std::true_type{}) : run(BF16{}, std::false_type{});
+  return hw ? run(F16{}, std::true_type{}) : run(F16{}, std::false_type{});
+}
+
+template <class T>
+void rmsnorm_bwd_typed(const void* gy, const void* x, const float* scale, const float* w, const float* rstd,
+                       void* gx, float* gsh, float* gsx, int64_t N, int64_t D, int64_t b, int64_t n0,
+                       int64_t nrows) {
+  if (gsh == nullptr) {
+    if (w == nullptr) return rmsnorm_bwd_t<T, false, false>(gy, x, scale, w, rstd, gx, gsh, gsx, N, D, b, n0, nrows);
+    return rmsnorm_bwd_t<T, false, true>(gy, x, scale, w, rstd, gx, gsh, gsx, N, D, b, n0, nrows);
+  }
+  if (w == nullptr) return rmsnorm_bwd_t<T, true, false>(gy, x, scale, w, rstd, gx, gsh, gsx, N, D, b, n0, nrows);
+  return rmsnorm_bwd_t<T, true, true>(gy, x, scale, w, rstd, gx, gsh, gsx, N, D, b, n0, nrows);
+}
+
+void rmsnorm_bwd_entry(int dt, const void* gy, const void* x, const float* scale, const float* w, const float* rstd,
+                       void* gx, float* gsh, float* gsx, int64_t N, int64_t D, int64_t b, int64_t n0,
+                       int64_t nrows) {
+  if (dt == dcf::cpu::kF32) return rmsnorm_bwd_typed<F32>(gy, x, scale, w, rstd, gx, gsh, gsx, N, D, b, n0, nrows);
+  if (dt == dcf::cpu::kBF16) return rmsnorm_bwd_typed<BF16>(gy, x, scale, w, rstd, gx, gsh, gsx, N, D, b, n0, nrows);
+  return rmsnorm_bwd_typed<F16>(gy, x, scale, w, rstd, gx, gsh, gsx, N, D, b, n0, nrows);
+}
+
+// ---- QK-norm + 2-D RoPE ----------------------------------------------------------------------------------
+// A row is one head's Dh channels of one token, processed in vectors of kGeluLanes channels (the instruction set's
+// width; the tail padded with zeros). Forward: xn = x * rstd * w (rstd over the row), then each pair (xn_{2m},
+// xn_{2m+1}) turns by the token's angle m: out = xn * ce + swap(xn) * se with the tables expanded to one entry per
+// channel (ce = cos_m at 2m and 2m + 1, se = -sin_m at 2m and +sin_m at 2m + 1) and swap exchanging the channels
+// of each pair (a vector shuffle). Backward: gr = g * ce - swap(g) * se (the rotation's transpose), then the
+// RMSNorm backward of gr with rstd recomputed from the row. Without a weight there is no norm, without tables no
+// rotation, without either (v of the packed projection) the row is copied.
+
+// Calls fn(r, b, h, n) for the rows r in [r0, r0 + nrows) of (B, H, N) in order, its indices counted up (a
+// division per row would cost as much as a short row's arithmetic).
+template <class Fn>
+DC_INLINE void for_rows(const dcf::cpu::RowLayout& l, int64_t r0, int64_t nrows, Fn&& fn) {
+  int64_t b = r0 / (l.H * l.N), h = (r0 / l.N) % l.H, n = r0 % l.N;
+  for (int64_t r = r0; r < r0 + nrows; ++r) {
+    fn(r, b, h, n);
+    if (++n == l.N) {
+      n = 0;
+      if (++h == l.H) h = 0, ++b;
+    }
+  }
+}
+
+// m <= kGeluLanes elements as a vector (the rest zero), and back.
+template <class T>
+DC_INLINE vgf load_lanes(const typename T::storage* __restrict p, int64_t m) {
+  float a[kGeluLanes] = {};
+  for (int64_t l = 0; l < m; ++l) a[l] = T::load(p[l]);
+  vgf v;
+  std::memcpy(&v, a, sizeof v);
+  return v;
+}
+
+template <class T>
+DC_INLINE void store_lanes(typename T::storage* __restrict p, vgf v, int64_t m) {
+  float a[kGeluLanes];
+  std::memcpy(a, &v, sizeof a);
+  for (int64_t l = 0; l < m; ++l) p[l] = T::store(a[l]);
+}
+
+// The channels of each pair exchanged: (v1, v0, v3, v2, ...).
+DC_INLINE vgf swap_pairs(vgf v) {
+#if defined(DC_KERNELS_AVX512)
+  const vgi mask = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+#elif defined(DC_KERNELS_AVX2)
+  const vgi mask = {1, 0, 3, 2, 5, 4, 7, 6};
+#else
+  const vgi mask = {1, 0, 3, 2};
+#endif
+  return __builtin_shuffle(v, mask);
+}
+
+// a[0] = the sum of a[0 .. 2W), halves added lane-wise (a fixed order for an instruction set).
+template <int W>
+DC_INLINE void fold_halves(float* __restrict a) {
+  for (int l = 0; l < W; ++l) a[l] += a[l + W];
+  if constexpr (W > 1) fold_halves<W / 2>(a);
+}
+
+// The sum of the lanes of v.
+DC_INLINE float sum_lanes(vgf v) {
+  float a[kGeluLanes];
+  std::memcpy(a, &v, sizeof a);
+  fold_halves<kGeluLanes / 2>(a);
+  return a[0];
+}
+
+// Calls fn(d, m) for the vectors [d, d + m) of a row of D channels: full ones (m = kGeluLanes), then the tail.
+template <class Fn>
+DC_INLINE void for_lanes(int64_t D, Fn&& fn) {
+  int64_t d = 0;
+  for (; d + kGeluLanes <= D; d += kGeluLanes) fn(d, static_cast<int64_t>(kGeluLanes));
+  if (d < D) fn(d, D - d);
+}
+
+template <class T, bool kNorm, bool kRope>
+void qk_rope_fwd_t(const void* x_, const dcf::cpu::RowLayout& xl, const float* w_, const float* ce_,
+                   const float* se_, int64_t tab_b, void* out_, const dcf::cpu::RowLayout& ol, float eps, int64_t r0,
+                   int64_t nrows) {
+  using S = typename T::storage;
+  const S* x = static_cast<const S*>(x_);
+  S* out = static_cast<S*>(out_);
+  const int64_t Dh = xl.Dh;
+  const float inv_d = 1.0f / static_cast<float>(Dh);
+  for_rows(xl, r0, nrows, [&](int64_t, int64_t b, int64_t h, int64_t n) {
+    const S* __restrict xr = x + b * xl.sb + h * xl.sh + n * xl.sn;
+    S* __restrict o = out + b * ol.sb + h * ol.sh + n * ol.sn;
+    if constexpr (!kNorm && !kRope) {
+      for (int64_t d = 0; d < Dh; ++d) o[d] = xr[d];
+      return;
+    }
+    float rs = 1.0f;
+    if constexpr (kNorm) {
+      vgf ss = {};
+      for_lanes(Dh, [&](int64_t d, int64_t m) DC_LAMBDA_INLINE {
+        const vgf v = load_lanes<T>(xr + d, m);
+        ss += v * v;
+      });
+      rs = 1.0f / __builtin_sqrtf(sum_lanes(ss) * inv_d + eps);
+    }
+    const float* ce = kRope ? ce_ + b * tab_b + n * Dh : nullptr;
+    const float* se = kRope ? se_ + b * tab_b + n * Dh : nullptr;
+    for_lanes(Dh, [&](int64_t d, int64_t m) DC_LAMBDA_INLINE {
+      vgf v = load_lanes<T>(xr + d, m);
+      if constexpr (kNorm) v *= rs * load_lanes<F32>(w_ + d, m);
+      if constexpr (kRope) v = v * load_lanes<F32>(ce + d, m) + swap_pairs(v) * load_lanes<F32>(se + d, m);
+      store_lanes<T>(o + d, v, m);  // RoFormer Eq. 34 after the norm
+    });
+  });
+}
+
+template <class T, bool kNorm, bool kRope, bool kWGrad>
+void qk_rope_bwd_t(const void* g_, const dcf::cpu::RowLayout& gl, const void* x_, const dcf::cpu::RowLayout& xl,
+                   const float* w_, const float* ce_, const float* se_, int64_t tab_b, void* gx_,
+                   const dcf::cpu::RowLayout& ol, float* gw_acc, float eps, int64_t r0, int64_t nrows) {
+  using S = typename T::storage;
+  const S* g = static_cast<const S*>(g_);
+  const S* x = static_cast<const S*>(x_);
+  S* gx = static_cast<S*>(gx_);
+  const int64_t Dh = xl.Dh;
+  const float inv_d = 1.0f / static_cast<float>(Dh);
+  for_rows(xl, r0, nrows, [&](int64_t, int64_t b, int64_t h, int64_t n) {
+    const S* __restrict xr = x + b * xl.sb + h * xl.sh + n * xl.sn;
+    const S* __restrict gr = g + b * gl.sb + h * gl.sh + n * gl.sn;
+    S* __restrict o = gx + b * ol.sb + h * ol.sh + n * ol.sn;
+    const float* ce = kRope ? ce_ + b * tab_b + n * Dh : nullptr;
+    const float* se = kRope ? se_ + b * tab_b + n * Dh : nullptr;
+    // the gradient of the normed row: grad_out turned back by the rotation (its transpose)
+    auto unrot = [&](int64_t d, int64_t m) DC_LAMBDA_INLINE {
+      const vgf v = load_lanes<T>(gr + d, m);
+      if constexpr (kRope) return v * load_lanes<F32>(ce + d, m) - swap_pairs(v) * load_lanes<F32>(se + d, m);
+      return v;
+    };
+    if constexpr (!kNorm) {
+      if constexpr (kRope) {
+        for_lanes(Dh, [&](int64_t d, int64_t m) DC_LAMBDA_INLINE { store_lanes<T>(o + d, unrot(d, m), m); });
+      } else {
+        for (int64_t d = 0; d < Dh; ++d) o[d] = gr[d];
+      }
+      return;
+    }
+    vgf ss = {}, dot = {};  // sum x^2 and sum gr * w * x
+    for_lanes(Dh, [&](int64_t d, int64_t m) DC_LAMBDA_INLINE {
+      const vgf v = load_lanes<T>(xr + d, m);
+      ss += v * v;
+      dot += unrot(d, m) * load_lanes<F32>(w_ + d, m) * v;
+    });
+    const float rs = 1.0f / __builtin_sqrtf(sum_lanes(ss) * inv_d + eps);
+    const float m2 = sum_lanes(dot) * rs * inv_d;  // mean_d(gh * xhat), gh = gr * w
+    for_lanes(Dh, [&](int64_t d, int64_t m) DC_LAMBDA_INLINE {
+      const vgf grv = unrot(d, m);
+      const vgf xh = load_lanes<T>(xr + d, m) * rs;
+      store_lanes<T>(o + d, rs * (grv * load_lanes<F32>(w_ + d, m) - xh * m2), m);
+      if constexpr (kWGrad) {  // the weight gradient's sum over rows: one vector add (the tail lane by lane)
+        const vgf add = grv * xh;
+        if (m == kGeluLanes) {
+          vgf acc;
+          std::memcpy(&acc, gw_acc + d, sizeof acc);
+          acc += add;
+          std::memcpy(gw_acc + d, &acc, sizeof acc);
+        } else {
+          float a[kGeluLanes];
+          std::memcpy(a, &add, sizeof a);
+          for (int64_t l = 0; l < m; ++l) gw_acc[d + l] += a[l];
+        }
+      }
+    });
+  });
+}
+
+template <class T>
+void qk_rope_fwd_typed(const void* x, const dcf::cpu::RowLayout& xl, const float* w, const float* c, const float* s,
+                       int64_t tab_b, void* out, const dcf::cpu::RowLayout& ol, float eps, int64_t r0, int64_t nrows) {
+  if (w == nullptr && c == nullptr) return qk_rope_fwd_t<T, false, false>(x, xl, w, c, s, tab_b, out, ol, eps, r0, nrows);
+  if (w == nullptr) return qk_rope_fwd_t<T, false, true>(x, xl, w, c, s, tab_b, out, ol, eps, r0, nrows);
+  if (c == nullptr) return qk_rope_fwd_t<T, true, false>(x, xl, w, c, s, tab_b, out, ol, eps, r0, nrows);
+  return qk_rope_fwd_t<T, true, true>(x, xl, w, c, s, tab_b, out, ol, eps, r0, nrows);
+}
+
+void qk_rope_fwd_entry(int dt, const void* x, const dcf::cpu::RowLayout& xl, const float* w, const float* c,
+                       const float* s, int64_t tab_b, void* out, const dcf::cpu::RowLayout& ol, float eps, int64_t r0,
+                       int64_t nrows) {
+  if (dt == dcf::cpu::kF32) return qk_rope_fwd_typed<F32>(x, xl, w, c, s, tab_b, out, ol, eps, r0, nrows);
+  if (dt == dcf::cpu::kBF16) return qk_rope_fwd_typed<BF16>(x, xl, w, c, s, tab_b, out, ol, eps, r0, nrows);
+  return qk_rope_fwd_typed<F16>(x, xl, w, c, s, tab_b, out, ol, eps, r0, nrows);
+}
+
+template <class T, bool kNorm, bool kRope>
+void qk_rope_bwd_wgrad(const void* g, const dcf::cpu::RowLayout& gl, const void* x, const dcf::cpu::RowLayout& xl,
+                       const float* w, const float* c, const float* s, int64_t tab_b, void* gx,
+                       const dcf::cpu::RowLayout& ol, float* gw, float eps, int64_t r0, int64_t nrows) {
+  if (kNorm && gw != nullptr) return qk_rope_bwd_t<T, kNorm, kRope, true>(g, gl, x, xl, w, c, s, tab_b, gx, ol, gw, eps, r0, nrows);
+  return qk_rope_bwd_t<T, kNorm, kRope, false>(g, gl, x, xl, w, c, s, tab_b, gx, ol, gw, eps, r0, nrows);
+}
+
+template <class T>
+void qk_rope_bwd_typed(const void* g, const dcf::cpu::RowLayout& gl, const void* x, const dcf::cpu::RowLayout& xl,
+                       const float* w, const float* c, const float* s, int64_t tab_b, void* gx,
+                       const dcf::cpu::RowLayout& ol, float* gw, float eps, int64_t r0, int64_t nrows) {
+  if (w == nullptr && c == nullptr) return qk_rope_bwd_wgrad<T, false, false>(g, gl, x, xl, w, c, s, tab_b, gx, ol, gw, eps, r0, nrows);
+  if (w == nullptr) return qk_rope_bwd_wgrad<T, false, true>(g, gl, x, xl, w, c, s, tab_b, gx, ol, gw, eps, r0, nrows);
+  if (c == nullptr) return qk_rope_bwd_wgrad<T, true, false>(g, gl, x, xl, w, c, s, tab_b, gx, ol, gw, eps, r0, nrows);
+  return qk_rope_bwd_wgrad<T, true, true>(g, gl, x, xl, w, c, s, tab_b, gx, ol, gw, eps, r0, nrows);
+}
+
+void qk_rope_bwd_entry(int dt, const void* g, const dcf::cpu::RowLayout& gl, const void* x,
+                       const dcf::cpu::RowLayout& xl, const float* w, const float* c, const float* s, int64_t tab_b,
+                       void* gx, const dcf::cpu::RowLayout& ol, float* gw, float eps, int64_t r0, int64_t nrows) {
+  if (dt == dcf::cpu::kF32) return qk_rope_bwd_typed<F32>(g, gl, x, xl, w, c, s, tab_b, gx, ol, gw, eps, r0, nrows);
+  if (dt == dcf::cpu::kBF16) return qk_rope_bwd_typed<BF16>(g, gl, x, xl, w, c, s, tab_b, gx, ol, gw, eps, r0, nrows);
+  return qk_rope_bwd_typed<F16>(g, gl, x, xl, w, c, s, tab_b, gx, ol, gw, eps, r0, nrows);
+}
+
+// ---- SwiGLU ------------------------------------------------------------------------------------------------
+// y = silu(a) b = a s b with s = sigmoid(a) = 1 / (1 + e^-a) (the exp of the tanh-GELU, exp_lanes); backward
+// grad_a = grad_y b s (1 + a (1 - s)), grad_b = grad_y a s. a and b are the two halves of a row of x.
+template <class T, bool kGrad>
+DC_INLINE void swiglu_block(const typename T::storage* __restrict g, const typename T::storage* __restrict a,
+                            const typename T::storage* __restrict bp, typename T::storage* __restrict out_a,
+                            typename T::storage* __restrict out_b, int64_t m) {
+  float as[kGeluLanes] = {}, bs[kGeluLanes] = {}, gs[kGeluLanes] = {}, ra[kGeluLanes], rb[kGeluLanes];
+  for (int64_t l = 0; l < m; ++l) as[l] = T::load(a[l]);
+  for (int64_t l = 0; l < m; ++l) bs[l] = T::load(bp[l]);
+  if constexpr (kGrad) {
+    for (int64_t l = 0; l < m; ++l) gs[l] = T::load(g[l]);
+  }
+  vgf va, vb, vg;
+  std::memcpy(&va, as, sizeof va);
+  std::memcpy(&vb, bs, sizeof vb);
+  std::memcpy(&vg, gs, sizeof vg);
+  const vgf s = 1.0f / (1.0f + exp_lanes(-va));
+  if constexpr (kGrad) {
+    const vgf ga = vg * vb * s * (1.0f + va * (1.0f - s));
+    const vgf gb = vg * va * s;
+    std::memcpy(ra, &ga, sizeof ra);
+    std::memcpy(rb, &gb, sizeof rb);
+    for (int64_t l = 0; l < m; ++l) out_a[l] = T::store(ra[l]);
+    for (int64_t l = 0; l < m; ++l) out_b[l] = T::store(rb[l]);
+  } else {
+    const vgf y = va * s * vb;
+    std::memcpy(ra, &y, sizeof ra);
+    for (int64_t l = 0; l < m; ++l) out_a[l] = T::store(ra[l]);
+  }
+}
+
+template <class T, bool kGrad>
+void swiglu_t(const void* g_, const void* x_, void* out_, int64_t H, int64_t r0, int64_t nrows) {
+  using S = typename T::storage;
+  const S* x = static_cast<const S*>(x_);
+  const S* g = static_cast<const S*>(g_);
+  S* out = static_cast<S*>(out_);
+  for (int64_t r = r0; r < r0 + nrows; ++r) {
+    const S* a = x + r * 2 * H;
+    const S* gr = kGrad ? g + r * H : nullptr;
+    S* oa = kGrad ? out + r * 2 * H : out + r * H;  // grad_x (R, 2H) or y (R, H)
+    S* ob = kGrad ? oa + H : nullptr;
+    auto block = [&](int64_t k, int64_t m) DC_LAMBDA_INLINE {
+      swiglu_block<T, kGrad>(kGrad ? gr + k : nullptr, a + k, a + H + k, oa + k, kGrad ? ob + k : nullptr, m);
+    };
+    if (H < kGeluLanes) {
+      block(0, H);  // a short row: one padded vector
+      continue;
+    }
+    int64_t k = 0;
+    for (; k + kGeluLanes <= H; k += kGeluLanes) block(k, kGeluLanes);
+    // the tail as the row's last full vector, overlapping the one before it: its elements are computed again, to
+    // the same values (an elementwise function), instead of a padded vector through memory
+    if (k < H) block(H - kGeluLanes, kGeluLanes);
+  }
+}
+
+void swiglu_fwd_entry(int dt, const void* x, void* y, int64_t H, int64_t r0, int64_t nrows) {
+  if (dt == dcf::cpu::kF32) return swiglu_t<F32, false>(nullptr, x, y, H, r0, nrows);
+  if (dt == dcf::cpu::kBF16) return swiglu_t<BF16, false>(nullptr, x, y, H, r0, nrows);
+  return swiglu_t<F16, false>(nullptr, x, y, H, r0, nrows);
+}
+
+void swiglu_bwd_entry(int dt, const void* gy, const void* x, void* gx, int64_t H, int64_t r0, int64_t nrows) {
+  if (dt == dcf::cpu::kF32) return swiglu_t<F32, true>(gy, x, gx, H, r0, nrows);
+  if (dt == dcf::cpu::kBF16) return swiglu_t<BF16, true>(gy, x, gx, H, r0, nrows);
+  return swiglu_t<F16, true>(gy, x, gx, H, r0, nrows);
+}
+
 // ---- token routing: row copies --------------------------------------------------------------------------
 // A row is n bytes (D elements of 2 or 4 bytes); rows never overlap. The copies move 64-byte blocks through
 // generic vectors, which gcc lowers to the instruction set's widest loads and stores (one zmm, two ymm or four
@@ -651,9 +1043,10 @@ void token_scatter_bwd_entry(int dt, const void* go_, const int32_t* pos, void* 
 
 }  // namespace
 
-#define DC_DEFINE_KERNEL_TABLE(NAME, ISA_STRING)                                                               \
-  extern const ::dcf::cpu::KernelTable NAME;                                                                   \
-  const ::dcf::cpu::KernelTable NAME = {ISA_STRING,        &randn_impl,      &q_sample_entry,  &loss_entry,    \
-                                        &adaln_fwd_entry,  &adaln_bwd_entry, &gated_fwd_entry, &gated_bwd_entry, \
-                                        &gelu_fwd_entry,   &gelu_bwd_entry, &token_gather_entry,              \
-                                        &token_scatter_entry, &token_scatter_bwd_entry};
+#define DC_DEFINE_KERNEL_TABLE(NAME, ISA_STRING)                                                          \
+  extern const ::dcf::cpu::KernelTable NAME;                                                              \
+  const ::dcf::cpu::KernelTable NAME = {                                                                  \
+      ISA_STRING,        &randn_impl,        &q_sample_entry,    &loss_entry,          &adaln_fwd_entry,   \
+      &adaln_bwd_entry,  &gated_fwd_entry,   &gated_bwd_entry,   &gelu_fwd_entry,      &gelu_bwd_entry,    \
+      &rmsnorm_fwd_entry, &rmsnorm_bwd_entry, &qk_rope_fwd_entry, &qk_rope_bwd_entry,   &swiglu_fwd_entry,  \
+      &swiglu_bwd_entry, &token_gather_entry, &token_scatter_entry, &token_scatter_bwd_entry};

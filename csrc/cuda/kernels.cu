@@ -329,15 +329,16 @@ __global__ void sample_kernel(const W* __restrict__ w, int64_t T, const double* 
   }
 }
 
-// ---------------------------------------------------------------- adaLN modulate
+// ---------------------------------------------------------------- adaLN / RMSNorm modulate
 // Fast path: one warp per row, the row held in registers (read once), 16-byte vector loads. Lane l holds the
 // vectors l, l + 32, ..., l + 32 (K - 1) of the row (V elements each); needs D % V == 0, 16-byte aligned data
 // and D <= 32 K V. Rows are a grid-stride loop over B * N (no grid-dimension limit); b = r / N once per row.
-template <class T, int V, int K>
+// kRms: RMSNorm-modulate instead (no mean: xhat = x * rstd, times the weight w when w != nullptr; mean unused).
+template <class T, int V, int K, bool kRms>
 __global__ void adaln_fwd_reg_kernel(const typename T::S* __restrict__ x, const float* __restrict__ shift,
-                                     const float* __restrict__ scale, typename T::S* __restrict__ y,
-                                     float* __restrict__ mean, float* __restrict__ rstd, int64_t rows, int64_t N,
-                                     int D, float eps) {
+                                     const float* __restrict__ scale, const float* __restrict__ w,
+                                     typename T::S* __restrict__ y, float* __restrict__ mean,
+                                     float* __restrict__ rstd, int64_t rows, int64_t N, int D, float eps) {
   const int lane = threadIdx.x % kWarp;
   const int nv = D / V;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / kWarp);
@@ -357,7 +358,7 @@ __global__ void adaln_fwd_reg_kernel(const typename T::S* __restrict__ x, const 
         for (int e = 0; e < V; ++e) s += v[k][e];
       }
     }
-    const float mu = warp_sum(s) * inv_d;
+    const float mu = kRms ? 0.0f : warp_sum(s) * inv_d;
     float q = 0.0f;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
@@ -375,13 +376,19 @@ __global__ void adaln_fwd_reg_kernel(const typename T::S* __restrict__ x, const 
         float sh[V], sc[V], o[V];
         loadf<V>(shift + b * D + j * V, sh);
         loadf<V>(scale + b * D + j * V, sc);
+        if (kRms && w != nullptr) {
+          float wv[V];
+          loadf<V>(w + j * V, wv);
+#pragma unroll
+          for (int e = 0; e < V; ++e) sc[e] = (1.0f + sc[e]) * wv[e] - 1.0f;
+        }
 #pragma unroll
         for (int e = 0; e < V; ++e) o[e] = (v[k][e] - mu) * rs * (1.0f + sc[e]) + sh[e];  // adaLN-Zero modulate
         storev<T, V>(yr + j * V, o);
       }
     }
     if (lane == 0) {
-      mean[r] = mu;
+      if (!kRms) mean[r] = mu;
       rstd[r] = rs;
     }
   }
@@ -389,11 +396,11 @@ __global__ void adaln_fwd_reg_kernel(const typename T::S* __restrict__ x, const 
 
 // grad_x of the fast path: the scaled grad_y row in registers; the x row is read twice (the second read hits the
 // cache the first one filled), so that a lane holds K V values of the row, not 2 K V (registers, occupancy).
-template <class T, int V, int K>
+template <class T, int V, int K, bool kRms>
 __global__ void adaln_bwd_dx_reg_kernel(const typename T::S* __restrict__ gyp, const typename T::S* __restrict__ x,
-                                        const float* __restrict__ scale, const float* __restrict__ mean,
-                                        const float* __restrict__ rstd, typename T::S* __restrict__ gx, int64_t rows,
-                                        int64_t N, int D) {
+                                        const float* __restrict__ scale, const float* __restrict__ w,
+                                        const float* __restrict__ mean, const float* __restrict__ rstd,
+                                        typename T::S* __restrict__ gx, int64_t rows, int64_t N, int D) {
   const int lane = threadIdx.x % kWarp;
   const int nv = D / V;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / kWarp);
@@ -401,7 +408,7 @@ __global__ void adaln_bwd_dx_reg_kernel(const typename T::S* __restrict__ gyp, c
   for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x / kWarp) + threadIdx.x / kWarp; r < rows;
        r += warps) {
     const int64_t b = r / N;
-    const float mu = mean[r], rs = rstd[r];
+    const float mu = kRms ? 0.0f : mean[r], rs = rstd[r];
     const typename T::S* xr = x + r * D;
     float g[K][V];
     float s1 = 0.0f, s2 = 0.0f;
@@ -413,15 +420,21 @@ __global__ void adaln_bwd_dx_reg_kernel(const typename T::S* __restrict__ gyp, c
         loadv<T, V>(gyp + r * D + j * V, g[k]);
         loadv<T, V>(xr + j * V, xv);
         loadf<V>(scale + b * D + j * V, sc);
+        if (kRms && w != nullptr) {
+          float wv[V];
+          loadf<V>(w + j * V, wv);
+#pragma unroll
+          for (int e = 0; e < V; ++e) sc[e] = (1.0f + sc[e]) * wv[e] - 1.0f;
+        }
 #pragma unroll
         for (int e = 0; e < V; ++e) {
-          g[k][e] *= 1.0f + sc[e];  // gy = grad_y * (1 + scale)
+          g[k][e] *= 1.0f + sc[e];  // gy = grad_y * (1 + scale) (* w)
           s1 += g[k][e];
           s2 += g[k][e] * ((xv[e] - mu) * rs);  // gy * xhat
         }
       }
     }
-    const float m1 = warp_sum(s1) * inv_d, m2 = warp_sum(s2) * inv_d;
+    const float m1 = kRms ? 0.0f : warp_sum(s1) * inv_d, m2 = warp_sum(s2) * inv_d;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       const int j = lane + k * kWarp;
@@ -438,11 +451,11 @@ __global__ void adaln_bwd_dx_reg_kernel(const typename T::S* __restrict__ gyp, c
 
 // Fallback (D % V != 0, unaligned data, or rows longer than the register path holds): one warp per row of D
 // elements, scalar loads, three passes over the row; 8 rows per block.
-template <class T>
+template <class T, bool kRms>
 __global__ void adaln_fwd_kernel(const typename T::S* __restrict__ x, const float* __restrict__ shift,
-                                 const float* __restrict__ scale, typename T::S* __restrict__ y,
-                                 float* __restrict__ mean, float* __restrict__ rstd, int64_t rows, int64_t N,
-                                 int64_t D, float eps) {
+                                 const float* __restrict__ scale, const float* __restrict__ w,
+                                 typename T::S* __restrict__ y, float* __restrict__ mean, float* __restrict__ rstd,
+                                 int64_t rows, int64_t N, int64_t D, float eps) {
   const int lane = threadIdx.x % kWarp;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / kWarp);
   const float inv_d = 1.0f / static_cast<float>(D);
@@ -451,8 +464,10 @@ __global__ void adaln_fwd_kernel(const typename T::S* __restrict__ x, const floa
     const int64_t b = r / N;
     const typename T::S* xr = x + r * D;
     float s = 0.0f;
-    for (int64_t d = lane; d < D; d += kWarp) s += T::load(xr[d]);
-    const float mu = warp_sum(s) * inv_d;
+    if (!kRms) {
+      for (int64_t d = lane; d < D; d += kWarp) s += T::load(xr[d]);
+    }
+    const float mu = kRms ? 0.0f : warp_sum(s) * inv_d;
     float v = 0.0f;
     for (int64_t d = lane; d < D; d += kWarp) {
       const float t = T::load(xr[d]) - mu;
@@ -463,21 +478,22 @@ __global__ void adaln_fwd_kernel(const typename T::S* __restrict__ x, const floa
     const float* scl = scale + b * D;
     typename T::S* yr = y + r * D;
     for (int64_t d = lane; d < D; d += kWarp) {
-      yr[d] = T::store((T::load(xr[d]) - mu) * rs * (1.0f + scl[d]) + sh[d]);  // adaLN-Zero modulate
+      const float m = (kRms && w != nullptr) ? (1.0f + scl[d]) * w[d] : 1.0f + scl[d];
+      yr[d] = T::store((T::load(xr[d]) - mu) * rs * m + sh[d]);  // adaLN-Zero modulate
     }
     if (lane == 0) {
-      mean[r] = mu;
+      if (!kRms) mean[r] = mu;
       rstd[r] = rs;
     }
   }
 }
 
 // grad_x = rstd * (gy - mean_d(gy) - xhat * mean_d(gy * xhat)), gy = grad_y * (1 + scale); warp per row.
-template <class T>
+template <class T, bool kRms>
 __global__ void adaln_bwd_dx_kernel(const typename T::S* __restrict__ gyp, const typename T::S* __restrict__ x,
-                                    const float* __restrict__ scale, const float* __restrict__ mean,
-                                    const float* __restrict__ rstd, typename T::S* __restrict__ gx, int64_t rows,
-                                    int64_t N, int64_t D) {
+                                    const float* __restrict__ scale, const float* __restrict__ w,
+                                    const float* __restrict__ mean, const float* __restrict__ rstd,
+                                    typename T::S* __restrict__ gx, int64_t rows, int64_t N, int64_t D) {
   const int lane = threadIdx.x % kWarp;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / kWarp);
   const float inv_d = 1.0f / static_cast<float>(D);
@@ -487,17 +503,18 @@ __global__ void adaln_bwd_dx_kernel(const typename T::S* __restrict__ gyp, const
     const typename T::S* xr = x + r * D;
     const typename T::S* gr = gyp + r * D;
     const float* scl = scale + b * D;
-    const float mu = mean[r], rs = rstd[r];
+    const float mu = kRms ? 0.0f : mean[r], rs = rstd[r];
+    auto mul = [&](int64_t d) { return (kRms && w != nullptr) ? (1.0f + scl[d]) * w[d] : 1.0f + scl[d]; };
     float s1 = 0.0f, s2 = 0.0f;
     for (int64_t d = lane; d < D; d += kWarp) {
-      const float g = T::load(gr[d]) * (1.0f + scl[d]);
+      const float g = T::load(gr[d]) * mul(d);
       s1 += g;
       s2 += g * ((T::load(xr[d]) - mu) * rs);
     }
-    const float m1 = warp_sum(s1) * inv_d, m2 = warp_sum(s2) * inv_d;
+    const float m1 = kRms ? 0.0f : warp_sum(s1) * inv_d, m2 = warp_sum(s2) * inv_d;
     typename T::S* gxr = gx + r * D;
     for (int64_t d = lane; d < D; d += kWarp) {
-      const float g = T::load(gr[d]) * (1.0f + scl[d]);
+      const float g = T::load(gr[d]) * mul(d);
       const float xh = (T::load(xr[d]) - mu) * rs;
       gxr[d] = T::store(rs * (g - m1 - xh * m2));
     }
@@ -506,7 +523,8 @@ __global__ void adaln_bwd_dx_kernel(const typename T::S* __restrict__ gyp, const
 
 // Column sums over n for each (b, d): block (32 x 8) per (b, 32 V columns), each lane V consecutive columns with
 // one 16-byte load per row (V = 1: scalar loads, for D % V != 0 or unaligned data); with kLayerNorm the second
-// output is sum_n g * xhat (grad_scale), otherwise sum_n g * other (grad_gate) and only that one is written.
+// output is sum_n g * xhat (grad_scale; xhat = (other - mean) rstd, or other * rstd when mean is null: RMSNorm),
+// otherwise sum_n g * other (grad_gate) and only that one is written.
 template <class T, int V, bool kLayerNorm>
 __global__ void column_sums_kernel(const typename T::S* __restrict__ g, const typename T::S* __restrict__ other,
                                    const float* __restrict__ mean, const float* __restrict__ rstd,
@@ -526,7 +544,7 @@ __global__ void column_sums_kernel(const typename T::S* __restrict__ g, const ty
       loadv<T, V>(g + r * D + d0, gv);
       loadv<T, V>(other + r * D + d0, o);
       float mu = 0.0f, rs = 1.0f;
-      if constexpr (kLayerNorm) mu = mean[r], rs = rstd[r];
+      if constexpr (kLayerNorm) mu = mean != nullptr ? mean[r] : 0.0f, rs = rstd[r];  // no mean: RMSNorm
 #pragma unroll
       for (int e = 0; e < V; ++e) {
         if constexpr (kLayerNorm) o[e] = (o[e] - mu) * rs;
@@ -630,6 +648,173 @@ int reg_vectors(int64_t D, const void* p0, const void* p1, const void* p2, const
     if (D <= static_cast<int64_t>(kWarp) * k * V) return k;
   }
   return 0;
+}
+
+// ---------------------------------------------------------------- QK-norm + 2-D RoPE
+// One part (q, k or v) of the packed projection per grid row (blockIdx.y). G lanes per row of Dh channels (G =
+// the smallest power of two >= Dh, at most 32: a warp holds 32 / G rows); lane l of a group owns the channels
+// l, l + G, ... (coalesced loads along the row), a channel's pair partner is the neighbouring lane (__shfl_xor 1)
+// and the row sums are shuffles within the group. Two passes over the row (the second read hits the cache the first
+// one filled). The backward's weight gradient is summed per lane in registers (at most kQkLaneChannels channels a
+// lane: Dh <= 32 kQkLaneChannels), then per block in a fixed order, then over the blocks by qk_weight_grad_kernel
+// (deterministic). Rows are (b, h, n) with the strides of each tensor: the forward reads the packed projection and
+// writes the heads layout, the backward the reverse. Without a weight there is no norm; without `rope` no
+// rotation; neither: v's copy.
+constexpr int kQkLaneChannels = 8;
+constexpr int kQkMaxHeadDim = kWarp * kQkLaneChannels;
+
+__device__ __forceinline__ float group_sum(float v, int G) {
+  for (int o = G / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+template <class T, bool kBackward>
+__global__ void qk_norm_rope_kernel(QkCall a, int G) {
+  using S = typename T::S;
+  __shared__ float s_gw[kThreads * kQkLaneChannels];  // [group][channel] of the block's weight gradient
+  // the block's part, selected field by field (an indexed parameter would be copied to local memory)
+  const QkPart p = blockIdx.y == 0 ? a.part[0] : (blockIdx.y == 1 ? a.part[1] : a.part[2]);
+  const int l = threadIdx.x % G, group = threadIdx.x / G, groups = blockDim.x / G;
+  const int64_t Dh = a.Dh, half = Dh / 2, R = a.B * a.H * a.N;
+  const int nk = static_cast<int>((Dh + G - 1) / G);
+  const float inv_d = 1.0f / static_cast<float>(Dh);
+  const auto* src = static_cast<const S*>(p.src);
+  const auto* xs = static_cast<const S*>(p.x);
+  auto* dst = static_cast<S*>(p.dst);
+  const bool norm = p.w != nullptr, rope = p.rope != 0;
+  float acc[kQkLaneChannels];
+#pragma unroll
+  for (int k = 0; k < kQkLaneChannels; ++k) acc[k] = 0.0f;
+  // every thread of the block runs every iteration (the shuffles need the whole warp); rows past R read zeros
+  for (int64_t r0 = static_cast<int64_t>(blockIdx.x) * groups; r0 < R; r0 += static_cast<int64_t>(gridDim.x) * groups) {
+    const int64_t r = r0 + group;
+    const bool valid = r < R;
+    const int64_t n = r % a.N, h = (r / a.N) % a.H, b = r / (a.N * a.H);
+    const S* sr = src + b * p.sb + h * p.sh + n * p.sn;
+    S* dr = dst + b * p.db + h * p.dh + n * p.dn;
+    const float* c = rope ? a.cos + b * a.tab_b + n * half : nullptr;
+    const float* sn = rope ? a.sin + b * a.tab_b + n * half : nullptr;
+    // the value of channel d from the rows read: the rotation applied (forward) or its transpose (backward)
+    auto turned = [&](int64_t d, bool in, float v) {
+      if (!rope) return v;
+      const float partner = __shfl_xor_sync(0xffffffffu, v, 1);
+      const float cm = in ? c[d / 2] : 0.0f, sm = in ? sn[d / 2] : 0.0f;
+      const bool even = d % 2 == 0;
+      if (kBackward) return even ? v * cm + partner * sm : v * cm - partner * sm;
+      return even ? v * cm - partner * sm : v * cm + partner * sm;
+    };
+    if (!kBackward) {
+      float rs = 1.0f;
+      if (norm) {
+        float ss = 0.0f;
+        for (int k = 0; k < nk; ++k) {
+          const int64_t d = l + static_cast<int64_t>(k) * G;
+          const float v = valid && d < Dh ? T::load(sr[d]) : 0.0f;
+          ss += v * v;
+        }
+        rs = rsqrtf(group_sum(ss, G) * inv_d + a.eps);
+      }
+      for (int k = 0; k < nk; ++k) {
+        const int64_t d = l + static_cast<int64_t>(k) * G;
+        const bool in = valid && d < Dh;
+        float v = in ? T::load(sr[d]) : 0.0f;
+        if (norm) v *= rs * (d < Dh ? p.w[d] : 0.0f);
+        v = turned(d, in, v);  // after the norm: RoFormer Eq. 34
+        if (in) dr[d] = T::store(v);
+      }
+      continue;
+    }
+    const S* xr = xs + b * p.xb + h * p.xh + n * p.xn;
+    float ss = 0.0f, dot = 0.0f;
+    for (int k = 0; k < nk; ++k) {
+      const int64_t d = l + static_cast<int64_t>(k) * G;
+      const bool in = valid && d < Dh;
+      const float gr = turned(d, in, in ? T::load(sr[d]) : 0.0f);
+      if (!norm) {
+        if (in) dr[d] = T::store(gr);
+        continue;
+      }
+      const float v = in ? T::load(xr[d]) : 0.0f;
+      ss += v * v;
+      dot += gr * (d < Dh ? p.w[d] : 0.0f) * v;
+    }
+    if (!norm) continue;
+    const float rs = rsqrtf(group_sum(ss, G) * inv_d + a.eps);
+    const float m2 = group_sum(dot, G) * rs * inv_d;  // mean_d(gh * xhat), gh = gr * w
+#pragma unroll
+    for (int k = 0; k < kQkLaneChannels; ++k) {
+      if (k < nk) {
+        const int64_t d = l + static_cast<int64_t>(k) * G;
+        const bool in = valid && d < Dh;
+        const float gr = turned(d, in, in ? T::load(sr[d]) : 0.0f);
+        const float xh = (in ? T::load(xr[d]) : 0.0f) * rs;
+        if (in) dr[d] = T::store(rs * (gr * p.w[d] - xh * m2));
+        acc[k] += gr * xh;
+      }
+    }
+  }
+  if (!kBackward || a.scratch == nullptr || p.w == nullptr || blockIdx.y > 1) return;
+  // the block's weight gradient: each (group, channel) slot written by one thread, summed over groups in order
+#pragma unroll
+  for (int k = 0; k < kQkLaneChannels; ++k) {
+    const int64_t d = l + static_cast<int64_t>(k) * G;
+    if (k < nk && d < Dh) s_gw[group * Dh + d] = acc[k];
+  }
+  __syncthreads();
+  float* out = a.scratch + (static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x) * Dh;
+  for (int64_t d = threadIdx.x; d < Dh; d += blockDim.x) {
+    float t = 0.0f;
+    for (int gi = 0; gi < groups; ++gi) t += s_gw[gi * Dh + d];
+    out[d] = t;
+  }
+}
+
+// gw[t, d] = sum over the blocks of partial[t, blk, d] in block order (t: q, k).
+__global__ void qk_weight_grad_kernel(const float* __restrict__ partial, float* __restrict__ gwq,
+                                      float* __restrict__ gwk, int64_t blocks, int64_t Dh) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < 2 * Dh;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = i / Dh, d = i % Dh;
+    float acc = 0.0f;
+    for (int64_t blk = 0; blk < blocks; ++blk) acc += partial[(t * blocks + blk) * Dh + d];
+    (t == 0 ? gwq : gwk)[d] = acc;
+  }
+}
+
+// ---------------------------------------------------------------- SwiGLU
+// One warp per row of x (R, 2H) (grid-stride over rows), V elements per access along the halves a and b: 16-byte
+// accesses (V = kVec<T>) when H % V == 0 and the data are aligned, else scalar. Forward y = silu(a) b; backward
+// grad_a = grad_y b s (1 + a (1 - s)), grad_b = grad_y a s, s = sigmoid(a).
+template <class T, int V, bool kBackward>
+__global__ void swiglu_kernel(const typename T::S* __restrict__ x, const typename T::S* __restrict__ gy,
+                              typename T::S* __restrict__ out, int64_t rows, int64_t H) {
+  const int lane = threadIdx.x % kWarp;
+  const int64_t nv = H / V;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / kWarp);
+  for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x / kWarp) + threadIdx.x / kWarp; r < rows;
+       r += warps) {
+    for (int64_t j = lane; j < nv; j += kWarp) {
+      float av[V], bv[V], o[V];
+      loadv<T, V>(x + r * 2 * H + j * V, av);
+      loadv<T, V>(x + r * 2 * H + H + j * V, bv);
+      if constexpr (kBackward) {
+        float gv[V], ob[V];
+        loadv<T, V>(gy + r * H + j * V, gv);
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          const float s = 1.0f / (1.0f + expf(-av[e]));
+          o[e] = gv[e] * bv[e] * s * (1.0f + av[e] * (1.0f - s));
+          ob[e] = gv[e] * av[e] * s;
+        }
+        storev<T, V>(out + r * 2 * H + j * V, o);
+        storev<T, V>(out + r * 2 * H + H + j * V, ob);
+      } else {
+#pragma unroll
+        for (int e = 0; e < V; ++e) o[e] = av[e] / (1.0f + expf(-av[e])) * bv[e];  // silu(a) b, Shazeer Eq. 6
+        storev<T, V>(out + r * H + j * V, o);
+      }
+    }
+  }
 }
 
 // ---------------------------------------------------------------- token routing
@@ -814,36 +999,41 @@ int sample_timesteps(bool w_double, const void* w, int64_t T, double* cdf, int64
   return finish();
 }
 
-int adaln_fwd(int dt, const void* x, const float* shift, const float* scale, void* y, float* mean, float* rstd,
-              int64_t B, int64_t N, int64_t D, float eps, void* stream) {
+namespace {
+
+// The adaLN (kRms false) and RMSNorm (kRms true) modulate launches: the register path when the row fits, the
+// scalar fallback otherwise.
+template <bool kRms>
+int norm_fwd(int dt, const void* x, const float* shift, const float* scale, const float* w, void* y, float* mean,
+             float* rstd, int64_t B, int64_t N, int64_t D, float eps, cudaStream_t s) {
   const int64_t rows = B * N;
   if (rows == 0 || D == 0) return 0;
-  const auto s = static_cast<cudaStream_t>(stream);
   const int64_t blocks = blocks_for(rows, kThreads / kWarp);
   return with_type(dt, [&](auto t) {
     using T = decltype(t);
     constexpr int V = kVec<T>;
     const auto* xp = static_cast<const typename T::S*>(x);
     auto* yp = static_cast<typename T::S*>(y);
-    const int k = reg_vectors<T>(D, x, y, shift, scale);
+    const int k = w == nullptr || aligned(w, 16) ? reg_vectors<T>(D, x, y, shift, scale) : 0;
     const int d = static_cast<int>(D);
-    if (k == 1) adaln_fwd_reg_kernel<T, V, 1><<<blocks, kThreads, 0, s>>>(xp, shift, scale, yp, mean, rstd, rows, N, d, eps);
-    if (k == 2) adaln_fwd_reg_kernel<T, V, 2><<<blocks, kThreads, 0, s>>>(xp, shift, scale, yp, mean, rstd, rows, N, d, eps);
-    if (k == 4) adaln_fwd_reg_kernel<T, V, 4><<<blocks, kThreads, 0, s>>>(xp, shift, scale, yp, mean, rstd, rows, N, d, eps);
-    if (k == 8) adaln_fwd_reg_kernel<T, V, 8><<<blocks, kThreads, 0, s>>>(xp, shift, scale, yp, mean, rstd, rows, N, d, eps);
+    if (k == 1) adaln_fwd_reg_kernel<T, V, 1, kRms><<<blocks, kThreads, 0, s>>>(xp, shift, scale, w, yp, mean, rstd, rows, N, d, eps);
+    if (k == 2) adaln_fwd_reg_kernel<T, V, 2, kRms><<<blocks, kThreads, 0, s>>>(xp, shift, scale, w, yp, mean, rstd, rows, N, d, eps);
+    if (k == 4) adaln_fwd_reg_kernel<T, V, 4, kRms><<<blocks, kThreads, 0, s>>>(xp, shift, scale, w, yp, mean, rstd, rows, N, d, eps);
+    if (k == 8) adaln_fwd_reg_kernel<T, V, 8, kRms><<<blocks, kThreads, 0, s>>>(xp, shift, scale, w, yp, mean, rstd, rows, N, d, eps);
     if constexpr (V * 16 <= 64) {
-      if (k == 16) adaln_fwd_reg_kernel<T, V, 16><<<blocks, kThreads, 0, s>>>(xp, shift, scale, yp, mean, rstd, rows, N, d, eps);
+      if (k == 16) adaln_fwd_reg_kernel<T, V, 16, kRms><<<blocks, kThreads, 0, s>>>(xp, shift, scale, w, yp, mean, rstd, rows, N, d, eps);
     }
-    if (k == 0) adaln_fwd_kernel<T><<<blocks, kThreads, 0, s>>>(xp, shift, scale, yp, mean, rstd, rows, N, D, eps);
+    if (k == 0) adaln_fwd_kernel<T, kRms><<<blocks, kThreads, 0, s>>>(xp, shift, scale, w, yp, mean, rstd, rows, N, D, eps);
     return finish();
   });
 }
 
-int adaln_bwd(int dt, const void* grad_y, const void* x, const float* scale, const float* mean, const float* rstd,
-              void* gx, float* gshift, float* gscale, int64_t B, int64_t N, int64_t D, void* stream) {
+template <bool kRms>
+int norm_bwd(int dt, const void* grad_y, const void* x, const float* scale, const float* w, const float* mean,
+             const float* rstd, void* gx, float* gshift, float* gscale, int64_t B, int64_t N, int64_t D,
+             cudaStream_t s) {
   const int64_t rows = B * N;
   if (B == 0 || D == 0) return 0;
-  const auto s = static_cast<cudaStream_t>(stream);
   return with_type(dt, [&](auto t) {
     using T = decltype(t);
     const auto* gp = static_cast<const typename T::S*>(grad_y);
@@ -852,18 +1042,120 @@ int adaln_bwd(int dt, const void* grad_y, const void* x, const float* scale, con
       constexpr int V = kVec<T>;
       auto* gxp = static_cast<typename T::S*>(gx);
       const int64_t blocks = blocks_for(rows, kThreads / kWarp);
-      const int k = reg_vectors<T>(D, gp, xp, gx, scale);
+      const int k = w == nullptr || aligned(w, 16) ? reg_vectors<T>(D, gp, xp, gx, scale) : 0;
       const int d = static_cast<int>(D);
-      if (k == 1) adaln_bwd_dx_reg_kernel<T, V, 1><<<blocks, kThreads, 0, s>>>(gp, xp, scale, mean, rstd, gxp, rows, N, d);
-      if (k == 2) adaln_bwd_dx_reg_kernel<T, V, 2><<<blocks, kThreads, 0, s>>>(gp, xp, scale, mean, rstd, gxp, rows, N, d);
-      if (k == 4) adaln_bwd_dx_reg_kernel<T, V, 4><<<blocks, kThreads, 0, s>>>(gp, xp, scale, mean, rstd, gxp, rows, N, d);
-      if (k == 8) adaln_bwd_dx_reg_kernel<T, V, 8><<<blocks, kThreads, 0, s>>>(gp, xp, scale, mean, rstd, gxp, rows, N, d);
+      if (k == 1) adaln_bwd_dx_reg_kernel<T, V, 1, kRms><<<blocks, kThreads, 0, s>>>(gp, xp, scale, w, mean, rstd, gxp, rows, N, d);
+      if (k == 2) adaln_bwd_dx_reg_kernel<T, V, 2, kRms><<<blocks, kThreads, 0, s>>>(gp, xp, scale, w, mean, rstd, gxp, rows, N, d);
+      if (k == 4) adaln_bwd_dx_reg_kernel<T, V, 4, kRms><<<blocks, kThreads, 0, s>>>(gp, xp, scale, w, mean, rstd, gxp, rows, N, d);
+      if (k == 8) adaln_bwd_dx_reg_kernel<T, V, 8, kRms><<<blocks, kThreads, 0, s>>>(gp, xp, scale, w, mean, rstd, gxp, rows, N, d);
       if constexpr (V * 16 <= 64) {
-        if (k == 16) adaln_bwd_dx_reg_kernel<T, V, 16><<<blocks, kThreads, 0, s>>>(gp, xp, scale, mean, rstd, gxp, rows, N, d);
+        if (k == 16) adaln_bwd_dx_reg_kernel<T, V, 16, kRms><<<blocks, kThreads, 0, s>>>(gp, xp, scale, w, mean, rstd, gxp, rows, N, d);
       }
-      if (k == 0) adaln_bwd_dx_kernel<T><<<blocks, kThreads, 0, s>>>(gp, xp, scale, mean, rstd, gxp, rows, N, D);
+      if (k == 0) adaln_bwd_dx_kernel<T, kRms><<<blocks, kThreads, 0, s>>>(gp, xp, scale, w, mean, rstd, gxp, rows, N, D);
     }
     if (gshift != nullptr) launch_column_sums<T, true>(gp, xp, mean, rstd, gshift, gscale, B, N, D, s);
+    return finish();
+  });
+}
+
+// RMSNorm's affine gradients from S = sum_n grad_y * xhat (in gscale on entry): grad_w[d] = sum_b (1 + scale) S
+// (b in order) and grad_scale = S * w, one thread per column.
+__global__ void rms_affine_kernel(const float* __restrict__ scale, const float* __restrict__ w,
+                                  float* __restrict__ gscale, float* __restrict__ gw, int64_t B, int64_t D) {
+  for (int64_t d = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; d < D;
+       d += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float acc = 0.0f;
+    const float wd = w[d];
+    for (int64_t b = 0; b < B; ++b) {
+      const float sv = gscale[b * D + d];
+      acc += (1.0f + scale[b * D + d]) * sv;
+      gscale[b * D + d] = sv * wd;
+    }
+    gw[d] = acc;
+  }
+}
+
+}  // namespace
+
+int adaln_fwd(int dt, const void* x, const float* shift, const float* scale, void* y, float* mean, float* rstd,
+              int64_t B, int64_t N, int64_t D, float eps, void* stream) {
+  return norm_fwd<false>(dt, x, shift, scale, nullptr, y, mean, rstd, B, N, D, eps, static_cast<cudaStream_t>(stream));
+}
+
+int adaln_bwd(int dt, const void* grad_y, const void* x, const float* scale, const float* mean, const float* rstd,
+              void* gx, float* gshift, float* gscale, int64_t B, int64_t N, int64_t D, void* stream) {
+  return norm_bwd<false>(dt, grad_y, x, scale, nullptr, mean, rstd, gx, gshift, gscale, B, N, D,
+                         static_cast<cudaStream_t>(stream));
+}
+
+int rmsnorm_fwd(int dt, const void* x, const float* shift, const float* scale, const float* w, void* y, float* rstd,
+                int64_t B, int64_t N, int64_t D, float eps, void* stream) {
+  return norm_fwd<true>(dt, x, shift, scale, w, y, nullptr, rstd, B, N, D, eps, static_cast<cudaStream_t>(stream));
+}
+
+int rmsnorm_bwd(int dt, const void* grad_y, const void* x, const float* scale, const float* w, const float* rstd,
+                void* gx, float* gshift, float* gscale, float* gw, int64_t B, int64_t N, int64_t D, void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  const int err = norm_bwd<true>(dt, grad_y, x, scale, w, nullptr, rstd, gx, gshift, gscale, B, N, D, s);
+  if (err != 0 || gshift == nullptr || w == nullptr || B == 0 || D == 0) return err;
+  rms_affine_kernel<<<blocks_for(D, kThreads), kThreads, 0, s>>>(scale, w, gscale, gw, B, D);
+  return finish();
+}
+
+namespace {
+
+int qk_group(int64_t Dh) {
+  int G = 1;
+  while (G < Dh && G < kWarp) G *= 2;
+  return G;
+}
+
+}  // namespace
+
+int64_t qk_norm_rope_scratch_size(int64_t B, int64_t H, int64_t N, int64_t Dh) {
+  return 2 * blocks_for(B * H * N, kThreads / qk_group(Dh)) * Dh;
+}
+
+int qk_norm_rope(const QkCall& c, void* stream) {
+  const int64_t R = c.B * c.H * c.N;
+  if (R == 0 || c.Dh == 0) return 0;
+  if (c.Dh > kQkMaxHeadDim) return static_cast<int>(cudaErrorInvalidValue);
+  const auto s = static_cast<cudaStream_t>(stream);
+  const int G = qk_group(c.Dh);
+  const int64_t blocks = blocks_for(R, kThreads / G);
+  const dim3 grid(static_cast<unsigned>(blocks), 3);
+  const int err = with_type(c.dt, [&](auto t) {
+    using T = decltype(t);
+    if (c.backward) {
+      qk_norm_rope_kernel<T, true><<<grid, kThreads, 0, s>>>(c, G);
+    } else {
+      qk_norm_rope_kernel<T, false><<<grid, kThreads, 0, s>>>(c, G);
+    }
+    return finish();
+  });
+  if (err != 0 || !c.backward || c.gwq == nullptr) return err;
+  qk_weight_grad_kernel<<<blocks_for(2 * c.Dh, kThreads), kThreads, 0, s>>>(c.scratch, c.gwq, c.gwk, blocks, c.Dh);
+  return finish();
+}
+
+int swiglu(int dt, const void* x, const void* grad_y, void* out, int64_t R, int64_t H, void* stream) {
+  if (R * H == 0) return 0;
+  const auto s = static_cast<cudaStream_t>(stream);
+  const int64_t blocks = blocks_for(R, kThreads / kWarp);
+  return with_type(dt, [&](auto t) {
+    using T = decltype(t);
+    constexpr int V = kVec<T>;
+    const auto* xp = static_cast<const typename T::S*>(x);
+    const auto* gp = static_cast<const typename T::S*>(grad_y);
+    auto* op = static_cast<typename T::S*>(out);
+    const bool vec = H % V == 0 && aligned(x, 16) && aligned(out, 16) && (grad_y == nullptr || aligned(grad_y, 16));
+    if (grad_y != nullptr) {
+      if (vec) swiglu_kernel<T, V, true><<<blocks, kThreads, 0, s>>>(xp, gp, op, R, H);
+      else swiglu_kernel<T, 1, true><<<blocks, kThreads, 0, s>>>(xp, gp, op, R, H);
+    } else {
+      if (vec) swiglu_kernel<T, V, false><<<blocks, kThreads, 0, s>>>(xp, gp, op, R, H);
+      else swiglu_kernel<T, 1, false><<<blocks, kThreads, 0, s>>>(xp, gp, op, R, H);
+    }
     return finish();
   });
 }

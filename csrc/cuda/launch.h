@@ -41,6 +41,52 @@ int adaln_fwd(int dt, const void* x, const float* shift, const float* scale, voi
 int adaln_bwd(int dt, const void* grad_y, const void* x, const float* scale, const float* mean, const float* rstd,
               void* gx, float* gshift, float* gscale, int64_t B, int64_t N, int64_t D, void* stream);
 
+// RMSNorm-modulate of x (B, N, D) with float32 shift/scale (B, D) and weight w (D,) (nullptr: none); rstd (B, N).
+int rmsnorm_fwd(int dt, const void* x, const float* shift, const float* scale, const float* w, void* y, float* rstd,
+                int64_t B, int64_t N, int64_t D, float eps, void* stream);
+
+// Backward of rmsnorm_fwd: gx like x; gshift, gscale (B, D) and gw (D,) float32 (gshift == nullptr: gx only;
+// gw is written only with a weight).
+int rmsnorm_bwd(int dt, const void* grad_y, const void* x, const float* scale, const float* w, const float* rstd,
+                void* gx, float* gshift, float* gscale, float* gw, int64_t B, int64_t N, int64_t D, void* stream);
+
+// QK-norm + 2-D RoPE (docs/ops.md). One part of the packed projection: the rows (b, h, n) of head_dim Dh read
+// at src + b * sb + h * sh + n * sn (unit stride along Dh) and written at dst with (db, dh, dn); the backward
+// also reads the norm's input at x with (xb, xh, xn). w == nullptr: no norm; rope == 0: no rotation.
+struct QkPart {
+  const void* src;
+  int64_t sb, sh, sn;
+  const void* x;
+  int64_t xb, xh, xn;
+  void* dst;
+  int64_t db, dh, dn;
+  const float* w;
+  int rope;
+};
+
+// The three parts q, k, v; tables cos / sin (float32, row b * tab_b + n of Dh / 2 entries) or nullptr. The
+// backward writes grad_q_weight / grad_k_weight into gwq / gwk (float32, Dh) when they are not null, through
+// scratch (qk_norm_rope_scratch_size floats).
+struct QkCall {
+  int dt;
+  bool backward;
+  QkPart part[3];
+  const float* cos;
+  const float* sin;
+  int64_t tab_b, B, H, N, Dh;
+  float eps;
+  float* scratch;
+  float* gwq;
+  float* gwk;
+};
+
+// Floats of scratch that the backward with weight gradients needs; head dims up to 256 (longer rows: an error).
+int64_t qk_norm_rope_scratch_size(int64_t B, int64_t H, int64_t N, int64_t Dh);
+int qk_norm_rope(const QkCall& call, void* stream);
+
+// SwiGLU over rows of x (R, 2H): grad_y == nullptr: out (R, H) = silu(a) * b; else out (R, 2H) = grad_x.
+int swiglu(int dt, const void* x, const void* grad_y, void* out, int64_t R, int64_t H, void* stream);
+
 // out = x + gate[b] * y.
 int gated_fwd(int dt, const void* x, const float* gate, const void* y, void* out, int64_t B, int64_t N, int64_t D,
               void* stream);

@@ -31,7 +31,17 @@ DTYPES = ("fp32", "bf16", "fp16")  # the kernel dtypes the ops accept (diffcurr_
 CACHE_DIR = os.environ.get("DIFFCURR_AOT_CACHE") or os.path.join(
     os.path.expanduser("~"), ".cache", "diffcurr_fast", "aot"
 )
-MODULES = ("philox", "q_sample", "diffusion_loss", "sample_timesteps", "adaln", "token_route")
+MODULES = (
+    "philox",
+    "q_sample",
+    "diffusion_loss",
+    "sample_timesteps",
+    "adaln",
+    "rmsnorm_modulate",
+    "qk_norm_rope",
+    "swiglu",
+    "token_route",
+)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ out here with the same parameter names. Extras, all off by default and none of t
 - ``block_num_heads`` / ``block_mlp_hidden``: per-block head counts (fixed head_dim) and MLP widths for pruned,
   heterogeneous models; ``config()`` / ``from_config()`` rebuild them from a plain dict.
 - ``fused_adaln``: the block's LayerNorm + modulate and gated residual run as the fused ops of
-  ``diffcurr_fast.ops`` (``adaln_modulate``, ``gated_residual``).
+  ``diffcurr_fast.ops`` (``adaln_modulate``, ``gated_residual``; with the modern block's options also
+  ``rmsnorm_modulate``, ``qk_norm_rope`` and ``swiglu``).
 - ``dtr``: Denoising Task Routing (Park et al., ICLR 2024), see ``dtr.py``.
 - ``routing`` / ``sprint``: token routing in training (TREAD; SPRINT, which adds a [MASK] token and a fusion
   layer), see ``routing.py``.
@@ -35,7 +36,7 @@ from diffcurr_fast.models.attention import ATTENTION_BACKENDS, attention, prepar
 from diffcurr_fast.models.dtr import DTRConfig, dtr_mask
 from diffcurr_fast.models.modern import RMS_EPS, RMSNorm, apply_rope2d, check_modern, rope2d_tables, swiglu_hidden
 from diffcurr_fast.models.routing import Routing
-from diffcurr_fast.ops import adaln_modulate, gated_residual, gelu_tanh
+from diffcurr_fast.ops import adaln_modulate, gated_residual, gelu_tanh, qk_norm_rope, rmsnorm_modulate, swiglu
 
 __all__ = [
     "DiT",
@@ -113,15 +114,18 @@ class Mlp(nn.Module):
 
 class SwiGLU(nn.Module):
     """SwiGLU MLP (Shazeer 2020, Eq. 6; LightningDiT): w3(silu(w1 x) * w2 x), with [w1; w2] stacked as one linear
-    ``w12`` of 2 * hidden outputs. ``hidden`` is 2/3 of the GELU width (``modern.swiglu_hidden``). It has no fused
-    op: with ``fused_adaln`` the SiLU and product run as torch ops (``torch.compile`` fuses them)."""
+    ``w12`` of 2 * hidden outputs. ``hidden`` is 2/3 of the GELU width (``modern.swiglu_hidden``). ``fused``: the
+    SiLU and product run as the fused op ``diffcurr_fast.ops.swiglu`` (the same function)."""
 
-    def __init__(self, in_features: int, hidden_features: int):
+    def __init__(self, in_features: int, hidden_features: int, fused: bool = False):
         super().__init__()
         self.w12 = _linear(in_features, 2 * hidden_features)
         self.w3 = _linear(hidden_features, in_features)
+        self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return self.w3(swiglu(self.w12(x)))  # (N, T, D)
         x1, x2 = self.w12(x).chunk(2, dim=-1)  # (N, T, hidden) each: w1 x, w2 x
         return self.w3(nn.functional.silu(x1) * x2)  # (N, T, D)
 
@@ -132,7 +136,8 @@ class Attention(nn.Module):
     ``num_heads`` heads of ``head_dim`` each (``head_dim`` defaults to dim // num_heads; a pruned block keeps the
     original head_dim with fewer heads). With 0 heads the attention is skipped and only ``proj.bias`` remains.
     ``qk_norm``: q and k RMS-normalised per head over head_dim with a learnable weight (``modern.py``). ``forward``'s
-    ``rope``: (cos, sin) tables that rotate q and k (``modern.apply_rope2d``), or None.
+    ``rope``: (cos, sin) tables that rotate q and k (``modern.apply_rope2d``), or None. ``fused``: the heads' split,
+    the QK-norm and the rotation run as one fused op (``diffcurr_fast.ops.qk_norm_rope``, the same function).
     """
 
     def __init__(
@@ -143,8 +148,10 @@ class Attention(nn.Module):
         qkv_bias: bool = True,
         backend: str = "auto",
         qk_norm: bool = False,
+        fused: bool = False,
     ):
         super().__init__()
+        self.fused = fused
         if head_dim is None:
             if num_heads < 1 or dim % num_heads:
                 raise ValueError(f"dim {dim} must be divisible by num_heads {num_heads} (num_heads >= 1)")
@@ -166,12 +173,18 @@ class Attention(nn.Module):
         B, N, _ = x.shape
         if self.num_heads == 0:
             return self.proj(x.new_zeros(B, N, 0))  # (B, N, D): bias only
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (3, B, H, N, Dh)
-        q, k, v = qkv.unbind(0)  # (B, H, N, Dh) each
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)  # (B, H, N, Dh) each: RMSNorm over Dh (modern.py)
-        if rope is not None:
-            q, k = apply_rope2d(q, *rope), apply_rope2d(k, *rope)  # (B, H, N, Dh) each: RoFormer Eq. 34 in 2-D
+        qkv = self.qkv(x)  # (B, N, 3 * H * Dh)
+        if self.fused and (self.qk_norm or rope is not None):
+            weights = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+            tables = rope or (None, None)
+            q, k, v = qk_norm_rope(qkv, self.num_heads, *weights, *tables, eps=RMS_EPS)  # (B, H, N, Dh) each
+        else:
+            qkv = qkv.reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (3, B, H, N, Dh)
+            q, k, v = qkv.unbind(0)  # (B, H, N, Dh) each
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)  # (B, H, N, Dh) each: RMSNorm over Dh (modern.py)
+            if rope is not None:
+                q, k = apply_rope2d(q, *rope), apply_rope2d(k, *rope)  # (B, H, N, Dh) each: RoFormer Eq. 34 in 2-D
         x = attention(q, k, v, self.backend, scale=self.scale)  # (B, H, N, Dh)
         x = x.transpose(1, 2).reshape(B, N, self.num_heads * self.head_dim)  # (B, N, H * Dh)
         return self.proj(x)  # (B, N, D)
@@ -292,12 +305,19 @@ class DiTBlock(nn.Module):
         self.norm_kind = norm
         self.norm1 = _norm(norm, hidden_size)
         self.attn = Attention(
-            hidden_size, num_heads=num_heads, head_dim=head_dim, qkv_bias=True, backend=attn_backend, qk_norm=qk_norm
+            hidden_size,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            qkv_bias=True,
+            backend=attn_backend,
+            qk_norm=qk_norm,
+            fused=fused_adaln,
         )
         self.norm2 = _norm(norm, hidden_size)
         mlp_hidden_dim = int(hidden_size * mlp_ratio) if mlp_hidden is None else mlp_hidden
         if mlp == "swiglu":  # mlp_hidden (a pruned block's) is then the SwiGLU width itself
-            self.mlp = SwiGLU(hidden_size, swiglu_hidden(mlp_hidden_dim) if mlp_hidden is None else mlp_hidden)
+            hidden = swiglu_hidden(mlp_hidden_dim) if mlp_hidden is None else mlp_hidden
+            self.mlp = SwiGLU(hidden_size, hidden, fused=fused_adaln)
         else:
             self.mlp = Mlp(in_features=hidden_size, hidden_features=mlp_hidden_dim, fused=fused_adaln)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size, bias=True))
@@ -333,23 +353,30 @@ class DiTBlock(nn.Module):
 
     def _norm_modulate(self, norm: nn.Module, x, shift, scale) -> torch.Tensor:
         if self.norm_kind == "rmsnorm":
-            # the fused op adaln_modulate is LayerNorm + modulate only: RMSNorm takes the plain modulate path
-            return modulate(norm(x), shift, scale)  # (N, T, D)
+            return rmsnorm_modulate(x, shift, scale, eps=RMS_EPS)  # (N, T, D)
         return adaln_modulate(x, shift, scale, eps=_LN_EPS)  # (N, T, D)
 
 
 class FinalLayer(nn.Module):
-    """The final layer of DiT: adaLN modulation then a linear map to p * p * out_channels per token."""
+    """The final layer of DiT: adaLN modulation then a linear map to p * p * out_channels per token. ``fused`` with
+    the RMSNorm: the norm and modulation run as ``diffcurr_fast.ops.rmsnorm_modulate`` (the same function)."""
 
-    def __init__(self, hidden_size: int, patch_size: int, out_channels: int, norm: str = "layernorm"):
+    def __init__(
+        self, hidden_size: int, patch_size: int, out_channels: int, norm: str = "layernorm", fused: bool = False
+    ):
         super().__init__()
         self.norm_final = _norm(norm, hidden_size)
         self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels, bias=True)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size, bias=True))
+        self.fused_rms = fused and norm == "rmsnorm"
 
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         shift, scale = self.adaLN_modulation(c).chunk(2, dim=1)  # (N, D) each
-        x = modulate(self.norm_final(x), shift, scale)  # (N, T, D)
+        if self.fused_rms:
+            dt = torch.promote_types(x.dtype, shift.dtype)
+            x = rmsnorm_modulate(x.to(dt), shift.to(dt), scale.to(dt), eps=RMS_EPS)  # (N, T, D)
+        else:
+            x = modulate(self.norm_final(x), shift, scale)  # (N, T, D)
         return self.linear(x)  # (N, T, p * p * out_channels)
 
 
@@ -541,7 +568,7 @@ class DiT(nn.Module):
                 for i in range(depth)
             ]
         )
-        self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels, norm=norm)
+        self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels, norm=norm, fused=bool(fused_adaln))
         router.add_parameters(self, hidden_size)  # SPRINT's [MASK] token and fusion layer
         self.initialize_weights()
 

@@ -7,8 +7,7 @@ defaults are the release's block, parameter for parameter and bit for bit).
   (Zhang & Sennrich 2019, Eq. 4), y = x / sqrt(mean(x^2) + eps), eps 1e-6, without an affine weight: the adaLN
   modulation that follows is the affine map, as the release's LayerNorm has ``elementwise_affine=False``. (The
   official code gives its RMSNorm a learnable weight; it is multiplied into the modulation's scale here, so it is
-  left out.) The fused ``adaln_modulate`` op is LayerNorm + modulate only: with ``fused_adaln`` an RMSNorm block
-  takes the plain ``modulate`` path for its norms and keeps the fused gated residual.
+  left out.)
 - ``qk_norm=True`` (``model.qk_norm``): q and k of each head are RMS-normalised over head_dim with a learnable
   weight (one per channel, shared by the heads: ``attn.q_norm.weight``, ``attn.k_norm.weight``, timm's names),
   before the rotation and the attention, as the official code and timm's ``qk_norm`` do.
@@ -28,6 +27,10 @@ defaults are the release's block, parameter for parameter and bit for bit).
   ``VisionRotaryEmbeddingFast`` with ``freqs_for='lang'``). The rotation runs in float32 (float64 for float64
   tensors) and returns q's dtype. head_dim must be a multiple of 4. Under token routing the tables are gathered by
   the route's indices, so the kept tokens rotate with their original positions.
+
+With ``fused_adaln`` each option runs as a fused op of ``diffcurr_fast.ops`` (the same function, docs/ops.md): the
+norms and their modulation as ``rmsnorm_modulate``, the heads' split with the QK-norm and the rotation as
+``qk_norm_rope``, the SwiGLU activation as ``swiglu``; the code here stays the reference.
 
 Not covered: diffusers' ``DiTTransformer2DModel`` has none of these (``export`` refuses them, ``diffusers_dit.py``),
 and TDC's pruning (``tdc/prune.py``) reads the GELU MLP's ``fc1`` / ``fc2``, so a TDC run refuses a SwiGLU model

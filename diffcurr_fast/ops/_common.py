@@ -47,6 +47,40 @@ def check_like(y: torch.Tensor, x: torch.Tensor, yname: str, xname: str) -> None
         raise ValueError(f"{yname} is on {y.device} but {xname} is on {x.device}")
 
 
+def check_block(x: torch.Tensor, vecs: dict[str, torch.Tensor], mixed: bool = False) -> None:
+    """Shapes (B, N, D) and (B, D); dtypes equal to x's, or with ``mixed`` any kernel dtype (float64 only with
+    float64: it runs on the reference)."""
+    check_float(x, "x")
+    if x.ndim != 3:
+        raise ValueError(f"x must have shape (B, N, D), got {tuple(x.shape)}")
+    B, _, D = x.shape
+    for name, v in vecs.items():
+        check_float(v, name)
+        if v.shape != (B, D):
+            raise ValueError(f"{name} must have shape ({B}, {D}), got {tuple(v.shape)}")
+        same = v.dtype == x.dtype or (mixed and torch.float64 not in (v.dtype, x.dtype))
+        if not same or v.device != x.device:
+            raise ValueError(f"{name} ({v.dtype}, {v.device}) must match x ({x.dtype}, {x.device})")
+
+
+def check_eps(eps) -> float:
+    """eps as a float; ValueError unless it is a positive number."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"eps must be a positive float, got {eps!r}")
+    return float(eps)
+
+
+def check_weight(weight: torch.Tensor | None, x: torch.Tensor, dim: int, name: str = "weight") -> None:
+    """ValueError unless ``weight`` is None or a (dim,) float tensor on x's device (float64 only with float64 x)."""
+    if weight is None:
+        return
+    check_float(weight, name)
+    if weight.shape != (dim,):
+        raise ValueError(f"{name} must have shape ({dim},), got {tuple(weight.shape)}")
+    if weight.device != x.device or (torch.float64 in (weight.dtype, x.dtype) and weight.dtype != x.dtype):
+        raise ValueError(f"{name} ({weight.dtype}, {weight.device}) must match x ({x.dtype}, {x.device})")
+
+
 def sample_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(x, batch stride) when each sample of ``x`` (B, ...) is contiguous and the samples do not overlap (e.g. the
     first C channels of a (B, 2C, H, W) output, read in place); otherwise (a contiguous copy, M)."""

@@ -263,22 +263,6 @@ def _gated_apply(x, gate, y, backend):
 
 
 # ---- public API -------------------------------------------------------------------------------------------
-def _check_block(x: torch.Tensor, vecs: dict[str, torch.Tensor], mixed: bool = False) -> None:
-    """Shapes (B, N, D) and (B, D); dtypes equal to x's, or with ``mixed`` any kernel dtype (float64 only with
-    float64: it runs on the reference)."""
-    _common.check_float(x, "x")
-    if x.ndim != 3:
-        raise ValueError(f"x must have shape (B, N, D), got {tuple(x.shape)}")
-    B, _, D = x.shape
-    for name, v in vecs.items():
-        _common.check_float(v, name)
-        if v.shape != (B, D):
-            raise ValueError(f"{name} must have shape ({B}, {D}), got {tuple(v.shape)}")
-        same = v.dtype == x.dtype or (mixed and torch.float64 not in (v.dtype, x.dtype))
-        if not same or v.device != x.device:
-            raise ValueError(f"{name} ({v.dtype}, {v.device}) must match x ({x.dtype}, {x.device})")
-
-
 def adaln_modulate(
     x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6, *, backend: str | None = None
 ) -> torch.Tensor:
@@ -287,10 +271,9 @@ def adaln_modulate(
     x (B, N, D); shift, scale (B, D) of x's dtype and device. LayerNorm has no affine parameters and float32
     statistics with ``eps``.
     """
-    _check_block(x, {"shift": shift, "scale": scale})
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"eps must be a positive float, got {eps!r}")
-    y, _, _ = _adaln_apply(x, shift, scale, float(eps), _common.backend_for("adaln_modulate_fwd", x, backend))
+    _common.check_block(x, {"shift": shift, "scale": scale})
+    eps = _common.check_eps(eps)
+    y, _, _ = _adaln_apply(x, shift, scale, eps, _common.backend_for("adaln_modulate_fwd", x, backend))
     return y
 
 
@@ -301,7 +284,7 @@ def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, *, back
     x (under autocast: a bf16 attention output on an fp32 residual stream); the result has x's dtype and is
     computed in float32.
     """
-    _check_block(x, {"gate": gate}, mixed=True)
+    _common.check_block(x, {"gate": gate}, mixed=True)
     _common.check_float(y, "y")
     if y.shape != x.shape:
         raise ValueError(f"y shape {tuple(y.shape)} does not match x shape {tuple(x.shape)}")

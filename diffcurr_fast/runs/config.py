@@ -438,8 +438,9 @@ RESUME_LOCKED = ("model", "diffusion", "curriculum", "timesteps", "terms")
 # them, and the optimizer's state is of the kind optim.name names, so a resume with another value could not continue
 # the run it names.
 RESUME_LOCKED_KEYS = (("data", "batch_size"), ("engine", "seed"), ("optim", "name"))
-# Keys of the locked sections that may differ: the initial weights only matter for a fresh start.
-RESUME_FREE = {("model", "init_from")}
+# Keys of the locked sections that may differ: the initial weights only matter for a fresh start; the fused ops
+# compute the eager block's function with the same parameters, so a run may switch them on or off.
+RESUME_FREE = {("model", "init_from"), ("model", "fused_adaln")}
 
 
 def resume_mismatches(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from conftest import assert_near_reference
 
 from diffcurr_fast.models.dit import Attention, DiT, DiTBlock, Mlp, SwiGLU
 from diffcurr_fast.models.modern import (
@@ -100,15 +101,17 @@ def test_defaults_keep_the_release_state_dict_keys_and_outputs():
     assert isinstance(a.blocks[0].norm1, torch.nn.LayerNorm) and isinstance(a.blocks[0].mlp, Mlp)
 
 
-def test_an_rmsnorm_model_holds_the_release_keys_and_the_options_their_own():
-    plain, rms = _dit(), _dit(norm="rmsnorm")
+@pytest.mark.parametrize("fused", [False, True])
+def test_an_rmsnorm_model_holds_the_release_keys_and_the_options_their_own(fused):
+    plain, rms = _dit(), _dit(norm="rmsnorm", fused_adaln=fused)
     assert list(plain.state_dict()) == list(rms.state_dict())  # the norms have no weights either way
     rms.load_state_dict(plain.state_dict(), strict=True)
     keys = set(_dit(**ALL).state_dict())
     assert "pos_embed" not in keys and _dit(pos="rope2d").pos_embed is None
     assert {"blocks.0.attn.q_norm.weight", "blocks.0.attn.k_norm.weight", "blocks.3.mlp.w12.weight"} <= keys
     assert not any(".fc1." in k or ".fc2." in k for k in keys)
-    full = _dit(**ALL)
+    full = _dit(**ALL, fused_adaln=fused)
+    assert list(full.state_dict()) == list(_dit(**ALL, fused_adaln=not fused).state_dict())  # the fused ops: no keys
     again = DiT.from_config(full.config())
     again.load_state_dict(full.state_dict(), strict=True)
     x, t, y = _inputs()
@@ -135,8 +138,9 @@ def test_rmsnorm_matches_the_float64_formula(shape, affine):
     torch.testing.assert_close(out.double(), _rms64(xb), rtol=1e-2, atol=1e-2)
 
 
-def test_rmsnorm_blocks_use_it_for_the_pre_norms_and_the_final_norm():
-    m = _dit(norm="rmsnorm").double()
+@pytest.mark.parametrize("fused", [False, True])
+def test_rmsnorm_blocks_use_it_for_the_pre_norms_and_the_final_norm(fused):
+    m = _dit(norm="rmsnorm", fused_adaln=fused).double()
     block = m.blocks[1]
     assert isinstance(block.norm1, RMSNorm) and isinstance(block.norm2, RMSNorm)
     assert isinstance(m.final_layer.norm_final, RMSNorm) and block.norm1.eps == 1e-6
@@ -154,10 +158,11 @@ def test_rmsnorm_blocks_use_it_for_the_pre_norms_and_the_final_norm():
 
 @pytest.mark.parametrize("batch, tokens, heads, head_dim", [(2, 7, 3, 12), (1, 13, 1, 4), (3, 5, 2, 20)])
 @pytest.mark.parametrize("rope", [False, True], ids=["qk_norm", "qk_norm+rope2d"])
-def test_attention_with_qk_norm_and_rope_matches_float64_reference(batch, tokens, heads, head_dim, rope):
+@pytest.mark.parametrize("fused", [False, True])
+def test_attention_with_qk_norm_and_rope_matches_float64_reference(batch, tokens, heads, head_dim, rope, fused):
     torch.manual_seed(0)
     dim = heads * head_dim + 3  # an explicit head_dim need not divide the width
-    attn = Attention(dim, heads, head_dim=head_dim, backend="math", qk_norm=True).double()
+    attn = Attention(dim, heads, head_dim=head_dim, backend="math", qk_norm=True, fused=fused).double()
     attn.q_norm.weight.data = torch.randn(head_dim, dtype=torch.float64)
     attn.k_norm.weight.data = torch.randn(head_dim, dtype=torch.float64)
     assert set(attn.state_dict()) == {f"{n}.{p}" for n in ("qkv", "proj") for p in ("weight", "bias")} | {
@@ -211,10 +216,11 @@ def test_swiglu_width_and_parameter_count_against_the_gelu_mlp(dim, ratio):
 
 
 @pytest.mark.parametrize("shape", [(2, 7, 10), (1, 1, 3), (3, 5, 17)])
-def test_swiglu_matches_its_formula(shape):
+@pytest.mark.parametrize("fused", [False, True])
+def test_swiglu_matches_its_formula(shape, fused):
     torch.manual_seed(0)
     d = shape[-1]
-    mlp = SwiGLU(d, 11).double()
+    mlp = SwiGLU(d, 11, fused=fused).double()
     x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
     w1, w2 = mlp.w12.weight[:11], mlp.w12.weight[11:]
     b1, b2 = mlp.w12.bias[:11], mlp.w12.bias[11:]
@@ -311,8 +317,9 @@ def _routed_loop(m, x, t, y, idx, span):
     return m.unpatchify(torch.cat(rows))
 
 
-def test_routed_rope_rotates_the_kept_tokens_with_their_original_positions():
-    m = _dit(**ALL, routing=(1, 3)).double().train()
+@pytest.mark.parametrize("fused", [False, True])
+def test_routed_rope_rotates_the_kept_tokens_with_their_original_positions(fused):
+    m = _dit(**ALL, routing=(1, 3), fused_adaln=fused).double().train()
     x, t, y = _inputs(dtype=torch.float64)
     idx = draw_route(3, 36, 13, torch.Generator().manual_seed(2))
     force = torch.zeros(3, dtype=torch.long)
@@ -347,12 +354,14 @@ def test_all_options_routed_at_keep_one_equal_the_unrouted_model_outputs_and_gra
     ids=["all", "rmsnorm", "qk_norm", "swiglu", "rope2d"],
 )
 def test_gradients_flow_and_checkpointing_and_the_fused_path_agree(options):
-    """Every trainable weight gets a finite, non-zero gradient; gradient checkpointing gives the same gradients; the
-    fused adaLN path (plain modulate for rmsnorm) the same outputs and gradients up to float rounding; DTR runs."""
+    """Every trainable weight gets a finite, non-zero gradient; gradient checkpointing gives the same gradients, on the
+    eager and on the fused path; the fused path the same outputs and gradients up to float rounding; DTR runs."""
     x, t, y = _inputs()
     force = torch.zeros(3, dtype=torch.long)
     grads = {}
-    for name, kw in (("eager", {}), ("ckpt", {"grad_checkpointing": True}), ("fused", {"fused_adaln": True})):
+    runs = [("eager", {}), ("ckpt", {"grad_checkpointing": True}), ("fused", {"fused_adaln": True})]
+    runs.append(("fused+ckpt", {"fused_adaln": True, "grad_checkpointing": True}))
+    for name, kw in runs:
         m = _dit(**options, dtr={}, **kw).train()
         out = m(x, t, y, force_drop_ids=force)
         out.square().mean().backward()
@@ -362,22 +371,65 @@ def test_gradients_flow_and_checkpointing_and_the_fused_path_agree(options):
         n for n, v in g.items() if v is None or v.abs().sum() == 0
     ]
     assert torch.equal(grads["ckpt"][0], out) and all(torch.equal(grads["ckpt"][1][n], v) for n, v in g.items())
+    fused, g_fused = grads["fused"]
+    assert torch.equal(grads["fused+ckpt"][0], fused)  # recomputing the fused blocks gives the same bits
+    assert all(torch.equal(grads["fused+ckpt"][1][n], v) for n, v in g_fused.items())
     torch.testing.assert_close(grads["fused"][0], out, rtol=1e-4, atol=1e-5)
     for n, v in g.items():
         torch.testing.assert_close(grads["fused"][1][n], v, rtol=1e-3, atol=1e-5, msg=n)
 
 
-def test_rmsnorm_with_fused_adaln_takes_the_plain_modulate_path(monkeypatch):
+def test_fused_path_matches_the_eager_path_on_every_instruction_set(each_cpu_isa):
+    """Every option on the fused ops (each instruction set of the C++ kernels) against the eager block: outputs and
+    every gradient within float32 rounding of each tensor's scale."""
+    x, t, y = _inputs()
+    force = torch.zeros(3, dtype=torch.long)
+    runs = []
+    for fused in (False, True):
+        m = _dit(**ALL, dtr={}, fused_adaln=fused).train()
+        xi = x.clone().requires_grad_(True)
+        out = m(xi, t, y, force_drop_ids=force)
+        out.square().mean().backward()
+        runs.append((out.detach(), xi.grad, {n: p.grad for n, p in m.named_parameters() if p.requires_grad}))
+    (eager, gx_e, g_e), (fused, gx_f, g_f) = runs
+    assert_near_reference(fused, eager, 1e-5, "output")
+    assert_near_reference(gx_f, gx_e, 1e-4, "grad x")
+    for n, v in g_e.items():
+        assert_near_reference(g_f[n], v, 1e-4, n)
+
+
+@pytest.mark.parametrize(
+    "options, ops",
+    [
+        (ALL, {"rmsnorm_modulate": 2, "qk_norm_rope": 1, "swiglu": 1, "gated_residual": 2}),
+        (dict(norm="rmsnorm"), {"rmsnorm_modulate": 2, "gated_residual": 2, "gelu_tanh": 1}),
+        (dict(qk_norm=True), {"adaln_modulate": 2, "qk_norm_rope": 1, "gated_residual": 2, "gelu_tanh": 1}),
+        (dict(pos="rope2d"), {"adaln_modulate": 2, "qk_norm_rope": 1, "gated_residual": 2, "gelu_tanh": 1}),
+        (dict(mlp="swiglu"), {"adaln_modulate": 2, "swiglu": 1, "gated_residual": 2}),
+    ],
+    ids=["all", "rmsnorm", "qk_norm", "rope2d", "swiglu"],
+)
+def test_fused_blocks_call_the_fused_op_of_each_option(monkeypatch, options, ops):
+    """With fused_adaln every block runs the fused op of each modern option (per block: the two norms, one QK-norm
+    and rotation, one MLP activation, the two gated residuals; the final layer's RMSNorm too), and no other fused
+    op."""
     from diffcurr_fast.models import dit as dit_module
 
-    calls = []
-    real = dit_module.adaln_modulate
-    monkeypatch.setattr(dit_module, "adaln_modulate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = dict.fromkeys(("adaln_modulate", "rmsnorm_modulate", "qk_norm_rope", "swiglu", "gated_residual"), 0)
+    calls["gelu_tanh"] = 0
+    for name in calls:
+        real = getattr(dit_module, name)
+        monkeypatch.setattr(
+            dit_module, name, lambda *a, _n=name, _f=real, **k: calls.__setitem__(_n, calls[_n] + 1) or _f(*a, **k)
+        )
     x, t, y = _inputs()
-    _dit(norm="rmsnorm", fused_adaln=True)(x, t, y)
-    assert calls == []
-    _dit(fused_adaln=True)(x, t, y)
-    assert len(calls) == 2 * 4  # two per block
+    _dit(**options, fused_adaln=True)(x, t, y)
+    expected = {name: 4 * ops.get(name, 0) for name in calls}  # four blocks
+    expected["rmsnorm_modulate"] += options.get("norm") == "rmsnorm"  # and the final layer's norm
+    assert calls == expected
+    calls.update(dict.fromkeys(calls, 0))
+    _dit(**options)(x, t, y)
+    assert not any(calls.values())  # the eager path calls none
 
 
 def test_bf16_autocast_forward_backward_with_every_option():

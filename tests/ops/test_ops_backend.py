@@ -303,9 +303,10 @@ def _capture_only(graphs):
     return backend
 
 
+@pytest.mark.parametrize("modern", [False, True], ids=["dit", "modern"])
 @pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16-autocast"])
 @pytest.mark.parametrize("name", ["reference", "cpu", "triton", "cuda"])
-def test_fused_dit_block_compiles_fullgraph_on_every_branch(monkeypatch, name, mixed):
+def test_fused_dit_block_compiles_fullgraph_on_every_branch(monkeypatch, name, mixed, modern):
     # The block's ops resolve their backend while traced; each resolved name is forced with a stub (a CUDA-present
     # machine resolves 'cuda', and with mixed dtypes gated_residual then asks whether Triton can take them), so
     # every branch is traced here, on CPU. Any availability check that runs inside the trace (an import, a cache
@@ -314,10 +315,15 @@ def test_fused_dit_block_compiles_fullgraph_on_every_branch(monkeypatch, name, m
 
     monkeypatch.delenv(_backend.ENV_VAR, raising=False)
     monkeypatch.setattr(_backend, "resolve", lambda op, device, backend=None: name)
-    block = DiTBlock(16, 2, mlp_ratio=2.0, fused_adaln=True)
-    x, c = torch.randn(2, 5, 16), torch.randn(2, 16)
+    from diffcurr_fast.models.modern import rope2d_tables
+
+    torch._dynamo.reset()  # each case compiles DiTBlock.forward anew: past dynamo's recompile limit otherwise
+    options = dict(norm="rmsnorm", qk_norm=True, mlp="swiglu") if modern else {}
+    block = DiTBlock(16, 2, mlp_ratio=2.0, fused_adaln=True, **options)
+    x, c = torch.randn(2, 4, 16), torch.randn(2, 16)
+    rope = rope2d_tables(2, 8) if modern else None  # the modern block's 2-D rotation of a 2x2 token grid
     graphs: list = []
     compiled = torch.compile(block, fullgraph=True, backend=_capture_only(graphs))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
-        compiled(x, c)
+        compiled(x, c, None, rope)
     assert len(graphs) == 1

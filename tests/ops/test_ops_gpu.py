@@ -121,3 +121,78 @@ def test_token_gather_and_scatter_bitwise(backend, dtype, D):
 def test_auto_prefers_a_gpu_backend():
     d = _dev()
     assert _backend.resolve("q_sample", d) in ("cuda", "triton")
+
+
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [37, 1152, 2048])  # scalar fallback; DiT-XL/2's width; the largest register rows
+def test_rmsnorm_modulate(backend, dtype, D):
+    _need(backend, "rmsnorm_modulate_fwd")
+    d = _dev()
+    B, N = 17, 257
+    x = torch.randn(B, N, D, device=d, dtype=dtype, requires_grad=True)
+    shift, scale = (torch.randn(B, D, device=d, dtype=dtype, requires_grad=True) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(D, device=d)).requires_grad_()
+    y = ops.rmsnorm_modulate(x, shift, scale, w, backend=backend)
+    g = torch.randn_like(y)
+    y.backward(g)
+    leaves = [v.detach().double().requires_grad_() for v in (x, shift, scale, w)]
+    x6, s6, c6, w6 = leaves
+    ref = x6 * torch.rsqrt(x6.square().mean(-1, keepdim=True) + 1e-6) * w6 * (1 + c6[:, None]) + s6[:, None]
+    ref.backward(g.double())
+    rel = 1e-5 if dtype == torch.float32 else 1e-2
+    assert_near_reference(y, ref, rel, "y")
+    for mine, theirs in zip((x, shift, scale, w), leaves):
+        assert_near_reference(mine.grad, theirs.grad, 3 * rel, "grad")
+
+
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [16, 64, 72])  # the digits models' heads, every DiT preset's, a non-power of 2
+@pytest.mark.parametrize("per_sample", [False, True])  # one table for the batch; the rows token routing gathers
+def test_qk_norm_rope(backend, dtype, head_dim, per_sample):
+    from diffcurr_fast.models.modern import apply_rope2d, rope2d_tables
+
+    _need(backend, "qk_norm_rope_fwd")
+    d = _dev()
+    B, grid, H = 9, 16, 6
+    N = grid * grid
+    qkv = torch.randn(B, N, 3 * H * head_dim, device=d, dtype=dtype, requires_grad=True)
+    wq, wk = ((1 + 0.1 * torch.randn(head_dim, device=d)).requires_grad_() for _ in range(2))
+    cos, sin = rope2d_tables(grid, head_dim, device=d)
+    if per_sample:
+        idx = torch.stack([torch.randperm(N, device=d) for _ in range(B)])
+        cos, sin = cos[idx].unsqueeze(1), sin[idx].unsqueeze(1)
+    outs = ops.qk_norm_rope(qkv, H, wq, wk, cos, sin, backend=backend)
+    grads = [torch.randn_like(o) for o in outs]
+    torch.autograd.backward(outs, grads)
+    leaves = [t.detach().double().requires_grad_() for t in (qkv, wq, wk)]
+    q, k, v = leaves[0].reshape(B, N, 3, H, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+    q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + 1e-6) * leaves[1]
+    k = k * torch.rsqrt(k.square().mean(-1, keepdim=True) + 1e-6) * leaves[2]
+    tables = (cos.double(), sin.double())
+    ref = (apply_rope2d(q, *tables), apply_rope2d(k, *tables), v)
+    torch.autograd.backward(ref, [g.double() for g in grads])
+    rel = 1e-5 if dtype == torch.float32 else 1e-2
+    for mine, theirs in zip(outs, ref):
+        assert_near_reference(mine, theirs, rel, "q, k, v")
+    for mine, theirs in zip((qkv, wq, wk), leaves):
+        assert_near_reference(mine.grad, theirs.grad, 3 * rel, "grad")
+
+
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("H", [37, 1024])  # scalar accesses; 16-byte vectors (DiT-S/2's SwiGLU width)
+def test_swiglu(backend, dtype, H):
+    _need(backend, "swiglu_fwd")
+    x = (3 * torch.randn(17, 257, 2 * H, device=_dev())).to(dtype).requires_grad_()
+    y = ops.swiglu(x, backend=backend)
+    g = torch.randn_like(y)
+    y.backward(g)
+    xd = x.detach().double().requires_grad_()
+    a, b = xd.chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(a) * b
+    ref.backward(g.double())
+    rel = 1e-6 if dtype == torch.float32 else 1e-2
+    assert_near_reference(y, ref, rel, "y")
+    assert_near_reference(x.grad, xd.grad, rel, "grad x")

@@ -55,6 +55,8 @@ def test_forced_ops_backend_is_checked_before_the_run(tmp_path, monkeypatch, cap
     monkeypatch.setenv("DIFFCURR_OPS_BACKEND", "triton")
     with pytest.raises(ValueError, match=r"DIFFCURR_OPS_BACKEND='triton' cannot run adaln_modulate_fwd on cpu"):
         check_run(tiny(tmp_path / "run"))
+    with pytest.raises(ValueError, match=r"DIFFCURR_OPS_BACKEND='triton' cannot run rmsnorm_modulate_fwd on cpu"):
+        check_run(tiny(tmp_path / "run", "model.norm=rmsnorm"))  # the modern block's ops are checked too
     rc, err = _main(capsys, "train", "--run-dir", str(tmp_path / "run"), "--set", "engine.max_steps=1")
     assert rc == 2 and "DIFFCURR_OPS_BACKEND='triton'" in err and not (tmp_path / "run").exists()
     monkeypatch.setenv("DIFFCURR_OPS_BACKEND", "tritn")
