@@ -9,13 +9,12 @@ For a batch x0 (B, C, H, W), cells k (B,) on the formulation's difficulty axis a
           (+ the formulation's variance term when the variance is learned: IDDPM's L_vlb)
           (+ sum_i lambda_i term_i(...): training terms that read the same pass's features, ``terms.base``)
 
-in the spirit of NVlabs/edm ``training/loss.py``: the formulation owns its equations and this module never asks
-which one it has; nor does it name a training term or a model option: each comes with its own options. The trainer
+in the spirit of Karras et al.'s ``training/loss.py`` (NVlabs): the formulation owns its equations and this module never
+asks which one it has; nor does it name a training term or a model option: each comes with its own options. The trainer
 (``train.loop``), TDC (importance, proxy recovery and scoring, fine-tuning) and the difficulty analysis
-(``analysis.difficulty``) all call it; ``fit_steps`` is the plain AdamW loop the short fine-tunes share. The fused
-ops' ``reference`` backend is the pure-torch definition of the same computation (``diffusion.ops_backend``), not a
-separate code path.
-"""
+(``analysis.difficulty``) all call it; ``fit_steps`` is the plain AdamW loop the short fine-tunes share. The fused ops'
+``reference`` backend is the pure-torch definition of the same computation (``diffusion.ops_backend``), not a separate
+code path. """
 
 from __future__ import annotations
 

@@ -228,6 +228,11 @@ class Options:
         """The component's input files exist and are what it takes (``read``: also open and read them as the
         start will), before anything is written; raises in one line naming the key."""
 
+    def fused_ops(self, cfg: Any) -> list[str]:
+        """The fused ops the component's code calls without a backend argument (a model option's, with
+        ``model.fused_adaln``), whose backend ``DIFFCURR_OPS_BACKEND`` picks: the preflight checks they run here."""
+        return []
+
     def min_micro_batch(self, cfg: Any) -> int:
         """The fewest samples per micro-batch the component needs (a term that compares samples: 2)."""
         return 1

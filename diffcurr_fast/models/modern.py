@@ -123,6 +123,12 @@ class ModernOptions(Options):
     def dit_kwargs(self, cfg: Any) -> dict[str, Any]:
         return {"norm": self.norm, "qk_norm": self.qk_norm, "mlp": self.mlp, "pos": self.pos}
 
+    def fused_ops(self, cfg: Any) -> list[str]:
+        """The block's norm-and-modulate op (this option's norm), QK-norm with RoPE and SwiGLU when on."""
+        ops = ["rmsnorm_modulate_fwd" if self.norm == "rmsnorm" else "adaln_modulate_fwd"]
+        ops += ["qk_norm_rope_fwd"] if self.qk_norm or self.pos == "rope2d" else []
+        return ops + (["swiglu_fwd"] if self.mlp == "swiglu" else [])
+
 
 class RMSNorm(nn.Module):
     """RMSNorm over the last dimension (Zhang & Sennrich 2019, Eq. 4): x / sqrt(mean(x^2) + eps), times ``weight``

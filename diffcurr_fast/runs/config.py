@@ -1,11 +1,13 @@
 """Typed, strict training configuration: the sections, composed from the options of their components.
 
 A configuration is a ``TrainConfig`` of twelve sections (model, diffusion, curriculum, timesteps, terms, data, optim,
-engine, logging, checkpoint, eval, tdc). A section holds its own fields (declared here with ``options.option``: a
-default, a one-line doc, its choices or range) and the fields of the components registered for it (``COMPONENTS``):
-each formulation, timestep strategy, training term and model option declares its options beside its code
-(``options.Options``), and the section takes them as its keys (``terms.sra_weight`` is SRA's ``weight``). The config
-names no component: it asks each one whether the run uses it, for its rules (``validate``) and for what it refuses.
+engine, logging, checkpoint, eval, tdc). A section holds its own fields (declared beside what they configure,
+``_CORES``, with ``options.option``: a default, a one-line doc, its choices or range) and the fields of the components
+registered for it (``COMPONENTS``): each formulation, timestep strategy, training term, model option and optimizer
+declares its options beside its code
+(``options.Options``), and the section takes them as its keys (a term's ``weight`` is ``terms.<name>_weight``). The
+config names no component: it asks each one whether the run uses it, for its rules (``validate``) and for what it
+refuses.
 
 Unknown keys, wrong types and invalid values raise ``ValueError`` naming the key and what is valid; so does an option
 of a component the run does not use when the user set it (``check_unused``). ``config_from_dict`` builds one from a
@@ -86,7 +88,8 @@ class Component:
 
     @property
     def label(self) -> str:
-        """How errors name it: ``terms.use sra``, ``timesteps.sampler 'anuts'``, ``model.routing``."""
+        """How errors name it: ``terms.use NAME`` (a list), ``timesteps.sampler 'NAME'`` (a choice), ``model.SWITCH``
+        (its own field)."""
         if self.selector is None:
             return f"{self.section}.{self.options.SWITCH or self.name}"
         if self.selector == "use":

@@ -48,14 +48,13 @@ def _device_type(cfg: TrainConfig):
     return "cuda" if cfg.engine.device != "cpu" and torch.cuda.is_available() else "cpu"
 
 
-def env_ops(m) -> list[str]:
-    """The fused ops a run calls without a backend argument (the model's fused blocks, ``model.fused_adaln``, with
-    the modern block's options): DIFFCURR_OPS_BACKEND picks theirs. The diffusion ops take ``diffusion.ops_backend``."""
-    if not m.fused_adaln:
+def env_ops(cfg: TrainConfig) -> list[str]:
+    """The fused ops a run calls without a backend argument (the model's fused blocks, ``model.fused_adaln``: the
+    gated residual and what each model option calls, ``Options.fused_ops``): DIFFCURR_OPS_BACKEND picks theirs. The
+    diffusion ops take ``diffusion.ops_backend``."""
+    if not cfg.model.fused_adaln:
         return []
-    ops = ["rmsnorm_modulate_fwd" if m.norm == "rmsnorm" else "adaln_modulate_fwd", "gated_residual_fwd"]
-    ops += ["qk_norm_rope_fwd"] if m.qk_norm or m.pos == "rope2d" else []
-    return ops + (["swiglu_fwd"] if m.mlp == "swiglu" else [])
+    return [*(op for _, opts in cfg.used() for op in opts.fused_ops(cfg)), "gated_residual_fwd"]
 
 
 # Measured on the demo model (train, 2-core CPU without bf16 instructions): 1.83 it/s with bf16 autocast against
@@ -92,7 +91,7 @@ def check_backends(cfg: TrainConfig) -> None:
             raise ValueError(
                 f"DIFFCURR_OPS_BACKEND={env!r} is not an ops backend; use one of {', '.join(CHOICES)}, or unset it"
             )
-        for op in env_ops(m):
+        for op in env_ops(cfg):
             reason = unavailable_reason(env, op, dev)
             if reason is not None:
                 raise ValueError(
