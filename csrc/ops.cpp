@@ -492,12 +492,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_fwd_cpu(
   const ExpandedTables t = expand_tables(g);
   const float *cp = g.ptr(t.ce), *sp = g.ptr(t.se);
   const auto feps = static_cast<float>(eps);
-  // rows [p R, (p + 1) R) are part p's: q and k normed and rotated, v copied into its heads layout
-  at::parallel_for(0, 3 * R, row_grain(g.Dh), [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin / R; p < 3 && p * R < end; ++p) {
-      const int64_t r0 = std::max(begin, p * R) - p * R, r1 = std::min(end, (p + 1) * R) - p * R;
+  // each thread's rows in all three parts (q and k normed and rotated, v copied into its heads layout), so that the
+  // threads share the cheap v rows and the costly q, k rows alike
+  at::parallel_for(0, R, row_grain(3 * g.Dh), [&](int64_t begin, int64_t end) {
+    for (int p = 0; p < 3; ++p) {
       K().qk_rope_fwd(g.dt, base + p * part_bytes, il, w[p], p < 2 ? cp : nullptr, p < 2 ? sp : nullptr, t.tab_b,
-                      outs[p].mutable_data_ptr(), ol, feps, r0, r1 - r0);
+                      outs[p].mutable_data_ptr(), ol, feps, begin, end - begin);
     }
   });
   return {outs[0], outs[1], outs[2]};
@@ -537,17 +537,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_bwd_cpu(
   const ExpandedTables t = expand_tables(g);
   const float *cp = g.ptr(t.ce), *sp = g.ptr(t.se);
   const auto feps = static_cast<float>(eps);
-  // tasks: chunks of kQkRowChunk rows of q, then of k, then of v; a q or k chunk adds its rows' weight gradient
-  // into its own slot
+  // tasks: chunks of kQkRowChunk rows, each in q, k and v (so that the threads share the cheap v rows and the costly
+  // q, k rows alike); a q or k chunk adds its rows' weight gradient into its own slot
   const int64_t nchunk = (R + kQkRowChunk - 1) / kQkRowChunk;
   std::vector<float> part(wgrad ? static_cast<size_t>(2 * nchunk * Dh) : 0, 0.0f);
-  at::parallel_for(0, 3 * nchunk, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t p = task / nchunk, r0 = (task % nchunk) * kQkRowChunk;
-      float* acc = wgrad && p < 2 ? part.data() + task * Dh : nullptr;
-      K().qk_rope_bwd(g.dt, grads[p].const_data_ptr(), gl[p], base + p * part_bytes, il, w[p], p < 2 ? cp : nullptr,
-                      p < 2 ? sp : nullptr, t.tab_b, obase + p * part_bytes, ol, acc, feps, r0,
-                      std::min(kQkRowChunk, R - r0));
+  at::parallel_for(0, nchunk, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t r0 = c * kQkRowChunk;
+      for (int p = 0; p < 3; ++p) {
+        float* acc = wgrad && p < 2 ? part.data() + (p * nchunk + c) * Dh : nullptr;
+        K().qk_rope_bwd(g.dt, grads[p].const_data_ptr(), gl[p], base + p * part_bytes, il, w[p],
+                        p < 2 ? cp : nullptr, p < 2 ? sp : nullptr, t.tab_b, obase + p * part_bytes, ol, acc, feps, r0,
+                        std::min(kQkRowChunk, R - r0));
+      }
     }
   });
   if (!wgrad) return {gqkv, none(), none()};

@@ -23,6 +23,8 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+WRITE_PROBE = ".write-probe-"  # the prefix of check_writable's probe folder: another rank's check may meet it
+
 
 def check_writable(path: str | Path, what: str, fix: str, *, directory: bool = False) -> None:
     """ValueError in one line unless ``path`` (a file, or a folder with ``directory``) can be created and written:
@@ -42,7 +44,7 @@ def check_writable(path: str | Path, what: str, fix: str, *, directory: bool = F
     if not base.is_dir():
         raise ValueError(f"{name} cannot be created: {str(base)!r} is a file, not a directory; {fix}")
     try:
-        os.rmdir(tempfile.mkdtemp(prefix=".write-probe-", dir=base))
+        os.rmdir(tempfile.mkdtemp(prefix=WRITE_PROBE, dir=base))
     except OSError as exc:
         raise ValueError(
             f"{name} cannot be written: {str(base)!r} refuses new files ({exc.strerror or type(exc).__name__}); {fix}"

@@ -14,7 +14,7 @@ asks which one it has; nor does it name a training term or a model option: each 
 (``train.loop``), TDC (importance, proxy recovery and scoring, fine-tuning) and the difficulty analysis
 (``analysis.difficulty``) all call it; ``fit_steps`` is the plain AdamW loop the short fine-tunes share. The fused ops'
 ``reference`` backend is the pure-torch definition of the same computation (``diffusion.ops_backend``), not a separate
-code path. """
+code path."""
 
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import yaml
 
-from diffcurr_fast._files import LOCK_NAME, OutputLock
+from diffcurr_fast._files import LOCK_NAME, WRITE_PROBE, OutputLock
 from diffcurr_fast._files import check_writable as _check_writable
 from diffcurr_fast.runs.config import config_from_dict
 from diffcurr_fast.runs.recipes import load_run_config
@@ -186,8 +186,9 @@ def check_run_dir(
 
 
 def _entries(run_dir: Path) -> set[str]:
-    """The names in ``run_dir``, without the lock a command holds on it (``lock_run_dir``)."""
-    return {p.name for p in run_dir.iterdir()} - {LOCK_NAME}
+    """The names in ``run_dir``, without the lock a command holds on it (``lock_run_dir``) and the write probes of
+    the other ranks' checks of it, which they remove at once (``_files.check_writable``)."""
+    return {p.name for p in run_dir.iterdir() if not p.name.startswith(WRITE_PROBE)} - {LOCK_NAME}
 
 
 def lock_run_dir(run_dir: str | Path, *, resume: bool = False) -> OutputLock:

@@ -440,3 +440,17 @@ def test_a_hand_edited_config_yaml_is_said_and_never_recorded_as_trained(tmp_pat
     assert "ckpt_00000003.pt'" in err
     now = yaml.safe_load(path.read_text())
     assert now["model"]["hidden_size"] == 32 and now["optim"]["lr"] == 5e-4 and now["engine"]["max_steps"] == 4
+
+
+def test_another_ranks_write_probe_is_not_a_run_file(tmp_path):
+    """Under DDP every rank checks the run directory; rank 0 has created it (its lock) while another rank's writability
+    probe, a folder it removes at once, may be in it: that is not a file of a run."""
+    from diffcurr_fast._files import WRITE_PROBE
+    from diffcurr_fast.train.rundir import TRAIN_LAYOUT, check_run_dir
+
+    run = tmp_path / "run"
+    (run / f"{WRITE_PROBE}abc").mkdir(parents=True)
+    assert check_run_dir(run, TRAIN_LAYOUT).mode == "fresh"
+    (run / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="is not empty"):
+        check_run_dir(run, TRAIN_LAYOUT)
