@@ -1,0 +1,62 @@
+"""Check every mutant of one module against that module's own test files, one pytest process per mutant.
+
+For modules whose functions every training run calls, ``mutmut run`` reruns every test that trains for each survivor
+(docs/mutation.md, "Fifth run"). This runs each mutant of ``MODULE`` (``mutants/<MODULE>.meta`` of an earlier
+``make mutation``, which generated them) with mutmut's ``MUTANT_UNDER_TEST`` switching it on in the mutated tree,
+against only the given test files, stopping at the first failure. Prints the counts and writes every mutant's pytest
+exit code (0: survived, 1: killed, "timeout") to ``--out``.
+
+    python tools/mutation_own_tests.py diffcurr_fast/train/state.py tests/train/test_train_state.py --out state.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+
+def check(tree: Path, name: str, tests: list[str], timeout: float) -> int | str:
+    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1", MUTANT_UNDER_TEST=name)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:xdist", *tests]
+    try:
+        return subprocess.run(cmd, cwd=tree, env=env, capture_output=True, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        return "timeout"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("module", help="the module's path, e.g. diffcurr_fast/train/state.py")
+    p.add_argument("tests", nargs="+", help="test files (paths inside the mutated tree)")
+    p.add_argument("--tree", default="mutants", help="the mutated tree of `make mutation` (default: mutants)")
+    p.add_argument("--out", required=True, help="JSON file of mutant name -> exit code; a rerun skips those in it")
+    p.add_argument("--jobs", type=int, default=2, help="processes at once (default 2)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds a mutant may take (default 300)")
+    args = p.parse_args(argv)
+    tree = Path(args.tree).resolve()
+    meta = tree / f"{args.module}.meta"
+    if not meta.is_file():
+        p.error(f"{meta} not found: run `make mutation MUTANTS=...` for this module first")
+    out = Path(args.out)
+    done = json.loads(out.read_text()) if out.is_file() else {}
+    if check(tree, "none", args.tests, args.timeout) != 0:
+        p.error(f"the tests fail without any mutant: {' '.join(args.tests)}")
+    names = [n for n in json.loads(meta.read_text())["exit_code_by_key"] if n not in done]
+    with ThreadPoolExecutor(args.jobs) as ex:
+        for i, (name, rc) in enumerate(zip(names, ex.map(lambda n: check(tree, n, args.tests, args.timeout), names))):
+            done[name] = rc
+            if i % 10 == 9 or i == len(names) - 1:
+                out.write_text(json.dumps(done, indent=1))
+    c = Counter("survived" if v == 0 else "killed" if v == 1 else str(v) for v in done.values())
+    print(f"{args.module}: {len(done)} mutants, " + ", ".join(f"{k} {v}" for k, v in sorted(c.items())))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
