@@ -45,7 +45,9 @@ def gamma_to_sigma_rel(gamma: float) -> float:
 def sigma_rel_to_gamma(sigma_rel: float) -> float:
     """The exponent gamma >= 0 whose profile has relative standard deviation ``sigma_rel`` in (0, 12^-1/2]: the root
     of the cubic (gamma + 2)^2 (gamma + 3) - (gamma + 1) / sigma_rel^2 (EDM2 eq. 3; its Algorithm 2 takes the
-    largest real root), found by bisection in float64 to the last bit (sigma_rel decreases in gamma >= 0). ValueError
+    largest real root), found by bisection in float64 (sigma_rel decreases in gamma >= 0) until the bracket's ends
+    are adjacent floats; of the two, the one whose sigma_rel^2 is nearer the target (that difference's rounding can
+    leave it off the float nearest the exact root). ValueError
     for a value out of range (``PHEMA_SIGMA_REL_MAX``: gamma = 0, the running mean)."""
     s = float(sigma_rel)
     if not 0.0 < s <= PHEMA_SIGMA_REL_MAX:  # NaN fails too
