@@ -20,6 +20,8 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from tqdm import tqdm
+
 
 def check(tree: Path, name: str, tests: list[str], timeout: float) -> int | str:
     env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1", MUTANT_UNDER_TEST=name)
@@ -45,11 +47,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"{meta} not found: run `make mutation MUTANTS=...` for this module first")
     out = Path(args.out)
     done = json.loads(out.read_text()) if out.is_file() else {}
-    if check(tree, "none", args.tests, args.timeout) != 0:
+    if check(tree, "none", args.tests, args.timeout) != 0:  # a name of no mutant: the unmutated code
         p.error(f"the tests fail without any mutant: {' '.join(args.tests)}")
     names = [n for n in json.loads(meta.read_text())["exit_code_by_key"] if n not in done]
     with ThreadPoolExecutor(args.jobs) as ex:
-        for i, (name, rc) in enumerate(zip(names, ex.map(lambda n: check(tree, n, args.tests, args.timeout), names))):
+        results = ex.map(lambda n: check(tree, n, args.tests, args.timeout), names)
+        for i, (name, rc) in enumerate(tqdm(zip(names, results), total=len(names), desc=args.module, unit="mutant")):
             done[name] = rc
             if i % 10 == 9 or i == len(names) - 1:
                 out.write_text(json.dumps(done, indent=1))

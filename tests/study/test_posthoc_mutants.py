@@ -216,11 +216,8 @@ def test_a_run_without_snapshots_is_refused_by_name(tmp_path, world):
     assert repr(str(rd)) in str(e.value)
 
 
-@pytest.mark.parametrize("progress", [True, False])
-def test_the_long_reference_runs_are_evaluated_the_same_way(tmp_path, world, progress):
-    """A study with a long reference: ``run_posthoc`` evaluates the long reference's finished runs in its own folder
-    at the same grid, threads and progress."""
-    out = tmp_path / "study"
+def _write_study_with_long_reference(out):
+    """Study ``out``: one arm ``a``, seed 0, its long reference in the sibling folder ``long`` (factor 2)."""
     write_study(
         out,
         {
@@ -233,6 +230,14 @@ def test_the_long_reference_runs_are_evaluated_the_same_way(tmp_path, world, pro
             "long_reference": {"folder": "../long", "factor": 2},
         },
     )
+
+
+@pytest.mark.parametrize("progress", [True, False])
+def test_the_long_reference_runs_are_evaluated_the_same_way(tmp_path, world, progress):
+    """A study with a long reference: ``run_posthoc`` evaluates the long reference's finished runs in its own folder
+    at the same grid, threads and progress."""
+    out = tmp_path / "study"
+    _write_study_with_long_reference(out)
     world.add(out, "a", 0, [4, 8])
     long = tmp_path / "long"
     write_study(long, {"name": "l", "seeds": [0], "eval_every": 4, "arms": [{"name": "ref"}]})
@@ -248,18 +253,7 @@ def test_the_long_reference_runs_are_evaluated_the_same_way(tmp_path, world, pro
 
 def test_a_long_reference_without_finished_runs_is_not_evaluated(tmp_path, world):
     out = tmp_path / "study"
-    write_study(
-        out,
-        {
-            "name": "s",
-            "seeds": [0],
-            "eval_every": 4,
-            "reference": "a",
-            "arms": [{"name": "a"}],
-            "speedrun": {"official_arm": "a", "smooth": 1},
-            "long_reference": {"folder": "../long", "factor": 2},
-        },
-    )
+    _write_study_with_long_reference(out)
     world.add(out, "a", 0, [4, 8])
     posthoc.run_posthoc(out, GRID, progress=False)  # no long folder yet: nothing to evaluate there
     assert not (tmp_path / "long").exists() and len(world.bars) == 1
