@@ -113,6 +113,7 @@ class Trainer:
         self.loader, self.dataset = build_loader(cfg, rank, world, self.device, dataset)
         self.formulation = build_formulation(d)
         self.objective = Objective.from_config(cfg, self.formulation)
+        self.route = self.objective.route  # token routing's draw (None without routing)
         # Flow / EDM: the sampler works on G = num_timesteps cells of t in [0, 1] / of ln(sigma), and t is drawn
         # inside the sampled cell; EDM's log-normal sigma density (EDM Table 1) is the product's cell prior.
         self.curriculum = build_curriculum(cfg.curriculum, self.formulation, d.num_timesteps, timestep_range)
@@ -198,8 +199,7 @@ class Trainer:
         probe = self.timesteps.probe(self.step)  # (cells, n, seed) whose loss decrease the sampler measures, or None
         before = None if probe is None else self._probe_loss(x0, y, *probe)
         seed, acc, pers = draw_seed(self.gen), o.grad_accum_steps, []
-        route = getattr(self.objective, "route", None)  # a stand-in objective of a test has none
-        routed = route is None or route.routed(self.step)  # token routing's full-token phase (routing_until)
+        routed = self.route is None or self.route.routed(self.step)  # token routing's full-token phase (routing_until)
         with at_train_point(self.opt):  # schedule-free: its gradient point y here, the averaged point x after
             self.engine.zero_grad(self.opt)
             chunks = zip(x0.chunk(acc), y.chunk(acc), k.chunk(acc), (k if lw is None else lw).chunk(acc))
