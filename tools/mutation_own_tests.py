@@ -32,6 +32,38 @@ def check(tree: Path, name: str, tests: list[str], timeout: float) -> int | str:
         return "timeout"
 
 
+def check_forked(names: list[str], tests: list[str], jobs: int, timeout: float):
+    """``check`` of each name, from one process that imported torch and the package once: each mutant's pytest runs
+    in a fork of it (mutmut's trampolines read ``MUTANT_UNDER_TEST`` at each call). Yields (name, code) as they end."""
+    import signal
+
+    import pytest
+    import torch  # noqa: F401  (imported once, before the forks)
+
+    import diffcurr_fast  # noqa: F401
+
+    running: dict[int, str] = {}
+    todo = list(names)
+    while todo or running:
+        while todo and len(running) < jobs:
+            name = todo.pop(0)
+            pid = os.fork()
+            if pid == 0:  # the child: one pytest run with the mutant on, killed by its own alarm
+                os.environ["MUTANT_UNDER_TEST"] = name
+                signal.alarm(int(timeout))
+                fd = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(fd, 1), os.dup2(fd, 2)
+                args = ["-q", "-x", "-p", "no:cacheprovider", "-p", "no:xdist", *tests]
+                os._exit(int(pytest.main(args)))
+            running[pid] = name
+        pid, status = os.wait()
+        name = running.pop(pid)
+        if os.WIFSIGNALED(status):
+            yield name, "timeout" if os.WTERMSIG(status) == signal.SIGALRM else f"signal {os.WTERMSIG(status)}"
+        else:
+            yield name, os.WEXITSTATUS(status)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("module", help="the module's path, e.g. diffcurr_fast/train/state.py")
@@ -40,6 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="JSON file of mutant name -> exit code; a rerun skips those in it")
     p.add_argument("--jobs", type=int, default=2, help="processes at once (default 2)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a mutant may take (default 300)")
+    p.add_argument(
+        "--fork",
+        action="store_true",
+        help="import torch and the package once and fork a pytest run per mutant (no start-up per mutant); run it "
+        "with PYTHONPATH set to the mutated tree, from inside it",
+    )
     args = p.parse_args(argv)
     tree = Path(args.tree).resolve()
     meta = tree / f"{args.module}.meta"
@@ -50,12 +88,17 @@ def main(argv: list[str] | None = None) -> int:
     if check(tree, "none", args.tests, args.timeout) != 0:  # a name of no mutant: the unmutated code
         p.error(f"the tests fail without any mutant: {' '.join(args.tests)}")
     names = [n for n in json.loads(meta.read_text())["exit_code_by_key"] if n not in done]
-    with ThreadPoolExecutor(args.jobs) as ex:
-        results = ex.map(lambda n: check(tree, n, args.tests, args.timeout), names)
-        for i, (name, rc) in enumerate(tqdm(zip(names, results), total=len(names), desc=args.module, unit="mutant")):
-            done[name] = rc
-            if i % 10 == 9 or i == len(names) - 1:
-                out.write_text(json.dumps(done, indent=1))
+    if args.fork:
+        if Path.cwd().resolve() != tree or os.environ.get("PYTHONPATH") != str(tree):
+            p.error(f"--fork runs from inside the mutated tree: cd {tree} && PYTHONPATH={tree} python ...")
+        results = check_forked(names, args.tests, args.jobs, args.timeout)
+    else:
+        ex = ThreadPoolExecutor(args.jobs)
+        results = zip(names, ex.map(lambda n: check(tree, n, args.tests, args.timeout), names))
+    for i, (name, rc) in enumerate(tqdm(results, total=len(names), desc=args.module, unit="mutant")):
+        done[name] = rc
+        if i % 10 == 9 or i == len(names) - 1:
+            out.write_text(json.dumps(done, indent=1))
     c = Counter("survived" if v == 0 else "killed" if v == 1 else str(v) for v in done.values())
     print(f"{args.module}: {len(done)} mutants, " + ", ".join(f"{k} {v}" for k, v in sorted(c.items())))
     return 0
