@@ -37,7 +37,7 @@ from diffcurr_fast.train.rundir import lock_run_dir
 # stage 1 without the curriculum (the TDC paper's stage 1; --curriculum turns it on), then three experts (N = 3,
 # k = 0.5) with 2 x 3 candidate searches and 200 fine-tuning steps each. A faster EMA (0.995) suits runs this short.
 TDC_DEMO: dict[str, dict[str, Any]] = {
-    "optim": {"warmup_steps": 50, "schedule": "constant", "min_lr": 0.0, "ema_decay": 0.995},
+    "optim": {"lr": 1e-3, "warmup_steps": 50, "schedule": "constant", "min_lr": 0.0, "ema_decay": 0.995},
     "engine": {"max_steps": 800},
     "logging": {"sample_steps": 50, "progress": False},
     "checkpoint": {"run_dir": "runs/tdc", "keep_last": 1},

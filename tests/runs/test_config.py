@@ -63,7 +63,7 @@ DEMO_WAS = {
     },
     "data": {"dataset": "digits", "batch_size": 64},
     "optim": {
-        "lr": 1e-3,
+        "lr": 8e-3,  # the tuned MinSNR arm's pick (docs/results/speedrun_edge); the former embedded demo had 1e-3
         "warmup_steps": 100,
         "schedule": "cosine",
         "min_lr": 1e-5,
@@ -88,7 +88,7 @@ def test_the_demo_recipe_is_the_former_embedded_demo():
     want["eval"]["sampler"] = "ddim"
     assert got == want
     assert all(type(got["optim"][k]) is float for k in ("lr", "min_lr"))
-    assert "  lr: 0.001  # demo\n" in config_to_yaml(load_config(None))
+    assert "  lr: 0.008  # demo\n" in config_to_yaml(load_config(None))
     summary = cli_recipes._summary(ROOT / "diffcurr_fast" / "recipes" / "demo.yaml")
     assert summary.startswith("The default run (`diffcurr-fast train` without a recipe") and len(summary) < 250
 

@@ -358,7 +358,7 @@ def test_cli_resolve_defaults_recipe_and_overrides(tmp_path, capsys):
     # the training demo with TDC_DEMO's changes, as it was resolved when it was a copy of the embedded dict
     want = load_config(None).to_dict()
     for section, values in {
-        "optim": {"warmup_steps": 50, "schedule": "constant", "min_lr": 0.0, "ema_decay": 0.995},
+        "optim": {"lr": 1e-3, "warmup_steps": 50, "schedule": "constant", "min_lr": 0.0, "ema_decay": 0.995},
         "engine": {"max_steps": 800},
         "logging": {"num_samples": 100, "sample_steps": 50, "progress": False},
         "checkpoint": {"run_dir": "runs/tdc", "every": 1000, "keep_last": 1},

@@ -161,7 +161,7 @@ def test_the_advice_names_the_data_only_when_the_first_step_failed():
     """Step 1's loss is the initial model's: a non-finite one is the data's; from step 2 on, an update came first."""
     from diffcurr_fast.train.skips import Skips
 
-    s = Skips(tiny("unused", "data.scale=3"), torch.device("cpu"), on_device=False)
+    s = Skips(tiny("unused", "data.scale=3", "optim.lr=1e-3"), torch.device("cpu"), on_device=False)
     s.total = s.in_a_row = 2
     s.first = 1
     assert str(s._error(2, 2, 2)).endswith(
