@@ -143,7 +143,7 @@ class SRA(TrainingTerm):
         self.gap, self.loss = float(gap), loss
         width = int(projector_dim) if projector_dim else 2 * hidden_size  # SimpleHead: in + out features
         with torch.random.fork_rng(devices=[]):  # its own stream: the model's initialisation is unchanged
-            torch.manual_seed(seed)
+            torch.default_generator.manual_seed(seed)  # the host's only: each rank's CUDA stream stays its own
             self.projector = nn.Sequential(nn.Linear(hidden_size, width), nn.SiLU(), nn.Linear(width, hidden_size))
             for lin in (self.projector[0], self.projector[2]):
                 nn.init.xavier_uniform_(lin.weight)
