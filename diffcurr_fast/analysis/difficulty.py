@@ -323,7 +323,8 @@ def convergence_by_interval(
         eval_idx = torch.randint(n, (eval_size,), generator=gen).to(device)
         eval_batch = (x_all[eval_idx], y_all[eval_idx])
         eval_seed = int(torch.randint(0, 2**62, (1,), generator=gen))
-        with torch.random.fork_rng(devices=[]):  # same initial weights for every interval; global RNG untouched
+        # the same initial weights (and, on a GPU, the same CUDA stream) for every interval; the host RNG untouched
+        with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = factory().to(device)
 

@@ -459,7 +459,7 @@ class REPA(TrainingTerm):
         self.encoder_size, self.model_side, self.scale = int(encoder_size), int(model_side), float(scale)
         width = int(projector_dim)
         with torch.random.fork_rng(devices=[]):  # its own stream: the model's initialisation is unchanged
-            torch.manual_seed(seed)
+            torch.default_generator.manual_seed(seed)  # the host's only: each rank's CUDA stream stays its own
             self.projector = nn.Sequential(
                 nn.Linear(hidden_size, width),
                 nn.SiLU(),

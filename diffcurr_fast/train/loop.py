@@ -176,8 +176,8 @@ class Trainer:
         stream is left as a single-process run has it); ``model.init_from`` loaded on a fresh start."""
         cfg, rank = self.cfg, self.engine.rank
         with torch.random.fork_rng(devices=[], enabled=rank > 0):
-            if rank > 0:
-                torch.manual_seed(cfg.engine.seed)
+            if rank > 0:  # the host's generator only: the rank's CUDA stream (label dropout) keeps engine.seed + rank
+                torch.default_generator.manual_seed(cfg.engine.seed)
             model = (build_model(cfg) if given is None else _check_given_model(given, cfg)).to(self.device)
         if cfg.model.init_from and fine_tune:  # a resumed run takes its checkpoint's weights
             load_init_weights(model, cfg.model.init_from)  # without term heads: theirs start fresh

@@ -241,6 +241,19 @@ def test_the_loss_is_minus_the_mean_token_cosine_to_the_encoders_features_by_han
     assert term.projector[4].weight.shape[0] == y.shape[-1]  # to the encoder's width
 
 
+def test_building_the_projector_leaves_the_cuda_random_stream_alone(monkeypatch):
+    """The projector's seed goes to the host's generator only: each rank's CUDA stream (label dropout on a GPU), seeded
+    engine.seed + rank by the trainer, is not reseeded, and the host stream is restored after."""
+    seeds = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda s: seeds.append(int(s)))
+    monkeypatch.setattr(torch.cuda, "manual_seed", lambda s: seeds.append(int(s)))
+    encoders = TinyEncoder(), TinyEncoder()
+    before = torch.get_rng_state()
+    a, b = (REPA(32, 0, e, encoder_size=8, model_side=4, projector_dim=24, seed=3) for e in encoders)
+    assert seeds == [] and torch.equal(torch.get_rng_state(), before)
+    assert torch.equal(a.projector[0].weight, b.projector[0].weight)  # still seeded
+
+
 def test_the_encoder_gets_no_gradient_and_stays_out_of_the_state_dict(tmp_path):
     encoder = load_encoder(_torchscript(tmp_path / "enc.pt"), 8)
     model, term = _model(0).train(), REPA(32, 0, encoder, encoder_size=8, model_side=4, projector_dim=24)

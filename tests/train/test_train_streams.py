@@ -186,3 +186,15 @@ def test_the_data_order_reshuffles_each_epoch_and_repeats_with_the_seed():
     np.testing.assert_array_equal(flip_decisions(np.arange(97), 97, 3, 0), flips)
     assert not np.array_equal(flip_decisions(np.arange(97), 97, 3, 1), flips)
     assert not np.array_equal(flip_decisions(np.arange(97), 97, 4, 0), flips)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_ranks_cuda_stream_keeps_its_seed_while_the_trainer_is_built(tmp_path, monkeypatch, rank):
+    """On a GPU, label dropout draws from the rank's CUDA stream, which the trainer seeds with engine.seed + rank.
+    Building the model (rank 0's initialisation on every rank) and SRA's projector seed the host's generator only: a
+    CUDA seed set after the trainer's would give every rank the same dropped labels."""
+    seeds = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda s: seeds.append(int(s)))
+    monkeypatch.setattr(torch.cuda, "manual_seed", lambda s: seeds.append(int(s)))
+    Trainer(tiny(tmp_path / "r", "terms.use=[sra]", "engine.seed=5", "engine.cpu_threads=1"), RankStandIn(rank))
+    assert seeds == [5 + rank]
