@@ -153,8 +153,9 @@ class ViTEncoder(nn.Module):
     Keys (facebookresearch/dinov2 and timm names): ``patch_embed.proj.weight`` (D, C, p, p) and its bias,
     ``pos_embed`` (1, [1 +] M^2, D), ``cls_token`` (1, 1, D; optional), register tokens ``register_tokens`` (DINOv2's
     ``_reg`` models) or ``reg_token`` (timm) (1, R, D; optional: inserted after the class token without a position, as
-    DINOv2 does, and dropped from the output), ``blocks.N.{norm1, attn.qkv, attn.proj, ls1.gamma, norm2, mlp.fc1,
-    mlp.fc2, ls2.gamma}`` (``mlp.w12``, ``mlp.w3``: the SwiGLU MLP of ViT-g; the layer scales optional), ``norm``.
+    DINOv2 does, or first without a class token, as timm does, and dropped from the output), ``blocks.N.{norm1,
+    attn.qkv, attn.proj, ls1.gamma, norm2, mlp.fc1, mlp.fc2, ls2.gamma}`` (``mlp.w12``, ``mlp.w3``: the SwiGLU MLP of
+    ViT-g; the layer scales optional), ``norm``.
     ``mask_token`` and ``head.*`` are ignored. Heads: D / 64. The position embedding's M x M grid is resampled to S / p
     once, bicubically with antialiasing, the class token's entry kept (timm's ``resample_abs_pos_embed``, which the
     official REPA code applies to DINOv2's 37 x 37 grid).
@@ -223,8 +224,9 @@ class ViTEncoder(nn.Module):
             x = x + self.pos_embed  # (B, 1 + N, D): the class token has a position
         else:
             x = torch.cat([x[:, : x.shape[1] - self.grid**2], x[:, -(self.grid**2) :] + self.pos_embed], dim=1)
-        if self.register_tokens is not None:  # after the class token, without a position (DINOv2)
-            x = torch.cat([x[:, :1], self.register_tokens.expand(b, -1, -1), x[:, 1:]], dim=1)  # (B, 1 + R + N, D)
+        if self.register_tokens is not None:  # after the class token, without a position (DINOv2); first without one
+            c = 0 if self.cls_token is None else 1  # (timm's reg_token models without a class token)
+            x = torch.cat([x[:, :c], self.register_tokens.expand(b, -1, -1), x[:, c:]], dim=1)  # (B, c + R + N, D)
         for block in self.blocks:
             x = block(x)
         return self.norm(x)[:, -(self.grid**2) :]  # (B, N, D): the patch tokens after the final norm
