@@ -198,10 +198,10 @@ class ViTEncoder(nn.Module):
         self.blocks = nn.ModuleList(_Block(dim, hidden, swiglu, layerscale, bias) for _ in range(depth))
         self.norm = nn.LayerNorm(dim, eps=1e-6)
         pos = sd.pop("pos_embed").float()  # (1, P, D)
-        count = pos.shape[1]
-        lead = 1 if self.cls_token is not None and math.isqrt(count - 1) ** 2 == count - 1 else 0
+        count = pos.shape[1] if pos.dim() == 3 else 0
+        lead = 1 if self.cls_token is not None and count and math.isqrt(count - 1) ** 2 == count - 1 else 0
         side = math.isqrt(count - lead)
-        if pos.dim() != 3 or side * side != count - lead:
+        if pos.dim() != 3 or side < 1 or side * side != count - lead:
             raise ValueError(f"{name}: pos_embed has shape {tuple(pos.shape)}, not a square grid of positions")
         grid = pos[:, lead:].reshape(1, side, side, -1).permute(0, 3, 1, 2)  # (1, D, M, M)
         if side != self.grid:

@@ -135,26 +135,28 @@ def _state(
     layerscale=True,
     no_bias=(),
     depth=2,
+    scale=1.0,
     seed=0,
 ):
-    """A random DINOv2 / timm ViT state dict; ``no_bias`` names the layers without a bias."""
+    """A random DINOv2 / timm ViT state dict; ``no_bias`` names the layers without a bias; ``scale`` scales what
+    feeds the residual stream (patch embedding, positions, class and register tokens, layer scales)."""
     g = torch.Generator().manual_seed(seed)
 
     def r(*shape, std=1.0):
         return torch.randn(*shape, generator=g) * std
 
     sd = {
-        "pos_embed": r(1, (1 if cls and cls_pos else 0) + side * side, DIM),
-        "patch_embed.proj.weight": r(DIM, 3, PATCH, PATCH, std=0.3),
+        "pos_embed": r(1, (1 if cls and cls_pos else 0) + side * side, DIM, std=scale),
+        "patch_embed.proj.weight": r(DIM, 3, PATCH, PATCH, std=0.3 * scale),
         "norm.weight": 1 + r(DIM, std=0.2),
         "norm.bias": r(DIM, std=0.2),
     }
     if "patch_embed.proj" not in no_bias:
-        sd["patch_embed.proj.bias"] = r(DIM, std=0.3)
+        sd["patch_embed.proj.bias"] = r(DIM, std=0.3 * scale)
     if cls:
-        sd["cls_token"] = r(1, 1, DIM)
+        sd["cls_token"] = r(1, 1, DIM, std=scale)
     if registers:
-        sd["register_tokens"] = r(1, registers, DIM)
+        sd["register_tokens"] = r(1, registers, DIM, std=scale)
     mlp = {"mlp.w12": (2 * HIDDEN, DIM), "mlp.w3": (DIM, HIDDEN)} if swiglu else {}
     mlp = mlp or {"mlp.fc1": (HIDDEN, DIM), "mlp.fc2": (DIM, HIDDEN)}
     for i in range(depth):
@@ -166,7 +168,7 @@ def _state(
             if k not in no_bias:
                 sd[b + k + ".bias"] = r(shape[0], std=0.3)
         if layerscale:
-            sd[b + "ls1.gamma"], sd[b + "ls2.gamma"] = r(DIM, std=0.7), r(DIM, std=0.7)
+            sd[b + "ls1.gamma"], sd[b + "ls2.gamma"] = r(DIM, std=0.7 * scale), r(DIM, std=0.7 * scale)
     return sd
 
 
@@ -240,6 +242,8 @@ CASES = {
     "no_class_token": dict(cls=False, cls_pos=False, side=5, no_bias=("mlp.fc2",)),
     # the SwiGLU MLP of ViT-g, with and without each of its biases
     "swiglu": dict(swiglu=True, registers=1, no_bias=("mlp.w12", "attn.proj")),
+    # a residual stream of variance about 1e-6: every LayerNorm's eps (1e-6) shows
+    "small_stream": dict(scale=1e-3, registers=1, side=5),
     "swiglu_other": dict(swiglu=True, layerscale=False, no_bias=("mlp.w3", "attn.qkv"), side=6),
 }
 
@@ -330,3 +334,12 @@ def test_register_tokens_without_a_class_token_come_first():
     timm = {("reg_token" if k == "register_tokens" else k): v for k, v in sd.items()}
     with torch.no_grad():
         assert torch.equal(ViTEncoder(timm, SIZE).eval()(x), enc.float()(x))
+
+
+def test_a_pos_embed_without_a_grid_of_positions_is_refused_in_one_line():
+    """A position embedding of one dimension, or of the class token's position alone, is refused in the same one line
+    as any other that is not a square grid."""
+    base = _state(depth=1)
+    for shape in [(DIM,), (1, 1, DIM)]:
+        sd = {**base, "pos_embed": torch.zeros(*shape)}
+        assert _err(sd, name="N") == f"N: pos_embed has shape {shape}, not a square grid of positions"
