@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -32,9 +33,25 @@ def check(tree: Path, name: str, tests: list[str], timeout: float) -> int | str:
         return "timeout"
 
 
-def check_forked(names: list[str], tests: list[str], jobs: int, timeout: float):
+def covering(tree: Path, names: list[str], tests: list[str]) -> dict[str, list[str]]:
+    """{mutant: the test ids of ``tests`` (files; other pytest arguments are kept) that call its function}, from
+    the per-function test lists of mutmut's stats pass (``mutmut-stats.json``); [] for a function none of them calls."""
+    data = json.loads((tree / "mutmut-stats.json").read_text())
+    stats, durations = data["tests_by_mangled_function_name"], data.get("duration_by_test", {})
+    files = [t for t in tests if not t.startswith("-") and Path(t).suffix == ".py"]
+    rest = [t for t in tests if t not in files]
+    out = {}
+    for name in names:
+        ids = [i for i in stats.get(name.rpartition("__mutmut_")[0], []) if i.split("::")[0] in files]
+        ids.sort(key=lambda i: (durations.get(i, math.inf), i))  # the quickest first: a killed mutant stops early
+        out[name] = [*ids, *rest] if ids else []
+    return out
+
+
+def check_forked(names: list[str], tests: list[str] | dict[str, list[str]], jobs: int, timeout: float):
     """``check`` of each name, from one process that imported torch and the package once: each mutant's pytest runs
-    in a fork of it (mutmut's trampolines read ``MUTANT_UNDER_TEST`` at each call). Yields (name, code) as they end."""
+    in a fork of it (mutmut's trampolines read ``MUTANT_UNDER_TEST`` at each call); ``tests`` may be per mutant
+    (``covering``; a mutant with none gets "no tests"). Yields (name, code) as they end."""
     import signal
 
     import pytest
@@ -47,13 +64,17 @@ def check_forked(names: list[str], tests: list[str], jobs: int, timeout: float):
     while todo or running:
         while todo and len(running) < jobs:
             name = todo.pop(0)
+            its = tests[name] if isinstance(tests, dict) else tests
+            if not its:
+                yield name, "no tests"
+                continue
             pid = os.fork()
             if pid == 0:  # the child: one pytest run with the mutant on, killed by its own alarm
                 os.environ["MUTANT_UNDER_TEST"] = name
                 signal.alarm(int(timeout))
                 fd = os.open(os.devnull, os.O_WRONLY)
                 os.dup2(fd, 1), os.dup2(fd, 2)
-                args = ["-q", "-x", "-p", "no:cacheprovider", "-p", "no:xdist", *tests]
+                args = ["-q", "-x", "-p", "no:cacheprovider", "-p", "no:xdist", *its]
                 os._exit(int(pytest.main(args)))
             running[pid] = name
         pid, status = os.wait()
@@ -78,6 +99,12 @@ def main(argv: list[str] | None = None) -> int:
         help="import torch and the package once and fork a pytest run per mutant (no start-up per mutant); run it "
         "with PYTHONPATH set to the mutated tree, from inside it",
     )
+    p.add_argument(
+        "--covering",
+        action="store_true",
+        help="with --fork: each mutant against only the tests of the given files that call its function (mutmut's "
+        "stats pass, mutmut-stats.json); a function none of them calls gets 'no tests'",
+    )
     args = p.parse_args(argv)
     tree = Path(args.tree).resolve()
     meta = tree / f"{args.module}.meta"
@@ -91,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.fork:
         if Path.cwd().resolve() != tree or os.environ.get("PYTHONPATH") != str(tree):
             p.error(f"--fork runs from inside the mutated tree: cd {tree} && PYTHONPATH={tree} python ...")
-        results = check_forked(names, args.tests, args.jobs, args.timeout)
+        tests = covering(tree, names, args.tests) if args.covering else args.tests
+        results = check_forked(names, tests, args.jobs, args.timeout)
     else:
         ex = ThreadPoolExecutor(args.jobs)
         results = zip(names, ex.map(lambda n: check(tree, n, args.tests, args.timeout), names))
