@@ -266,9 +266,9 @@ def test_a_saved_config_that_is_not_yaml_or_not_a_mapping_is_one_line(tmp_path):
 def test_a_saved_config_is_a_record_whose_unused_options_are_not_refused(tmp_path):
     """A config.yaml holds every key, the options of components the run does not use included."""
     d = load_config(None).to_dict()
-    d["terms"]["dispersive_weight"] = 0.5  # dispersive is not in terms.use
+    d["terms"]["dispersive_weight"] = 0.75  # dispersive is not in terms.use
     back = load_run_config(_write(tmp_path / "r" / "config.yaml", yaml.safe_dump(d, sort_keys=False)))
-    assert back.terms.use == []
+    assert back.terms.use == [] and back.terms.dispersive_weight == 0.75
 
 
 # ---- overrides -----------------------------------------------------------------------------------------------------
