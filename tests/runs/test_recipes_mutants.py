@@ -286,7 +286,15 @@ def test_overrides_apply_in_order_as_one_source_and_are_validated():
 
 @pytest.mark.parametrize(
     "raw, want",
-    [("2024", "2024"), ("on", "on"), (" a b ", "a b"), ("null", "null"), ("'x y'", "x y"), ("a=b=c", "a=b=c")],
+    [
+        ("2024", "2024"),
+        ("on", "on"),
+        (" a b ", "a b"),
+        ("null", "null"),
+        ("'x y'", "x y"),
+        ("a=b=c", "a=b=c"),
+        ("X #c X", "X #c X"),
+    ],
 )
 def test_a_text_field_takes_the_override_as_written(raw, want):
     """A ``str`` field: the text stripped, not YAML's int, bool or null; a quoted text is YAML's string."""
