@@ -364,7 +364,7 @@ def write_config(run_dir: Path, text: str, step: int, trained: dict[str, Any] | 
     path = run_dir / "config.yaml"
     changes: list[str] = []
     if step > 0 and (trained is not None or path.is_file()):
-        before = _as_config(trained) if trained is not None else yaml.safe_load(path.read_text()) or {}
+        before = _as_config(trained) if trained is not None else yaml.safe_load(path.read_text(encoding="utf-8")) or {}
         old, new = _flat(before), _flat(yaml.safe_load(text))
         changes = [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in new.items() if old.get(k) != v]
         keep = run_dir / f"config_until_step{step:08d}.yaml"
@@ -373,9 +373,9 @@ def write_config(run_dir: Path, text: str, step: int, trained: dict[str, Any] | 
                 os.replace(path, keep)
             else:
                 head = f"# the config the run trained with up to step {step}, as its checkpoint stores it\n"
-                keep.write_text(head + yaml.safe_dump(before, sort_keys=False, width=math.inf))
+                keep.write_text(head + yaml.safe_dump(before, sort_keys=False, width=math.inf), encoding="utf-8")
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    tmp.write_text(text, encoding="utf-8")  # load_run_config reads it as UTF-8 on any locale
     os.replace(tmp, path)
     return changes
 
