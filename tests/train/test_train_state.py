@@ -25,6 +25,7 @@ SETS = (
     "checkpoint.export_ema=false",
     "logging.log_every=4",
     "engine.cpu_threads=1",
+    "optim.lr=1e-3",  # the rate at which the adaptive pacing unlocks a cluster at step 7 (the history pinned below)
     "optim.warmup_steps=2",
     "optim.schedule=cosine",
     "optim.grad_accum_steps=2",
