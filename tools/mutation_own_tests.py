@@ -7,6 +7,9 @@ against only the given test files, stopping at the first failure. Prints the cou
 exit code (0: survived, 1: killed, "timeout") to ``--out``.
 
     python tools/mutation_own_tests.py diffcurr_fast/train/state.py tests/train/test_train_state.py --out state.json
+
+``--fork`` (run from inside the mutated tree, with PYTHONPATH set to it) imports torch and the package once and forks
+each mutant's pytest run; ``--covering`` then runs only the tests of the given files that call the mutated function.
 """
 
 from __future__ import annotations
