@@ -10,6 +10,9 @@ computation):
 * **reached**: at the first evaluation i whose smoothed FD is <= the threshold; between evaluation i - 1 and i the
   position is interpolated linearly in the smoothed FD, and the step, the wall time and the FLOPs are read at that
   position (each linear between the two evaluations). A run that never gets there has not reached it;
+* **at the first evaluation**: a run whose smoothed FD is at the threshold at its first evaluation got there at or
+  before that step, so its time is an upper bound and its arm's speed-up a lower bound (``at_first``; the report
+  marks it >=, and the two readings count it as a bound);
 * **per arm**: mean and 95% interval (mean +- t_{0.975, n-1} s / sqrt(n)) over the seeds that reached it;
 * **speed-up** of an arm over the official arm, per axis: the ratio of geometric means T_official / T_arm, with the
   95% Welch interval of the difference of mean logs, exp(d +- t_{0.975, nu} sqrt(s_o^2 / n_o + s_a^2 / n_a))
@@ -208,6 +211,7 @@ def analyse(
             "reached": sorted(hit),
             "axes": {ax: mean_ci([h[ax] for h in hit.values()]) for ax in AXES},
             "per_seed": {s: h for s, h in hit.items()},
+            "at_first": sorted(s for s, h in hit.items() if h["step"] <= points[(a.name, s)][0]["step"]),
         }
     ref = arms.get(ref_name, {"seeds": [], "reached": []})
     for name, a in arms.items():
@@ -316,12 +320,17 @@ def both_readings(
             "axes": mine["axes"],
             "long_reached": long["reached"],
             "long_axes": {ax: mean_ci([t[ax] for t in times]) for ax in ("step", "wall_s")},
-            "field": _readings(times, list(mine["per_seed"].values()), pair, len(long["reached"]) < len(ends)),
+            "field": _readings(
+                times, list(mine["per_seed"].values()), pair, len(long["reached"]) < len(ends) or bool(mine["at_first"])
+            ),
             "existing_reached": (len(ex["reached"]), len(ex["seeds"])),
             "existing": None
             if a.name == ref or ex["speedup"]["wall_s"] is None
             else _readings(
-                list(existing["arms"][ref]["per_seed"].values()), list(ex["per_seed"].values()), pair, False
+                list(existing["arms"][ref]["per_seed"].values()),
+                list(ex["per_seed"].values()),
+                pair,
+                bool(ex["at_first"]),
             ),
         }
     long_run = analyse(ext, every, st, reference=LONG_ARM)

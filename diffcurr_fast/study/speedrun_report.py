@@ -153,10 +153,12 @@ def references_section(refs: dict[str, Any], title: str = "Against each referenc
         ]
     else:
         name, (up, lo, hi) = best
+        first = res["arms"][name].get("at_first")
         lines += [
             f"**Headline:** `{name}` reaches `{strong}`'s threshold FD {_num(res['threshold'], 4)} "
-            f"({res['threshold_rule']}) in 1/{_num(up)} of its wall time, 95% interval [x{_num(lo)}, x{_num(hi)}], "
-            "tuning excluded.",
+            f"({res['threshold_rule']}) in {'at most ' if first else ''}1/{_num(up)} of its wall time, 95% interval "
+            f"[x{_num(lo)}, x{_num(hi)}], tuning excluded"
+            + (f" (a bound: {len(first)} of its seeds were there at their first evaluation)." if first else "."),
             "",
         ]
     for n in names:
@@ -170,8 +172,11 @@ def references_section(refs: dict[str, Any], title: str = "Against each referenc
     return lines
 
 
-def _ratio(v: tuple[float, float, float] | None, ref: bool) -> str:
-    return ("-" if ref else "n/a") if v is None else f"x{_num(v[0])} [{_num(v[1])}, {_num(v[2])}]"
+def _ratio(v: tuple[float, float, float] | None, ref: bool, bound: bool = False) -> str:
+    """A speed-up cell: x ratio [95% interval], >= before it when it is a lower bound (``bound``), - or n/a."""
+    if v is None:
+        return "-" if ref else "n/a"
+    return f"{'>= ' if bound else ''}x{_num(v[0])} [{_num(v[1])}, {_num(v[2])}]"
 
 
 def table(res: dict[str, Any], axes: tuple[str, ...] = AXES) -> list[str]:
@@ -185,10 +190,22 @@ def table(res: dict[str, Any], axes: tuple[str, ...] = AXES) -> list[str]:
         + " |",
         "|---|---|" + "---|" * (2 * len(axes)),
     ]
+    firsts = []
     for name, a in res["arms"].items():
+        first = a.get("at_first", [])
         cells = [f"{_num(m)} [{_num(lo)}, {_num(hi)}]" for m, lo, hi in (a["axes"][ax] for ax in axes)]
-        ups = [_ratio(a["speedup"][ax], name == res["reference"]) for ax in axes]
-        lines.append(f"| {name} | {len(a['reached'])}/{len(a['seeds'])} | " + " | ".join(cells + ups) + " |")
+        ups = [_ratio(a["speedup"][ax], name == res["reference"], bool(first)) for ax in axes]
+        at = f" ({len(first)} at the first evaluation)" if first else ""
+        reached = f"{len(a['reached'])}/{len(a['seeds'])}{at}"
+        lines.append(f"| {name} | {reached} | " + " | ".join(cells + ups) + " |")
+        firsts += [name] if first else []
+    if firsts:
+        lines += [
+            "",
+            ">=: " + ", ".join(f"`{n}`" for n in firsts) + " reached the threshold at the first evaluation on the "
+            "seeds counted in its row: got there at or before that step, so its time there is an upper bound and its "
+            "speed-up (the interval too) a lower bound.",
+        ]
     return lines
 
 
@@ -228,7 +245,8 @@ def readings_section(res: dict[str, Any], source: str, factor: int, title: str) 
         f"longer needs to reach it, over the arm's own time to it. The long reference: `{source}` (seeds "
         f"{res['long_seeds']}, {res['long_steps']} steps; the study's pick, its schedule and EMA over its own length). "
         "Where a seed of it never reaches that FD, its run's end counts as its time and the reading is a lower bound "
-        "(> x).",
+        "(> x); so is a reading of an arm that reached the FD at its first evaluation on some seed (its time there is "
+        "an upper bound).",
         "",
         "Ratios of geometric means over seeds with 95% Welch intervals on the logs; tuning included: each seed's time "
         f"plus its arm's tuning wall time (`{ref}`'s for the long reference), priced as in the Tuning section (whose "

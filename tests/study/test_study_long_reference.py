@@ -64,10 +64,12 @@ def test_the_field_reading_on_a_hand_made_curve():
     assert f["wall_s"]["value"] == pytest.approx(math.sqrt(2400 * 2600 / (200 * 150)))  # 1 s against 0.5 s steps
     assert f["wall_tuned"]["value"] == pytest.approx(math.sqrt(2500 * 2700 / (250 * 200)))
     assert f["step"]["lo"] < f["step"]["value"] < f["step"]["hi"]
-    # the existing reading: tuned reaches its FD 6 at step 300 on both seeds, fast at its first evaluation (100)
+    # the existing reading: tuned reaches its FD 6 at step 300 on both seeds, fast at its first evaluation (100):
+    # there at or before step 100, so its x3 is a lower bound, without an interval
     e = fast["existing"]
     assert e["step"]["value"] == pytest.approx(3) and e["wall_s"]["value"] == pytest.approx(6)
     assert e["wall_tuned"]["value"] == pytest.approx(400 / 100)
+    assert e["step"]["bound"] and e["wall_s"]["bound"] and "lo" not in e["wall_s"]
     # best ends at FD 1, which the long reference never reaches: its end (3,200 steps) counts, a lower bound
     b = res["arms"]["best"]
     assert b["long_reached"] == [] and b["field"]["step"]["bound"]
@@ -78,8 +80,22 @@ def test_the_field_reading_on_a_hand_made_curve():
     text = "\n".join(srr.readings_section(res, "../long", 8, "Both readings"))
     assert "| best | 1 | 350 [" in text and f"> x{3200 / math.sqrt(300 * 400):.3g} |" in text
     assert "| fast | 2 | 350 [" in text and f"(2/2) | x{f['step']['value']:.3g} [" in text
-    assert "| x6 [6, 6] | x4 [4, 4] |" in text and "| tuned | 6 |" in text and "| - | - |" in text
+    assert "| > x6 | > x4 |" in text and "| tuned | 6 |" in text and "| - | - |" in text
+    assert "reached the FD at its first evaluation" in text
     assert "trained 8x longer" in text and "`../long` (seeds [0, 1], 3200 steps" in text
+
+
+def test_an_arm_there_at_its_first_evaluation_gives_a_bound_in_the_field_reading():
+    # best at FD 1 from its first evaluation on both seeds: its time to its own final FD is at most 100 steps, so
+    # the field's reading is a lower bound even where the long reference reaches that FD (seed 1 at 2,800 steps)
+    rows = [r for r in ROWS if r["arm"] != "best"] + _rows("best", 0, [1, 1, 1, 1]) + _rows("best", 1, [1, 1, 1, 1])
+    long = [r for r in LONG if r["seed"] == 0] + _rows("tuned", 1, [8, 6, 5, 4, 3, 2.5, 1.0, 0.9], 400)
+    b = both_readings(_hand_spec(), rows, long, STEP_TIME)["arms"]["best"]
+    assert b["axes"]["step"][0] == 100 and b["long_reached"] == [1]
+    assert b["field"]["step"] == {"value": pytest.approx(math.sqrt(3200 * 2800) / 100), "bound": True}
+    assert b["existing"]["step"]["bound"]  # the reference's FD 6 too, at its first evaluation
+    # fast, there at its second evaluation on both seeds: an interval, as before
+    assert not both_readings(_hand_spec(), rows, long, STEP_TIME)["arms"]["fast"]["field"]["step"]["bound"]
 
 
 def test_an_arm_that_misses_the_reference_has_no_existing_reading():

@@ -124,14 +124,34 @@ def test_analyse_threshold_time_axes_and_flag_by_hand():
     assert slow["reached"] == [1] and slow["speedup"]["step"] is None
 
 
-def _three_arm_spec(seeds=(0, 1)):
+def test_an_arm_there_at_its_first_evaluation_is_a_bound_in_the_table_and_the_headline():
+    spec = _three_arm_spec(arms=("official", "fast", "quick"))
+    rows = _rows("official", 0, [9, 7, 5, 4]) + _rows("official", 1, [9, 8, 6, 5])  # threshold 5: steps 300, 400
+    rows += _rows("fast", 0, [4, 3, 2, 2]) + _rows("fast", 1, [6, 5, 3, 2])  # step 100 (the first) and step 200
+    rows += _rows("quick", 0, [6, 5, 4, 3]) + _rows("quick", 1, [7, 4, 3, 3])  # steps 200 and 150 (7 -> 4: 2/3)
+    res = sr.analyse(spec, rows, None)
+    fast, quick = res["arms"]["fast"], res["arms"]["quick"]
+    assert fast["at_first"] == [0] and quick["at_first"] == [] and res["arms"]["official"]["at_first"] == []
+    assert fast["per_seed"][0]["step"] == 100 and quick["per_seed"][1]["step"] == pytest.approx(200 - 100 / 3)
+    assert fast["speedup"]["step"][0] == pytest.approx(math.sqrt(300 * 400 / (100 * 200)))  # its value is kept
+    text = "\n".join(srr.table(res))
+    assert "| fast | 2/2 (1 at the first evaluation) | " in text and f">= x{math.sqrt(6):.3g} [" in text
+    assert "| quick | 2/2 | " in text and "| official | 2/2 | " in text and text.count(">= x") == 3  # fast's 3 axes
+    assert "`fast` reached the threshold at the first evaluation" in text and "a lower bound" in text
+    head = "\n".join(
+        srr.references_section({"analyses": {"official": res}, "finals": {"official": 4.5}, "strongest": "official"})
+    )
+    assert f"in at most 1/{math.sqrt(6):.3g} of its wall time" in head and "1 of its seeds were there at" in head
+
+
+def _three_arm_spec(seeds=(0, 1), arms=("official", "vanilla", "fast")):
     return spec_from_dict(
         {
             "name": "s",
             "seeds": list(seeds),
             "eval_every": 100,
             "reference": "official",
-            "arms": [{"name": "official"}, {"name": "vanilla"}, {"name": "fast"}],
+            "arms": [{"name": a} for a in arms],
             "speedrun": {"official_arm": "official", "smooth": 1},
         }
     )
@@ -174,8 +194,10 @@ def test_sample_efficiency_over_uniform_t_and_the_ratios_by_hand():
     # point interval); the steps over uniform t at FD 6 (both seeds agree: a point) and at FD 3 (fast's two seeds,
     # 300 and 200, leave an interval that reaches below x1)
     assert res["arms"]["fast"]["speedup"]["wall_s"] == pytest.approx((16.0, 16.0, 16.0))
-    assert "| fast | 2/2 | 100 [100, 100] | 1 [1, 1] | 200 [200, 200] | x4 [4, 4] | x16 [16, 16] | x4 [4, 4] |" in text
-    assert "| fast | 2/2 | 100 [100, 100] | x2 [2, 2] |" in text
+    # fast is there at its first evaluation (step 100) on both seeds: its speed-ups are lower bounds (>=)
+    first = "| fast | 2/2 (2 at the first evaluation) | 100 [100, 100] | "
+    assert first + "1 [1, 1] | 200 [200, 200] | >= x4 [4, 4] | >= x16 [16, 16] | >= x4 [4, 4] |" in text
+    assert first + ">= x2 [2, 2] |" in text
     assert "| fast | 2/2 | 250 [-385, 885] | x1.63 [0.124, 21.5] |" in text
     assert "### Targets" not in text
     # an arm no faster than uniform t: a ratio of x1 at both thresholds
@@ -379,7 +401,7 @@ def test_tiny_speedrun_end_to_end(tmp_path):
     assert r0["train_flops"] == pytest.approx(flops * 24)
     text = files["report"].read_text()
     assert "## Time to quality" in text and f"{1e3 * step_time['official_s']:.2f} ms median" in text
-    assert "| official | 1/1 |" in text
+    assert "| official | 1/1" in text  # "(1 at the first evaluation)" where a tiny run starts low
     # the time axes: steps x the side-by-side step times (the official arm: the official code's)
     hit = data["arms"]["fast"]["axes"]
     if data["arms"]["fast"]["reached"]:
