@@ -125,6 +125,7 @@ def _config(provider: str, args: argparse.Namespace, run_dir: str):
         "data.dataset=digits",
         "data.path=",
         "data.num_workers=0",  # random data of the model's shape is passed in
+        "optim.name=adamw",  # the plain step is AdamW's, whatever the recipe ships; a --set or --variant changes it
         *args.overrides,
         *(_routing(args) if "routed" in provider else []),
         *(_variant(args, provider) or []),

@@ -36,6 +36,7 @@ TINY_SETS = [
     "logging.progress=false",
     "logging.num_samples=0",
     "logging.plots=false",
+    "optim.name=adamw",  # the field's default (the demo ships Muon); the optimizers' own tests choose theirs
 ]
 
 # Under pytest-xdist each worker gets one thread: with as many workers as cores, more threads only fight.

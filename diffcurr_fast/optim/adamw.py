@@ -73,7 +73,7 @@ def check_own_step(cfg: Any) -> None:
         raise ValueError(
             f"optim.name={o.name} does not run under engine.kind=deepspeed: DeepSpeed hands the optimizer flat "
             "partitions of the weights (ZeRO 1-3), where Muon finds no matrices and schedule-free's switch to "
-            "the averaged point never reaches the model; use engine.kind=ddp"
+            "the averaged point never reaches the model; use engine.kind=ddp, or optim.name=adamw"
         )
     if e.cuda_graphs:
         raise ValueError(

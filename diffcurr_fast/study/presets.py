@@ -20,6 +20,7 @@ STEPS, SHORT = 1500, 375
 DIGITS_SET = [
     "diffusion.weighting=none",
     "optim.lr=1e-3",
+    "optim.name=adamw",  # the demo ships Muon now; these studies ran AdamW (see SR_SHARED)
     "optim.warmup_steps=100",
     "optim.ema_decay=0.995",
     "data.batch_size=64",
@@ -128,6 +129,9 @@ SR_SHARED = [
     # the embedded demo's learning rate when these studies were set (the demo now ships the tuned rate, 8e-3): fixed
     # here so that their committed specs still resolve to what ran; a tuned arm's trials and pick replace it
     "optim.lr=1e-3",
+    # the embedded demo's optimizer when they ran (the demo now ships Muon, the winner of speedrun_optim on both
+    # datasets): fixed for the same reason; an arm that sets optim.name (minsnr_muon) comes after and replaces it
+    "optim.name=adamw",
     "data.batch_size=64",
     "optim.ema_warmup=false",
     "diffusion.num_timesteps=1000",

@@ -63,7 +63,8 @@ DEMO_WAS = {
     },
     "data": {"dataset": "digits", "batch_size": 64},
     "optim": {
-        "lr": 8e-3,  # the tuned MinSNR arm's pick (docs/results/speedrun_edge); the former embedded demo had 1e-3
+        "name": "muon",  # the winner of speedrun_optim on both datasets (docs/results); the former demo had AdamW
+        "lr": 8e-3,  # the tuned MinSNR arm's pick (docs/results/speedrun_edge, and Muon's in speedrun_optim)
         "warmup_steps": 100,
         "schedule": "cosine",
         "min_lr": 1e-5,
@@ -86,6 +87,7 @@ def test_the_demo_recipe_is_the_former_embedded_demo():
     for section, values in DEMO_WAS.items():
         want[section].update(values)
     want["eval"]["sampler"] = "ddim"
+    want["optim"]["muon_momentum"] = 0.95  # the option of the optimizer it names, at its default
     assert got == want
     assert all(type(got["optim"][k]) is float for k in ("lr", "min_lr"))
     assert "  lr: 0.008  # demo\n" in config_to_yaml(load_config(None))
@@ -109,23 +111,32 @@ def test_recipes_load(recipe):
     assert load_config(recipe, ["engine.max_steps=7"]).engine.max_steps == 7
 
 
-def test_fast_mnist5k_is_the_minsnr_arm_of_the_mnist5k_study(capsys, tmp_path):
-    """The recipe fast_mnist5k is the arm the committed speedrun_mnist5k study measured, setting for setting,
-    except what does not change what is trained (threads, progress bar, run dir, the inert curriculum pacing
-    settings), and it starts like any recipe."""
+def test_fast_mnist5k_is_the_picked_muon_arm_of_the_optimizer_study(capsys, tmp_path):
+    """The recipe fast_mnist5k is the arm that won the committed speedrun_optim_mnist5k study, minsnr_muon at the
+    learning rate its trials picked (tuning.json), setting for setting, except what does not change what is trained
+    (threads, progress bar, run dir, the inert curriculum pacing settings) and the study's rule that a diverged
+    trial is a result (a recipe stops a diverging run), and it starts like any recipe."""
+    import json
+
     from diffcurr_fast.objective import resolve_precision
     from diffcurr_fast.study.spec import arm_config, load_spec
 
     recipe = ROOT / "diffcurr_fast" / "recipes" / "fast_mnist5k.yaml"
-    spec = load_spec(ROOT / "docs" / "results" / "speedrun_mnist5k" / "study.yaml")
-    arm = next(a for a in spec.arms if a.name == "minsnr")
+    folder = ROOT / "docs" / "results" / "speedrun_optim_mnist5k"
+    spec = load_spec(folder / "study.yaml")
+    arm = next(a for a in spec.arms if a.name == "minsnr_muon")
+    pick = json.loads((folder / "tuning.json").read_text())["minsnr_muon"]["pick"]
+    assert pick == ["optim.lr=0.008"]
+    arm = dataclasses.replace(arm, set=[*arm.set, *pick])
     got, want = load_config(recipe).to_dict(), arm_config(spec, arm, 0, "runs/fast_mnist5k").to_dict()
     skip = {
         ("engine", "cpu_threads"),
+        ("engine", "max_nan_skips"),
+        ("engine", "max_skip_share"),
         ("logging", "progress"),
         *(("curriculum", k) for k in ("patience", "eval_every", "ema", "min_delta")),
     }
-    assert got["curriculum"]["pacing"] == "none"
+    assert got["curriculum"]["pacing"] == "none" and got["optim"]["name"] == "muon"
     # the recipes' precision rule, auto, is the study's fp32 on the CPU it ran on
     assert resolve_precision(got["engine"].pop("precision"), "cpu") == want["engine"].pop("precision") == "fp32"
     for section, values in want.items():
@@ -155,6 +166,8 @@ def test_fast_dit_b2_routes_as_tread_at_that_size():
     assert (cfg.model.preset, cfg.model.routing, cfg.model.routing_keep) == ("DiT-B/2", "tread", 0.5)
     assert RoutingOptions.of(cfg.model).span(cfg.model.depth) == (2, 10) and cfg.model.depth == 12
     assert (cfg.diffusion.weighting, cfg.diffusion.min_snr_gamma, cfg.optim.lr) == ("min_snr", 5.0, 1e-4)
+    # the optimizer of the arm that shipped (speedrun_optim), at the official rate (Muon's update has AdamW's RMS)
+    assert cfg.optim.name == "muon" and cfg.engine.kind != "deepspeed"
 
 
 @pytest.mark.parametrize(
@@ -238,12 +251,13 @@ def test_yaml_round_trip(tmp_path):
 
 
 def test_resume_mismatches_lists_locked_keys():
-    a = load_config(None)
-    b = config_from_dict({"model": {"hidden_size": 32}, "optim": {"lr": 0.5}}, base=load_config(None))
+    adamw = ["optim.name=adamw"]  # the field's default (the demo ships muon), as a checkpoint from before it
+    a = load_config(None, adamw)
+    b = config_from_dict({"model": {"hidden_size": 32}, "optim": {"lr": 0.5}}, base=load_config(None, adamw))
     diffs = resume_mismatches(a.to_dict(), b)
     assert len(diffs) == 1 and diffs[0].startswith("model.hidden_size")
     # the batches and the RNG streams derive from the batch size and the seed: a resume names them, in one line each
-    c = config_from_dict({"engine": {"seed": 7}, "data": {"batch_size": 32}}, base=load_config(None))
+    c = config_from_dict({"engine": {"seed": 7}, "data": {"batch_size": 32}}, base=load_config(None, adamw))
     assert resume_mismatches(a.to_dict(), c) == [
         "data.batch_size: checkpoint 64 vs now 32",
         "engine.seed: checkpoint 0 vs now 7",
@@ -253,10 +267,10 @@ def test_resume_mismatches_lists_locked_keys():
     for key in ("routing", "routing_keep", "routing_start", "routing_end", "routing_until"):
         saved["model"].pop(key, None)  # the unused options are not written (to_dict); the switch is
     assert resume_mismatches(saved, a) == []
-    routed = config_from_dict({"model": {"routing": "tread", "depth": 6}}, base=load_config(None))
+    routed = config_from_dict({"model": {"routing": "tread", "depth": 6}}, base=load_config(None, adamw))
     assert "model.routing: checkpoint 'none' vs now 'tread'" in resume_mismatches(saved, routed)
     # the optimizer's state is of its kind: a resume keeps optim.name (a checkpoint from before it: adamw)
-    muon = config_from_dict({"optim": {"name": "muon"}}, base=load_config(None))
+    muon = config_from_dict({"optim": {"name": "muon"}}, base=load_config(None, adamw))
     assert resume_mismatches(a.to_dict(), muon) == ["optim.name: checkpoint 'adamw' vs now 'muon'"]
     del saved["optim"]["name"]
     assert resume_mismatches(saved, a) == [] and resume_mismatches(saved, muon) != []
@@ -479,7 +493,7 @@ def test_configs_saved_in_each_earlier_layout_load(tmp_path):
     from diffcurr_fast.runs.checkpoint import load_checkpoint, save_checkpoint
     from diffcurr_fast.runs.recipes import load_run_config
 
-    cfg = load_config(None)
+    cfg = load_config(None, ["optim.name=adamw"])  # a config from before optim.name holds its default, adamw
     full = cfg.to_dict()
     full["model"].update(routing_keep=0.25, routing_start=1, routing_end=3, routing_until=0)
     full["diffusion"].update(sigma_data=1.0, P_mean=-1.2, P_std=1.2, sigma_min=0.002, sigma_max=80.0)

@@ -31,6 +31,7 @@ from diffcurr_fast.train.rundir import (
 )
 
 SETS = [
+    "optim.name=adamw",  # the field's default (the demo ships Muon, which DeepSpeed refuses)
     "model.hidden_size=32",
     "model.depth=1",
     "model.num_heads=2",

@@ -21,6 +21,7 @@ def tiny(run_dir, *extra):
         None,
         [
             f"checkpoint.run_dir={run_dir}",
+            "optim.name=adamw",  # the field's default (the demo ships Muon); the optimizers' own tests choose theirs
             "model.hidden_size=32",
             "model.depth=1",
             "model.num_heads=2",

@@ -35,7 +35,8 @@ SCRIPT = textwrap.dedent(
     from diffcurr_fast.train.loop import Trainer
 
     tmp, recipes, names = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
-    base = ["model.hidden_size=36", "model.depth=2", "model.num_heads=3", "diffusion.num_timesteps=50",
+    base = ["optim.name=adamw",
+            "model.hidden_size=36", "model.depth=2", "model.num_heads=3", "diffusion.num_timesteps=50",
             "curriculum.num_clusters=4", "curriculum.patience=1", "curriculum.eval_every=2", "data.batch_size=12",
             "optim.grad_accum_steps=2", "optim.grad_clip=0.05", "optim.lr=3e-3", "optim.warmup_steps=0",
             "optim.schedule=constant", "optim.ema_decay=0.9",
@@ -173,7 +174,9 @@ def test_zero2_offload_matches_ddp_and_resume(tmp_path):
 
 
 def _cfg(*extra: str):
-    return load_config(None, ["data.batch_size=12", "optim.grad_accum_steps=2", "optim.grad_clip=1.5", *extra])
+    return load_config(
+        None, ["optim.name=adamw", "data.batch_size=12", "optim.grad_accum_steps=2", "optim.grad_clip=1.5", *extra]
+    )
 
 
 def test_resolve_fills_auto_from_trainer():
@@ -212,8 +215,9 @@ def test_resolve_rejects_indivisible_batch():
 
 def test_config_requires_deepspeed_json():
     with pytest.raises(ValueError, match="engine.deepspeed_config is required"):
-        load_config(None, ["engine.kind=deepspeed"])
-    cfg = load_config(None, ["engine.kind=deepspeed", "engine.deepspeed_config=diffcurr_fast/recipes/ds/zero2.json"])
+        load_config(None, ["optim.name=adamw", "engine.kind=deepspeed"])
+    zero2 = "engine.deepspeed_config=diffcurr_fast/recipes/ds/zero2.json"
+    cfg = load_config(None, ["optim.name=adamw", "engine.kind=deepspeed", zero2])
     assert cfg.engine.kind == "deepspeed"
 
 

@@ -26,6 +26,7 @@ from diffcurr_fast.train.skips import NonFiniteLossError
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 BASE = [
+    "optim.name=adamw",  # the device-side step is fused AdamW's (the demo ships Muon)
     "model.hidden_size=32",
     "model.depth=1",
     "model.num_heads=2",

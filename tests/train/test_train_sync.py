@@ -27,6 +27,7 @@ def _cfg(run_dir, *extra):
         None,
         [
             f"checkpoint.run_dir={run_dir}",
+            "optim.name=adamw",  # the device-side step is fused AdamW's (the demo ships Muon)
             "model.hidden_size=32",
             "model.depth=2",
             "model.num_heads=2",
