@@ -71,7 +71,7 @@ DEMO_WAS = {
         "grad_clip": 1.0,
         "ema_decay": 0.999,
     },
-    "engine": {"max_steps": 3000, "cpu_threads": 2},
+    "engine": {"max_steps": 2000, "cpu_threads": 2},  # 3,000 with AdamW: Muon's step costs about 2x on 2 threads
     "logging": {"log_every": 25, "num_samples": 100, "sample_steps": 100, "cfg_scale": 2.0, "sampler": "ddim"},
     "checkpoint": {"run_dir": "runs/demo", "every": 1000, "keep_last": 2},
 }
