@@ -88,7 +88,8 @@ def crossing(points: list[dict[str, float]], threshold: float, window: int) -> d
 
 
 def mean_ci(values: list[float], level: float = 0.95) -> tuple[float, float, float]:
-    """(mean, lo, hi): mean +- t_{(1 + level) / 2, n - 1} s / sqrt(n) (NaN interval for fewer than two)."""
+    """(mean, lo, hi): mean +- t_{(1 + level) / 2, n - 1} s / sqrt(n) (NaN interval for fewer than two). A quantity
+    that cannot be negative (steps, seconds, FLOPs: every value >= 0) has its lower end clipped at 0."""
     # optional dependency (scipy, a dev extra): imported when a statistic is computed
     from scipy import stats
 
@@ -99,7 +100,8 @@ def mean_ci(values: list[float], level: float = 0.95) -> tuple[float, float, flo
     if a.size < 2:
         return m, math.nan, math.nan
     half = float(stats.t.ppf(0.5 + level / 2, a.size - 1)) * float(a.std(ddof=1)) / math.sqrt(a.size)
-    return m, m - half, m + half
+    lo = max(m - half, 0.0) if bool((a >= 0).all()) else m - half
+    return m, lo, m + half
 
 
 def speedup(reference: list[float], arm: list[float], level: float = 0.95) -> tuple[float, float, float]:

@@ -41,9 +41,11 @@ def test_smoothing_and_the_first_crossing_by_hand():
 
 
 def test_interval_and_speedup_by_hand():
-    m, lo, hi = sr.mean_ci([2.0, 4.0, 6.0])
     half = 4.302652729749462 * 2.0 / math.sqrt(3)  # t_{0.975, 2} s / sqrt(n), s = 2
-    assert (m, lo, hi) == pytest.approx((4.0, 4.0 - half, 4.0 + half))
+    assert sr.mean_ci([12.0, 14.0, 16.0]) == pytest.approx((14.0, 14.0 - half, 14.0 + half))
+    # times cannot be negative: 4 - 4.97 is clipped at 0; a quantity with a negative value is not
+    assert sr.mean_ci([2.0, 4.0, 6.0]) == pytest.approx((4.0, 0.0, 4.0 + half))
+    assert sr.mean_ci([-2.0, 0.0, 2.0]) == pytest.approx((0.0, -half, half))
     assert sr.mean_ci([3.0])[0] == 3.0 and math.isnan(sr.mean_ci([3.0])[1])
     # geometric means sqrt(100 * 120) / sqrt(50 * 40) = sqrt(6); Welch on the logs: nu = 1.92357, t = 4.47072
     up, lo, hi = sr.speedup([100.0, 120.0], [50.0, 40.0])
@@ -198,7 +200,7 @@ def test_sample_efficiency_over_uniform_t_and_the_ratios_by_hand():
     first = "| fast | 2/2 (2 at the first evaluation) | 100 [100, 100] | "
     assert first + "1 [1, 1] | 200 [200, 200] | >= x4 [4, 4] | >= x16 [16, 16] | >= x4 [4, 4] |" in text
     assert first + ">= x2 [2, 2] |" in text
-    assert "| fast | 2/2 | 250 [-385, 885] | x1.63 [0.124, 21.5] |" in text
+    assert "| fast | 2/2 | 250 [0, 885] | x1.63 [0.124, 21.5] |" in text
     assert "### Targets" not in text
     # an arm no faster than uniform t: a ratio of x1 at both thresholds
     slow = [r for r in rows if r["arm"] != "fast"] + _rows("fast", 0, [8, 6, 4, 3]) + _rows("fast", 1, [8, 6, 5, 3])
