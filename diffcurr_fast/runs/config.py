@@ -19,6 +19,7 @@ first section is built.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 from collections.abc import Iterator
@@ -365,8 +366,9 @@ def config_from_dict(
 ) -> TrainConfig:
     """Build (and validate) a config from a nested dict over ``base`` (defaults); unknown keys are errors. The dict
     is one source, named ``source`` in the recorded provenance (``TrainConfig.sources``); ``record``: a saved config
-    (a run's ``config.yaml``, a checkpoint's), which holds the options of the components it did not use too."""
-    cfg = base if base is not None else TrainConfig()
+    (a run's ``config.yaml``, a checkpoint's), which holds the options of the components it did not use too.
+    ``base`` itself is not changed: the result is a new config."""
+    cfg = copy.deepcopy(base) if base is not None else TrainConfig()
     src = new_source(cfg, source, record=record)
     data = data or {}
     if not isinstance(data, dict):

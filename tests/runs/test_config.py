@@ -257,7 +257,8 @@ def test_resume_mismatches_lists_locked_keys():
     diffs = resume_mismatches(a.to_dict(), b)
     assert len(diffs) == 1 and diffs[0].startswith("model.hidden_size")
     # the batches and the RNG streams derive from the batch size and the seed: a resume names them, in one line each
-    c = config_from_dict({"engine": {"seed": 7}, "data": {"batch_size": 32}}, base=load_config(None, adamw))
+    c = config_from_dict({"engine": {"seed": 7}, "data": {"batch_size": 32}}, base=a)
+    assert (a.engine.seed, a.data.batch_size) == (0, 64) and c is not a  # the base is not changed
     assert resume_mismatches(a.to_dict(), c) == [
         "data.batch_size: checkpoint 64 vs now 32",
         "engine.seed: checkpoint 0 vs now 7",
